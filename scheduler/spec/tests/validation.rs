@@ -1,6 +1,8 @@
 //! Validation of every example job and of a table of bad specs: each bad spec must give its own
 //! clear error naming the field, and no input of any kind may panic.
 
+#![allow(clippy::unwrap_used)] // test helpers may fail loudly
+
 use std::path::PathBuf;
 
 use proptest::prelude::*;
