@@ -1,0 +1,4 @@
+//! One module per subcommand; each exposes its clap `Args` and a `run` that returns an exit code.
+
+pub mod catalog;
+pub mod validate;

@@ -1,0 +1,68 @@
+//! `rollfleet`: the command-line tool for RL jobs on disaggregated hardware.
+//!
+//! Every subcommand follows the conventions in `output.rs`: `-o table|json|yaml`, results on
+//! stdout, errors on stderr, the exit codes of `output::exit`, and an example in `--help`.
+
+mod commands;
+mod output;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::output::{OutputFormat, exit};
+
+/// rollfleet: a disaggregated, heterogeneous-hardware scheduler for agentic RL training.
+#[derive(Debug, Parser)]
+#[command(
+    name = "rollfleet",
+    version,
+    after_help = "Examples:\n  \
+        rollfleet validate examples/jobs/quickstart.yaml\n  \
+        rollfleet catalog -o json\n\n\
+        Exit codes: 0 success, 1 failure while running, 2 bad command line, 3 invalid input.\n\
+        Docs: docs/cli.md"
+)]
+struct Cli {
+    /// Output format of the result (errors and progress always go to stderr as text).
+    #[arg(short = 'o', long = "output", global = true, value_enum, default_value_t = OutputFormat::Table)]
+    output: OutputFormat,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Check a job spec: every problem with its field path, or the figures it implies.
+    Validate(commands::validate::ValidateArgs),
+    /// Print the hardware catalogue (GPUs, CPU node shapes, serverless platforms).
+    Catalog(commands::catalog::CatalogArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let mut stdout = std::io::stdout().lock();
+    let mut stderr = std::io::stderr().lock();
+    let result = match &cli.command {
+        Command::Validate(args) => {
+            commands::validate::run(args, cli.output, &mut stdout, &mut stderr)
+        }
+        Command::Catalog(args) => commands::catalog::run(args, cli.output, &mut stdout),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(error) => {
+            // A closed pipe (`rollfleet catalog | head`) is not a failure worth reporting.
+            if error
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+            {
+                return ExitCode::from(exit::OK);
+            }
+            let _ = writeln!(stderr, "error: {error:#}");
+            ExitCode::from(exit::FAILED)
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! The `rollfleet` binary as a user meets it: run as a separate process, judged by its exit
+//! code, its stdout and its stderr.
+
+#![allow(clippy::unwrap_used)] // test helpers may fail loudly
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn rollfleet(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rollfleet"))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+fn scratch(name: &str, contents: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rollfleet-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn validate_accepts_the_quickstart_and_prints_its_figures() {
+    let out = rollfleet(&["validate", "examples/jobs/quickstart.yaml"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("valid job \"quickstart\""), "{stdout}");
+    assert!(stdout.contains("KV cache 28.7 kB/token"), "{stdout}");
+    assert!(text(&out.stderr).is_empty());
+}
+
+#[test]
+fn validate_json_carries_the_job_and_derived_figures() {
+    let out = rollfleet(&[
+        "validate",
+        "-o",
+        "json",
+        "examples/jobs/rollart-agentic.yaml",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["valid"], true);
+    assert_eq!(report["job"]["metadata"]["name"], "rollart-agentic");
+    // Qwen3-32B: 2 x 64 layers x 8 KV heads x 128 x 2 bytes = 262,144 bytes per token.
+    assert_eq!(report["derived"]["kvBytesPerToken"], 262_144.0);
+    let h800 = &report["derived"]["pools"][0];
+    assert_eq!(h800["device"], "H800");
+    assert_eq!(h800["minTensorParallel"], 2);
+}
+
+#[test]
+fn an_invalid_job_exits_3_with_every_problem_on_stderr() {
+    let good = std::fs::read_to_string(repo().join("examples/jobs/quickstart.yaml")).unwrap();
+    let bad = good
+        .replace("gpu: H20", "gpu: H900")
+        .replace("maxStaleness: 1", "maxStaleness: -2");
+    let path = scratch("bad.yaml", &bad);
+    let out = rollfleet(&["validate", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("2 problems"), "{stderr}");
+    assert!(
+        stderr.contains("spec.pools[1].gpu: unknown GPU \"H900\""),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("spec.rl.maxStaleness: must be at least 0, got -2"),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty());
+
+    let out = rollfleet(&["validate", "-o", "json", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["valid"], false);
+    assert_eq!(report["errors"].as_array().unwrap().len(), 2);
+    assert_eq!(report["errors"][1]["path"], "spec.pools[1].gpu");
+}
+
+#[test]
+fn a_missing_file_exits_1_naming_the_file() {
+    let out = rollfleet(&["validate", "no/such/job.yaml"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).starts_with("error: no/such/job.yaml: cannot read"));
+}
+
+#[test]
+fn binary_garbage_is_refused_without_a_crash() {
+    let dir = std::env::temp_dir().join(format!("rollfleet-cli-bin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("garbage.yaml");
+    std::fs::write(&path, [0x7f, b'E', b'L', b'F', 0xff, 0xfe, 0x00, 0x01]).unwrap();
+    let out = rollfleet(&["validate", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(text(&out.stderr).contains("not UTF-8 text: invalid byte at offset 4"));
+}
+
+#[test]
+fn a_wrong_command_line_exits_2() {
+    let out = rollfleet(&["validate", "--no-such-flag", "x.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = rollfleet(&["-o", "xml", "catalog"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn help_shows_an_example_for_every_subcommand() {
+    for args in [
+        &["--help"][..],
+        &["validate", "--help"],
+        &["catalog", "--help"],
+    ] {
+        let out = rollfleet(args);
+        assert_eq!(out.status.code(), Some(0));
+        let stdout = text(&out.stdout);
+        assert!(
+            stdout.contains("Examples:\n  rollfleet "),
+            "{args:?}: {stdout}"
+        );
+    }
+}
+
+#[test]
+fn catalog_lists_every_builtin_gpu_as_json_and_yaml() {
+    let out = rollfleet(&["catalog", "-o", "json"]);
+    assert_eq!(out.status.code(), Some(0));
+    let listing: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = listing["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "A100-80G", "B200", "H100", "H20", "H200", "H800", "L20", "L40S"
+        ]
+    );
+
+    let out = rollfleet(&["catalog", "-o", "yaml"]);
+    assert!(text(&out.stdout).contains("- name: H800\n  bf16DenseTflops: 989.0\n"));
+}
+
+#[test]
+fn catalog_with_a_job_shows_its_overrides() {
+    let good = std::fs::read_to_string(repo().join("examples/jobs/quickstart.yaml")).unwrap();
+    let custom = good.replace(
+        "  pools:\n",
+        "  catalog:\n    gpus:\n      - {name: H20, bf16DenseTflops: 148, memoryGb: 96, memoryBandwidthGBps: 4000, interconnectGBps: 900, pricePerHourUsd: 0.85}\n  pools:\n",
+    );
+    let path = scratch("custom.yaml", &custom);
+    let out = rollfleet(&["catalog", "--job", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let h20 = text(&out.stdout)
+        .lines()
+        .find(|l| l.starts_with("H20 "))
+        .unwrap()
+        .to_owned();
+    assert!(h20.contains("0.85") && h20.ends_with("user"), "{h20}");
+}
