@@ -224,7 +224,7 @@ pub fn run_episode(
     limits: Limits,
     tokens: &dyn TokenCounter,
 ) -> Result<Episode, EpisodeError> {
-    let task = environment.reset(seed);
+    let task = environment.reset(seed)?;
     let mut transcript = Transcript {
         task_tokens: tokens.count(&template.render(&Transcript {
             task: task.clone(),
@@ -300,9 +300,10 @@ mod tests {
     struct Gym4x4(FrozenLake);
 
     impl Environment for Gym4x4 {
-        fn reset(&mut self, seed: u64) -> String {
-            self.0
-                .reset_to(Map::parse("SFFF\nFHFH\nFFFH\nHFFG").unwrap(), seed)
+        fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
+            Ok(self
+                .0
+                .reset_to(Map::parse("SFFF\nFHFH\nFFFH\nHFFG").unwrap(), seed))
         }
         fn step(&mut self, action: &str) -> Result<rollfleet_environments::Step, EnvError> {
             self.0.step(action)

@@ -186,7 +186,7 @@ impl UnitConversion {
 }
 
 impl Environment for UnitConversion {
-    fn reset(&mut self, seed: u64) -> String {
+    fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
         let task = Task::generate(seed);
         let mut prompt = String::new();
         let _ = write!(
@@ -199,7 +199,7 @@ impl Environment for UnitConversion {
         );
         self.task = Some(task);
         self.turns = 0;
-        prompt
+        Ok(prompt)
     }
 
     fn step(&mut self, action: &str) -> Result<Step, EnvError> {
@@ -278,7 +278,7 @@ mod tests {
     fn a_calculator_call_then_the_right_answer_scores_one() {
         let mut env = UnitConversion::new(Config::default());
         let seed = seed_for("miles");
-        let prompt = env.reset(seed);
+        let prompt = env.reset(seed).unwrap();
         let task = env.task().unwrap().clone();
         assert!(prompt.contains("1 mile = 1.609344 kilometres"));
         let step = env
@@ -315,11 +315,11 @@ mod tests {
     #[test]
     fn a_wrong_or_unparsable_answer_scores_zero_and_ends() {
         let mut env = UnitConversion::new(Config::default());
-        env.reset(1);
+        env.reset(1).unwrap();
         let answer = env.task().unwrap().answer;
         let step = env.step(&format!("answer: {:.3}", answer + 0.01)).unwrap();
         assert_eq!((step.reward, step.done), (0.0, true));
-        env.reset(1);
+        env.reset(1).unwrap();
         let step = env.step("answer: about five").unwrap();
         assert_eq!((step.reward, step.done), (0.0, true));
         assert!(step.observation.starts_with("Not a number"));
@@ -328,7 +328,7 @@ mod tests {
     #[test]
     fn an_answer_with_its_unit_is_accepted() {
         let mut env = UnitConversion::new(Config::default());
-        env.reset(seed_for("feet"));
+        env.reset(seed_for("feet")).unwrap();
         let answer = env.task().unwrap().answer;
         let step = env.step(&format!("answer: {answer:.3} metres")).unwrap();
         assert_eq!(step.reward, 1.0, "{}", step.observation);
@@ -337,7 +337,7 @@ mod tests {
     #[test]
     fn running_out_of_turns_without_an_answer_scores_zero() {
         let mut env = UnitConversion::new(Config { max_turns: 2 });
-        env.reset(5);
+        env.reset(5).unwrap();
         assert!(!env.step("calc: 1 + 1").unwrap().done);
         let last = env.step("calc: 2 + 2").unwrap();
         assert!(last.done && last.reward == 0.0);
@@ -350,7 +350,7 @@ mod tests {
     #[test]
     fn calculator_errors_are_observations_not_failures() {
         let mut env = UnitConversion::new(Config::default());
-        env.reset(2);
+        env.reset(2).unwrap();
         let step = env.step("calc: import os").unwrap();
         assert!(step.observation.starts_with("calc error: unexpected 'i'"));
         assert!(!step.invalid_action && !step.done);

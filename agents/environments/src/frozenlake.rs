@@ -239,15 +239,10 @@ impl FrozenLake {
 }
 
 impl Environment for FrozenLake {
-    fn reset(&mut self, seed: u64) -> String {
-        let mut rng = SplitMix64::new(seed);
-        match Map::generate(&self.config, &mut rng) {
-            Ok(map) => self.reset_to(map, seed),
-            Err(error) => {
-                self.map = None;
-                format!("error: {error}")
-            }
-        }
+    fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
+        self.map = None;
+        let map = Map::generate(&self.config, &mut SplitMix64::new(seed))?;
+        Ok(self.reset_to(map, seed))
     }
 
     fn step(&mut self, action: &str) -> Result<Step, EnvError> {
@@ -394,7 +389,7 @@ mod tests {
         };
         let run = |seed| {
             let mut env = FrozenLake::new(config.clone());
-            let mut log = vec![env.reset(seed)];
+            let mut log = vec![env.reset(seed).unwrap()];
             for action in ["right", "down", "right", "down", "down", "right"] {
                 match env.step(action) {
                     Ok(step) => log.push(step.observation),

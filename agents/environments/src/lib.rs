@@ -40,12 +40,16 @@ pub enum EnvError {
     /// The environment's configuration is impossible.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// The environment could not be reached or crashed (an infrastructure failure: retry the
+    /// episode elsewhere, never score it).
+    #[error("environment unavailable: {0}")]
+    Unavailable(String),
 }
 
 /// A text environment.
 pub trait Environment {
     /// Starts a new episode from `seed`; returns the task and first observation.
-    fn reset(&mut self, seed: u64) -> String;
+    fn reset(&mut self, seed: u64) -> Result<String, EnvError>;
 
     /// Applies the policy's action text.
     fn step(&mut self, action: &str) -> Result<Step, EnvError>;

@@ -395,14 +395,10 @@ impl Sokoban {
 }
 
 impl Environment for Sokoban {
-    fn reset(&mut self, seed: u64) -> String {
-        match generate(&self.config, seed) {
-            Ok(level) => self.reset_to(level),
-            Err(error) => {
-                self.level = None;
-                format!("error: {error}")
-            }
-        }
+    fn reset(&mut self, seed: u64) -> Result<String, EnvError> {
+        self.level = None;
+        let level = generate(&self.config, seed)?;
+        Ok(self.reset_to(level))
     }
 
     fn step(&mut self, action: &str) -> Result<Step, EnvError> {
@@ -579,7 +575,7 @@ mod tests {
             max_steps: 2,
             ..Config::default()
         });
-        env.reset(3);
+        env.reset(3).unwrap();
         let step = env.step("jump").unwrap();
         assert!(step.invalid_action && !step.done);
         assert!(step.observation.starts_with("Invalid action \"jump\""));

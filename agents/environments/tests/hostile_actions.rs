@@ -14,7 +14,7 @@ proptest! {
     ) {
         for kind in BUILTIN_KINDS {
             let mut env = builtin(kind).unwrap();
-            let first = env.reset(seed);
+            let first = env.reset(seed).unwrap();
             prop_assert!(!first.is_empty());
             let mut ended = false;
             for action in &actions {
