@@ -170,3 +170,19 @@ fn catalog_with_a_job_shows_its_overrides() {
         .to_owned();
     assert!(h20.contains("0.85") && h20.ends_with("user"), "{h20}");
 }
+
+#[test]
+fn gpus_either_lists_real_gpus_or_says_plainly_there_are_none() {
+    let out = rollfleet(&["gpus", "-o", "json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    if report["available"] == false {
+        // No driver: a reason, and no figures at all (not zeros).
+        assert!(report["reason"].as_str().unwrap().contains("NVML"));
+        assert_eq!(report["gpus"].as_array().unwrap().len(), 0);
+        let table = rollfleet(&["gpus"]);
+        assert!(text(&table.stdout).starts_with("no GPU on this node: "));
+    } else {
+        assert!(!report["gpus"].as_array().unwrap().is_empty());
+    }
+}

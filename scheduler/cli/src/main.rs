@@ -39,6 +39,8 @@ enum Command {
     Validate(commands::validate::ValidateArgs),
     /// Print the hardware catalogue (GPUs, CPU node shapes, serverless platforms).
     Catalog(commands::catalog::CatalogArgs),
+    /// List this node's GPUs (NVML) and optionally probe their real speed (CUDA, cuBLAS).
+    Gpus(commands::gpus::GpusArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +52,7 @@ fn main() -> ExitCode {
             commands::validate::run(args, cli.output, &mut stdout, &mut stderr)
         }
         Command::Catalog(args) => commands::catalog::run(args, cli.output, &mut stdout),
+        Command::Gpus(args) => commands::gpus::run(args, cli.output, &mut stdout, &mut stderr),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -1,4 +1,5 @@
 //! One module per subcommand; each exposes its clap `Args` and a `run` that returns an exit code.
 
 pub mod catalog;
+pub mod gpus;
 pub mod validate;
