@@ -80,21 +80,26 @@ pub enum LevelError {
 }
 
 impl Level {
-    /// Reads a level in the standard text format: `#` wall, ` ` floor, `.` target, `$` box,
-    /// `*` box on target, `@` player, `+` player on target. Rows may differ in length.
-    pub fn parse(text: &str) -> Result<Level, LevelError> {
-        let rows: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-        let height = rows.len();
-        let width = rows.iter().map(|r| r.chars().count()).max().unwrap_or(0);
+    /// A room of the given size that is all wall, with nothing in it.
+    fn walled(width: usize, height: usize) -> Level {
         let cells = width * height;
-        let mut level = Level {
+        Level {
             width,
             height,
             walls: vec![true; cells],
             targets: vec![false; cells],
             boxes: vec![false; cells],
             player: 0,
-        };
+        }
+    }
+
+    /// Reads a level in the standard text format: `#` wall, ` ` floor, `.` target, `$` box,
+    /// `*` box on target, `@` player, `+` player on target. Rows may differ in length.
+    pub fn parse(text: &str) -> Result<Level, LevelError> {
+        let rows: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        let height = rows.len();
+        let width = rows.iter().map(|r| r.chars().count()).max().unwrap_or(0);
+        let mut level = Level::walled(width, height);
         let mut players = 0;
         for (row, line) in rows.iter().enumerate() {
             for (column, tile) in line.chars().enumerate() {
@@ -268,14 +273,7 @@ pub fn generate(config: &Config, seed: u64) -> Result<Level, EnvError> {
 fn try_generate(config: &Config, rng: &mut SplitMix64) -> Option<Level> {
     let (width, height) = (config.width, config.height);
     let cells = width * height;
-    let mut level = Level {
-        width,
-        height,
-        walls: vec![true; cells],
-        targets: vec![false; cells],
-        boxes: vec![false; cells],
-        player: 0,
-    };
+    let mut level = Level::walled(width, height);
     // Carve the room by a random walk inside the border.
     let mut row = 1 + rng.below(height - 2);
     let mut column = 1 + rng.below(width - 2);
