@@ -15,14 +15,30 @@ pub struct MatchOutcome {
     pub normalized: Option<String>,
 }
 
+/// Longest extracted answer kept in a [`MatchOutcome`]: details travel back in the function's
+/// response, which must stay small however long the model's response was.
+pub const MAX_REPORTED_ANSWER: usize = 256;
+
 /// Exact match: the whole response, trimmed, equals the reference, trimmed.
 pub fn exact_match(response: &str, reference: &str) -> MatchOutcome {
     let got = response.trim();
     MatchOutcome {
         matched: got == reference.trim(),
-        extracted: Some(got.to_owned()),
+        extracted: Some(clip(got)),
         normalized: None,
     }
+}
+
+/// The first [`MAX_REPORTED_ANSWER`] bytes of `s`, cut at a character boundary.
+fn clip(s: &str) -> String {
+    if s.len() <= MAX_REPORTED_ANSWER {
+        return s.to_owned();
+    }
+    let mut end = MAX_REPORTED_ANSWER;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
 }
 
 /// Normalised math answer match between the final answer in `response` and `reference`.
@@ -45,8 +61,8 @@ pub fn math_answer_match(response: &str, reference: &str) -> MatchOutcome {
     };
     MatchOutcome {
         matched,
-        extracted: Some(extracted),
-        normalized: Some(got),
+        extracted: Some(clip(&extracted)),
+        normalized: Some(clip(&got)),
     }
 }
 
@@ -477,6 +493,15 @@ mod tests {
         let o = math_answer_match("I do not know.", "5");
         assert!(!o.matched);
         assert_eq!(o.extracted, None);
+    }
+
+    #[test]
+    fn reported_answers_are_clipped_so_results_stay_small() {
+        let long = "é".repeat(10_000);
+        let o = exact_match(&long, "x");
+        assert!(o.extracted.unwrap().len() <= MAX_REPORTED_ANSWER);
+        let o = math_answer_match(&format!("\\boxed{{{long}}}"), "x");
+        assert!(o.normalized.unwrap().len() <= MAX_REPORTED_ANSWER);
     }
 
     #[test]
