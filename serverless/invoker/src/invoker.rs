@@ -494,7 +494,8 @@ fn classify_function_error(function: &str, payload: &[u8]) -> CallOutcome {
         .and_then(Value::as_str)
         .map(str::to_owned)
         .unwrap_or_else(|| String::from_utf8_lossy(payload).into_owned());
-    let timed_out = message.contains("Task timed out");
+    // AWS says "Task timed out after N seconds"; serverless-offline says "[504] - Lambda timeout.".
+    let timed_out = message.contains("Task timed out") || message.contains("Lambda timeout");
     if timed_out || TRANSIENT_FUNCTION_ERRORS.contains(&error_type.as_str()) {
         CallOutcome::Transient {
             outcome: if timed_out { "timeout" } else { "transient_error" },
