@@ -2,6 +2,10 @@
 //! must fetch events, post results to `/response`, function errors to `/error` with the error
 //! type header, and report an unknown handler to `/init/error` before exiting.
 
+// Test helpers outside #[test] functions panic on setup failures too; clippy.toml's
+// allow-unwrap-in-tests does not reach them.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -89,7 +93,9 @@ fn serve_connection(stream: TcpStream, fake: &Fake) {
                     event.len()
                 ),
                 // No more events: fail `next`, so the runtime gives up and exits.
-                None => "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n".to_owned(),
+                None => {
+                    "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n".to_owned()
+                }
             }
         } else {
             "HTTP/1.1 202 Accepted\r\ncontent-length: 16\r\n\r\n{\"status\":\"OK\"}\n".to_owned()
@@ -124,18 +130,27 @@ fn run_bootstrap(api: &str, handler: &str) -> std::process::ExitStatus {
 #[test]
 fn bootstrap_answers_each_event_on_the_runtime_api_and_reports_function_errors() {
     let (api, fake) = start_fake(&[
-        ("req-1", r#"{"response":"\\boxed{1/2}","reference":"0.5","idempotency_key":"t#0"}"#),
+        (
+            "req-1",
+            r#"{"response":"\\boxed{1/2}","reference":"0.5","idempotency_key":"t#0"}"#,
+        ),
         ("req-2", r#"{"nonsense":true}"#),
         ("req-3", r#"{"response":"7","reference":"8"}"#),
     ]);
     let status = run_bootstrap(&api, "math_answer");
-    assert!(!status.success(), "exits once the Runtime API keeps failing");
+    assert!(
+        !status.success(),
+        "exits once the Runtime API keeps failing"
+    );
 
     let seen = fake.seen.lock().unwrap().clone();
     let posts: Vec<&Seen> = seen.iter().filter(|s| s.method == "POST").collect();
     assert_eq!(posts.len(), 3, "{seen:?}");
 
-    assert_eq!(posts[0].path, "/2018-06-01/runtime/invocation/req-1/response");
+    assert_eq!(
+        posts[0].path,
+        "/2018-06-01/runtime/invocation/req-1/response"
+    );
     let ok: Value = serde_json::from_slice(&posts[0].body).unwrap();
     assert_eq!(ok["reward"], 1.0);
     assert_eq!(ok["idempotency_key"], "t#0");
@@ -143,12 +158,17 @@ fn bootstrap_answers_each_event_on_the_runtime_api_and_reports_function_errors()
     assert_eq!(posts[1].path, "/2018-06-01/runtime/invocation/req-2/error");
     let err: Value = serde_json::from_slice(&posts[1].body).unwrap();
     assert_eq!(err["errorType"], "InvalidPayload");
-    assert!(posts[1]
-        .headers
-        .iter()
-        .any(|(k, v)| k == "lambda-runtime-function-error-type" && v == "InvalidPayload"));
+    assert!(
+        posts[1]
+            .headers
+            .iter()
+            .any(|(k, v)| k == "lambda-runtime-function-error-type" && v == "InvalidPayload")
+    );
 
-    assert_eq!(posts[2].path, "/2018-06-01/runtime/invocation/req-3/response");
+    assert_eq!(
+        posts[2].path,
+        "/2018-06-01/runtime/invocation/req-3/response"
+    );
     let zero: Value = serde_json::from_slice(&posts[2].body).unwrap();
     assert_eq!(zero["reward"], 0.0);
 }

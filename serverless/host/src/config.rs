@@ -250,7 +250,9 @@ impl ServeArgs {
         // A code_tests call stops starting new cases a little before the function times out.
         config.handler = Arc::new(Handler::new(
             Sandbox::new(limits),
-            timeout.saturating_sub(Duration::from_millis(self.sandbox_wall_ms.min(timeout.as_millis() as u64 / 2))),
+            timeout.saturating_sub(Duration::from_millis(
+                self.sandbox_wall_ms.min(timeout.as_millis() as u64 / 2),
+            )),
         ));
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
         for f in RewardFunction::ALL {

@@ -203,7 +203,12 @@ pub async fn run(args: crate::config::ServeArgs) -> Result<(), HostError> {
     let config = args.host_config();
     eprintln!(
         "rollfleet serverless host: Lambda Invoke API on http://{addr} serving {}",
-        config.functions.keys().cloned().collect::<Vec<_>>().join(", ")
+        config
+            .functions
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let (tx, rx) = tokio::sync::oneshot::channel::<std::io::Result<()>>();
     tokio::spawn(async move {
@@ -225,7 +230,11 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Reply, Infa
 }
 
 /// `Err` carries an error reply, so `?` can be used for every rejection.
-async fn route(state: &Arc<State>, req: Request<Incoming>, request_id: &str) -> Result<Reply, Reply> {
+async fn route(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Result<Reply, Reply> {
     let path = req.uri().path();
     let Some(raw_name) = path
         .strip_prefix("/2015-03-31/functions/")
@@ -250,7 +259,10 @@ async fn route(state: &Arc<State>, req: Request<Incoming>, request_id: &str) -> 
         ));
     }
     let name = percent_decode(raw_name).ok_or_else(|| {
-        invalid_parameter("Function name is not valid percent-encoded UTF-8", request_id)
+        invalid_parameter(
+            "Function name is not valid percent-encoded UTF-8",
+            request_id,
+        )
     })?;
     let query_qualifier = req.uri().query().and_then(|q| {
         q.split('&')
@@ -378,8 +390,8 @@ async fn route(state: &Arc<State>, req: Request<Incoming>, request_id: &str) -> 
                 }
                 _ => None,
             };
-            let throttled = fault == Some(Fault::Throttle)
-                || (deployed.slots.is_some() && permit.is_none());
+            let throttled =
+                fault == Some(Fault::Throttle) || (deployed.slots.is_some() && permit.is_none());
             if throttled {
                 state.stats.throttle();
                 return Err(throttle(request_id));
@@ -492,7 +504,10 @@ fn sync_reply(f: &Deployed, outcome: Outcome, tail: bool, request_id: &str) -> R
     let mut reply = Response::new(Full::new(Bytes::from(body)));
     let h = reply.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    h.insert("x-amz-executed-version", HeaderValue::from_static("$LATEST"));
+    h.insert(
+        "x-amz-executed-version",
+        HeaderValue::from_static("$LATEST"),
+    );
     insert_request_id(h, request_id);
     if let Some(kind) = status_header {
         h.insert("x-amz-function-error", HeaderValue::from_static(kind));
@@ -509,7 +524,12 @@ fn sync_reply(f: &Deployed, outcome: Outcome, tail: bool, request_id: &str) -> R
 
 /// The last lines of the function's log as Lambda writes them, `REPORT` line included.
 /// Billed duration is rounded up to the millisecond, as Lambda bills since December 2020.
-fn report_log(f: &Deployed, duration: &Duration, init: Option<Duration>, request_id: &str) -> String {
+fn report_log(
+    f: &Deployed,
+    duration: &Duration,
+    init: Option<Duration>,
+    request_id: &str,
+) -> String {
     let ms = duration.as_secs_f64() * 1000.0;
     let billed = ms.ceil().max(1.0) as u64;
     let mut report = format!(
@@ -535,7 +555,10 @@ fn throttle(request_id: &str) -> Reply {
     });
     let mut reply = json_reply(StatusCode::TOO_MANY_REQUESTS, body, request_id);
     let h = reply.headers_mut();
-    h.insert("x-amzn-errortype", HeaderValue::from_static("TooManyRequestsException"));
+    h.insert(
+        "x-amzn-errortype",
+        HeaderValue::from_static("TooManyRequestsException"),
+    );
     h.insert(RETRY_AFTER, HeaderValue::from_static("1"));
     reply
 }
@@ -552,8 +575,18 @@ fn invalid_parameter(message: &str, request_id: &str) -> Reply {
 
 /// An API error as Lambda's REST-JSON protocol sends it: code in `X-Amzn-ErrorType`,
 /// `{"Type", "message"}` in the body.
-fn aws_error(status: StatusCode, code: &'static str, kind: &str, message: &str, request_id: &str) -> Reply {
-    let mut reply = json_reply(status, json!({"Type": kind, "message": message}), request_id);
+fn aws_error(
+    status: StatusCode,
+    code: &'static str,
+    kind: &str,
+    message: &str,
+    request_id: &str,
+) -> Reply {
+    let mut reply = json_reply(
+        status,
+        json!({"Type": kind, "message": message}),
+        request_id,
+    );
     reply
         .headers_mut()
         .insert("x-amzn-errortype", HeaderValue::from_static(code));

@@ -40,10 +40,11 @@ async fn start_host() -> (String, tokio::sync::oneshot::Sender<()>) {
     let addr = listener.local_addr().expect("local addr");
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        let _ = rollfleet_lambda_host::serve(listener, HostConfig::with_reward_functions(), async {
-            let _ = rx.await;
-        })
-        .await;
+        let _ =
+            rollfleet_lambda_host::serve(listener, HostConfig::with_reward_functions(), async {
+                let _ = rx.await;
+            })
+            .await;
     });
     (format!("http://{addr}"), tx)
 }

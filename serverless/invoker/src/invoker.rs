@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use aws_sdk_lambda::Client;
 use aws_sdk_lambda::config::http::HttpResponse;
-use aws_sdk_lambda::error::DisplayErrorContext;
 use aws_sdk_lambda::config::{BehaviorVersion, Region};
+use aws_sdk_lambda::error::DisplayErrorContext;
 use aws_sdk_lambda::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_lambda::primitives::Blob;
 use aws_sdk_lambda::types::LogType;
@@ -112,8 +112,14 @@ pub enum InvokeError {
 #[derive(Debug)]
 enum CallOutcome {
     Success(Value, Option<crate::report::Report>),
-    Throttled { retry_after: Option<Duration>, message: String },
-    Transient { outcome: &'static str, message: String },
+    Throttled {
+        retry_after: Option<Duration>,
+        message: String,
+    },
+    Transient {
+        outcome: &'static str,
+        message: String,
+    },
     Permanent(InvokeError),
 }
 
@@ -276,13 +282,19 @@ impl RewardInvoker {
             .cloned();
         match result {
             Ok(reward) => {
-                let delivery = if ran { Delivery::First } else { Delivery::Duplicate };
+                let delivery = if ran {
+                    Delivery::First
+                } else {
+                    Delivery::Duplicate
+                };
                 let counter = if ran {
                     &self.metrics.rewards
                 } else {
                     &self.metrics.duplicates
                 };
-                counter.with_label_values(&[request.function.as_str()]).inc();
+                counter
+                    .with_label_values(&[request.function.as_str()])
+                    .inc();
                 Ok(RewardOutcome { reward, delivery })
             }
             Err(e) => Err(e),
@@ -427,7 +439,11 @@ impl RewardInvoker {
         };
         let payload = output.payload().map(|b| b.as_ref()).unwrap_or_default();
         if output.function_error().is_some() {
-            self.account(function, self.config.function(function).memory_mb, report.as_ref());
+            self.account(
+                function,
+                self.config.function(function).memory_mb,
+                report.as_ref(),
+            );
             return classify_function_error(function, payload);
         }
         match serde_json::from_slice::<Value>(payload) {
@@ -498,7 +514,11 @@ fn classify_function_error(function: &str, payload: &[u8]) -> CallOutcome {
     let timed_out = message.contains("Task timed out") || message.contains("Lambda timeout");
     if timed_out || TRANSIENT_FUNCTION_ERRORS.contains(&error_type.as_str()) {
         CallOutcome::Transient {
-            outcome: if timed_out { "timeout" } else { "transient_error" },
+            outcome: if timed_out {
+                "timeout"
+            } else {
+                "transient_error"
+            },
             message: format!("{error_type}: {message}"),
         }
     } else {

@@ -31,11 +31,12 @@ pub struct InvokerMetrics {
 impl InvokerMetrics {
     /// Creates the metrics and registers them into `registry`.
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let counter = |name: &str, help: &str, labels: &[&str]| -> Result<IntCounterVec, prometheus::Error> {
-            let c = IntCounterVec::new(Opts::new(name, help), labels)?;
-            registry.register(Box::new(c.clone()))?;
-            Ok(c)
-        };
+        let counter =
+            |name: &str, help: &str, labels: &[&str]| -> Result<IntCounterVec, prometheus::Error> {
+                let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+                registry.register(Box::new(c.clone()))?;
+                Ok(c)
+            };
         let f = &["function"];
         let metrics = Self {
             calls: counter(

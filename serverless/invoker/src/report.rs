@@ -71,6 +71,9 @@ mod tests {
     fn garbage_log_results_parse_to_nothing() {
         assert_eq!(parse_log_result("!!!not base64"), None);
         assert_eq!(parse_log_result(""), None);
-        assert_eq!(parse_report("REPORT RequestId: x\tBilled Duration: lots"), None);
+        assert_eq!(
+            parse_report("REPORT RequestId: x\tBilled Duration: lots"),
+            None
+        );
     }
 }

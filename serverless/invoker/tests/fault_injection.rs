@@ -2,6 +2,10 @@
 //! scheduler-side invoker must still deliver every trajectory's reward exactly once, and the
 //! right reward to the right trajectory, even when the scheduler asks twice for some of them.
 
+// Test helpers outside #[test] functions panic on setup failures too; clippy.toml's
+// allow-unwrap-in-tests does not reach them.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::HashMap;
@@ -74,7 +78,10 @@ async fn with_20_percent_faults_every_reward_is_delivered_exactly_once_to_its_tr
         let outcome = outcome.unwrap_or_else(|e| panic!("trajectory {i} got no reward: {e}"));
         assert_eq!(outcome.reward.idempotency_key, format!("traj-{i}#0"));
         if let Some(previous) = rewards.insert(i, outcome.reward.reward) {
-            assert_eq!(previous, outcome.reward.reward, "trajectory {i}: two different rewards");
+            assert_eq!(
+                previous, outcome.reward.reward,
+                "trajectory {i}: two different rewards"
+            );
         }
         if outcome.delivery == Delivery::First {
             *first_deliveries.entry(i).or_default() += 1;
@@ -82,10 +89,16 @@ async fn with_20_percent_faults_every_reward_is_delivered_exactly_once_to_its_tr
     }
 
     assert_eq!(first_deliveries.len(), TRAJECTORIES);
-    assert!(first_deliveries.values().all(|&n| n == 1), "a reward was delivered twice");
+    assert!(
+        first_deliveries.values().all(|&n| n == 1),
+        "a reward was delivered twice"
+    );
     for (i, reward) in &rewards {
         let expected = if i % 2 == 0 { 1.0 } else { 0.0 };
-        assert_eq!(*reward, expected, "trajectory {i} got another trajectory's reward");
+        assert_eq!(
+            *reward, expected,
+            "trajectory {i} got another trajectory's reward"
+        );
     }
 
     let host_stats = host.stats.snapshot();
@@ -94,7 +107,10 @@ async fn with_20_percent_faults_every_reward_is_delivered_exactly_once_to_its_tr
     assert!(host_stats.timeouts > 0, "{host_stats:?}");
     let summary = invoker.summary();
     assert_eq!(summary.rewards_delivered, TRAJECTORIES as u64);
-    assert_eq!(summary.duplicates_suppressed, TRAJECTORIES.div_ceil(7) as u64);
+    assert_eq!(
+        summary.duplicates_suppressed,
+        TRAJECTORIES.div_ceil(7) as u64
+    );
     assert!(summary.retries > 0);
     // Every call that ran the function to a good answer is one reward: no reward was computed
     // twice for the same trajectory.
@@ -106,5 +122,8 @@ async fn with_20_percent_faults_every_reward_is_delivered_exactly_once_to_its_tr
     assert_eq!(successes, TRAJECTORIES as u64);
     // The faults the host injected are what the invoker saw and retried.
     assert_eq!(summary.throttles, host_stats.throttles);
-    assert_eq!(summary.retries, host_stats.throttles + host_stats.service_errors + host_stats.timeouts);
+    assert_eq!(
+        summary.retries,
+        host_stats.throttles + host_stats.service_errors + host_stats.timeouts
+    );
 }

@@ -2,6 +2,10 @@
 //! Invoke API the host implements (success, function error, unknown function, 413, 429 with
 //! retry, timeouts, Event, DryRun, cold starts), and the invoker's behaviour on each.
 
+// Test helpers outside #[test] functions panic on setup failures too; clippy.toml's
+// allow-unwrap-in-tests does not reach them.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::Duration;
@@ -108,7 +112,10 @@ async fn unknown_function_is_answered_with_resource_not_found_404() {
             .await
             .unwrap_err();
         let service = err.as_service_error().expect("a service error");
-        assert!(matches!(service, Api::ResourceNotFoundException(_)), "{name}: {service:?}");
+        assert!(
+            matches!(service, Api::ResourceNotFoundException(_)),
+            "{name}: {service:?}"
+        );
         assert_eq!(err.raw_response().unwrap().status().as_u16(), 404);
     }
     let (invoker, _) = invoker(&host.url(), |_| {}).await;
@@ -119,7 +126,11 @@ async fn unknown_function_is_answered_with_resource_not_found_404() {
     assert!(
         matches!(&err, InvokeError::Rejected { code, .. } if code == "ResourceNotFoundException")
     );
-    assert_eq!(invoker.summary().calls, 1, "a permanent error must not be retried");
+    assert_eq!(
+        invoker.summary().calls,
+        1,
+        "a permanent error must not be retried"
+    );
 }
 
 #[tokio::test]
@@ -141,7 +152,10 @@ async fn payload_over_6_mb_is_refused_with_request_too_large_413_and_6_mb_is_acc
         .unwrap();
     assert_eq!(json_payload(&out)["reward"], 0.0);
 
-    let over = format!(r#"{{"response":"{}","reference":"x"}}"#, "a".repeat(6 * 1024 * 1024));
+    let over = format!(
+        r#"{{"response":"{}","reference":"x"}}"#,
+        "a".repeat(6 * 1024 * 1024)
+    );
     let err = client
         .invoke()
         .function_name("exact_match")
@@ -176,7 +190,8 @@ async fn body_that_is_not_json_is_invalid_request_content_400() {
 
 #[tokio::test]
 async fn reserved_concurrency_throttles_with_429_and_retry_after_and_the_invoker_retries() {
-    let slow = FunctionConfig::new(sleeper(Duration::from_millis(300))).reserved_concurrency(Some(1));
+    let slow =
+        FunctionConfig::new(sleeper(Duration::from_millis(300))).reserved_concurrency(Some(1));
     let host = start_host(host_with(&[("slow", slow)])).await;
     let client = sdk(&host.url()).await;
     let first = {
@@ -227,7 +242,8 @@ async fn reserved_concurrency_throttles_with_429_and_retry_after_and_the_invoker
 
 #[tokio::test]
 async fn a_function_running_past_its_timeout_is_a_timed_out_function_error_and_retried() {
-    let hang = FunctionConfig::new(sleeper(Duration::from_secs(30))).timeout(Duration::from_millis(200));
+    let hang =
+        FunctionConfig::new(sleeper(Duration::from_secs(30))).timeout(Duration::from_millis(200));
     let host = start_host(host_with(&[("hang", hang)])).await;
     let out = sdk(&host.url())
         .await
@@ -257,7 +273,10 @@ async fn a_function_running_past_its_timeout_is_a_timed_out_function_error_and_r
         .invoke(request("hang", "t", json!({})))
         .await
         .unwrap_err();
-    assert!(matches!(err, InvokeError::Exhausted { calls: 3, .. }), "{err:?}");
+    assert!(
+        matches!(err, InvokeError::Exhausted { calls: 3, .. }),
+        "{err:?}"
+    );
     let timeouts = invoker
         .metrics()
         .calls
@@ -267,7 +286,9 @@ async fn a_function_running_past_its_timeout_is_a_timed_out_function_error_and_r
     let exported = prometheus::TextEncoder::new()
         .encode_to_string(&registry.gather())
         .unwrap();
-    assert!(exported.contains("rollfleet_reward_calls_total{function=\"hang\",outcome=\"timeout\"} 3"));
+    assert!(
+        exported.contains("rollfleet_reward_calls_total{function=\"hang\",outcome=\"timeout\"} 3")
+    );
 }
 
 #[tokio::test]
@@ -294,7 +315,10 @@ async fn the_client_side_call_timeout_fires_when_the_server_never_answers() {
         .invoke(request("exact_match", "t", json!({})))
         .await
         .unwrap_err();
-    assert!(matches!(err, InvokeError::Exhausted { calls: 2, .. }), "{err:?}");
+    assert!(
+        matches!(err, InvokeError::Exhausted { calls: 2, .. }),
+        "{err:?}"
+    );
     assert!(started.elapsed() < Duration::from_secs(5));
     assert_eq!(
         invoker
@@ -336,7 +360,10 @@ async fn event_payload_over_1_mb_is_refused_with_413() {
         .invoke()
         .function_name("exact_match")
         .invocation_type(InvocationType::Event)
-        .payload(Blob::new(format!(r#"{{"response":"{}"}}"#, "a".repeat(1 << 20))))
+        .payload(Blob::new(format!(
+            r#"{{"response":"{}"}}"#,
+            "a".repeat(1 << 20)
+        )))
         .send()
         .await
         .unwrap_err();
@@ -401,7 +428,11 @@ async fn cold_start_is_reported_in_the_log_tail_and_counted_with_its_cost() {
     let (invoker, _) = invoker(&host.url(), |_| {}).await;
     for t in ["a", "b", "c"] {
         let r = invoker
-            .invoke(request("exact_match", t, json!({"response": "a", "reference": "a"})))
+            .invoke(request(
+                "exact_match",
+                t,
+                json!({"response": "a", "reference": "a"}),
+            ))
             .await
             .unwrap();
         assert!(!r.reward.cold_start, "the environment was warm already");
@@ -425,7 +456,10 @@ async fn a_second_environment_starts_cold_under_concurrency_and_the_invoker_coun
         invoker.invoke(request("slow", "b", json!({}))),
     );
     assert!(a.unwrap().reward.cold_start && b.unwrap().reward.cold_start);
-    let c = invoker.invoke(request("slow", "c", json!({}))).await.unwrap();
+    let c = invoker
+        .invoke(request("slow", "c", json!({})))
+        .await
+        .unwrap();
     assert!(!c.reward.cold_start);
     assert_eq!(invoker.summary().cold_starts, 2);
     assert_eq!(host.stats.snapshot().cold_starts, 2);
@@ -443,7 +477,10 @@ async fn the_same_trajectory_attempt_is_invoked_once_even_when_asked_twice_concu
     let mut deliveries = [a.unwrap().delivery, b.unwrap().delivery];
     deliveries.sort_by_key(|d| *d == Delivery::Duplicate);
     assert_eq!(deliveries, [Delivery::First, Delivery::Duplicate]);
-    let later = invoker.invoke(request("slow", "t", json!({}))).await.unwrap();
+    let later = invoker
+        .invoke(request("slow", "t", json!({})))
+        .await
+        .unwrap();
     assert_eq!(later.delivery, Delivery::Duplicate);
     assert_eq!(host.stats.snapshot().invocations, 1);
     assert_eq!(invoker.summary().duplicates_suppressed, 2);
@@ -451,7 +488,10 @@ async fn the_same_trajectory_attempt_is_invoked_once_even_when_asked_twice_concu
     // A new attempt of the same trajectory is a new reward.
     let mut next = request("slow", "t", json!({}));
     next.attempt = 1;
-    assert_eq!(invoker.invoke(next).await.unwrap().delivery, Delivery::First);
+    assert_eq!(
+        invoker.invoke(next).await.unwrap().delivery,
+        Delivery::First
+    );
     assert_eq!(host.stats.snapshot().invocations, 2);
 }
 
@@ -459,7 +499,11 @@ async fn the_same_trajectory_attempt_is_invoked_once_even_when_asked_twice_concu
 async fn the_idempotency_key_reaches_the_function_and_comes_back() {
     let host = start_host(HostConfig::with_reward_functions()).await;
     let (invoker, _) = invoker(&host.url(), |_| {}).await;
-    let mut r = request("think_answer_format", "traj-9", json!({"response": "<think>x</think><answer>1</answer>"}));
+    let mut r = request(
+        "think_answer_format",
+        "traj-9",
+        json!({"response": "<think>x</think><answer>1</answer>"}),
+    );
     r.attempt = 4;
     let got = invoker.invoke(r).await.unwrap();
     assert_eq!(got.reward.reward, 1.0);
@@ -478,7 +522,11 @@ async fn code_tests_reward_runs_real_python_through_the_host() {
         .invoke(request("code_tests", "t", payload))
         .await
         .unwrap();
-    assert!((got.reward.reward - 2.0 / 3.0).abs() < 1e-9, "{:?}", got.reward.result);
+    assert!(
+        (got.reward.reward - 2.0 / 3.0).abs() < 1e-9,
+        "{:?}",
+        got.reward.result
+    );
 }
 
 #[tokio::test]
@@ -496,7 +544,11 @@ async fn hostile_http_requests_get_error_answers_and_the_host_keeps_serving() {
     };
     let bad_type = raw(b"POST /2015-03-31/functions/exact_match/invocations HTTP/1.1\r\nhost: x\r\nx-amz-invocation-type: Sometimes\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}").await;
     assert!(bad_type.starts_with("HTTP/1.1 400"), "{bad_type}");
-    assert!(bad_type.to_lowercase().contains("invalidparametervalueexception"));
+    assert!(
+        bad_type
+            .to_lowercase()
+            .contains("invalidparametervalueexception")
+    );
     let wrong_path = raw(b"GET /etc/passwd HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await;
     assert!(wrong_path.starts_with("HTTP/1.1 404"), "{wrong_path}");
     let huge = raw(b"POST /2015-03-31/functions/exact_match/invocations HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999999\r\nconnection: close\r\n\r\n").await;

@@ -6,6 +6,10 @@
 //! Where serverless-offline departs from AWS's documented behaviour the assertions pin down what
 //! it does instead, so a change on either side shows up here; `docs/serverless.md` lists them.
 
+// Test helpers outside #[test] functions panic on setup failures too; clippy.toml's
+// allow-unwrap-in-tests does not reach them.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::{Path, PathBuf};
@@ -40,7 +44,10 @@ fn ensure_installed() {
         .status()
         .expect("bash must be available to run serverless/compat/setup.sh");
     assert!(status.success(), "serverless/compat/setup.sh failed");
-    assert!(dir.join("node_modules/serverless/bin/serverless.js").exists());
+    assert!(
+        dir.join("node_modules/serverless/bin/serverless.js")
+            .exists()
+    );
 }
 
 struct Offline {
@@ -69,8 +76,14 @@ async fn start_offline() -> Offline {
         .spawn()
         .expect("node must be installed to run serverless-offline");
     let deadline = Instant::now() + Duration::from_secs(90);
-    while tokio::net::TcpStream::connect(("127.0.0.1", lambda)).await.is_err() {
-        assert!(Instant::now() < deadline, "serverless-offline did not start");
+    while tokio::net::TcpStream::connect(("127.0.0.1", lambda))
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "serverless-offline did not start"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Offline {
@@ -135,7 +148,10 @@ async fn serverless_offline_answers_the_invoke_api_for_the_sdk_and_the_invoker()
     assert_eq!(err.raw_response().unwrap().status().as_u16(), 404);
 
     // Over 6 MB: 413, but (difference) without the RequestTooLargeException error code.
-    let over = format!(r#"{{"response":"{}","reference":"a"}}"#, "a".repeat(6 * 1024 * 1024));
+    let over = format!(
+        r#"{{"response":"{}","reference":"a"}}"#,
+        "a".repeat(6 * 1024 * 1024)
+    );
     let err = client
         .invoke()
         .function_name(&exact)
@@ -211,19 +227,31 @@ async fn serverless_offline_answers_the_invoke_api_for_the_sdk_and_the_invoker()
         payload,
     };
     let good = invoker
-        .invoke(ask(&exact, "t1", json!({"response": "x", "reference": "x"})))
+        .invoke(ask(
+            &exact,
+            "t1",
+            json!({"response": "x", "reference": "x"}),
+        ))
         .await
         .unwrap();
     assert_eq!(good.delivery, Delivery::First);
     assert_eq!(good.reward.reward, 1.0);
     assert_eq!(good.reward.result["idempotency_key"], "t1#0");
     let again = invoker
-        .invoke(ask(&exact, "t1", json!({"response": "x", "reference": "x"})))
+        .invoke(ask(
+            &exact,
+            "t1",
+            json!({"response": "x", "reference": "x"}),
+        ))
         .await
         .unwrap();
     assert_eq!(again.delivery, Delivery::Duplicate);
     let bad = invoker
-        .invoke(ask(&exact, "t2", json!({"response": "x", "reference": "y"})))
+        .invoke(ask(
+            &exact,
+            "t2",
+            json!({"response": "x", "reference": "y"}),
+        ))
         .await
         .unwrap();
     assert_eq!(bad.reward.reward, 0.0);
@@ -236,12 +264,18 @@ async fn serverless_offline_answers_the_invoke_api_for_the_sdk_and_the_invoker()
         .invoke(ask(&format!("{PREFIX}slow"), "t4", json!({})))
         .await
         .unwrap_err();
-    assert!(matches!(timed_out, InvokeError::Exhausted { calls: 2, .. }), "{timed_out:?}");
+    assert!(
+        matches!(timed_out, InvokeError::Exhausted { calls: 2, .. }),
+        "{timed_out:?}"
+    );
 
     let summary = invoker.summary();
     assert_eq!(summary.rewards_delivered, 2);
     assert_eq!(summary.duplicates_suppressed, 1);
-    assert_eq!(summary.cold_starts, 0, "serverless-offline reports no Init Duration");
+    assert_eq!(
+        summary.cold_starts, 0,
+        "serverless-offline reports no Init Duration"
+    );
     assert!(summary.gb_seconds > 0.0);
 
     let _ = offline.child.kill().await;

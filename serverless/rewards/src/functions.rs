@@ -128,7 +128,10 @@ pub struct Handler {
 
 impl Default for Handler {
     fn default() -> Self {
-        Self::new(Sandbox::new(SandboxLimits::default()), Duration::from_secs(30))
+        Self::new(
+            Sandbox::new(SandboxLimits::default()),
+            Duration::from_secs(30),
+        )
     }
 }
 
@@ -142,7 +145,11 @@ impl Handler {
     }
 
     /// Runs `function` on a JSON `payload` and returns the JSON result.
-    pub fn invoke(&self, function: RewardFunction, payload: &[u8]) -> Result<Vec<u8>, FunctionError> {
+    pub fn invoke(
+        &self,
+        function: RewardFunction,
+        payload: &[u8],
+    ) -> Result<Vec<u8>, FunctionError> {
         let result = match function {
             RewardFunction::ExactMatch => {
                 let p: MatchPayload = parse(payload)?;
@@ -156,8 +163,10 @@ impl Handler {
             }
             RewardFunction::RegexMatch => {
                 let p: RegexPayload = parse(payload)?;
-                let matched = format::regex_match(&p.response, &p.pattern, p.full_match)
-                    .map_err(|e| FunctionError::new(FunctionError::INVALID_PAYLOAD, e.to_string()))?;
+                let matched =
+                    format::regex_match(&p.response, &p.pattern, p.full_match).map_err(|e| {
+                        FunctionError::new(FunctionError::INVALID_PAYLOAD, e.to_string())
+                    })?;
                 reward(matched, json!({"matched": matched}), p.idempotency_key)
             }
             RewardFunction::ThinkAnswerFormat => {
@@ -253,7 +262,14 @@ mod tests {
     #[test]
     fn malformed_json_and_wrong_shapes_are_invalid_payload_errors() {
         let h = Handler::default();
-        for bad in [&b"{not json"[..], b"", b"null", b"[1,2]", b"{\"response\": 5}", &[0xff, 0xfe]] {
+        for bad in [
+            &b"{not json"[..],
+            b"",
+            b"null",
+            b"[1,2]",
+            b"{\"response\": 5}",
+            &[0xff, 0xfe],
+        ] {
             for f in RewardFunction::ALL {
                 let e = h.invoke(f, bad).unwrap_err();
                 assert_eq!(e.error_type, FunctionError::INVALID_PAYLOAD, "{f:?}");

@@ -256,12 +256,11 @@ pub enum Number {
 impl Number {
     fn equals(&self, other: &Number) -> bool {
         match (self, other) {
-            (Number::Rational { num: a, den: b }, Number::Rational { num: c, den: d }) => {
-                a.checked_mul(*d)
-                    .zip(c.checked_mul(*b))
-                    .map(|(x, y)| x == y)
-                    .unwrap_or_else(|| self.as_f64() == other.as_f64())
-            }
+            (Number::Rational { num: a, den: b }, Number::Rational { num: c, den: d }) => a
+                .checked_mul(*d)
+                .zip(c.checked_mul(*b))
+                .map(|(x, y)| x == y)
+                .unwrap_or_else(|| self.as_f64() == other.as_f64()),
             _ => {
                 let (x, y) = (self.as_f64(), other.as_f64());
                 let scale = x.abs().max(y.abs()).max(1.0);
@@ -295,7 +294,10 @@ pub fn parse_number(s: &str) -> Option<Number> {
         });
     }
     if let Some((a, b)) = s.split_once('/') {
-        let (a, b) = (parse_number(strip_parens(a))?, parse_number(strip_parens(b))?);
+        let (a, b) = (
+            parse_number(strip_parens(a))?,
+            parse_number(strip_parens(b))?,
+        );
         return match (a, b) {
             (Number::Rational { num: n1, den: d1 }, Number::Rational { num: n2, den: d2 }) => {
                 if n2 == 0 {
@@ -367,7 +369,8 @@ fn parse_decimal(s: &str) -> Option<Number> {
     if int_part.is_empty() && frac_part.is_empty() {
         return None;
     }
-    if !int_part.bytes().all(|b| b.is_ascii_digit()) || !frac_part.bytes().all(|b| b.is_ascii_digit())
+    if !int_part.bytes().all(|b| b.is_ascii_digit())
+        || !frac_part.bytes().all(|b| b.is_ascii_digit())
     {
         return None;
     }

@@ -116,7 +116,9 @@ impl SandboxLimits {
         SandboxLimits {
             cpu_seconds: self.cpu_seconds.clamp(1, max.cpu_seconds),
             wall_time_ms: self.wall_time_ms.clamp(1, max.wall_time_ms),
-            memory_bytes: self.memory_bytes.clamp(64 << 20, max.memory_bytes.max(64 << 20)),
+            memory_bytes: self
+                .memory_bytes
+                .clamp(64 << 20, max.memory_bytes.max(64 << 20)),
             max_processes: self.max_processes.clamp(1, max.max_processes),
             max_file_bytes: self.max_file_bytes.min(max.max_file_bytes),
             max_output_bytes: self.max_output_bytes.clamp(1, max.max_output_bytes),
@@ -298,13 +300,12 @@ impl Sandbox {
         let wall_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
         let (stdout, stdout_truncated) = stdout.map(Capture::finish).unwrap_or_default();
         let (stderr, stderr_truncated) = stderr.map(Capture::finish).unwrap_or_default();
-        let termination = if termination != Termination::OutputLimit
-            && (stdout_truncated || stderr_truncated)
-        {
-            Termination::OutputLimit
-        } else {
-            termination
-        };
+        let termination =
+            if termination != Termination::OutputLimit && (stdout_truncated || stderr_truncated) {
+                Termination::OutputLimit
+            } else {
+                termination
+            };
         Ok(SandboxOutput {
             termination,
             stdout,
@@ -318,7 +319,8 @@ impl Sandbox {
 
 fn set_mode(path: &Path, mode: u32) -> Result<(), SandboxError> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).map_err(SandboxError::TempDir)
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(SandboxError::TempDir)
 }
 
 fn exit_termination(status: ExitStatus) -> Termination {

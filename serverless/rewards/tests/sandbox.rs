@@ -2,6 +2,10 @@
 //! infinite loops, fork bombs, memory hogs, floods of output, and attempts to read or write
 //! outside the run directory.
 
+// Test helpers outside #[test] functions panic on setup failures too; clippy.toml's
+// allow-unwrap-in-tests does not reach them.
+#![allow(clippy::unwrap_used)]
+
 use std::time::{Duration, Instant};
 
 use rollfleet_rewards::sandbox::{
@@ -22,7 +26,10 @@ fn sandbox() -> Sandbox {
 #[test]
 fn a_correct_program_reads_stdin_and_exits_cleanly() {
     let out = sandbox()
-        .run("import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))", b"1 2 3")
+        .run(
+            "import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))",
+            b"1 2 3",
+        )
         .unwrap();
     assert_eq!(out.termination, Termination::Exited(0));
     assert_eq!(out.stdout.trim(), "6");
@@ -40,7 +47,10 @@ fn a_busy_infinite_loop_is_stopped_by_the_cpu_limit() {
     let out = sandbox().run("while True:\n    pass", b"").unwrap();
     // SIGXCPU (24) at the soft limit, or SIGKILL (9) if the hard limit is reached first.
     assert!(
-        matches!(out.termination, Termination::Signaled(24) | Termination::Signaled(9)),
+        matches!(
+            out.termination,
+            Termination::Signaled(24) | Termination::Signaled(9)
+        ),
         "{:?}",
         out.termination
     );
@@ -101,7 +111,9 @@ fn a_memory_hog_fails_to_allocate_past_the_address_space_limit() {
 #[test]
 fn a_flood_of_output_is_truncated_at_the_byte_limit_and_the_program_killed() {
     let started = Instant::now();
-    let out = sandbox().run("while True:\n    print('x' * 10000)", b"").unwrap();
+    let out = sandbox()
+        .run("while True:\n    print('x' * 10000)", b"")
+        .unwrap();
     assert_eq!(out.termination, Termination::OutputLimit);
     assert!(out.stdout_truncated);
     assert_eq!(out.stdout.len(), 64 << 10);
@@ -110,11 +122,20 @@ fn a_flood_of_output_is_truncated_at_the_byte_limit_and_the_program_killed() {
 
 #[test]
 fn reading_files_outside_the_run_directory_is_refused() {
-    for path in ["/etc/passwd", "/etc/hostname", "../../etc/passwd", "/proc/self/environ"] {
+    for path in [
+        "/etc/passwd",
+        "/etc/hostname",
+        "../../etc/passwd",
+        "/proc/self/environ",
+    ] {
         let code = format!("print(open({path:?}).read())");
         let out = sandbox().run(&code, b"").unwrap();
         assert!(!out.succeeded(), "{path} was readable: {}", out.stdout);
-        assert!(out.stderr.contains("PermissionError"), "{path}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("PermissionError"),
+            "{path}: {}",
+            out.stderr
+        );
     }
 }
 
@@ -127,7 +148,10 @@ fn writing_outside_the_run_directory_is_refused_but_inside_is_allowed() {
     assert!(!std::path::Path::new("/tmp/rollfleet-escape").exists());
 
     let out = sandbox()
-        .run("open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())", b"")
+        .run(
+            "open('scratch.txt', 'w').write('ok')\nprint(open('scratch.txt').read())",
+            b"",
+        )
         .unwrap();
     assert_eq!(out.stdout.trim(), "ok", "{}", out.stderr);
 }
@@ -148,7 +172,11 @@ fn subprocesses_and_network_sockets_are_refused() {
         "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)",
     ] {
         let out = sandbox().run(code, b"").unwrap();
-        assert!(out.stderr.contains("PermissionError"), "{code}: {}", out.stderr);
+        assert!(
+            out.stderr.contains("PermissionError"),
+            "{code}: {}",
+            out.stderr
+        );
     }
 }
 
@@ -173,9 +201,18 @@ fn a_background_child_does_not_outlive_the_run() {
 fn io_tests_score_the_fraction_of_cases_with_matching_output() {
     let code = "n = int(input())\nprint(n * 2 if n < 10 else n)";
     let tests = CodeTests::Io(vec![
-        IoCase { stdin: "2\n".into(), expected_stdout: "4\n".into() },
-        IoCase { stdin: "5".into(), expected_stdout: "10   \n\n".into() },
-        IoCase { stdin: "20".into(), expected_stdout: "40".into() },
+        IoCase {
+            stdin: "2\n".into(),
+            expected_stdout: "4\n".into(),
+        },
+        IoCase {
+            stdin: "5".into(),
+            expected_stdout: "10   \n\n".into(),
+        },
+        IoCase {
+            stdin: "20".into(),
+            expected_stdout: "40".into(),
+        },
     ]);
     let report = run_code_tests(&sandbox(), code, &tests, Duration::from_secs(30)).unwrap();
     assert_eq!((report.passed, report.total), (2, 3));

@@ -1,6 +1,9 @@
 //! Shared test harness: starts the local Lambda host on a free loopback port inside the test's
 //! runtime and builds real aws-sdk-lambda clients and invokers pointed at it.
 
+// Test helpers outside #[test] functions panic on setup failures too; clippy.toml's
+// allow-unwrap-in-tests does not reach them.
+#![allow(clippy::unwrap_used)]
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
@@ -58,9 +61,11 @@ pub fn sleeper(delay: Duration) -> FunctionCode {
             tokio::time::sleep(delay).await;
             let v: serde_json::Value = serde_json::from_slice(&payload)
                 .map_err(|e| FunctionError::new("InvalidPayload", e.to_string()))?;
-            Ok(serde_json::json!({"reward": 1.0, "idempotency_key": v.get("idempotency_key")})
-                .to_string()
-                .into_bytes())
+            Ok(
+                serde_json::json!({"reward": 1.0, "idempotency_key": v.get("idempotency_key")})
+                    .to_string()
+                    .into_bytes(),
+            )
         })
     }))
 }
@@ -85,7 +90,10 @@ pub fn fast_retries(max_attempts: u32) -> RetryPolicy {
     }
 }
 
-pub async fn invoker(url: &str, tweak: impl FnOnce(&mut InvokerConfig)) -> (RewardInvoker, prometheus::Registry) {
+pub async fn invoker(
+    url: &str,
+    tweak: impl FnOnce(&mut InvokerConfig),
+) -> (RewardInvoker, prometheus::Registry) {
     let mut config = InvokerConfig::local(url);
     config.retry = fast_retries(4);
     config.jitter_seed = Some(7);
