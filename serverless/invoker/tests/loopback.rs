@@ -567,3 +567,39 @@ async fn hostile_http_requests_get_error_answers_and_the_host_keeps_serving() {
         .unwrap();
     assert_eq!(out.status_code(), 200);
 }
+
+#[tokio::test]
+async fn the_invoker_never_has_more_calls_in_flight_than_its_concurrency_limit() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let now = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (n, p) = (now.clone(), peak.clone());
+    let counting = rollfleet_lambda_host::FunctionCode::Custom(Arc::new(move |_payload| {
+        let (now, peak) = (n.clone(), p.clone());
+        Box::pin(async move {
+            let current = now.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(current, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            now.fetch_sub(1, Ordering::SeqCst);
+            Ok(br#"{"reward": 0.5}"#.to_vec())
+        })
+    }));
+    let host = start_host(host_with(&[("counting", FunctionConfig::new(counting))])).await;
+    let (invoker, _) = invoker(&host.url(), |c| c.max_concurrency = 2).await;
+    let invoker = Arc::new(invoker);
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let invoker = invoker.clone();
+            tokio::spawn(async move {
+                invoker
+                    .invoke(request("counting", &format!("t{i}"), json!({})))
+                    .await
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap().reward.reward, 0.5);
+    }
+    assert_eq!(peak.load(Ordering::SeqCst), 2);
+}
