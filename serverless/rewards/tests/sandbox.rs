@@ -165,8 +165,9 @@ fn writing_a_huge_file_is_stopped_by_the_file_size_limit() {
 }
 
 #[test]
-fn subprocesses_and_network_sockets_are_refused() {
+fn subprocesses_network_sockets_and_ctypes_are_refused() {
     for code in [
+        "import ctypes\nctypes.CDLL('libc.so.6').system(b'true')",
         "import subprocess\nsubprocess.run(['cat', '/etc/passwd'])",
         "import os\nos.system('cat /etc/passwd')",
         "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)",
