@@ -214,10 +214,22 @@ pub async fn run(args: crate::config::ServeArgs) -> Result<(), HostError> {
     tokio::spawn(async move {
         let _ = tx.send(tokio::signal::ctrl_c().await);
     });
+    // A Ctrl-C handler that cannot be installed must not look like a Ctrl-C: remember why the
+    // host stopped and report it.
+    let signal_error = std::sync::Arc::new(Mutex::new(None));
+    let seen = signal_error.clone();
     let shutdown = async move {
-        let _ = rx.await;
+        if let Ok(Err(e)) = rx.await
+            && let Ok(mut slot) = seen.lock()
+        {
+            *slot = Some(e);
+        }
     };
-    serve(listener, config, shutdown).await
+    serve(listener, config, shutdown).await?;
+    match signal_error.lock().ok().and_then(|mut e| e.take()) {
+        Some(e) => Err(HostError::Signal(e)),
+        None => Ok(()),
+    }
 }
 
 type Reply = Response<Full<Bytes>>;

@@ -247,10 +247,10 @@ impl RewardInvoker {
 
     /// Obtains the reward for `request`, exactly once per (trajectory, attempt).
     pub async fn invoke(&self, request: RewardRequest) -> Result<RewardOutcome, InvokeError> {
+        let key = request.idempotency_key();
         let Value::Object(mut payload) = request.payload else {
             return Err(InvokeError::PayloadNotAnObject);
         };
-        let key = format!("{}#{}", request.trajectory_id, request.attempt);
         let cell = {
             let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
             ledger
