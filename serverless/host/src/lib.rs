@@ -3,7 +3,7 @@
 //! the same invoker code talk to a laptop, CI, or real AWS Lambda by changing one endpoint URL.
 //!
 //! - [`config`]: functions, limits, faults, and the CLI arguments ([`ServeArgs`]);
-//! - [`server`]: the HTTP server ([`serve`], [`run`]);
+//! - [`server`]: the HTTP server ([`serve`], [`run`], and [`LocalHost`] for embedding);
 //! - [`stats`]: host-side counters.
 //!
 //! The host does not verify SigV4 signatures (any credentials are accepted), so it listens on
@@ -17,5 +17,5 @@ pub use config::{
     CustomFunction, FaultConfig, FunctionCode, FunctionConfig, FunctionFuture, HostConfig,
     MAX_EVENT_PAYLOAD, MAX_SYNC_PAYLOAD, ServeArgs,
 };
-pub use server::{HostError, run, serve};
+pub use server::{HostError, LocalHost, run, serve};
 pub use stats::{HostStats, HostStatsSnapshot};

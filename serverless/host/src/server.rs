@@ -191,6 +191,69 @@ pub async fn serve(
     Ok(())
 }
 
+/// A host running in the background of the current tokio runtime: the embedded default for
+/// rewards in a local run. Dropping it (or calling [`LocalHost::shutdown`]) stops it.
+#[derive(Debug)]
+pub struct LocalHost {
+    addr: std::net::SocketAddr,
+    stats: Arc<HostStats>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), HostError>>>,
+}
+
+impl LocalHost {
+    /// Binds `addr` (use port 0 for a free port) and starts serving `config` in a task.
+    pub async fn start(addr: std::net::SocketAddr, config: HostConfig) -> Result<Self, HostError> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| HostError::Bind { addr, source })?;
+        let addr = listener.local_addr().map_err(HostError::LocalAddr)?;
+        let stats = config.stats.clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, config, async {
+            let _ = stopped.await;
+        }));
+        Ok(Self {
+            addr,
+            stats,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// The endpoint URL to give the invoker (`InvokerConfig::local`).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn stats(&self) -> &Arc<HostStats> {
+        &self.stats
+    }
+
+    /// Stops accepting, waits for in-flight requests (up to 10 s), and returns.
+    pub async fn shutdown(mut self) -> Result<(), HostError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.task.take() {
+            Some(task) => task.await.unwrap_or(Ok(())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for LocalHost {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
 /// Binds `args.listen` and serves the reward functions until Ctrl-C.
 pub async fn run(args: crate::config::ServeArgs) -> Result<(), HostError> {
     let listener = TcpListener::bind(args.listen)

@@ -603,3 +603,52 @@ async fn the_invoker_never_has_more_calls_in_flight_than_its_concurrency_limit()
     }
     assert_eq!(peak.load(Ordering::SeqCst), 2);
 }
+
+#[tokio::test]
+async fn a_payload_that_is_not_a_json_object_is_refused_before_any_call() {
+    let host = start_host(HostConfig::with_reward_functions()).await;
+    let (invoker, _) = invoker(&host.url(), |_| {}).await;
+    let err = invoker
+        .invoke(request("exact_match", "t", json!(["not", "an", "object"])))
+        .await
+        .unwrap_err();
+    assert_eq!(err, InvokeError::PayloadNotAnObject);
+    assert_eq!(host.stats.snapshot().invocations, 0);
+    assert_eq!(invoker.summary().calls, 0);
+}
+
+#[tokio::test]
+async fn a_forgotten_trajectory_is_invoked_again_if_asked_again() {
+    let host = start_host(HostConfig::with_reward_functions()).await;
+    let (invoker, _) = invoker(&host.url(), |_| {}).await;
+    let ask = || {
+        request(
+            "exact_match",
+            "t",
+            json!({"response": "a", "reference": "a"}),
+        )
+    };
+    assert_eq!(
+        invoker.invoke(ask()).await.unwrap().delivery,
+        Delivery::First
+    );
+    invoker.forget_trajectory("t");
+    assert_eq!(
+        invoker.invoke(ask()).await.unwrap().delivery,
+        Delivery::First
+    );
+    assert_eq!(host.stats.snapshot().invocations, 2);
+}
+
+#[tokio::test]
+async fn an_embedded_host_stops_serving_after_shutdown() {
+    let host = rollfleet_lambda_host::LocalHost::start(
+        ([127, 0, 0, 1], 0).into(),
+        HostConfig::with_reward_functions(),
+    )
+    .await
+    .unwrap();
+    let addr = host.addr();
+    host.shutdown().await.unwrap();
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rollfleet_lambda_host::{FunctionCode, FunctionConfig, HostConfig, HostStats};
+use rollfleet_lambda_host::{FunctionCode, FunctionConfig, HostConfig, HostStats, LocalHost};
 use rollfleet_lambda_invoker::{InvokerConfig, RetryPolicy, RewardInvoker, lambda_client};
 use rollfleet_rewards::FunctionError;
 
@@ -18,7 +18,7 @@ use rollfleet_rewards::FunctionError;
 pub struct RunningHost {
     pub addr: SocketAddr,
     pub stats: Arc<HostStats>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _host: LocalHost,
 }
 
 impl RunningHost {
@@ -27,30 +27,14 @@ impl RunningHost {
     }
 }
 
-impl Drop for RunningHost {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
-
 pub async fn start_host(config: HostConfig) -> RunningHost {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stats = config.stats.clone();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        rollfleet_lambda_host::serve(listener, config, async {
-            let _ = rx.await;
-        })
+    let host = LocalHost::start(([127, 0, 0, 1], 0).into(), config)
         .await
         .unwrap();
-    });
     RunningHost {
-        addr,
-        stats,
-        stop: Some(tx),
+        addr: host.addr(),
+        stats: host.stats().clone(),
+        _host: host,
     }
 }
 
