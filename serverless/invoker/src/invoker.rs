@@ -67,6 +67,7 @@ pub struct Reward {
     pub result: Value,
     /// Lambda Invoke calls it took, including retries.
     pub calls: u32,
+    /// The call that produced the reward started a new execution environment.
     pub cold_start: bool,
 }
 
@@ -312,7 +313,6 @@ impl RewardInvoker {
         let call_timeout = self.config.call_timeout(function);
         let labels = [function];
         let mut calls = 0u32;
-        let mut cold_start = false;
         loop {
             calls += 1;
             let outcome = {
@@ -323,10 +323,7 @@ impl RewardInvoker {
                 CallOutcome::Success(result, report) => {
                     self.record_call(function, "success");
                     self.account(function, settings.memory_mb, report.as_ref());
-                    if report.is_some_and(|r| r.init_ms.is_some()) {
-                        cold_start = true;
-                        self.metrics.cold_starts.with_label_values(&labels).inc();
-                    }
+                    let cold_start = report.is_some_and(|r| r.init_ms.is_some());
                     return self.reward_from(function, key, result, calls, cold_start);
                 }
                 CallOutcome::Permanent(e) => {
@@ -390,6 +387,12 @@ impl RewardInvoker {
         let Some(report) = report else {
             return;
         };
+        if report.init_ms.is_some() {
+            self.metrics
+                .cold_starts
+                .with_label_values(&[function])
+                .inc();
+        }
         let memory = report.memory_mb.unwrap_or(memory_mb);
         self.metrics
             .billed_ms
