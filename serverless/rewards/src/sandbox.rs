@@ -113,15 +113,19 @@ impl SandboxLimits {
     /// Clamps caller-supplied limits to what a reward function may ask for, so a payload
     /// cannot lift the host's limits.
     pub fn clamped_to(self, max: &SandboxLimits) -> SandboxLimits {
+        // `min` then `max(floor)` rather than `clamp`: `clamp` panics when the host's own limit
+        // is below the floor, and a misconfigured host must not panic on a payload.
         SandboxLimits {
-            cpu_seconds: self.cpu_seconds.clamp(1, max.cpu_seconds),
-            wall_time_ms: self.wall_time_ms.clamp(1, max.wall_time_ms),
+            cpu_seconds: self.cpu_seconds.min(max.cpu_seconds).max(1),
+            wall_time_ms: self.wall_time_ms.min(max.wall_time_ms).max(1),
+            // Python itself needs some address space; below this it cannot start at all.
             memory_bytes: self
                 .memory_bytes
-                .clamp(64 << 20, max.memory_bytes.max(64 << 20)),
-            max_processes: self.max_processes.clamp(1, max.max_processes),
+                .min(max.memory_bytes)
+                .max((64 << 20).min(max.memory_bytes)),
+            max_processes: self.max_processes.min(max.max_processes).max(1),
             max_file_bytes: self.max_file_bytes.min(max.max_file_bytes),
-            max_output_bytes: self.max_output_bytes.clamp(1, max.max_output_bytes),
+            max_output_bytes: self.max_output_bytes.min(max.max_output_bytes).max(1),
         }
     }
 }

@@ -246,3 +246,39 @@ fn a_missing_interpreter_is_an_error_not_a_zero_score() {
     let s = Sandbox::with_python("/nonexistent/python3", SandboxLimits::default());
     assert!(s.run("print(1)", b"").is_err());
 }
+
+#[test]
+fn limits_asked_for_in_a_payload_can_only_lower_the_hosts_limits() {
+    let host = SandboxLimits::default();
+    let greedy = SandboxLimits {
+        cpu_seconds: 10_000,
+        wall_time_ms: u64::MAX,
+        memory_bytes: u64::MAX,
+        max_processes: 100_000,
+        max_file_bytes: u64::MAX,
+        max_output_bytes: usize::MAX,
+    };
+    assert_eq!(greedy.clamped_to(&host), host);
+    let modest = SandboxLimits {
+        cpu_seconds: 1,
+        wall_time_ms: 500,
+        memory_bytes: 128 << 20,
+        max_processes: 4,
+        max_file_bytes: 1024,
+        max_output_bytes: 100,
+    };
+    assert_eq!(modest.clamped_to(&host), modest);
+    let zero = SandboxLimits {
+        cpu_seconds: 0,
+        wall_time_ms: 0,
+        memory_bytes: 0,
+        max_processes: 0,
+        max_file_bytes: 0,
+        max_output_bytes: 0,
+    };
+    let clamped = zero.clamped_to(&host);
+    assert_eq!((clamped.cpu_seconds, clamped.wall_time_ms), (1, 1));
+    assert_eq!(clamped.memory_bytes, 64 << 20);
+    // A host configured below the floors does not panic either.
+    let _ = greedy.clamped_to(&zero);
+}
