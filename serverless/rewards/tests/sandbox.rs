@@ -44,7 +44,16 @@ fn an_uncaught_exception_is_a_non_zero_exit_with_the_traceback_on_stderr() {
 
 #[test]
 fn a_busy_infinite_loop_is_stopped_by_the_cpu_limit() {
-    let out = sandbox().run("while True:\n    pass", b"").unwrap();
+    // A wall limit far above the CPU limit, so that on a loaded machine the CPU limit still
+    // fires first.
+    let limits = SandboxLimits {
+        cpu_seconds: 1,
+        wall_time_ms: 60_000,
+        ..SandboxLimits::default()
+    };
+    let out = Sandbox::new(limits)
+        .run("while True:\n    pass", b"")
+        .unwrap();
     // SIGXCPU (24) at the soft limit, or SIGKILL (9) if the hard limit is reached first.
     assert!(
         matches!(
