@@ -1,0 +1,780 @@
+//! The HTTP side of the host: accepts connections, routes
+//! `POST /2015-03-31/functions/{name}/invocations`, and answers exactly as the Lambda Invoke API
+//! documents: status codes, `X-Amzn-ErrorType` error codes with a JSON body, function errors as
+//! 200 with `X-Amz-Function-Error`, `X-Amz-Log-Result` with a `REPORT` line on `LogType: Tail`.
+//!
+//! Execution environments are modelled per function: an invocation reuses an idle warm one
+//! (LIFO, like Lambda) or pays the configured cold start; a timed-out environment is discarded,
+//! so the next invocation after a timeout starts cold, as on Lambda.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use rollfleet_rewards::{FunctionError, Handler, RewardFunction};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::config::{FunctionCode, FunctionConfig, HostConfig, MAX_RESPONSE_PAYLOAD};
+use crate::stats::HostStats;
+
+/// Errors that stop the host.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    #[error("could not listen on {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("could not read the listener's address: {0}")]
+    LocalAddr(#[source] std::io::Error),
+    #[error("could not install the Ctrl-C handler: {0}")]
+    Signal(#[source] std::io::Error),
+}
+
+/// A deployed function and its execution environments.
+struct Deployed {
+    config: FunctionConfig,
+    slots: Option<Arc<Semaphore>>,
+    /// When each idle warm environment was last used; the last entry is the most recent.
+    warm: Mutex<Vec<Instant>>,
+}
+
+impl Deployed {
+    /// Takes a warm environment if one is fresh; `false` means this invocation starts cold.
+    fn take_warm(&self) -> bool {
+        let Ok(mut warm) = self.warm.lock() else {
+            return false;
+        };
+        match warm.pop() {
+            Some(last) if last.elapsed() <= self.config.idle_ttl => true,
+            Some(_) => {
+                // The most recent one is stale, so all of them are.
+                warm.clear();
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn return_warm(&self) {
+        if let Ok(mut warm) = self.warm.lock() {
+            warm.push(Instant::now());
+        }
+    }
+}
+
+struct State {
+    functions: HashMap<String, Arc<Deployed>>,
+    region: String,
+    account_id: String,
+    max_sync_payload: usize,
+    max_event_payload: usize,
+    faults: crate::config::FaultConfig,
+    fault_rng: Mutex<fastrand::Rng>,
+    handler: Arc<Handler>,
+    stats: Arc<HostStats>,
+}
+
+impl State {
+    fn new(config: HostConfig) -> Self {
+        let functions = config
+            .functions
+            .into_iter()
+            .map(|(name, config)| {
+                let slots = config
+                    .reserved_concurrency
+                    .map(|n| Arc::new(Semaphore::new(n as usize)));
+                let deployed = Deployed {
+                    config,
+                    slots,
+                    warm: Mutex::new(Vec::new()),
+                };
+                (name, Arc::new(deployed))
+            })
+            .collect();
+        Self {
+            functions,
+            region: config.region,
+            account_id: config.account_id,
+            max_sync_payload: config.max_sync_payload,
+            max_event_payload: config.max_event_payload,
+            faults: config.faults,
+            fault_rng: Mutex::new(fastrand::Rng::with_seed(config.faults.seed)),
+            handler: config.handler,
+            stats: config.stats,
+        }
+    }
+
+    fn arn(&self, name: &str) -> String {
+        format!(
+            "arn:aws:lambda:{}:{}:function:{name}",
+            self.region, self.account_id
+        )
+    }
+
+    fn draw_fault(&self) -> Option<Fault> {
+        if !self.faults.is_active() {
+            return None;
+        }
+        let x = self.fault_rng.lock().map(|mut r| r.f64()).unwrap_or(1.0);
+        let f = &self.faults;
+        if x < f.service_error_rate {
+            Some(Fault::ServiceError)
+        } else if x < f.service_error_rate + f.throttle_rate {
+            Some(Fault::Throttle)
+        } else if x < f.service_error_rate + f.throttle_rate + f.timeout_rate {
+            Some(Fault::Timeout)
+        } else {
+            None
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    ServiceError,
+    Throttle,
+    Timeout,
+}
+
+/// Serves the Lambda Invoke API on `listener` until `shutdown` completes, then stops accepting,
+/// lets in-flight requests finish (for up to 10 seconds) and returns.
+pub async fn serve(
+    listener: TcpListener,
+    config: HostConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), HostError> {
+    let state = Arc::new(State::new(config));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => {
+                let stream = match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(_) => {
+                        // Usually EMFILE or a connection reset before accept: transient, so
+                        // back off briefly instead of stopping the host.
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                // Small request/response pairs: Nagle would add tens of milliseconds.
+                let _ = stream.set_nodelay(true);
+                let state = state.clone();
+                let service = hyper::service::service_fn(move |req| handle(state.clone(), req));
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service);
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    // A client hanging up mid-request is its own business.
+                    let _ = conn.await;
+                });
+            }
+        }
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(Duration::from_secs(10), graceful.shutdown()).await;
+    Ok(())
+}
+
+/// A host running in the background of the current tokio runtime: the embedded default for
+/// rewards in a local run. Dropping it (or calling [`LocalHost::shutdown`]) stops it.
+#[derive(Debug)]
+pub struct LocalHost {
+    addr: std::net::SocketAddr,
+    stats: Arc<HostStats>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), HostError>>>,
+}
+
+impl LocalHost {
+    /// Binds `addr` (use port 0 for a free port) and starts serving `config` in a task.
+    pub async fn start(addr: std::net::SocketAddr, config: HostConfig) -> Result<Self, HostError> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| HostError::Bind { addr, source })?;
+        let addr = listener.local_addr().map_err(HostError::LocalAddr)?;
+        let stats = config.stats.clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, config, async {
+            let _ = stopped.await;
+        }));
+        Ok(Self {
+            addr,
+            stats,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
+    /// The endpoint URL to give the invoker (`InvokerConfig::local`).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn stats(&self) -> &Arc<HostStats> {
+        &self.stats
+    }
+
+    /// Stops accepting, waits for in-flight requests (up to 10 s), and returns.
+    pub async fn shutdown(mut self) -> Result<(), HostError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.task.take() {
+            Some(task) => task.await.unwrap_or(Ok(())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for LocalHost {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Binds `args.listen` and serves the reward functions until Ctrl-C.
+pub async fn run(args: crate::config::ServeArgs) -> Result<(), HostError> {
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| HostError::Bind {
+            addr: args.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(HostError::LocalAddr)?;
+    let config = args.host_config();
+    eprintln!(
+        "rollfleet serverless host: Lambda Invoke API on http://{addr} serving {}",
+        config
+            .functions
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let (tx, rx) = tokio::sync::oneshot::channel::<std::io::Result<()>>();
+    tokio::spawn(async move {
+        let _ = tx.send(tokio::signal::ctrl_c().await);
+    });
+    // A Ctrl-C handler that cannot be installed must not look like a Ctrl-C: remember why the
+    // host stopped and report it.
+    let signal_error = std::sync::Arc::new(Mutex::new(None));
+    let seen = signal_error.clone();
+    let shutdown = async move {
+        if let Ok(Err(e)) = rx.await
+            && let Ok(mut slot) = seen.lock()
+        {
+            *slot = Some(e);
+        }
+    };
+    serve(listener, config, shutdown).await?;
+    match signal_error.lock().ok().and_then(|mut e| e.take()) {
+        Some(e) => Err(HostError::Signal(e)),
+        None => Ok(()),
+    }
+}
+
+type Reply = Response<Full<Bytes>>;
+
+async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Reply, Infallible> {
+    let request_id = request_id();
+    Ok(route(&state, req, &request_id)
+        .await
+        .unwrap_or_else(|reply| reply))
+}
+
+/// `Err` carries an error reply, so `?` can be used for every rejection.
+async fn route(
+    state: &Arc<State>,
+    req: Request<Incoming>,
+    request_id: &str,
+) -> Result<Reply, Reply> {
+    let path = req.uri().path();
+    let Some(raw_name) = path
+        .strip_prefix("/2015-03-31/functions/")
+        .and_then(|rest| rest.strip_suffix("/invocations"))
+        .filter(|name| !name.is_empty() && !name.contains('/'))
+    else {
+        return Err(aws_error(
+            StatusCode::NOT_FOUND,
+            "UnknownOperationException",
+            "User",
+            &format!("Unknown operation {} {path}", req.method()),
+            request_id,
+        ));
+    };
+    if req.method() != Method::POST {
+        return Err(aws_error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "UnknownOperationException",
+            "User",
+            &format!("Unknown operation {} {path}", req.method()),
+            request_id,
+        ));
+    }
+    let name = percent_decode(raw_name).ok_or_else(|| {
+        invalid_parameter(
+            "Function name is not valid percent-encoded UTF-8",
+            request_id,
+        )
+    })?;
+    let query_qualifier = req.uri().query().and_then(|q| {
+        q.split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == "Qualifier")
+            .and_then(|(_, v)| percent_decode(v))
+    });
+    let (function_name, qualifier) = split_function_name(&name);
+    let qualifier = qualifier.map(str::to_owned).or(query_qualifier);
+    let deployed = state
+        .functions
+        .get(function_name)
+        .filter(|_| qualifier.as_deref().is_none_or(|q| q == "$LATEST"))
+        .cloned()
+        .ok_or_else(|| {
+            let mut arn = state.arn(function_name);
+            if let Some(q) = &qualifier {
+                arn.push(':');
+                arn.push_str(q);
+            }
+            aws_error(
+                StatusCode::NOT_FOUND,
+                "ResourceNotFoundException",
+                "User",
+                &format!("Function not found: {arn}"),
+                request_id,
+            )
+        })?;
+
+    let headers = req.headers();
+    let invocation_type = match headers
+        .get("x-amz-invocation-type")
+        .map(|v| v.to_str().unwrap_or("<invalid>"))
+    {
+        None | Some("RequestResponse") => InvocationType::RequestResponse,
+        Some("Event") => InvocationType::Event,
+        Some("DryRun") => InvocationType::DryRun,
+        Some(other) => {
+            return Err(invalid_parameter(
+                &format!(
+                    "1 validation error detected: Value '{other}' at 'invocationType' failed to satisfy constraint: Member must satisfy enum value set: [Event, RequestResponse, DryRun]"
+                ),
+                request_id,
+            ));
+        }
+    };
+    let tail = headers
+        .get("x-amz-log-type")
+        .is_some_and(|v| v.as_bytes() == b"Tail");
+
+    let limit = match invocation_type {
+        InvocationType::Event => state.max_event_payload,
+        _ => state.max_sync_payload,
+    };
+    let too_large = || {
+        aws_error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "RequestTooLargeException",
+            "User",
+            &format!("Request must be smaller than {limit} bytes for the InvokeFunction operation"),
+            request_id,
+        )
+    };
+    let declared = headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        // Answer before reading: a client streaming gigabytes gets its 413 at once.
+        return Err(too_large());
+    }
+    let payload = match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => return Err(too_large()),
+        Err(e) => {
+            return Err(aws_error(
+                StatusCode::BAD_REQUEST,
+                "InvalidRequestContentException",
+                "User",
+                &format!("Could not read request body: {e}"),
+                request_id,
+            ));
+        }
+    };
+    if !payload.is_empty() && serde_json::from_slice::<serde::de::IgnoredAny>(&payload).is_err() {
+        return Err(aws_error(
+            StatusCode::BAD_REQUEST,
+            "InvalidRequestContentException",
+            "User",
+            "Could not parse request body into json: the payload is not valid JSON",
+            request_id,
+        ));
+    }
+
+    match invocation_type {
+        InvocationType::DryRun => Ok(empty(StatusCode::NO_CONTENT, request_id)),
+        InvocationType::Event => {
+            let state = state.clone();
+            tokio::spawn(async move {
+                // Lambda queues asynchronous events instead of throttling the caller.
+                let _permit = match &deployed.slots {
+                    Some(slots) => slots.clone().acquire_owned().await.ok(),
+                    None => None,
+                };
+                let _ = execute(&state, &deployed, payload, None).await;
+                state.stats.event_completed();
+            });
+            Ok(empty(StatusCode::ACCEPTED, request_id))
+        }
+        InvocationType::RequestResponse => {
+            let fault = state.draw_fault();
+            if fault == Some(Fault::ServiceError) {
+                state.stats.service_error();
+                return Err(aws_error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "ServiceException",
+                    "Service",
+                    "The AWS Lambda service encountered an internal error (injected fault).",
+                    request_id,
+                ));
+            }
+            let permit = match &deployed.slots {
+                Some(slots) if fault != Some(Fault::Throttle) => {
+                    slots.clone().try_acquire_owned().ok()
+                }
+                _ => None,
+            };
+            let throttled =
+                fault == Some(Fault::Throttle) || (deployed.slots.is_some() && permit.is_none());
+            if throttled {
+                state.stats.throttle();
+                return Err(throttle(request_id));
+            }
+            let outcome = execute(state, &deployed, payload, fault).await;
+            drop(permit);
+            Ok(sync_reply(&deployed, outcome, tail, request_id))
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InvocationType {
+    RequestResponse,
+    Event,
+    DryRun,
+}
+
+struct Outcome {
+    result: Result<Vec<u8>, FunctionError>,
+    duration: Duration,
+    init: Option<Duration>,
+}
+
+async fn execute(state: &State, f: &Deployed, payload: Bytes, fault: Option<Fault>) -> Outcome {
+    state.stats.invocation();
+    let init = if f.take_warm() {
+        None
+    } else {
+        state.stats.cold_start();
+        let started = Instant::now();
+        if !f.config.cold_start.is_zero() {
+            tokio::time::sleep(f.config.cold_start).await;
+        }
+        Some(started.elapsed())
+    };
+    let started = Instant::now();
+    let run = async {
+        if fault == Some(Fault::Timeout) {
+            // Hang past the timeout, as a function stuck on a dead dependency would.
+            tokio::time::sleep(f.config.timeout + Duration::from_secs(1)).await;
+        }
+        run_code(&state.handler, &f.config.code, payload).await
+    };
+    let result = match tokio::time::timeout(f.config.timeout, run).await {
+        Ok(result) => {
+            f.return_warm();
+            result
+        }
+        Err(_) => {
+            // Lambda resets the environment after a timeout; it is not returned to the pool.
+            state.stats.timeout();
+            Err(FunctionError::new(
+                "Sandbox.Timedout",
+                format!(
+                    "Task timed out after {:.2} seconds",
+                    f.config.timeout.as_secs_f64()
+                ),
+            ))
+        }
+    };
+    let result = match result {
+        Ok(body) if body.len() > MAX_RESPONSE_PAYLOAD => Err(FunctionError::new(
+            "Function.ResponseSizeTooLarge",
+            format!(
+                "Response payload size ({} bytes) exceeded maximum allowed payload size ({MAX_RESPONSE_PAYLOAD} bytes).",
+                body.len()
+            ),
+        )),
+        other => other,
+    };
+    if result.is_err() {
+        state.stats.function_error();
+    }
+    Outcome {
+        result,
+        duration: started.elapsed(),
+        init,
+    }
+}
+
+async fn run_code(
+    handler: &Arc<Handler>,
+    code: &FunctionCode,
+    payload: Bytes,
+) -> Result<Vec<u8>, FunctionError> {
+    match code {
+        FunctionCode::Reward(RewardFunction::CodeTests) => {
+            // Subprocesses and blocking waits: keep them off the async workers.
+            let handler = handler.clone();
+            tokio::task::spawn_blocking(move || handler.invoke(RewardFunction::CodeTests, &payload))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(FunctionError::new(
+                        "Runtime.ExitError",
+                        format!("function crashed: {e}"),
+                    ))
+                })
+        }
+        FunctionCode::Reward(f) => handler.invoke(*f, &payload),
+        FunctionCode::Custom(f) => f(payload).await,
+    }
+}
+
+fn sync_reply(f: &Deployed, outcome: Outcome, tail: bool, request_id: &str) -> Reply {
+    let (status_header, body) = match outcome.result {
+        Ok(body) => (None, body),
+        Err(e) => (Some("Unhandled"), e.to_json()),
+    };
+    let mut reply = Response::new(Full::new(Bytes::from(body)));
+    let h = reply.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(
+        "x-amz-executed-version",
+        HeaderValue::from_static("$LATEST"),
+    );
+    insert_request_id(h, request_id);
+    if let Some(kind) = status_header {
+        h.insert("x-amz-function-error", HeaderValue::from_static(kind));
+    }
+    if tail {
+        let log = report_log(f, &outcome.duration, outcome.init, request_id);
+        let encoded = base64::engine::general_purpose::STANDARD.encode(log);
+        if let Ok(v) = HeaderValue::from_str(&encoded) {
+            h.insert("x-amz-log-result", v);
+        }
+    }
+    reply
+}
+
+/// The last lines of the function's log as Lambda writes them, `REPORT` line included.
+/// Billed duration is rounded up to the millisecond, as Lambda bills since December 2020.
+fn report_log(
+    f: &Deployed,
+    duration: &Duration,
+    init: Option<Duration>,
+    request_id: &str,
+) -> String {
+    let ms = duration.as_secs_f64() * 1000.0;
+    let billed = ms.ceil().max(1.0) as u64;
+    let mut report = format!(
+        "START RequestId: {request_id} Version: $LATEST\nEND RequestId: {request_id}\nREPORT RequestId: {request_id}\tDuration: {ms:.2} ms\tBilled Duration: {billed} ms\tMemory Size: {} MB\tMax Memory Used: {} MB\t",
+        f.config.memory_mb,
+        f.config.memory_mb.min(64),
+    );
+    if let Some(init) = init {
+        report.push_str(&format!(
+            "Init Duration: {:.2} ms\t",
+            init.as_secs_f64() * 1000.0
+        ));
+    }
+    report.push('\n');
+    report
+}
+
+fn throttle(request_id: &str) -> Reply {
+    let body = json!({
+        "Reason": "ReservedFunctionConcurrentInvocationLimitExceeded",
+        "Type": "User",
+        "message": "Rate Exceeded.",
+    });
+    let mut reply = json_reply(StatusCode::TOO_MANY_REQUESTS, body, request_id);
+    let h = reply.headers_mut();
+    h.insert(
+        "x-amzn-errortype",
+        HeaderValue::from_static("TooManyRequestsException"),
+    );
+    h.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+    reply
+}
+
+fn invalid_parameter(message: &str, request_id: &str) -> Reply {
+    aws_error(
+        StatusCode::BAD_REQUEST,
+        "InvalidParameterValueException",
+        "User",
+        message,
+        request_id,
+    )
+}
+
+/// An API error as Lambda's REST-JSON protocol sends it: code in `X-Amzn-ErrorType`,
+/// `{"Type", "message"}` in the body.
+fn aws_error(
+    status: StatusCode,
+    code: &'static str,
+    kind: &str,
+    message: &str,
+    request_id: &str,
+) -> Reply {
+    let mut reply = json_reply(
+        status,
+        json!({"Type": kind, "message": message}),
+        request_id,
+    );
+    reply
+        .headers_mut()
+        .insert("x-amzn-errortype", HeaderValue::from_static(code));
+    reply
+}
+
+fn json_reply(status: StatusCode, body: serde_json::Value, request_id: &str) -> Reply {
+    let mut reply = Response::new(Full::new(Bytes::from(body.to_string())));
+    *reply.status_mut() = status;
+    let h = reply.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    insert_request_id(h, request_id);
+    reply
+}
+
+fn empty(status: StatusCode, request_id: &str) -> Reply {
+    let mut reply = Response::new(Full::new(Bytes::new()));
+    *reply.status_mut() = status;
+    insert_request_id(reply.headers_mut(), request_id);
+    reply
+}
+
+fn insert_request_id(h: &mut hyper::HeaderMap, request_id: &str) {
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        h.insert("x-amzn-requestid", v);
+    }
+}
+
+/// A random request id in UUID form, as Lambda's.
+fn request_id() -> String {
+    let a = fastrand::u128(..);
+    let hex = format!("{a:032x}");
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// The function name and qualifier in any of the forms Lambda accepts: `name`, `name:qualifier`,
+/// `account:function:name[:qualifier]`, `arn:aws:lambda:region:account:function:name[:qualifier]`.
+fn split_function_name(name: &str) -> (&str, Option<&str>) {
+    let rest = if let Some(arn) = name.strip_prefix("arn:") {
+        // partition:lambda:region:account:function:name[:qualifier]
+        arn.splitn(6, ':').nth(5).unwrap_or("")
+    } else if let Some((_, after)) = name.split_once(":function:") {
+        after
+    } else {
+        name
+    };
+    match rest.split_once(':') {
+        Some((n, q)) => (n, Some(q)),
+        None => (rest, None),
+    }
+}
+
+/// Decodes `%XX` escapes; `None` for malformed escapes or non-UTF-8 results.
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3)?;
+            let hex = std::str::from_utf8(hex).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_documented_function_name_form_resolves_to_name_and_qualifier() {
+        assert_eq!(split_function_name("math_answer"), ("math_answer", None));
+        assert_eq!(
+            split_function_name("math_answer:$LATEST"),
+            ("math_answer", Some("$LATEST"))
+        );
+        assert_eq!(
+            split_function_name("123456789012:function:math_answer"),
+            ("math_answer", None)
+        );
+        assert_eq!(
+            split_function_name("arn:aws:lambda:us-west-2:123456789012:function:math_answer:7"),
+            ("math_answer", Some("7"))
+        );
+        assert_eq!(split_function_name("arn:broken"), ("", None));
+    }
+
+    #[test]
+    fn percent_decoding_rejects_truncated_and_non_utf8_escapes() {
+        assert_eq!(percent_decode("a%3Ab").as_deref(), Some("a:b"));
+        assert_eq!(percent_decode("%24LATEST").as_deref(), Some("$LATEST"));
+        assert_eq!(percent_decode("bad%2"), None);
+        assert_eq!(percent_decode("bad%zz"), None);
+        assert_eq!(percent_decode("%ff"), None);
+    }
+
+    #[test]
+    fn request_ids_have_the_uuid_shape() {
+        let id = request_id();
+        let lens: Vec<usize> = id.split('-').map(str::len).collect();
+        assert_eq!(lens, vec![8, 4, 4, 4, 12]);
+    }
+}
