@@ -159,6 +159,12 @@ pub enum Command {
         /// The trajectory.
         traj: TrajId,
     },
+    /// Abandon a stage the core has given up on (timed out, or its KV source was lost); any
+    /// later report about it is ignored.
+    Cancel {
+        /// The stage.
+        stage: StageId,
+    },
     /// Train on whole groups of finished trajectories.
     Train {
         /// The batch.

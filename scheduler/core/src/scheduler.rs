@@ -305,7 +305,7 @@ impl Core {
         self.now = self.now.max(now);
         match input {
             Input::StageFinished { stage, outcome } => self.stage_finished(stage, outcome),
-            Input::StageFailed { stage } => self.fail_stage(stage),
+            Input::StageFailed { stage } => self.fail_stage(stage, false),
             Input::ReplicaLost { replica } => self.replica_lost(replica),
             Input::ReplicaRecovered { replica } => self.replica_recovered(replica),
             Input::WeightsUpdated { replica, version } => self.weights_updated(replica, version),
@@ -328,7 +328,7 @@ impl Core {
                 }
                 self.touch(replica);
             }
-            self.fail_stage(stage);
+            self.fail_stage(stage, true);
         }
         self.pump();
     }
@@ -581,7 +581,7 @@ impl Core {
         if !matches {
             // A report that does not fit the stage is treated as a failure of the stage.
             self.stats.ignored_reports += 1;
-            self.fail_stage(stage);
+            self.fail_stage(stage, true);
             return;
         }
         let Some(rec) = self.take_stage(stage) else {
@@ -693,12 +693,16 @@ impl Core {
         }
     }
 
-    /// Puts a failed (or lost, or timed-out) stage's trajectory back in the right queue.
-    fn fail_stage(&mut self, stage: StageId) {
+    /// Puts a failed (or lost, or timed-out) stage's trajectory back in the right queue;
+    /// `cancel`: tell the worker to abandon it (the core, not the worker, gave up on it).
+    fn fail_stage(&mut self, stage: StageId, cancel: bool) {
         let Some(rec) = self.take_stage(stage) else {
             self.stats.ignored_reports += 1;
             return;
         };
+        if cancel {
+            self.commands.push_back(Command::Cancel { stage });
+        }
         self.stats.stage_retries += 1;
         let t = rec.traj;
         match rec.kind {
@@ -737,7 +741,7 @@ impl Core {
             .map(|(&sid, _)| sid)
             .collect();
         for sid in doomed {
-            self.fail_stage(sid);
+            self.fail_stage(sid, true);
         }
         let r = &self.replicas[id.0 as usize];
         let cached: Vec<TrajId> = r.retained.keys().chain(r.held.iter()).copied().collect();
