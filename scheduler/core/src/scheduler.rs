@@ -441,7 +441,9 @@ impl Core {
 
     fn enqueue(&mut self, t: TrajId, queue: Queue, phase: Phase) {
         self.dequeue(t);
-        let prio = self.trajs[t.0 as usize].oldest().unwrap_or(self.version);
+        // Oldest group first, everywhere: a straggler of an old group overtakes fresh work, so
+        // groups complete (and can be trained on) before their first turns fall out of the bound.
+        let prio = self.trajs[t.0 as usize].group.0;
         self.queues.entry(queue).or_default().insert((prio, t));
         let traj = &mut self.trajs[t.0 as usize];
         traj.queued = Some((queue, prio));
@@ -931,8 +933,11 @@ impl Core {
         let groups_per_batch = (b / n).max(1);
         match self.cfg.policy.discipline {
             Discipline::Continuous => {
+                // In flight or waiting (started, not consumed): the staleness window's worth of
+                // batches (at least one, so rollout overlaps training) plus the over-provisioning.
                 let extra = (self.cfg.policy.over_provisioning * b as f64).ceil().max(0.0) as u64;
-                let budget = ((self.version + self.cfg.policy.max_staleness + 1) * b + extra)
+                let window = self.cfg.policy.max_staleness.max(1) * b;
+                let budget = (self.stats.trajectories_consumed + window + extra)
                     .min(self.cfg.steps * b + extra);
                 while (self.groups.len() as u64 + 1) * n <= budget {
                     self.start_group(0);
