@@ -1006,21 +1006,29 @@ impl Core {
         }
     }
 
-    fn queue_snapshot(&self, q: Queue, limit: usize) -> Vec<TrajId> {
-        self.queues
-            .get(&q)
-            .map(|s| s.iter().take(limit).map(|&(_, t)| t).collect())
-            .unwrap_or_default()
+    /// The queue entry after `after` (the first one for `None`).
+    fn queue_next(&self, q: Queue, after: Option<(u64, TrajId)>) -> Option<(u64, TrajId)> {
+        let set = self.queues.get(&q)?;
+        match after {
+            None => set.first().copied(),
+            Some(key) => set
+                .range((std::ops::Bound::Excluded(key), std::ops::Bound::Unbounded))
+                .next()
+                .copied(),
+        }
     }
 
     fn dispatch_env(&mut self) {
-        loop {
-            let batch = self.queue_snapshot(Queue::Env, LOOKAHEAD);
-            if batch.is_empty() {
+        let mut cursor = None;
+        let mut misses = 0;
+        while misses < LOOKAHEAD {
+            let Some(key) = self.queue_next(Queue::Env, cursor) else {
                 return;
-            }
+            };
+            cursor = Some(key);
+            let t = key.1;
             let mut progressed = false;
-            for t in batch {
+            'item: {
                 let traj = &self.trajs[t.0 as usize];
                 let need = self.cfg.tasks[traj.task as usize].env_millicpus;
                 let pool = match traj.env_pool {
@@ -1034,7 +1042,7 @@ impl Core {
                 // An environment needing more than a whole pool is clamped to the pool.
                 let need = need.min(self.cfg.cpu_pools[pool as usize].millicpus).max(1);
                 if self.cpu_free[pool as usize] < need {
-                    continue;
+                    break 'item;
                 }
                 self.cpu_free[pool as usize] -= need;
                 let stage = self.stage_id();
@@ -1076,7 +1084,7 @@ impl Core {
                 progressed = true;
             }
             if !progressed {
-                return;
+                misses += 1;
             }
         }
     }
@@ -1086,6 +1094,9 @@ impl Core {
     fn check_admission(&mut self, t: TrajId) -> bool {
         let floor = self.floor();
         let traj = &self.trajs[t.0 as usize];
+        if floor == 0 || (traj.turns.is_empty() && !matches!(traj.kv, Kv::Held(..))) {
+            return false;
+        }
         let first_bad = traj.turns.iter().position(|turn| turn.version < floor);
         let held_bad = matches!(traj.kv, Kv::Held(_, _, v) if v < floor);
         match first_bad {
@@ -1145,26 +1156,29 @@ impl Core {
         }
         let mut prefill_blocked = !self.disaggregated;
         let mut decode_blocked = false;
-        loop {
-            let batch = self.queue_snapshot(Queue::Gen, LOOKAHEAD);
-            if batch.is_empty() {
+        let mut cursor = None;
+        let mut misses = 0;
+        while misses < LOOKAHEAD {
+            let Some(key) = self.queue_next(Queue::Gen, cursor) else {
                 return;
-            }
+            };
+            cursor = Some(key);
+            let t = key.1;
             let mut progressed = false;
-            for t in batch {
+            'item: {
                 if prefill_blocked && decode_blocked {
                     return;
                 }
                 if self.check_admission(t) {
                     progressed = true;
-                    continue;
+                    break 'item;
                 }
                 let traj = &self.trajs[t.0 as usize];
                 let task = &self.cfg.tasks[traj.task as usize];
                 if traj.context + traj.input >= task.context_limit {
                     self.finish_rollout(t);
                     progressed = true;
-                    continue;
+                    break 'item;
                 }
                 let max_new = task
                     .max_action_tokens
@@ -1189,7 +1203,7 @@ impl Core {
                 if (wants_prefill && prefill_blocked) || (!wants_prefill && decode_blocked) {
                     // Still worth trying the sticky replica.
                     if sticky.is_none() {
-                        continue;
+                        break 'item;
                     }
                 }
                 let route = {
@@ -1216,7 +1230,7 @@ impl Core {
                 }
             }
             if !progressed {
-                return;
+                misses += 1;
             }
         }
     }
@@ -1320,23 +1334,26 @@ impl Core {
         if self.gpu_gate_closed() {
             return;
         }
-        loop {
-            let batch = self.queue_snapshot(Queue::Decode, LOOKAHEAD);
-            if batch.is_empty() {
+        let mut cursor = None;
+        let mut misses = 0;
+        while misses < LOOKAHEAD {
+            let Some(key) = self.queue_next(Queue::Decode, cursor) else {
                 return;
-            }
-            let mut progressed = false;
-            for t in batch {
+            };
+            cursor = Some(key);
+            let t = key.1;
+            let progressed;
+            'item: {
                 if self.check_admission(t) {
                     progressed = true;
-                    continue;
+                    break 'item;
                 }
                 let traj = &self.trajs[t.0 as usize];
                 let Kv::Held(p, held_tokens, p_version) = traj.kv else {
                     // Not held any more (lost replica): start the turn over.
                     self.enqueue(t, Queue::Gen, Phase::QueuedGen);
                     progressed = true;
-                    continue;
+                    break 'item;
                 };
                 let task = &self.cfg.tasks[traj.task as usize];
                 let context = traj.context + traj.input;
@@ -1398,29 +1415,32 @@ impl Core {
                 progressed = true;
             }
             if !progressed {
-                return;
+                misses += 1;
             }
         }
     }
 
     fn dispatch_reward(&mut self) {
-        loop {
-            let batch = self.queue_snapshot(Queue::Reward, LOOKAHEAD);
-            if batch.is_empty() {
+        let mut cursor = None;
+        let mut misses = 0;
+        while misses < LOOKAHEAD {
+            let Some(key) = self.queue_next(Queue::Reward, cursor) else {
                 return;
-            }
+            };
+            cursor = Some(key);
+            let t = key.1;
             let mut progressed = false;
-            for t in batch {
+            'item: {
                 let task = &self.cfg.tasks[self.trajs[t.0 as usize].task as usize];
                 let (work, cpu, serverless) = match task.reward {
                     RewardRoute::Environment => {
                         self.complete(t);
                         progressed = true;
-                        continue;
+                        break 'item;
                     }
                     RewardRoute::Serverless(s) => {
                         if self.serverless_free[s as usize] == 0 {
-                            continue;
+                            break 'item;
                         }
                         self.serverless_free[s as usize] -= 1;
                         let pool = self.cfg.serverless_pools[s as usize].pool;
@@ -1437,7 +1457,7 @@ impl Core {
                     RewardRoute::Local(c) => {
                         let need = 1000u64.min(self.cfg.cpu_pools[c as usize].millicpus).max(1);
                         if self.cpu_free[c as usize] < need {
-                            continue;
+                            break 'item;
                         }
                         self.cpu_free[c as usize] -= need;
                         let pool = self.cfg.cpu_pools[c as usize].pool;
@@ -1470,7 +1490,7 @@ impl Core {
                 progressed = true;
             }
             if !progressed {
-                return;
+                misses += 1;
             }
         }
     }
@@ -1486,6 +1506,10 @@ impl Core {
         let per_batch = (self.cfg.train_batch_size as u64 / n).max(1) as usize;
         let groups_per_step = (self.cfg.rollout_batch_size as u64 / n).max(1);
         let floor = self.floor();
+        let any_stale = self.ready.first().is_some_and(|(v, _)| *v < floor);
+        if !any_stale && self.ready.len() < per_batch {
+            return;
+        }
         // Consumption check: groups with a turn older than the bound are regenerated.
         let stale: Vec<(Version, GroupId)> = self
             .ready

@@ -107,20 +107,23 @@ enum Event {
     Wake(u32, u64),
     Done(StageId, StageOutcome),
     Failed(StageId),
-    KvArrived {
-        replica: u32,
-        epoch: u64,
-        stage: StageId,
-        traj: TrajId,
-        from: u32,
-        context: u64,
-        prefill: u64,
-        action: u64,
-    },
+    KvArrived(Box<KvArrival>),
     TrainDone(BatchId, bool),
     WeightsDone(u32, u64, u64),
     Fail,
     Recover(u32),
+}
+
+#[derive(Debug, Clone)]
+struct KvArrival {
+    replica: u32,
+    epoch: u64,
+    stage: StageId,
+    traj: TrajId,
+    from: u32,
+    context: u64,
+    prefill: u64,
+    action: u64,
 }
 
 struct Entry {
@@ -272,7 +275,7 @@ struct Sim<'a> {
     sync_seconds: BTreeMap<u32, f64>,
     cpu_in_use: BTreeMap<u32, u64>,
     serverless: BTreeMap<u32, ServerlessState>,
-    ledger: BTreeMap<TrajId, TrajLedger>,
+    ledger: Vec<TrajLedger>,
     turns_wanted: BTreeMap<TrajId, u32>,
     version: u64,
     publish_times: Vec<f64>,
@@ -308,6 +311,14 @@ impl<'a> Sim<'a> {
             seq: self.seq,
             event,
         }));
+    }
+
+    fn ledger_mut(&mut self, traj: TrajId) -> &mut TrajLedger {
+        let i = traj.0 as usize;
+        if self.ledger.len() <= i {
+            self.ledger.resize_with(i + 1, TrajLedger::default);
+        }
+        &mut self.ledger[i]
     }
 
     fn violation(&mut self, what: String) {
@@ -474,7 +485,7 @@ impl<'a> Sim<'a> {
                 version: 0,
             },
         );
-        let ledger = self.ledger.entry(traj).or_default();
+        let ledger = self.ledger_mut(traj);
         ledger.group = group.0;
         ledger.task = task;
         let Some(task_spec) = self.task(task) else {
@@ -503,7 +514,7 @@ impl<'a> Sim<'a> {
                     let tokens = sample(&task_spec.prompt_tokens, &mut self.rng(&[stream::PROMPT, group.0]))
                         .round()
                         .max(1.0) as u64;
-                    if let Some(l) = self.ledger.get_mut(&traj) {
+                    if let Some(l) = Some(self.ledger_mut(traj)) {
                         l.reset_cpu_s = cpu_s;
                         l.inputs = vec![tokens];
                     }
@@ -525,7 +536,7 @@ impl<'a> Sim<'a> {
                         &mut self.rng(&[stream::OBSERVATION, traj.0, turn as u64]),
                     )
                     .round() as u64;
-                    if let Some(l) = self.ledger.get_mut(&traj) {
+                    if let Some(l) = Some(self.ledger_mut(traj)) {
                         if let Some(last) = (turn as usize).checked_sub(1).and_then(|k| l.turns.get_mut(k)) {
                             last.env_cpu_s = cpu_s;
                         }
@@ -598,7 +609,7 @@ impl<'a> Sim<'a> {
                         let epoch = self.engines[r].epoch;
                         self.push(
                             now.plus(Span::from_secs_f64(secs)),
-                            Event::KvArrived {
+                            Event::KvArrived(Box::new(KvArrival {
                                 replica: r as u32,
                                 epoch,
                                 stage,
@@ -607,7 +618,7 @@ impl<'a> Sim<'a> {
                                 context: cached_tokens,
                                 prefill: prefill_tokens,
                                 action,
-                            },
+                            })),
                         );
                     }
                     None => {
@@ -653,7 +664,7 @@ impl<'a> Sim<'a> {
                     self.cpu_take(pool, millicpus);
                     self.stage_loc.insert(stage, Loc::Cpu(pool, millicpus));
                 }
-                if let Some(l) = self.ledger.get_mut(&traj) {
+                if let Some(l) = Some(self.ledger_mut(traj)) {
                     l.reward_s = latency;
                 }
                 self.push(
@@ -716,7 +727,7 @@ impl<'a> Sim<'a> {
         let costs = self.costs;
         let mut violations = Vec::new();
         for &t in &trajectories {
-            let Some(l) = self.ledger.get_mut(&t) else {
+            let Some(l) = self.ledger.get_mut(t.0 as usize) else {
                 violations.push(format!("trajectory {} trained but never run", t.0));
                 continue;
             };
@@ -820,7 +831,7 @@ impl<'a> Sim<'a> {
                             if let Some(info) = self.stage_info.get(&stage).copied()
                                 && self.stage_loc.contains_key(&stage)
                             {
-                                let l = self.ledger.entry(info.traj).or_default();
+                                let l = self.ledger_mut(info.traj);
                                 let k = info.turn as usize;
                                 l.turns.truncate(k);
                                 let context_before =
@@ -860,16 +871,17 @@ impl<'a> Sim<'a> {
                 self.stage_info.remove(&stage);
                 self.input(Input::StageFailed { stage });
             }
-            Event::KvArrived {
-                replica,
-                epoch,
-                stage,
-                traj,
-                from,
-                context,
-                prefill,
-                action,
-            } => {
+            Event::KvArrived(arrival) => {
+                let KvArrival {
+                    replica,
+                    epoch,
+                    stage,
+                    traj,
+                    from,
+                    context,
+                    prefill,
+                    action,
+                } = *arrival;
                 let r = replica as usize;
                 if self.engines[r].epoch != epoch || !self.stage_loc.contains_key(&stage) {
                     return;
@@ -1058,7 +1070,7 @@ pub fn simulate(
         sync_seconds: BTreeMap::new(),
         cpu_in_use: BTreeMap::new(),
         serverless,
-        ledger: BTreeMap::new(),
+        ledger: Vec::new(),
         turns_wanted: BTreeMap::new(),
         version: 0,
         publish_times: Vec::new(),
@@ -1095,7 +1107,9 @@ pub fn simulate(
         }
         let next_event = sim.heap.peek().map(|Reverse(e)| e.at);
         let timeout = sim.core.poll_timeout();
-        let only_failures = sim.heap.iter().all(|Reverse(e)| matches!(e.event, Event::Fail));
+        // Only the failure injector left to happen means nothing will ever finish.
+        let only_failures = sim.heap.len() == 1
+            && sim.heap.peek().is_some_and(|Reverse(e)| matches!(e.event, Event::Fail));
         match (next_event, timeout) {
             (None, None) => {
                 return Err(RunError::Stalled {
@@ -1104,7 +1118,7 @@ pub fn simulate(
                     steps,
                 });
             }
-            (Some(_), None) if only_failures && sim.heap.len() == 1 => {
+            (Some(_), None) if only_failures => {
                 return Err(RunError::Stalled {
                     at: sim.now.as_secs_f64(),
                     trained: sim.core.version(),
