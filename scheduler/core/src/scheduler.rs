@@ -215,6 +215,7 @@ pub struct Core {
     draining: BTreeSet<ReplicaId>,
     updating: u32,
     commands: VecDeque<Command>,
+    repump: bool,
     stats: Stats,
 }
 
@@ -272,6 +273,7 @@ impl Core {
             draining: BTreeSet::new(),
             updating: 0,
             commands: VecDeque::new(),
+            repump: false,
             stats: Stats::default(),
         };
         for i in 0..core.replicas.len() {
@@ -354,6 +356,41 @@ impl Core {
             }
         }
         counts
+    }
+
+    /// A one-line summary of where everything is, for diagnostics (e.g. a stalled run).
+    pub fn summary(&self) -> String {
+        let mut phases: BTreeMap<String, u64> = BTreeMap::new();
+        for t in &self.trajs {
+            *phases.entry(format!("{:?}", t.phase)).or_default() += 1;
+        }
+        let replicas: Vec<String> = self
+            .replicas
+            .iter()
+            .map(|r| {
+                format!(
+                    "{:?}/v{:?}/{}{}{}/seq{}/kv{}+{}",
+                    r.role,
+                    r.version,
+                    if r.healthy { "" } else { "lost," },
+                    if r.draining { "draining," } else { "" },
+                    if r.updating { "updating" } else { "" },
+                    r.in_flight,
+                    r.kv_reserved,
+                    r.held.len()
+                )
+            })
+            .collect();
+        format!(
+            "version {} trainer {:?} phases {:?} ready {} pending_update {} updating {} replicas [{}]",
+            self.version,
+            self.trainer.as_ref().map(|b| b.id),
+            phases,
+            self.ready.len(),
+            self.pending_update.len(),
+            self.updating,
+            replicas.join(" ")
+        )
     }
 
     /// Checks the core's own books: no replica or pool holds more than its capacity, and every
@@ -832,17 +869,22 @@ impl Core {
         if self.finished() {
             return;
         }
-        self.sync_weights();
-        self.admit_groups();
-        self.dispatch_env();
-        self.dispatch_gen();
-        self.dispatch_decode();
-        self.dispatch_reward();
-        self.dispatch_train();
-        // Training or a finished batch can open the next batch or a sync in the same pass.
-        self.sync_weights();
-        self.admit_groups();
-        self.dispatch_env();
+        // A pass can unblock work an earlier stage of the same pass already looked at (training
+        // opens a batch or a sync; a rewind re-queues a trajectory): repeat while that happens.
+        for _ in 0..8 {
+            self.repump = false;
+            let issued = self.commands.len();
+            self.sync_weights();
+            self.admit_groups();
+            self.dispatch_env();
+            self.dispatch_gen();
+            self.dispatch_decode();
+            self.dispatch_reward();
+            self.dispatch_train();
+            if !self.repump && self.commands.len() == issued {
+                break;
+            }
+        }
     }
 
     fn sync_weights(&mut self) {
@@ -1170,6 +1212,8 @@ impl Core {
                     return;
                 }
                 if self.check_admission(t) {
+                    // Rewound (and re-queued, maybe elsewhere): look again in another pass.
+                    self.repump = true;
                     progressed = true;
                     break 'item;
                 }
@@ -1345,6 +1389,8 @@ impl Core {
             let progressed;
             'item: {
                 if self.check_admission(t) {
+                    // Rewound (and re-queued, maybe elsewhere): look again in another pass.
+                    self.repump = true;
                     progressed = true;
                     break 'item;
                 }
@@ -1352,6 +1398,7 @@ impl Core {
                 let Kv::Held(p, held_tokens, p_version) = traj.kv else {
                     // Not held any more (lost replica): start the turn over.
                     self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+                    self.repump = true;
                     progressed = true;
                     break 'item;
                 };
@@ -1527,6 +1574,7 @@ impl Core {
                 if let Some(k) = first_bad {
                     self.regenerate(t, k);
                     self.stats.regenerated_at_consumption += 1;
+                    self.repump = true;
                 }
             }
         }

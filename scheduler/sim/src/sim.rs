@@ -166,8 +166,10 @@ pub enum RunError {
     #[error(transparent)]
     Config(#[from] rollfleet_core::ConfigError),
     /// Nothing left to happen, yet steps remain.
-    #[error("the simulation stalled at {at:.1} s with {trained} of {steps} steps trained")]
+    #[error("the simulation stalled at {at:.1} s with {trained} of {steps} steps trained: {state}")]
     Stalled {
+        /// Where the core's work was.
+        state: String,
         /// Virtual time.
         at: f64,
         /// Steps trained.
@@ -537,6 +539,8 @@ impl<'a> Sim<'a> {
                     )
                     .round() as u64;
                     if let Some(l) = Some(self.ledger_mut(traj)) {
+                        // Turns beyond this one belong to an attempt that was thrown away.
+                        l.turns.truncate(turn as usize);
                         if let Some(last) = (turn as usize).checked_sub(1).and_then(|k| l.turns.get_mut(k)) {
                             last.env_cpu_s = cpu_s;
                         }
@@ -623,7 +627,7 @@ impl<'a> Sim<'a> {
                     }
                     None => {
                         self.stage_loc.insert(stage, Loc::Engine(r as u32));
-                        self.start_generation(r, stage, traj, cached_tokens, prefill_tokens, action);
+                        self.start_generation(r, stage, traj, cached_tokens, prefill_tokens, action, false);
                     }
                 }
             }
@@ -696,10 +700,22 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn start_generation(&mut self, r: usize, stage: StageId, traj: TrajId, cached: u64, prefill: u64, action: u64) {
+    #[allow(clippy::too_many_arguments)]
+    fn start_generation(
+        &mut self,
+        r: usize,
+        stage: StageId,
+        traj: TrajId,
+        cached: u64,
+        prefill: u64,
+        action: u64,
+        pulled: bool,
+    ) {
         let now = self.now;
         let version = self.engines[r].version.unwrap_or(0);
-        let v = self.prefill_versions.remove(&traj).map_or(version, |p| p.min(version));
+        // A pulled KV cache was computed by the prefill replica's version.
+        let prefilled = self.prefill_versions.remove(&traj);
+        let v = if pulled { prefilled.map_or(version, |p| p.min(version)) } else { version };
         if let Some(info) = self.stage_info.get_mut(&stage) {
             info.version = v;
         }
@@ -890,7 +906,7 @@ impl<'a> Sim<'a> {
                     p.release_kv(traj);
                 }
                 self.stage_loc.insert(stage, Loc::Engine(replica));
-                self.start_generation(r, stage, traj, context, prefill, action);
+                self.start_generation(r, stage, traj, context, prefill, action, true);
             }
             Event::TrainDone(batch, publishes) => {
                 let now = self.now;
@@ -1113,6 +1129,7 @@ pub fn simulate(
         match (next_event, timeout) {
             (None, None) => {
                 return Err(RunError::Stalled {
+                    state: sim.core.summary(),
                     at: sim.now.as_secs_f64(),
                     trained: sim.core.version(),
                     steps,
@@ -1120,6 +1137,7 @@ pub fn simulate(
             }
             (Some(_), None) if only_failures => {
                 return Err(RunError::Stalled {
+                    state: sim.core.summary(),
                     at: sim.now.as_secs_f64(),
                     trained: sim.core.version(),
                     steps,

@@ -172,7 +172,7 @@ fn a_missing_job_file_is_an_error_not_a_panic() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
     /// Over many seeds, every policy, with and without replica failures: no trajectory lost or
     /// trained twice, every trained group complete, no turn beyond the staleness bound, no pool
@@ -219,4 +219,18 @@ fn replica_failures_are_survived_without_losing_or_duplicating_a_trajectory() {
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     assert!(run.core.stage_retries > 0, "no failure hit a stage");
     assert_eq!(run.trajectories, 4 * 32);
+}
+
+/// Regression: a trajectory rewound by the staleness check at admission, with nothing else in
+/// flight, used to wait for an event that never came.
+#[test]
+fn a_trajectory_rewound_at_admission_is_dispatched_in_the_same_pass() {
+    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = 3;
+    let (placement, policy) = Baseline::Rollfleet.setup(&spec, &job.catalog, &workload_means(&spec)).unwrap();
+    let opts = SimOptions { seed: 15397575574545266249, ..SimOptions::default() };
+    let run = simulate(&spec, &job.catalog, placement, policy, &opts, &mut |_, _| {}).unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    assert!(run.core.regenerated_at_admission > 0);
 }
