@@ -218,9 +218,7 @@ impl Config {
                         .map_or(1, |p| p.default_concurrency as u64);
                     serverless_pools.push(ServerlessPoolConfig {
                         pool: i as PoolIndex,
-                        concurrency: pool
-                            .concurrency
-                            .map_or(default, |c| c.max(1) as u64),
+                        concurrency: pool.concurrency.map_or(default, |c| c.max(1) as u64),
                     });
                 }
                 _ => {}
@@ -253,10 +251,9 @@ impl Config {
                     .ok_or_else(|| ConfigError::RewardPool(reward.name.clone()))?,
             };
             let context_limit = task.context_limit.max(1) as u64;
-            let max_action = task
-                .action_tokens
-                .upper_bound()
-                .map_or(context_limit, |b| (b.ceil().max(1.0) as u64).min(context_limit));
+            let max_action = task.action_tokens.upper_bound().map_or(context_limit, |b| {
+                (b.ceil().max(1.0) as u64).min(context_limit)
+            });
             tasks.push(TaskLimits {
                 share: task.share.max(0.0),
                 max_turns: u32::try_from(task.max_turns.max(1)).unwrap_or(u32::MAX),

@@ -198,7 +198,8 @@ fn pool_gpu<'a>(
 }
 
 fn kv_tokens(gpu: &GpuProduct, gpus: u32, spec: &JobSpec) -> u64 {
-    let free = gpus as f64 * gpu.memory_bytes() * USABLE_MEMORY_FRACTION - spec.model.weight_bytes();
+    let free =
+        gpus as f64 * gpu.memory_bytes() * USABLE_MEMORY_FRACTION - spec.model.weight_bytes();
     let per_token = spec.model.kv_bytes_per_token().max(1.0);
     (free / per_token).max(0.0) as u64
 }
@@ -265,8 +266,7 @@ pub fn default_placement(
         };
         if trains {
             let train_gpus = if serve.is_some() {
-                let train_work =
-                    6.0 * means.train_tokens / spec.rl.train_mfu.clamp(0.01, 1.0);
+                let train_work = 6.0 * means.train_tokens / spec.rl.train_mfu.clamp(0.01, 1.0);
                 let prefill_work = 2.0 * means.prefill_tokens / PREFILL_MFU_ESTIMATE;
                 let share = if train_work + prefill_work > 0.0 {
                     train_work / (train_work + prefill_work)
@@ -340,11 +340,17 @@ pub fn colocated_placement(spec: &JobSpec, catalog: &Catalog) -> Result<Placemen
     let (i, _) = best.ok_or(PlacementError::NoServing)?;
     let (gpu, count, per_node) = pool_gpu(spec, catalog, i)?;
     let context_bytes = spec.model.kv_bytes_per_token() * longest_context(spec);
-    let tp = replica_gpus(gpu, count, per_node, spec.model.weight_bytes(), context_bytes)
-        .ok_or_else(|| PlacementError::DoesNotFit {
-            pool: spec.pools[i].name.clone(),
-            gpu: gpu.name.clone(),
-        })?;
+    let tp = replica_gpus(
+        gpu,
+        count,
+        per_node,
+        spec.model.weight_bytes(),
+        context_bytes,
+    )
+    .ok_or_else(|| PlacementError::DoesNotFit {
+        pool: spec.pools[i].name.clone(),
+        gpu: gpu.name.clone(),
+    })?;
     let replicas = (0..count / tp)
         .map(|_| ReplicaConfig {
             pool: i as PoolIndex,

@@ -121,10 +121,10 @@ impl RouterView<'_> {
         floor: Version,
         allow_evict: bool,
     ) -> Option<(ReplicaId, bool)> {
-        let fit = set
-            .iter()
-            .map(|&(_, id)| id)
-            .find(|&id| self.view(id).is_some_and(|v| v.fits(kv_tokens, floor, false)));
+        let fit = set.iter().map(|&(_, id)| id).find(|&id| {
+            self.view(id)
+                .is_some_and(|v| v.fits(kv_tokens, floor, false))
+        });
         if let Some(id) = fit {
             return Some((id, false));
         }
@@ -133,7 +133,10 @@ impl RouterView<'_> {
         }
         set.iter()
             .map(|&(_, id)| id)
-            .find(|&id| self.view(id).is_some_and(|v| v.fits(kv_tokens, floor, true)))
+            .find(|&id| {
+                self.view(id)
+                    .is_some_and(|v| v.fits(kv_tokens, floor, true))
+            })
             .map(|id| (id, true))
     }
 
@@ -204,38 +207,83 @@ mod tests {
 
     #[test]
     fn a_later_turn_goes_back_to_the_replica_holding_its_kv_cache() {
-        let replicas = vec![replica(ServeRole::Decode, 0, 0), replica(ServeRole::Decode, 5, 500)];
+        let replicas = vec![
+            replica(ServeRole::Decode, 0, 0),
+            replica(ServeRole::Decode, 5, 500),
+        ];
         let (prefill, decode) = sets(&replicas);
-        let view = RouterView { lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(), prefill: &prefill, decode: &decode };
-        assert_eq!(view.route(&request(Some(ReplicaId(1))), false), Some(Route::Sticky(ReplicaId(1))));
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(
+            view.route(&request(Some(ReplicaId(1))), false),
+            Some(Route::Sticky(ReplicaId(1)))
+        );
     }
 
     #[test]
     fn a_new_trajectory_goes_to_the_least_loaded_replica() {
-        let replicas = vec![replica(ServeRole::Decode, 4, 100), replica(ServeRole::Decode, 1, 100)];
+        let replicas = vec![
+            replica(ServeRole::Decode, 4, 100),
+            replica(ServeRole::Decode, 1, 100),
+        ];
         let (prefill, decode) = sets(&replicas);
-        let view = RouterView { lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(), prefill: &prefill, decode: &decode };
-        assert_eq!(view.route(&request(None), false), Some(Route::Generate(ReplicaId(1), false)));
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(
+            view.route(&request(None), false),
+            Some(Route::Generate(ReplicaId(1), false))
+        );
     }
 
     #[test]
     fn an_unhealthy_or_too_old_replica_is_never_chosen() {
-        let mut replicas = vec![replica(ServeRole::Decode, 0, 0), replica(ServeRole::Decode, 7, 0)];
+        let mut replicas = vec![
+            replica(ServeRole::Decode, 0, 0),
+            replica(ServeRole::Decode, 7, 0),
+        ];
         replicas[0].available = false;
         let (prefill, decode) = sets(&replicas);
-        let view = RouterView { lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(), prefill: &prefill, decode: &decode };
-        assert_eq!(view.route(&request(Some(ReplicaId(0))), false), Some(Route::Generate(ReplicaId(1), false)));
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(
+            view.route(&request(Some(ReplicaId(0))), false),
+            Some(Route::Generate(ReplicaId(1), false))
+        );
         replicas[1].version = Some(1);
-        let view = RouterView { lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(), prefill: &prefill, decode: &decode };
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
         assert_eq!(view.route(&request(None), false), None);
     }
 
     #[test]
     fn a_long_input_is_prefilled_on_the_prefill_pool_when_disaggregated() {
-        let replicas = vec![replica(ServeRole::Decode, 0, 0), replica(ServeRole::Prefill, 0, 0)];
+        let replicas = vec![
+            replica(ServeRole::Decode, 0, 0),
+            replica(ServeRole::Prefill, 0, 0),
+        ];
         let (prefill, decode) = sets(&replicas);
-        let view = RouterView { lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(), prefill: &prefill, decode: &decode };
-        let req = RouteRequest { disaggregated: true, pd_min_prefill_tokens: 100, ..request(None) };
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        let req = RouteRequest {
+            disaggregated: true,
+            pd_min_prefill_tokens: 100,
+            ..request(None)
+        };
         assert_eq!(view.route(&req, false), Some(Route::Prefill(ReplicaId(1))));
     }
 
@@ -243,10 +291,21 @@ mod tests {
     fn a_full_replica_is_chosen_only_if_evicting_idle_caches_makes_room() {
         let mut replicas = vec![replica(ServeRole::Decode, 0, 900)];
         let (prefill, decode) = sets(&replicas);
-        let view = RouterView { lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(), prefill: &prefill, decode: &decode };
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
         assert_eq!(view.route(&request(None), true), None);
         replicas[0].kv_evictable = 500;
-        let view = RouterView { lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(), prefill: &prefill, decode: &decode };
-        assert_eq!(view.route(&request(None), true), Some(Route::Generate(ReplicaId(0), true)));
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(
+            view.route(&request(None), true),
+            Some(Route::Generate(ReplicaId(0), true))
+        );
     }
 }

@@ -398,10 +398,16 @@ impl Core {
     pub fn check_invariants(&self) -> Result<(), String> {
         for (i, r) in self.replicas.iter().enumerate() {
             if r.kv_reserved > r.kv_capacity {
-                return Err(format!("replica {i}: KV {} > {}", r.kv_reserved, r.kv_capacity));
+                return Err(format!(
+                    "replica {i}: KV {} > {}",
+                    r.kv_reserved, r.kv_capacity
+                ));
             }
             if r.in_flight > r.max_seqs {
-                return Err(format!("replica {i}: {} seqs > {}", r.in_flight, r.max_seqs));
+                return Err(format!(
+                    "replica {i}: {} seqs > {}",
+                    r.in_flight, r.max_seqs
+                ));
             }
         }
         let mut cpu_used = vec![0u64; self.cpu_free.len()];
@@ -510,7 +516,13 @@ impl Core {
         id
     }
 
-    fn stage_command(&self, stage: StageId, t: TrajId, version: Version, work: StageWork) -> StageCommand {
+    fn stage_command(
+        &self,
+        stage: StageId,
+        t: TrajId,
+        version: Version,
+        work: StageWork,
+    ) -> StageCommand {
         let traj = &self.trajs[t.0 as usize];
         StageCommand {
             stage,
@@ -582,7 +594,8 @@ impl Core {
         }
         self.touch(replica);
         if tell {
-            self.commands.push_back(Command::ReleaseKv { replica, traj: t });
+            self.commands
+                .push_back(Command::ReleaseKv { replica, traj: t });
         }
     }
 
@@ -612,8 +625,10 @@ impl Core {
         };
         let matches = matches!(
             (&rec.kind, &outcome),
-            (StageKind::EnvReset | StageKind::EnvStep, StageOutcome::Observed { .. })
-                | (StageKind::Prefill, StageOutcome::Prefilled)
+            (
+                StageKind::EnvReset | StageKind::EnvStep,
+                StageOutcome::Observed { .. }
+            ) | (StageKind::Prefill, StageOutcome::Prefilled)
                 | (StageKind::Gen { .. }, StageOutcome::Generated { .. })
                 | (StageKind::Reward, StageOutcome::Rewarded { .. })
         );
@@ -689,7 +704,8 @@ impl Core {
                     self.trajs[ti].kv = Kv::Retained(replica, keep);
                     self.touch(replica);
                 } else {
-                    self.commands.push_back(Command::ReleaseKv { replica, traj: t });
+                    self.commands
+                        .push_back(Command::ReleaseKv { replica, traj: t });
                 }
                 self.enqueue(t, Queue::Env, Phase::QueuedEnv);
             }
@@ -905,14 +921,10 @@ impl Core {
             if self.updating + draining >= limit || self.pending_update.is_empty() {
                 break;
             }
-            let pick = self
-                .pending_update
-                .iter()
-                .copied()
-                .min_by_key(|id| {
-                    let r = &self.replicas[id.0 as usize];
-                    (r.version, r.in_flight, r.held.len(), *id)
-                });
+            let pick = self.pending_update.iter().copied().min_by_key(|id| {
+                let r = &self.replicas[id.0 as usize];
+                (r.version, r.in_flight, r.held.len(), *id)
+            });
             let Some(id) = pick else { break };
             self.pending_update.remove(&id);
             self.replicas[id.0 as usize].draining = true;
@@ -936,7 +948,11 @@ impl Core {
 
     fn start_update(&mut self, id: ReplicaId, mode: SyncMode) {
         // Loading weights drops the replica's KV cache.
-        let retained: Vec<TrajId> = self.replicas[id.0 as usize].retained.keys().copied().collect();
+        let retained: Vec<TrajId> = self.replicas[id.0 as usize]
+            .retained
+            .keys()
+            .copied()
+            .collect();
         for t in retained {
             self.drop_kv(t, false);
         }
@@ -977,7 +993,9 @@ impl Core {
             Discipline::Continuous => {
                 // In flight or waiting (started, not consumed): the staleness window's worth of
                 // batches (at least one, so rollout overlaps training) plus the over-provisioning.
-                let extra = (self.cfg.policy.over_provisioning * b as f64).ceil().max(0.0) as u64;
+                let extra = (self.cfg.policy.over_provisioning * b as f64)
+                    .ceil()
+                    .max(0.0) as u64;
                 let window = self.cfg.policy.max_staleness.max(1) * b;
                 let budget = (self.stats.trajectories_consumed + window + extra)
                     .min(self.cfg.steps * b + extra);
@@ -1612,7 +1630,8 @@ impl Core {
                 let traj = &mut self.trajs[t.0 as usize];
                 traj.phase = Phase::Consumed;
                 tokens += traj.context;
-                let staleness = traj.oldest().map_or(0, |v| self.version.saturating_sub(v)) as usize;
+                let staleness =
+                    traj.oldest().map_or(0, |v| self.version.saturating_sub(v)) as usize;
                 if self.stats.staleness_histogram.len() <= staleness {
                     self.stats.staleness_histogram.resize(staleness + 1, 0);
                 }

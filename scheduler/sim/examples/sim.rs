@@ -15,7 +15,12 @@ struct Cli {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    match rollfleet_sim::run(&cli.sim, cli.output, &mut std::io::stdout(), &mut std::io::stderr()) {
+    match rollfleet_sim::run(
+        &cli.sim,
+        cli.output,
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    ) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

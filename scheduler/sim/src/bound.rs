@@ -61,7 +61,10 @@ pub fn min_makespan(cost: &[Vec<f64>]) -> Option<(f64, Vec<Vec<f64>>)> {
         tab[r][a0 + w] = 1.0;
         tab[r][cols] = 1.0;
     }
-    let mut basis: Vec<usize> = (0..pools).map(|p| s0 + p).chain((0..works).map(|w| a0 + w)).collect();
+    let mut basis: Vec<usize> = (0..pools)
+        .map(|p| s0 + p)
+        .chain((0..works).map(|w| a0 + w))
+        .collect();
     // Phase 1: minimise the artificials.
     let mut phase1 = vec![0.0; cols];
     for w in 0..works {

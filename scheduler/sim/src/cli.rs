@@ -83,10 +83,15 @@ pub enum SimError {
 
 fn uses_trace(spec: &rollfleet_spec::JobSpec) -> bool {
     spec.tasks.iter().any(|t| {
-        [&t.prompt_tokens, &t.action_tokens, &t.observation_tokens, &t.env_step_ms]
-            .into_iter()
-            .chain(t.turns.as_ref())
-            .any(|d| matches!(**d, Distribution::Trace { .. }))
+        [
+            &t.prompt_tokens,
+            &t.action_tokens,
+            &t.observation_tokens,
+            &t.env_step_ms,
+        ]
+        .into_iter()
+        .chain(t.turns.as_ref())
+        .any(|d| matches!(**d, Distribution::Trace { .. }))
     })
 }
 
@@ -101,14 +106,18 @@ pub fn run(
     let mut spec = job.spec().clone();
     if let Some(steps) = args.steps {
         if steps == 0 || steps > 1_000_000 {
-            return Err(SimError::Argument(format!("--steps must be in 1..=1000000, got {steps}")));
+            return Err(SimError::Argument(format!(
+                "--steps must be in 1..=1000000, got {steps}"
+            )));
         }
         spec.rl.steps = steps as i64;
     }
     if let Some(m) = args.failure_mtbf
         && !(m.is_finite() && m > 0.0)
     {
-        return Err(SimError::Argument(format!("--failure-mtbf must be a positive number, got {m}")));
+        return Err(SimError::Argument(format!(
+            "--failure-mtbf must be a positive number, got {m}"
+        )));
     }
     let baselines: Vec<Baseline> = if args.baselines.is_empty() {
         Baseline::ALL.to_vec()
@@ -128,16 +137,23 @@ pub fn run(
     let mut runs = Vec::new();
     for baseline in &baselines {
         let name = baseline.name();
-        let (placement, policy) = baseline
-            .setup(&spec, &job.catalog, &means)
-            .map_err(|source| SimError::Placement { policy: name.into(), source })?;
+        let (placement, policy) =
+            baseline
+                .setup(&spec, &job.catalog, &means)
+                .map_err(|source| SimError::Placement {
+                    policy: name.into(),
+                    source,
+                })?;
         let started = Instant::now();
         let steps = spec.rl.steps;
         let mut progress = |step: u64, at: f64| {
             let _ = writeln!(stderr, "  {name}: step {step}/{steps} at {at:.0} virtual s");
         };
         let result = simulate(&spec, &job.catalog, placement, policy, &opts, &mut progress)
-            .map_err(|source| SimError::Run { policy: name.into(), source })?;
+            .map_err(|source| SimError::Run {
+                policy: name.into(),
+                source,
+            })?;
         let wall = started.elapsed().as_secs_f64().max(1e-9);
         let _ = writeln!(
             stderr,
@@ -153,7 +169,11 @@ pub fn run(
         .iter()
         .map(|(name, r)| policy_report(name, &spec, &job.catalog, &hw, r))
         .collect();
-    if let Some(sync) = policies.iter().find(|p| p.policy == "sync").map(|p| p.step_time_s) {
+    if let Some(sync) = policies
+        .iter()
+        .find(|p| p.policy == "sync")
+        .map(|p| p.step_time_s)
+    {
         for p in &mut policies {
             p.speedup_vs_sync = Some(sync / p.step_time_s.max(1e-12));
         }
@@ -168,8 +188,12 @@ pub fn run(
     };
     if let Some(path) = &args.timeline {
         let names: Vec<String> = spec.pools.iter().map(|p| p.name.clone()).collect();
-        let refs: Vec<(String, &crate::sim::RunResult)> = runs.iter().map(|(n, r)| (n.clone(), r)).collect();
-        std::fs::write(path, crate::svg::timeline(&names, &refs, attribution.as_deref()))?;
+        let refs: Vec<(String, &crate::sim::RunResult)> =
+            runs.iter().map(|(n, r)| (n.clone(), r)).collect();
+        std::fs::write(
+            path,
+            crate::svg::timeline(&names, &refs, attribution.as_deref()),
+        )?;
     }
     match output {
         OutputFormat::Table => stdout.write_all(render_table(&report).as_bytes())?,

@@ -317,7 +317,11 @@ impl Engine {
             self.start_batch(now);
         }
         // Sequences within a nanosecond's worth of progress of their target are done.
-        let slack = if self.t_iter > 0.0 { 1e-9 / self.t_iter } else { 0.0 };
+        let slack = if self.t_iter > 0.0 {
+            1e-9 / self.t_iter
+        } else {
+            0.0
+        };
         while let Some(&(bits, key)) = self.finish.first() {
             if f64::from_bits(bits) > self.progress + slack + 1e-9 {
                 break;
@@ -482,7 +486,13 @@ mod tests {
         let mut e = Engine::new(1, 1e15, 1e12, &hw(), costs(), 100_000);
         e.add_prefill(
             Time::ZERO,
-            PrefillJob { stage: StageId(1), traj: TrajId(1), cached: 0, tokens: 10_000, decode: None },
+            PrefillJob {
+                stage: StageId(1),
+                traj: TrajId(1),
+                cached: 0,
+                tokens: 10_000,
+                decode: None,
+            },
         );
         let wake = e.next_wake().unwrap();
         assert!((wake.as_secs_f64() - 0.02).abs() < 1e-6, "{wake:?}");

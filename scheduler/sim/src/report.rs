@@ -72,12 +72,15 @@ pub fn lower_bound(
                     / rollfleet_core::placement::MAX_SEQS_PER_REPLICA as f64;
                 names.push(pool.name.clone());
                 cost[0].push(work.prefill_flops / flops);
-                cost[1].push((work.decode_flops / flops).max((work.decode_kv_bytes + weight_reads) / bw));
+                cost[1].push(
+                    (work.decode_flops / flops).max((work.decode_kv_bytes + weight_reads) / bw),
+                );
                 cost[2].push(work.train_flops / (n * gpu.peak_flops() * mfu));
             }
             Some(PoolKind::Cpu) => {
                 let shape = pool.cpu.as_deref().and_then(|c| catalog.cpu_shape(c).ok());
-                vcpus += shape.map_or(0.0, |s| s.vcpus as f64) * pool.count.unwrap_or(0).max(0) as f64;
+                vcpus +=
+                    shape.map_or(0.0, |s| s.vcpus as f64) * pool.count.unwrap_or(0).max(0) as f64;
             }
             _ => {}
         }
@@ -273,9 +276,17 @@ pub fn policy_report(
         trained_tokens_per_s: run.trained_tokens as f64 / total,
         generated_tokens_per_s: run.generated_tokens as f64 / total,
         pools,
-        environment_utilisation: if env_cap > 0.0 { env_busy / (env_cap * total) } else { 0.0 },
+        environment_utilisation: if env_cap > 0.0 {
+            env_busy / (env_cap * total)
+        } else {
+            0.0
+        },
         staleness_histogram: run.staleness_histogram.clone(),
-        efficiency: if step_time > 0.0 { bound.step_s / step_time } else { 0.0 },
+        efficiency: if step_time > 0.0 {
+            bound.step_s / step_time
+        } else {
+            0.0
+        },
         bound,
         serverless_cold_starts: run.cold_starts,
         core: run.core.clone(),
@@ -309,7 +320,8 @@ pub fn render_table(report: &SimReport) -> String {
             "{:<20} {:>9.1} {:>8} {:>8.2} {:>10.0} {:>9.1} {:>6.2} {:>8.0}%",
             p.policy,
             p.step_time_s,
-            p.speedup_vs_sync.map_or("-".to_owned(), |s| format!("{s:.2}x")),
+            p.speedup_vs_sync
+                .map_or("-".to_owned(), |s| format!("{s:.2}x")),
             p.trajectories_per_s,
             p.trained_tokens_per_s,
             p.bound.step_s,

@@ -16,8 +16,8 @@ use std::collections::{BTreeMap, BinaryHeap};
 use rollfleet_catalog::Catalog;
 use rollfleet_core::rng::SplitMix64;
 use rollfleet_core::{
-    BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaId, Span,
-    StageCommand, StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
+    BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaId, Span, StageCommand,
+    StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
 };
 use rollfleet_spec::{JobSpec, PoolKind};
 
@@ -225,7 +225,12 @@ pub struct RunResult {
 pub fn workload_means(spec: &JobSpec) -> WorkloadMeans {
     let mut prefill = 0.0;
     let mut train = 0.0;
-    let total_share: f64 = spec.tasks.iter().map(|t| t.share.max(0.0)).sum::<f64>().max(1e-9);
+    let total_share: f64 = spec
+        .tasks
+        .iter()
+        .map(|t| t.share.max(0.0))
+        .sum::<f64>()
+        .max(1e-9);
     for task in &spec.tasks {
         let turns = task
             .turns
@@ -450,7 +455,9 @@ impl<'a> Sim<'a> {
         let used = *used;
         let cap = self.capacity.get(&pool).copied().unwrap_or(0.0);
         if used as f64 > cap * 1000.0 + 0.5 {
-            self.violation(format!("CPU pool {pool}: {used} millicpus in use > {cap} vCPUs"));
+            self.violation(format!(
+                "CPU pool {pool}: {used} millicpus in use > {cap} vCPUs"
+            ));
         }
         let now = self.now;
         if let Some(m) = self.meters.get_mut(&pool) {
@@ -496,13 +503,22 @@ impl<'a> Sim<'a> {
         };
         let now = self.now;
         match work {
-            StageWork::EnvReset { pool, millicpus } | StageWork::EnvStep { pool, millicpus, .. } => {
+            StageWork::EnvReset { pool, millicpus }
+            | StageWork::EnvStep {
+                pool, millicpus, ..
+            } => {
                 let reset = matches!(work, StageWork::EnvReset { .. });
                 self.cpu_take(pool, millicpus);
                 self.stage_loc.insert(stage, Loc::Cpu(pool, millicpus));
                 let ms = sample(
                     &task_spec.env_step_ms,
-                    &mut self.rng(&[stream::ENV_LATENCY, traj.0, turn as u64, attempt as u64, reset as u64]),
+                    &mut self.rng(&[
+                        stream::ENV_LATENCY,
+                        traj.0,
+                        turn as u64,
+                        attempt as u64,
+                        reset as u64,
+                    ]),
                 );
                 let at = now.plus(Span::from_secs_f64(ms / 1000.0));
                 let fails = self.rng(&[stream::ENV_FAILURE, stage.0]).next_f64()
@@ -513,9 +529,12 @@ impl<'a> Sim<'a> {
                 }
                 let cpu_s = ms / 1000.0 * millicpus as f64 / 1000.0;
                 let outcome = if reset {
-                    let tokens = sample(&task_spec.prompt_tokens, &mut self.rng(&[stream::PROMPT, group.0]))
-                        .round()
-                        .max(1.0) as u64;
+                    let tokens = sample(
+                        &task_spec.prompt_tokens,
+                        &mut self.rng(&[stream::PROMPT, group.0]),
+                    )
+                    .round()
+                    .max(1.0) as u64;
                     if let Some(l) = Some(self.ledger_mut(traj)) {
                         l.reset_cpu_s = cpu_s;
                         l.inputs = vec![tokens];
@@ -528,8 +547,11 @@ impl<'a> Sim<'a> {
                     let wanted = *self.turns_wanted.entry(traj).or_insert_with(|| {
                         let max = task_spec.max_turns.max(1) as f64;
                         let t = task_spec.turns.as_ref().map_or(max, |d| {
-                            sample(d, &mut SplitMix64::keyed(self.opts.seed, &[stream::TURNS, traj.0]))
-                                .round()
+                            sample(
+                                d,
+                                &mut SplitMix64::keyed(self.opts.seed, &[stream::TURNS, traj.0]),
+                            )
+                            .round()
                         });
                         t.clamp(1.0, max) as u32
                     });
@@ -541,7 +563,10 @@ impl<'a> Sim<'a> {
                     if let Some(l) = Some(self.ledger_mut(traj)) {
                         // Turns beyond this one belong to an attempt that was thrown away.
                         l.turns.truncate(turn as usize);
-                        if let Some(last) = (turn as usize).checked_sub(1).and_then(|k| l.turns.get_mut(k)) {
+                        if let Some(last) = (turn as usize)
+                            .checked_sub(1)
+                            .and_then(|k| l.turns.get_mut(k))
+                        {
                             last.env_cpu_s = cpu_s;
                         }
                         l.inputs.truncate(turn as usize);
@@ -595,7 +620,10 @@ impl<'a> Sim<'a> {
                 )
                 .round()
                 .clamp(1.0, max_new_tokens.max(1) as f64) as u64;
-                if kv_from.is_none() && cached_tokens > 0 && !self.engines[r].kv_held.contains_key(&traj) {
+                if kv_from.is_none()
+                    && cached_tokens > 0
+                    && !self.engines[r].kv_held.contains_key(&traj)
+                {
                     self.violation(format!("replica {r}: sticky turn without its KV cache"));
                 }
                 self.engine_running[r] += 1;
@@ -609,7 +637,8 @@ impl<'a> Sim<'a> {
                 match kv_from {
                     Some(p) => {
                         self.stage_loc.insert(stage, Loc::Transfer(r as u32));
-                        let secs = kv_tokens as f64 * self.costs.kv_bytes_per_token / self.link_bytes_per_s;
+                        let secs = kv_tokens as f64 * self.costs.kv_bytes_per_token
+                            / self.link_bytes_per_s;
                         let epoch = self.engines[r].epoch;
                         self.push(
                             now.plus(Span::from_secs_f64(secs)),
@@ -627,16 +656,33 @@ impl<'a> Sim<'a> {
                     }
                     None => {
                         self.stage_loc.insert(stage, Loc::Engine(r as u32));
-                        self.start_generation(r, stage, traj, cached_tokens, prefill_tokens, action, false);
+                        self.start_generation(
+                            r,
+                            stage,
+                            traj,
+                            cached_tokens,
+                            prefill_tokens,
+                            action,
+                            false,
+                        );
                     }
                 }
             }
             StageWork::Reward {
-                pool, serverless, millicpus,
+                pool,
+                serverless,
+                millicpus,
             } => {
-                let reward = self.spec.rewards.iter().find(|rw| rw.name == task_spec.reward);
+                let reward = self
+                    .spec
+                    .rewards
+                    .iter()
+                    .find(|rw| rw.name == task_spec.reward);
                 let latency = reward.map_or(0.0, |rw| {
-                    sample(&rw.latency_ms, &mut self.rng(&[stream::REWARD, traj.0, attempt as u64])) / 1000.0
+                    sample(
+                        &rw.latency_ms,
+                        &mut self.rng(&[stream::REWARD, traj.0, attempt as u64]),
+                    ) / 1000.0
                 });
                 let mut secs = latency;
                 if serverless {
@@ -647,7 +693,8 @@ impl<'a> Sim<'a> {
                         s.in_use += 1;
                         s.invocations += 1;
                         if s.in_use > s.concurrency {
-                            violation = Some(format!("serverless pool {pool} over its concurrency"));
+                            violation =
+                                Some(format!("serverless pool {pool} over its concurrency"));
                         }
                         // Reuse the most recently idle warm instance, if still warm.
                         s.idle.retain(|&t| now.since(t).as_secs_f64() <= keepalive);
@@ -689,7 +736,10 @@ impl<'a> Sim<'a> {
             return false;
         }
         if !self.engine_alive[r] || self.engines[r].version.is_none() {
-            self.violation(format!("stage {} sent to replica {r}, which cannot serve", stage.0));
+            self.violation(format!(
+                "stage {} sent to replica {r}, which cannot serve",
+                stage.0
+            ));
         }
         true
     }
@@ -715,7 +765,11 @@ impl<'a> Sim<'a> {
         let version = self.engines[r].version.unwrap_or(0);
         // A pulled KV cache was computed by the prefill replica's version.
         let prefilled = self.prefill_versions.remove(&traj);
-        let v = if pulled { prefilled.map_or(version, |p| p.min(version)) } else { version };
+        let v = if pulled {
+            prefilled.map_or(version, |p| p.min(version))
+        } else {
+            version
+        };
         if let Some(info) = self.stage_info.get_mut(&stage) {
             info.version = v;
         }
@@ -738,7 +792,9 @@ impl<'a> Sim<'a> {
 
     fn train(&mut self, batch: BatchId, publishes: bool, trajectories: Vec<TrajId>, tokens: u64) {
         // Independent checks: no trajectory twice, whole groups, staleness by our own books.
-        let floor = self.version.saturating_sub(self.core.config().policy.max_staleness);
+        let floor = self
+            .version
+            .saturating_sub(self.core.config().policy.max_staleness);
         let mut groups: BTreeMap<u64, u32> = BTreeMap::new();
         let costs = self.costs;
         let mut violations = Vec::new();
@@ -798,7 +854,9 @@ impl<'a> Sim<'a> {
                             .unwrap_or(0) as u32;
                         *w.serverless_seconds.entry(pool).or_default() += l.reward_s;
                     }
-                    rollfleet_spec::RewardPlacement::Local => w.local_reward_cpu_seconds += l.reward_s,
+                    rollfleet_spec::RewardPlacement::Local => {
+                        w.local_reward_cpu_seconds += l.reward_s
+                    }
                     rollfleet_spec::RewardPlacement::Environment => {}
                 }
             }
@@ -806,7 +864,9 @@ impl<'a> Sim<'a> {
         let n = self.core.config().group_size;
         for (g, count) in groups {
             if count != n {
-                violations.push(format!("group {g} trained with {count} of {n} trajectories"));
+                violations.push(format!(
+                    "group {g} trained with {count} of {n} trajectories"
+                ));
             }
         }
         for v in violations {
@@ -815,13 +875,17 @@ impl<'a> Sim<'a> {
         self.trajectories += trajectories.len() as u64;
         self.trained_tokens += tokens;
         let mfu = self.spec.rl.train_mfu.clamp(0.01, 1.0);
-        let secs = 6.0 * self.spec.model.active() * tokens as f64 / (self.trainer_gpus * self.train_peak * mfu);
+        let secs = 6.0 * self.spec.model.active() * tokens as f64
+            / (self.trainer_gpus * self.train_peak * mfu);
         let now = self.now;
         let gpus = self.trainer_gpus;
         if let Some(m) = self.meters.get_mut(&self.trainer_pool) {
             m.add(now, gpus);
         }
-        self.push(now.plus(Span::from_secs_f64(secs)), Event::TrainDone(batch, publishes));
+        self.push(
+            now.plus(Span::from_secs_f64(secs)),
+            Event::TrainDone(batch, publishes),
+        );
     }
 
     fn handle(&mut self, event: Event) {
@@ -932,7 +996,9 @@ impl<'a> Sim<'a> {
                 });
             }
             Event::Fail => {
-                let alive: Vec<usize> = (0..self.engines.len()).filter(|&r| self.engine_alive[r]).collect();
+                let alive: Vec<usize> = (0..self.engines.len())
+                    .filter(|&r| self.engine_alive[r])
+                    .collect();
                 if alive.len() > 1 {
                     let r = alive[self.failure_rng.below(alive.len() as u64) as usize];
                     let now = self.now;
@@ -1010,9 +1076,22 @@ pub fn simulate(
     let mut engine_pool = Vec::new();
     let mut engine_max_seqs = Vec::new();
     for rc in &placement.replicas {
-        let gpu = spec.pools.get(rc.pool as usize).and_then(|p| p.gpu.as_deref()).and_then(|g| catalog.gpu(g).ok());
-        let (peak, bw) = gpu.map_or((1e15, 1e12), |g| (g.peak_flops(), g.memory_bandwidth_bytes_per_s()));
-        engines.push(Engine::new(rc.gpus, peak, bw, &opts.hardware, costs, rc.kv_capacity_tokens));
+        let gpu = spec
+            .pools
+            .get(rc.pool as usize)
+            .and_then(|p| p.gpu.as_deref())
+            .and_then(|g| catalog.gpu(g).ok());
+        let (peak, bw) = gpu.map_or((1e15, 1e12), |g| {
+            (g.peak_flops(), g.memory_bandwidth_bytes_per_s())
+        });
+        engines.push(Engine::new(
+            rc.gpus,
+            peak,
+            bw,
+            &opts.hardware,
+            costs,
+            rc.kv_capacity_tokens,
+        ));
         engine_pool.push(rc.pool);
         engine_max_seqs.push(rc.max_seqs);
     }
@@ -1031,7 +1110,11 @@ pub fn simulate(
         let cap = match pool.kind() {
             Some(PoolKind::Gpu) => pool.count.unwrap_or(0).max(0) as f64,
             Some(PoolKind::Cpu) => {
-                let vcpus = pool.cpu.as_deref().and_then(|c| catalog.cpu_shape(c).ok()).map_or(0, |s| s.vcpus);
+                let vcpus = pool
+                    .cpu
+                    .as_deref()
+                    .and_then(|c| catalog.cpu_shape(c).ok())
+                    .map_or(0, |s| s.vcpus);
                 (vcpus as i64 * pool.count.unwrap_or(0).max(0)) as f64
             }
             Some(PoolKind::Serverless) => {
@@ -1101,7 +1184,8 @@ pub fn simulate(
         trainer_gpus: placement.trainer.gpus.max(1) as f64,
         train_peak,
         costs,
-        link_bytes_per_s: (spec.network.cross_pool_gbps * 1e9 * opts.hardware.link_efficiency).max(1.0),
+        link_bytes_per_s: (spec.network.cross_pool_gbps * 1e9 * opts.hardware.link_efficiency)
+            .max(1.0),
         failure_rng: SplitMix64::keyed(opts.seed, &[stream::FAILURES]),
         interconnect,
         cold_start_s,
@@ -1125,7 +1209,10 @@ pub fn simulate(
         let timeout = sim.core.poll_timeout();
         // Only the failure injector left to happen means nothing will ever finish.
         let only_failures = sim.heap.len() == 1
-            && sim.heap.peek().is_some_and(|Reverse(e)| matches!(e.event, Event::Fail));
+            && sim
+                .heap
+                .peek()
+                .is_some_and(|Reverse(e)| matches!(e.event, Event::Fail));
         match (next_event, timeout) {
             (None, None) => {
                 return Err(RunError::Stalled {

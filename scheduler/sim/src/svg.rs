@@ -15,11 +15,18 @@ const COLOURS: [&str; 8] = [
 ];
 
 fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 /// Draws the timeline of several runs over the same pools.
-pub fn timeline(pool_names: &[String], runs: &[(String, &RunResult)], attribution: Option<&str>) -> String {
+pub fn timeline(
+    pool_names: &[String],
+    runs: &[(String, &RunResult)],
+    attribution: Option<&str>,
+) -> String {
     let max_t = runs.iter().map(|(_, r)| r.makespan_s).fold(1e-9, f64::max);
     let plot_w = WIDTH - LABEL - 20.0;
     let panel_h = 24.0 + pool_names.len() as f64 * (BAND + GAP);
@@ -62,7 +69,9 @@ pub fn timeline(pool_names: &[String], runs: &[(String, &RunResult)], attributio
                 for (b, busy) in meter.buckets.iter().enumerate() {
                     let share = (busy / (cap * width_s)).clamp(0.0, 1.0);
                     let x0 = LABEL + (b as f64 * width_s / max_t).min(1.0) * plot_w;
-                    let x1 = LABEL + (((b + 1) as f64 * width_s).min(run.makespan_s) / max_t).min(1.0) * plot_w;
+                    let x1 = LABEL
+                        + (((b + 1) as f64 * width_s).min(run.makespan_s) / max_t).min(1.0)
+                            * plot_w;
                     let top = y + BAND - share * BAND;
                     let _ = write!(path, " L{x0:.1},{top:.1} L{x1:.1},{top:.1}");
                 }

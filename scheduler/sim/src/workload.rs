@@ -90,7 +90,11 @@ pub fn sample(dist: &Distribution, rng: &mut SplitMix64) -> f64 {
             max.map_or(v, |m| v.min(m))
         }
     };
-    if value.is_finite() { value.max(0.0) } else { 0.0 }
+    if value.is_finite() {
+        value.max(0.0)
+    } else {
+        0.0
+    }
 }
 
 /// The mean of a distribution: closed form where there is one, the trace's own mean scaled and
@@ -169,7 +173,10 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         for _ in 0..1000 {
             let v = sample(&dist, &mut rng);
-            assert!(v <= 500.0 && v >= 0.0 && (v == 500.0 || v % 3.0 == 0.0), "{v}");
+            assert!(
+                v <= 500.0 && v >= 0.0 && (v == 500.0 || v % 3.0 == 0.0),
+                "{v}"
+            );
         }
     }
 

@@ -39,8 +39,15 @@ fn hand_run(baseline: Baseline) -> (RunResult, rollfleet_spec::ValidatedJob) {
     let (placement, policy) = baseline
         .setup(&spec, &job.catalog, &workload_means(&spec))
         .unwrap();
-    let run = simulate(&spec, &job.catalog, placement, policy, &SimOptions::default(), &mut |_, _| {})
-        .unwrap();
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &SimOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     (run, job)
 }
@@ -150,7 +157,10 @@ fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
     let table = String::from_utf8(out).unwrap();
-    assert!(table.contains("rollfleet") && table.contains("sync"), "{table}");
+    assert!(
+        table.contains("rollfleet") && table.contains("sync"),
+        "{table}"
+    );
     assert!(table.contains("invariants held"), "{table}");
     let drawing = std::fs::read_to_string(&svg).unwrap();
     assert!(drawing.starts_with("<svg") && drawing.trim_end().ends_with("</svg>"));
@@ -215,7 +225,15 @@ fn replica_failures_are_survived_without_losing_or_duplicating_a_trajectory() {
         repair_s: 1.0,
         ..SimOptions::default()
     };
-    let run = simulate(&spec, &job.catalog, placement, policy, &opts, &mut |_, _| {}).unwrap();
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     assert!(run.core.stage_retries > 0, "no failure hit a stage");
     assert_eq!(run.trajectories, 4 * 32);
@@ -228,9 +246,22 @@ fn a_trajectory_rewound_at_admission_is_dispatched_in_the_same_pass() {
     let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
     let mut spec = job.spec().clone();
     spec.rl.steps = 3;
-    let (placement, policy) = Baseline::Rollfleet.setup(&spec, &job.catalog, &workload_means(&spec)).unwrap();
-    let opts = SimOptions { seed: 15397575574545266249, ..SimOptions::default() };
-    let run = simulate(&spec, &job.catalog, placement, policy, &opts, &mut |_, _| {}).unwrap();
+    let (placement, policy) = Baseline::Rollfleet
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    let opts = SimOptions {
+        seed: 15397575574545266249,
+        ..SimOptions::default()
+    };
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     assert!(run.core.regenerated_at_admission > 0);
 }
