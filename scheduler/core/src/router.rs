@@ -179,7 +179,9 @@ mod tests {
         }
     }
 
-    fn sets(replicas: &[ReplicaView]) -> (BTreeSet<(u64, ReplicaId)>, BTreeSet<(u64, ReplicaId)>) {
+    type LoadSet = BTreeSet<(u64, ReplicaId)>;
+
+    fn sets(replicas: &[ReplicaView]) -> (LoadSet, LoadSet) {
         let mut prefill = BTreeSet::new();
         let mut decode = BTreeSet::new();
         for (i, r) in replicas.iter().enumerate() {

@@ -73,8 +73,8 @@ pub fn min_makespan(cost: &[Vec<f64>]) -> Option<(f64, Vec<Vec<f64>>)> {
     simplex(&mut tab, &mut basis, &phase1, cols)?;
     // Phase 2: minimise T, artificials barred.
     for row in tab.iter_mut() {
-        for a in a0..cols {
-            row[a] = 0.0;
+        for v in &mut row[a0..cols] {
+            *v = 0.0;
         }
     }
     let mut phase2 = vec![0.0; cols];

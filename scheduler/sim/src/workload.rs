@@ -174,7 +174,7 @@ mod tests {
         for _ in 0..1000 {
             let v = sample(&dist, &mut rng);
             assert!(
-                v <= 500.0 && v >= 0.0 && (v == 500.0 || v % 3.0 == 0.0),
+                (0.0..=500.0).contains(&v) && (v == 500.0 || v % 3.0 == 0.0),
                 "{v}"
             );
         }
