@@ -10,8 +10,8 @@
 //!   pool exists and the input is long enough to be worth a KV transfer, it goes to a prefill
 //!   replica first and to a decode replica after;
 //! - **load-aware**: among admissible replicas, the least loaded (batch slots and KV memory in
-//!   use, see [`load_key`]) that has room wins; ties go to the lowest id, so the choice is
-//!   deterministic;
+//!   use, see [`load_key`]) that has room wins, among the [`CANDIDATES`] least loaded; ties go
+//!   to the lowest id, so the choice is deterministic;
 //! - **health-aware**: lost, draining or weight-less replicas are not candidates, and every
 //!   stage that timed out on a replica adds a penalty to its load.
 
@@ -19,6 +19,11 @@ use std::collections::BTreeSet;
 
 use crate::placement::ServeRole;
 use crate::protocol::{ReplicaId, Version};
+
+/// How many of the least-loaded replicas the router considers. Looking further rarely finds
+/// room the least-loaded ones lack (the load order already counts KV use), and bounding it keeps
+/// one routing decision O(1) in the size of the fleet.
+pub const CANDIDATES: usize = 32;
 
 /// A replica as the router sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,7 +126,7 @@ impl RouterView<'_> {
         floor: Version,
         allow_evict: bool,
     ) -> Option<(ReplicaId, bool)> {
-        let fit = set.iter().map(|&(_, id)| id).find(|&id| {
+        let fit = set.iter().take(CANDIDATES).map(|&(_, id)| id).find(|&id| {
             self.view(id)
                 .is_some_and(|v| v.fits(kv_tokens, floor, false))
         });
@@ -132,6 +137,7 @@ impl RouterView<'_> {
             return None;
         }
         set.iter()
+            .take(CANDIDATES)
             .map(|&(_, id)| id)
             .find(|&id| {
                 self.view(id)

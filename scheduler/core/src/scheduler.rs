@@ -35,7 +35,7 @@ use crate::router::{ReplicaView, Route, RouteRequest, RouterView, load_key};
 use crate::time::Time;
 
 /// How far past a blocked head the admission pass looks for work of another kind.
-const LOOKAHEAD: usize = 64;
+const LOOKAHEAD: usize = 16;
 
 /// Counters the core keeps about its own decisions.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -729,6 +729,8 @@ impl Core {
         self.trajs[t.0 as usize].phase = Phase::Complete;
         self.active = self.active.saturating_sub(1);
         self.stats.trajectories_completed += 1;
+        // A finished batch can open the next one (an earlier step of the pass).
+        self.repump = true;
         let g = self.trajs[t.0 as usize].group;
         let group = &mut self.groups[g.0 as usize];
         group.complete += 1;
@@ -889,7 +891,6 @@ impl Core {
         // opens a batch or a sync; a rewind re-queues a trajectory): repeat while that happens.
         for _ in 0..8 {
             self.repump = false;
-            let issued = self.commands.len();
             self.sync_weights();
             self.admit_groups();
             self.dispatch_env();
@@ -897,7 +898,7 @@ impl Core {
             self.dispatch_decode();
             self.dispatch_reward();
             self.dispatch_train();
-            if !self.repump && self.commands.len() == issued {
+            if !self.repump {
                 break;
             }
         }
@@ -1646,6 +1647,8 @@ impl Core {
         let id = BatchId(self.next_batch);
         self.next_batch += 1;
         self.trainer = Some(TrainBatch { id, publishes });
+        // Consumption opens the admission budget (an earlier step of the pass).
+        self.repump = true;
         self.stats.train_batches += 1;
         self.commands.push_back(Command::Train {
             batch: id,
