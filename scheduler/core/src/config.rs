@@ -46,6 +46,9 @@ pub struct Policy {
     pub max_concurrent_updates: u32,
     /// Whether later turns go back to the replica holding the trajectory's KV cache.
     pub sticky_sessions: bool,
+    /// Whether the trainer briefly holds the batch that publishes a version while unfinished
+    /// groups would fall out of the staleness bound by it (continuous discipline only).
+    pub expiry_aware_publish: bool,
 }
 
 impl Policy {
@@ -58,6 +61,7 @@ impl Policy {
             weight_sync: SyncMode::Rolling,
             max_concurrent_updates: 0,
             sticky_sessions: true,
+            expiry_aware_publish: false,
         }
     }
 }

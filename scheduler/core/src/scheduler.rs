@@ -122,11 +122,13 @@ struct Traj {
     env_pool: Option<u32>,
     kv: Kv,
     queued: Option<(Queue, u64)>,
+    /// Oldest version among `turns` (`Version::MAX` when there are none).
+    min_version: Version,
 }
 
 impl Traj {
     fn oldest(&self) -> Option<Version> {
-        self.turns.iter().map(|t| t.version).min()
+        (self.min_version != Version::MAX).then_some(self.min_version)
     }
 }
 
@@ -216,6 +218,12 @@ pub struct Core {
     updating: u32,
     commands: VecDeque<Command>,
     repump: bool,
+    open_groups: BTreeSet<GroupId>,
+    groups_closed: u64,
+    hold_checked: u64,
+    hold_until: Option<Time>,
+    last_publish: Time,
+    last_step: crate::time::Span,
     stats: Stats,
 }
 
@@ -274,6 +282,12 @@ impl Core {
             updating: 0,
             commands: VecDeque::new(),
             repump: false,
+            open_groups: BTreeSet::new(),
+            groups_closed: 0,
+            hold_checked: u64::MAX,
+            hold_until: None,
+            last_publish: Time::ZERO,
+            last_step: crate::time::Span::ZERO,
             stats: Stats::default(),
         };
         for i in 0..core.replicas.len() {
@@ -342,7 +356,11 @@ impl Core {
 
     /// When the core next needs [`Core::handle_timeout`], if ever.
     pub fn poll_timeout(&self) -> Option<Time> {
-        self.deadlines.first().map(|&(t, _)| t)
+        let stage = self.deadlines.first().map(|&(t, _)| t);
+        match (stage, self.hold_until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Trajectories by state: `(in flight, complete and waiting for the trainer, consumed)`.
@@ -686,6 +704,7 @@ impl Core {
                     context_before: before,
                     input,
                 });
+                traj.min_version = traj.min_version.min(version);
                 traj.context = before + input + tokens;
                 traj.input = 0;
                 traj.pending_action = tokens;
@@ -743,6 +762,8 @@ impl Core {
                 .min()
                 .unwrap_or(0);
             let key = (oldest, g);
+            self.open_groups.remove(&g);
+            self.groups_closed += 1;
             self.groups[g.0 as usize].ready_key = Some(key);
             self.ready.insert(key);
             *self.batch_complete.entry(batch).or_default() += 1;
@@ -871,6 +892,9 @@ impl Core {
         if publishes {
             self.version += 1;
             self.minibatches_in_step = 0;
+            self.last_step = self.now.since(self.last_publish);
+            self.last_publish = self.now;
+            self.hold_until = None;
             if self.cfg.policy.weight_sync == SyncMode::Rolling {
                 for (i, r) in self.replicas.iter().enumerate() {
                     if r.healthy && !r.updating && r.version.is_some_and(|v| v < self.version) {
@@ -992,14 +1016,19 @@ impl Core {
         let groups_per_batch = (b / n).max(1);
         match self.cfg.policy.discipline {
             Discipline::Continuous => {
-                // In flight or waiting (started, not consumed): the staleness window's worth of
-                // batches (at least one, so rollout overlaps training) plus the over-provisioning.
+                // Two limits. Generating (started, not yet complete): the staleness window's
+                // worth of batches (at least one, so rollout overlaps training) plus the
+                // over-provisioning; complete trajectories waiting for their group's stragglers
+                // do not hold the hardware back. Started but not consumed: one batch more than
+                // that (AReaL's rule, `(version + maxStaleness + 1) * batch`), so waiting work
+                // cannot pile up without bound.
                 let extra = (self.cfg.policy.over_provisioning * b as f64)
                     .ceil()
                     .max(0.0) as u64;
                 let window = self.cfg.policy.max_staleness.max(1) * b;
-                let budget = (self.stats.trajectories_consumed + window + extra)
-                    .min(self.cfg.steps * b + extra);
+                let consumed = self.stats.trajectories_consumed;
+                let started_cap = (consumed + window + b + extra).min(self.cfg.steps * b + extra);
+                let budget = (consumed + window + extra).min(started_cap);
                 while (self.groups.len() as u64 + 1) * n <= budget {
                     self.start_group(0);
                 }
@@ -1051,6 +1080,7 @@ impl Core {
                 env_pool: None,
                 kv: Kv::None,
                 queued: None,
+                min_version: Version::MAX,
             });
             members.push(t);
             self.active += 1;
@@ -1062,6 +1092,7 @@ impl Core {
             ready_key: None,
         });
         self.stats.groups_started += 1;
+        self.open_groups.insert(g);
         for t in members {
             self.enqueue(t, Queue::Env, Phase::QueuedEnv);
         }
@@ -1193,6 +1224,7 @@ impl Core {
             }
             group.complete = group.complete.saturating_sub(1);
             self.active += 1;
+            self.open_groups.insert(g);
         }
         self.drop_kv(t, true);
         let traj = &mut self.trajs[ti];
@@ -1201,6 +1233,12 @@ impl Core {
         };
         self.stats.regenerated_turns += (traj.turns.len() - k) as u64;
         traj.turns.truncate(k);
+        traj.min_version = traj
+            .turns
+            .iter()
+            .map(|t| t.version)
+            .min()
+            .unwrap_or(Version::MAX);
         traj.context = turn.context_before;
         traj.input = turn.input;
         traj.attempt += 1;
@@ -1561,6 +1599,45 @@ impl Core {
         }
     }
 
+    /// Expiry-aware publishing: whether to hold the batch that would publish the next version
+    /// because some unfinished group would fall out of the staleness bound the moment it is
+    /// published (and be regenerated). The hold lasts until no such group is left or for half the
+    /// previous step's duration, whichever comes first; the trainer is rarely the bottleneck of
+    /// agentic RL, so a short wait costs less than regenerating whole groups.
+    fn hold_publish(&mut self) -> bool {
+        if let Some(until) = self.hold_until {
+            if self.now >= until {
+                return false;
+            }
+            if self.hold_checked == self.groups_closed {
+                return true;
+            }
+        }
+        self.hold_checked = self.groups_closed;
+        let s = self.cfg.policy.max_staleness;
+        let v = self.version;
+        let at_risk = self.open_groups.iter().any(|g| {
+            self.groups[g.0 as usize]
+                .members
+                .iter()
+                .filter_map(|m| self.trajs[m.0 as usize].oldest())
+                .min()
+                .is_some_and(|oldest| oldest + s <= v)
+        });
+        if !at_risk {
+            self.hold_until = None;
+            return false;
+        }
+        if self.hold_until.is_none() {
+            let limit = crate::time::Span(self.last_step.0 / 2);
+            if limit == crate::time::Span::ZERO {
+                return false;
+            }
+            self.hold_until = Some(self.now.plus(limit));
+        }
+        true
+    }
+
     fn dispatch_train(&mut self) {
         if self.trainer.is_some() || self.finished() || (self.updating > 0 && self.cfg.colocated) {
             return;
@@ -1596,6 +1673,15 @@ impl Core {
                     self.repump = true;
                 }
             }
+        }
+        let per_step = (self.cfg.rollout_batch_size / self.cfg.train_batch_size).max(1);
+        if self.cfg.policy.expiry_aware_publish
+            && self.cfg.policy.discipline == Discipline::Continuous
+            && self.minibatches_in_step + 1 >= per_step
+            && self.ready.len() >= per_batch
+            && self.hold_publish()
+        {
+            return;
         }
         let chosen: Vec<GroupId> = match self.cfg.policy.discipline {
             Discipline::Continuous => self.ready.iter().take(per_batch).map(|&(_, g)| g).collect(),
@@ -1642,8 +1728,11 @@ impl Core {
             }
         }
         self.minibatches_in_step += 1;
-        let per_step = (self.cfg.rollout_batch_size / self.cfg.train_batch_size).max(1);
         let publishes = self.minibatches_in_step >= per_step;
+        if publishes {
+            self.hold_until = None;
+            self.hold_checked = u64::MAX;
+        }
         let id = BatchId(self.next_batch);
         self.next_batch += 1;
         self.trainer = Some(TrainBatch { id, publishes });

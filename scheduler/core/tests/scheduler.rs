@@ -20,6 +20,7 @@ fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncMode)
         weight_sync: sync,
         max_concurrent_updates: 1,
         sticky_sessions: true,
+        expiry_aware_publish: false,
     }
 }
 

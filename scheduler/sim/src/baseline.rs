@@ -66,6 +66,7 @@ impl Baseline {
             weight_sync,
             max_concurrent_updates: 0,
             sticky_sessions: true,
+            expiry_aware_publish: false,
         };
         Ok(match self {
             Baseline::Sync => (
