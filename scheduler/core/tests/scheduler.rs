@@ -592,7 +592,13 @@ fn the_synchronous_discipline_starts_a_batch_only_after_training_and_a_global_sy
 
 /// A world that answers every command after a random delay, with random lengths, random
 /// failures and random replica losses; it keeps its own books to check the core's promises.
-fn random_world(seed: u64, discipline: Discipline, staleness: u64, pd: bool) -> Result<(), String> {
+fn random_world(
+    seed: u64,
+    discipline: Discipline,
+    staleness: u64,
+    pd: bool,
+    hold: bool,
+) -> Result<(), String> {
     let mut rng = SplitMix64::new(seed);
     let replicas = if pd {
         vec![
@@ -623,6 +629,7 @@ fn random_world(seed: u64, discipline: Discipline, staleness: u64, pd: bool) -> 
         4,
     );
     cfg.pd_min_prefill_tokens = 150;
+    cfg.policy.expiry_aware_publish = hold;
     cfg.stage_timeout = Span::from_secs_f64(50.0);
     let group = cfg.group_size;
     let mut core = Core::new(cfg);
@@ -823,11 +830,12 @@ proptest! {
         ],
         staleness in 0u64..3,
         pd in any::<bool>(),
+        hold in any::<bool>(),
     ) {
         let staleness = match discipline {
             Discipline::Batched { lag } => lag,
             Discipline::Continuous => staleness,
         };
-        prop_assert_eq!(random_world(seed, discipline, staleness, pd), Ok(()));
+        prop_assert_eq!(random_world(seed, discipline, staleness, pd, hold), Ok(()));
     }
 }
