@@ -22,6 +22,7 @@ pub mod protocol;
 pub mod rng;
 pub mod router;
 pub mod scheduler;
+pub mod slab;
 pub mod time;
 
 pub use config::{Config, ConfigError, Discipline, Policy, RewardRoute, TaskLimits};

@@ -32,6 +32,7 @@ use crate::protocol::{
 };
 use crate::rng::SplitMix64;
 use crate::router::{ReplicaView, Route, RouteRequest, RouterView, load_key};
+use crate::slab::IdSlab;
 use crate::time::Time;
 
 /// How far past a blocked head the admission pass looks for work of another kind.
@@ -200,8 +201,7 @@ pub struct Core {
     disaggregated: bool,
     cpu_free: Vec<u64>,
     serverless_free: Vec<u64>,
-    stages: BTreeMap<StageId, StageRec>,
-    deadlines: BTreeSet<(Time, StageId)>,
+    stages: IdSlab<StageRec>,
     next_stage: u64,
     queues: BTreeMap<Queue, BTreeSet<(u64, TrajId)>>,
     ready: BTreeSet<(Version, GroupId)>,
@@ -264,8 +264,7 @@ impl Core {
             prefill_set: BTreeSet::new(),
             decode_set: BTreeSet::new(),
             disaggregated,
-            stages: BTreeMap::new(),
-            deadlines: BTreeSet::new(),
+            stages: IdSlab::new(),
             next_stage: 0,
             queues: BTreeMap::new(),
             ready: BTreeSet::new(),
@@ -334,11 +333,18 @@ impl Core {
     /// job when called first.
     pub fn handle_timeout(&mut self, now: Time) {
         self.now = self.now.max(now);
-        while let Some(&(deadline, stage)) = self.deadlines.first() {
+        // Every stage gets the same timeout and the clock never goes back, so deadlines grow
+        // with stage ids: the oldest live stage has the earliest one.
+        loop {
+            let Some((id, deadline)) = self.stages.iter().next().map(|(id, s)| (id, s.deadline))
+            else {
+                break;
+            };
+            let stage = StageId(id);
             if deadline > self.now {
                 break;
             }
-            if let Some(replica) = self.stages.get(&stage).and_then(|s| s.replica) {
+            if let Some(replica) = self.stages.get(stage.0).and_then(|s| s.replica) {
                 if let Some(r) = self.replicas.get_mut(replica.0 as usize) {
                     r.failures = r.failures.saturating_add(1);
                 }
@@ -356,7 +362,7 @@ impl Core {
 
     /// When the core next needs [`Core::handle_timeout`], if ever.
     pub fn poll_timeout(&self) -> Option<Time> {
-        let stage = self.deadlines.first().map(|&(t, _)| t);
+        let stage = self.stages.iter().next().map(|(_, s)| s.deadline);
         match (stage, self.hold_until) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -431,7 +437,7 @@ impl Core {
         let mut cpu_used = vec![0u64; self.cpu_free.len()];
         let mut fn_used = vec![0u64; self.serverless_free.len()];
         let mut seqs = vec![0u32; self.replicas.len()];
-        for s in self.stages.values() {
+        for (_, s) in self.stages.iter() {
             if let Some((p, m)) = s.cpu {
                 cpu_used[p as usize] += m;
             }
@@ -520,11 +526,10 @@ impl Core {
     }
 
     fn new_stage(&mut self, rec: StageRec, cmd: StageCommand) {
-        self.deadlines.insert((rec.deadline, cmd.stage));
         if rec.replica.is_some() {
             self.gpu_stages += 1;
         }
-        self.stages.insert(cmd.stage, rec);
+        self.stages.insert(cmd.stage.0, rec);
         self.commands.push_back(Command::Run(cmd));
     }
 
@@ -580,8 +585,7 @@ impl Core {
     }
 
     fn take_stage(&mut self, stage: StageId) -> Option<StageRec> {
-        let rec = self.stages.remove(&stage)?;
-        self.deadlines.remove(&(rec.deadline, stage));
+        let rec = self.stages.remove(stage.0)?;
         self.release_stage(&rec);
         Some(rec)
     }
@@ -637,7 +641,7 @@ impl Core {
     // ----- inputs -----
 
     fn stage_finished(&mut self, stage: StageId, outcome: StageOutcome) {
-        let Some(rec) = self.stages.get(&stage) else {
+        let Some(rec) = self.stages.get(stage.0) else {
             self.stats.ignored_reports += 1;
             return;
         };
@@ -816,7 +820,7 @@ impl Core {
             .stages
             .iter()
             .filter(|(_, s)| s.replica == Some(id) || s.kv_from.is_some_and(|(p, _)| p == id))
-            .map(|(&sid, _)| sid)
+            .map(|(sid, _)| StageId(sid))
             .collect();
         for sid in doomed {
             self.fail_stage(sid, true);

@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::rng::SplitMix64;
+use rollfleet_core::slab::IdSlab;
 use rollfleet_core::{
     BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaId, Span, StageCommand,
     StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
@@ -275,8 +276,8 @@ struct Sim<'a> {
     engine_busy: Vec<bool>,
     engine_alive: Vec<bool>,
     prefill_versions: BTreeMap<TrajId, u64>,
-    stage_loc: BTreeMap<StageId, Loc>,
-    stage_info: BTreeMap<StageId, StageInfo>,
+    stage_loc: IdSlab<Loc>,
+    stage_info: IdSlab<StageInfo>,
     meters: BTreeMap<u32, Meter>,
     capacity: BTreeMap<u32, f64>,
     sync_seconds: BTreeMap<u32, f64>,
@@ -421,7 +422,7 @@ impl<'a> Sim<'a> {
     }
 
     fn cancel(&mut self, stage: StageId) {
-        let Some(loc) = self.stage_loc.remove(&stage) else {
+        let Some(loc) = self.stage_loc.remove(stage.0) else {
             return;
         };
         let now = self.now;
@@ -429,7 +430,7 @@ impl<'a> Sim<'a> {
             Loc::Engine(r) | Loc::Transfer(r) => {
                 let r = r as usize;
                 self.engines[r].cancel(now, stage);
-                if let Some(info) = self.stage_info.get(&stage).copied() {
+                if let Some(info) = self.stage_info.get(stage.0).copied() {
                     self.engines[r].release_kv(info.traj);
                 }
                 self.engine_running[r] = self.engine_running[r].saturating_sub(1);
@@ -446,7 +447,7 @@ impl<'a> Sim<'a> {
                 }
             }
         }
-        self.stage_info.remove(&stage);
+        self.stage_info.remove(stage.0);
     }
 
     fn cpu_take(&mut self, pool: u32, millicpus: u64) {
@@ -487,7 +488,7 @@ impl<'a> Sim<'a> {
             ..
         } = cmd;
         self.stage_info.insert(
-            stage,
+            stage.0,
             StageInfo {
                 traj,
                 turn,
@@ -509,7 +510,7 @@ impl<'a> Sim<'a> {
             } => {
                 let reset = matches!(work, StageWork::EnvReset { .. });
                 self.cpu_take(pool, millicpus);
-                self.stage_loc.insert(stage, Loc::Cpu(pool, millicpus));
+                self.stage_loc.insert(stage.0, Loc::Cpu(pool, millicpus));
                 let ms = sample(
                     &task_spec.env_step_ms,
                     &mut self.rng(&[
@@ -589,7 +590,7 @@ impl<'a> Sim<'a> {
                 if !self.engines[r].hold_kv(traj, tokens) {
                     self.violation(format!("replica {r}: KV over capacity after a prefill"));
                 }
-                self.stage_loc.insert(stage, Loc::Engine(r as u32));
+                self.stage_loc.insert(stage.0, Loc::Engine(r as u32));
                 self.engines[r].add_prefill(
                     now,
                     PrefillJob {
@@ -636,7 +637,7 @@ impl<'a> Sim<'a> {
                 }
                 match kv_from {
                     Some(p) => {
-                        self.stage_loc.insert(stage, Loc::Transfer(r as u32));
+                        self.stage_loc.insert(stage.0, Loc::Transfer(r as u32));
                         let secs = kv_tokens as f64 * self.costs.kv_bytes_per_token
                             / self.link_bytes_per_s;
                         let epoch = self.engines[r].epoch;
@@ -655,7 +656,7 @@ impl<'a> Sim<'a> {
                         );
                     }
                     None => {
-                        self.stage_loc.insert(stage, Loc::Engine(r as u32));
+                        self.stage_loc.insert(stage.0, Loc::Engine(r as u32));
                         self.start_generation(
                             r,
                             stage,
@@ -710,10 +711,10 @@ impl<'a> Sim<'a> {
                     if let Some(m) = self.meters.get_mut(&pool) {
                         m.add(now, 1.0);
                     }
-                    self.stage_loc.insert(stage, Loc::Serverless(pool));
+                    self.stage_loc.insert(stage.0, Loc::Serverless(pool));
                 } else {
                     self.cpu_take(pool, millicpus);
-                    self.stage_loc.insert(stage, Loc::Cpu(pool, millicpus));
+                    self.stage_loc.insert(stage.0, Loc::Cpu(pool, millicpus));
                 }
                 if let Some(l) = Some(self.ledger_mut(traj)) {
                     l.reward_s = latency;
@@ -770,7 +771,7 @@ impl<'a> Sim<'a> {
         } else {
             version
         };
-        if let Some(info) = self.stage_info.get_mut(&stage) {
+        if let Some(info) = self.stage_info.get_mut(stage.0) {
             info.version = v;
         }
         if prefill > 0 {
@@ -901,15 +902,15 @@ impl<'a> Sim<'a> {
                 for d in done {
                     let (stage, outcome) = match d {
                         EngineDone::Prefilled(stage) => {
-                            if let Some(info) = self.stage_info.get(&stage).copied() {
+                            if let Some(info) = self.stage_info.get(stage.0).copied() {
                                 let v = self.engines[r].version.unwrap_or(0);
                                 self.prefill_versions.insert(info.traj, v);
                             }
                             (stage, StageOutcome::Prefilled)
                         }
                         EngineDone::Generated(stage, tokens) => {
-                            if let Some(info) = self.stage_info.get(&stage).copied()
-                                && self.stage_loc.contains_key(&stage)
+                            if let Some(info) = self.stage_info.get(stage.0).copied()
+                                && self.stage_loc.contains(stage.0)
                             {
                                 let l = self.ledger_mut(info.traj);
                                 let k = info.turn as usize;
@@ -928,27 +929,27 @@ impl<'a> Sim<'a> {
                             (stage, StageOutcome::Generated { tokens })
                         }
                     };
-                    if self.stage_loc.remove(&stage).is_some() {
+                    if self.stage_loc.remove(stage.0).is_some() {
                         self.engine_running[r] = self.engine_running[r].saturating_sub(1);
-                        self.stage_info.remove(&stage);
+                        self.stage_info.remove(stage.0);
                         self.input(Input::StageFinished { stage, outcome });
                     }
                 }
             }
             Event::Done(stage, outcome) => {
-                let Some(loc) = self.stage_loc.remove(&stage) else {
+                let Some(loc) = self.stage_loc.remove(stage.0) else {
                     return;
                 };
                 self.release_loc(loc);
-                self.stage_info.remove(&stage);
+                self.stage_info.remove(stage.0);
                 self.input(Input::StageFinished { stage, outcome });
             }
             Event::Failed(stage) => {
-                let Some(loc) = self.stage_loc.remove(&stage) else {
+                let Some(loc) = self.stage_loc.remove(stage.0) else {
                     return;
                 };
                 self.release_loc(loc);
-                self.stage_info.remove(&stage);
+                self.stage_info.remove(stage.0);
                 self.input(Input::StageFailed { stage });
             }
             Event::KvArrived(arrival) => {
@@ -963,13 +964,13 @@ impl<'a> Sim<'a> {
                     action,
                 } = *arrival;
                 let r = replica as usize;
-                if self.engines[r].epoch != epoch || !self.stage_loc.contains_key(&stage) {
+                if self.engines[r].epoch != epoch || !self.stage_loc.contains(stage.0) {
                     return;
                 }
                 if let Some(p) = self.engines.get_mut(from as usize) {
                     p.release_kv(traj);
                 }
-                self.stage_loc.insert(stage, Loc::Engine(replica));
+                self.stage_loc.insert(stage.0, Loc::Engine(replica));
                 self.start_generation(r, stage, traj, context, prefill, action, true);
             }
             Event::TrainDone(batch, publishes) => {
@@ -1010,11 +1011,11 @@ impl<'a> Sim<'a> {
                         .stage_loc
                         .iter()
                         .filter(|(_, l)| matches!(l, Loc::Engine(x) | Loc::Transfer(x) if *x as usize == r))
-                        .map(|(&s, _)| s)
+                        .map(|(s, _)| StageId(s))
                         .collect();
                     for s in lost {
-                        self.stage_loc.remove(&s);
-                        self.stage_info.remove(&s);
+                        self.stage_loc.remove(s.0);
+                        self.stage_info.remove(s.0);
                     }
                     self.refresh_engine(r);
                     self.input(Input::ReplicaLost {
@@ -1162,8 +1163,8 @@ pub fn simulate(
         engine_busy: vec![false; n],
         engine_alive: vec![true; n],
         prefill_versions: BTreeMap::new(),
-        stage_loc: BTreeMap::new(),
-        stage_info: BTreeMap::new(),
+        stage_loc: IdSlab::new(),
+        stage_info: IdSlab::new(),
         meters,
         capacity,
         sync_seconds: BTreeMap::new(),
