@@ -491,12 +491,15 @@ impl Core {
             ServeRole::Prefill => &mut self.prefill_set,
             _ => &mut self.decode_set,
         };
+        let view = Self::view(r);
+        let key = view.available.then(|| load_key(&view));
+        if key == r.key {
+            return;
+        }
         if let Some(old) = r.key.take() {
             set.remove(&(old, id));
         }
-        let view = Self::view(r);
-        if view.available {
-            let key = load_key(&view);
+        if let Some(key) = key {
             set.insert((key, id));
             r.key = Some(key);
         }
