@@ -46,6 +46,8 @@ pub struct ReplicaView {
     pub kv_evictable: u64,
     /// Stages that timed out on it.
     pub failures: u32,
+    /// Versions it is behind the latest published one.
+    pub behind: u64,
 }
 
 impl ReplicaView {
@@ -62,11 +64,12 @@ impl ReplicaView {
 }
 
 /// The load order key: batch-slot use and KV use, each in parts per million, plus a penalty per
-/// timed-out stage. Lower is less loaded.
+/// timed-out stage and per version the replica is behind (new work prefers fresh weights, so its
+/// turns stay inside the staleness bound longer). Lower is less loaded.
 pub fn load_key(view: &ReplicaView) -> u64 {
     let slots = view.in_flight as u64 * 1_000_000 / view.max_seqs.max(1) as u64;
     let kv = view.kv_reserved.saturating_mul(1_000_000) / view.kv_capacity.max(1);
-    slots + kv + view.failures as u64 * 250_000
+    slots + kv + view.failures as u64 * 250_000 + view.behind.min(16) * 300_000
 }
 
 /// A request for generation work.
@@ -182,6 +185,7 @@ mod tests {
             kv_capacity: 1000,
             kv_evictable: 0,
             failures: 0,
+            behind: 0,
         }
     }
 

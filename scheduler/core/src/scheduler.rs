@@ -468,7 +468,7 @@ impl Core {
 
     // ----- bookkeeping helpers -----
 
-    fn view(r: &Replica) -> ReplicaView {
+    fn view(r: &Replica, latest: Version) -> ReplicaView {
         ReplicaView {
             role: r.role,
             available: r.healthy && !r.draining && !r.updating && r.version.is_some(),
@@ -479,6 +479,7 @@ impl Core {
             kv_capacity: r.kv_capacity,
             kv_evictable: r.retained_tokens,
             failures: r.failures,
+            behind: r.version.map_or(0, |v| latest.saturating_sub(v)),
         }
     }
 
@@ -491,7 +492,7 @@ impl Core {
             ServeRole::Prefill => &mut self.prefill_set,
             _ => &mut self.decode_set,
         };
-        let view = Self::view(r);
+        let view = Self::view(r, self.version);
         let key = view.available.then(|| load_key(&view));
         if key == r.key {
             return;
@@ -902,6 +903,9 @@ impl Core {
             self.last_step = self.now.since(self.last_publish);
             self.last_publish = self.now;
             self.hold_until = None;
+            for i in 0..self.replicas.len() {
+                self.touch(ReplicaId(i as u64));
+            }
             if self.cfg.policy.weight_sync == SyncMode::Rolling {
                 for (i, r) in self.replicas.iter().enumerate() {
                     if r.healthy && !r.updating && r.version.is_some_and(|v| v < self.version) {
@@ -1315,7 +1319,11 @@ impl Core {
                     }
                 }
                 let route = {
-                    let lookup = |id: ReplicaId| self.replicas.get(id.0 as usize).map(Self::view);
+                    let lookup = |id: ReplicaId| {
+                        self.replicas
+                            .get(id.0 as usize)
+                            .map(|r| Self::view(r, self.version))
+                    };
                     let router = RouterView {
                         lookup: &lookup,
                         prefill: &self.prefill_set,
@@ -1475,7 +1483,11 @@ impl Core {
                 let need = context + max_new;
                 let floor = self.floor();
                 let pick = {
-                    let lookup = |id: ReplicaId| self.replicas.get(id.0 as usize).map(Self::view);
+                    let lookup = |id: ReplicaId| {
+                        self.replicas
+                            .get(id.0 as usize)
+                            .map(|r| Self::view(r, self.version))
+                    };
                     let router = RouterView {
                         lookup: &lookup,
                         prefill: &self.prefill_set,
