@@ -1027,19 +1027,19 @@ impl Core {
         let groups_per_batch = (b / n).max(1);
         match self.cfg.policy.discipline {
             Discipline::Continuous => {
-                // Two limits. Generating (started, not yet complete): the staleness window's
-                // worth of batches (at least one, so rollout overlaps training) plus the
-                // over-provisioning; complete trajectories waiting for their group's stragglers
-                // do not hold the hardware back. Started but not consumed: one batch more than
-                // that (AReaL's rule, `(version + maxStaleness + 1) * batch`), so waiting work
-                // cannot pile up without bound.
+                // Started but not consumed: a window of batches (below) plus the
+                // over-provisioning, in the spirit of AReaL's `(version + maxStaleness + 1) *
+                // batch`, and never more than the job needs.
                 let extra = (self.cfg.policy.over_provisioning * b as f64)
                     .ceil()
                     .max(0.0) as u64;
-                let window = self.cfg.policy.max_staleness.max(1) * b;
-                let consumed = self.stats.trajectories_consumed;
-                let started_cap = (consumed + window + b + extra).min(self.cfg.steps * b + extra);
-                let budget = (consumed + window + extra).min(started_cap);
+                // Little's law: with N trajectories generating, a step takes about B / (N / L)
+                // for a lifetime L, so a trajectory spans N / B versions; to finish within the
+                // bound, N must stay below S * B, and a group lives as long as the slowest of its
+                // members (about twice the mean), hence half of that, but at least one batch.
+                let window = (self.cfg.policy.max_staleness * b / 2).max(b);
+                let budget = (self.stats.trajectories_consumed + window + extra)
+                    .min(self.cfg.steps * b + extra);
                 while (self.groups.len() as u64 + 1) * n <= budget {
                     self.start_group(0);
                 }
