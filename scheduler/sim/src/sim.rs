@@ -360,13 +360,18 @@ impl<'a> Sim<'a> {
                 m.add(now, if busy { gpus } else { -gpus });
             }
         }
+        // At most one live wake-up per engine, the earliest needed: a later one is pushed when
+        // the earlier one fires, so superseded wake-ups do not pile up in the event queue.
         let next = self.engines[r].next_wake();
-        if next != self.engine_scheduled[r] {
+        let push = match (next, self.engine_scheduled[r]) {
+            (Some(n), Some(s)) => n < s,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if push && let Some(at) = next {
             self.engine_scheduled[r] = next;
-            if let Some(at) = next {
-                let epoch = self.engines[r].epoch;
-                self.push(at.max(self.now), Event::Wake(r as u32, epoch));
-            }
+            let epoch = self.engines[r].epoch;
+            self.push(at.max(self.now), Event::Wake(r as u32, epoch));
         }
     }
 
@@ -388,6 +393,7 @@ impl<'a> Sim<'a> {
                 }
                 let now = self.now;
                 self.engines[r].wipe(now);
+                self.engine_scheduled[r] = None;
                 self.engines[r].version = None;
                 self.refresh_engine(r);
                 let secs = match mode {
@@ -897,6 +903,11 @@ impl<'a> Sim<'a> {
                     return;
                 }
                 self.engine_scheduled[r] = None;
+                if self.engines[r].next_wake().is_none_or(|n| n > self.now) {
+                    // Woken early (its work moved later): just ask again for the right time.
+                    self.refresh_engine(r);
+                    return;
+                }
                 let done = self.engines[r].wake(self.now);
                 self.refresh_engine(r);
                 for d in done {
@@ -1005,6 +1016,7 @@ impl<'a> Sim<'a> {
                     let now = self.now;
                     self.engine_alive[r] = false;
                     self.engines[r].wipe(now);
+                    self.engine_scheduled[r] = None;
                     self.engines[r].version = None;
                     self.engine_running[r] = 0;
                     let lost: Vec<StageId> = self
