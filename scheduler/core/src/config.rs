@@ -228,6 +228,11 @@ impl Config {
                 _ => {}
             }
         }
+        if spec.tasks.is_empty() || !spec.tasks.iter().any(|t| t.share > 0.0) {
+            return Err(ConfigError::Rl(
+                "the job needs at least one task with a positive share".into(),
+            ));
+        }
         if !cpu_pools.iter().any(|p| p.environments && p.millicpus > 0) {
             return Err(ConfigError::NoEnvironmentPool);
         }

@@ -671,7 +671,9 @@ impl Core {
         let ti = t.0 as usize;
         let task = self.cfg.tasks[self.trajs[ti].task as usize].clone();
         match (rec.kind, outcome) {
+            // Reported lengths are clamped to the context limit, so no sum can overflow.
             (StageKind::EnvReset, StageOutcome::Observed { tokens, .. }) => {
+                let tokens = tokens.min(task.context_limit);
                 let traj = &mut self.trajs[ti];
                 traj.reset_done = true;
                 traj.context = 0;
@@ -679,6 +681,7 @@ impl Core {
                 self.enqueue(t, Queue::Gen, Phase::QueuedGen);
             }
             (StageKind::EnvStep, StageOutcome::Observed { tokens, done }) => {
+                let tokens = tokens.min(task.context_limit);
                 let traj = &mut self.trajs[ti];
                 let turns = traj.turns.len() as u32;
                 let over = traj.context + tokens >= task.context_limit;
