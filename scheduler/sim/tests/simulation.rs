@@ -208,6 +208,15 @@ proptest! {
         prop_assert!(run.violations.is_empty(), "{:?}", run.violations);
         prop_assert_eq!(run.publish_times_s.len(), 3);
         prop_assert_eq!(run.trajectories, 3 * 32);
+        // The bound is a bound: no run beats it.
+        let report = rollfleet_sim::report::policy_report(
+            baseline.name(),
+            &spec,
+            &job.catalog,
+            &rollfleet_sim::hardware::HardwareModel::default(),
+            &run,
+        );
+        prop_assert!(report.efficiency > 0.0 && report.efficiency <= 1.0, "{}", report.efficiency);
     }
 }
 
@@ -264,4 +273,35 @@ fn a_trajectory_rewound_at_admission_is_dispatched_in_the_same_pass() {
     .unwrap();
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     assert!(run.core.regenerated_at_admission > 0);
+}
+
+#[test]
+fn the_command_line_takes_repeated_baselines_a_seed_and_a_timeline() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+    let cli = Cli::try_parse_from([
+        "sim",
+        "job.yaml",
+        "--baseline",
+        "sync",
+        "--baseline",
+        "one-step-off",
+        "--seed",
+        "3",
+        "--timeline",
+        "t.svg",
+        "--steps",
+        "2",
+    ])
+    .unwrap();
+    assert_eq!(
+        cli.sim.baselines,
+        vec![Baseline::Sync, Baseline::OneStepOff]
+    );
+    assert_eq!((cli.sim.seed, cli.sim.steps), (3, Some(2)));
+    assert!(Cli::try_parse_from(["sim", "job.yaml", "--baseline", "nope"]).is_err());
 }
