@@ -305,3 +305,35 @@ fn the_command_line_takes_repeated_baselines_a_seed_and_a_timeline() {
     assert_eq!((cli.sim.seed, cli.sim.steps), (3, Some(2)));
     assert!(Cli::try_parse_from(["sim", "job.yaml", "--baseline", "nope"]).is_err());
 }
+
+#[test]
+fn a_serverless_reward_pays_a_cold_start_only_when_no_instance_is_warm() {
+    // The hand job, scored by a 100 ms serverless function instead of the environment.
+    let yaml = HAND_JOB
+        .replace(
+            "- { name: r, runsOn: environment, latencyMs: 0 }",
+            "- { name: r, runsOn: serverless, pool: fn, function: f, latencyMs: 100 }",
+        )
+        .replace(
+            "- { name: envs, cpu: c7i.8xlarge, count: 1 }",
+            "- { name: envs, cpu: c7i.8xlarge, count: 1 }\n    - { name: fn, serverless: aws-lambda, concurrency: 4 }",
+        );
+    let job = rollfleet_spec::parse_job(yaml.as_bytes(), "hand.yaml").unwrap();
+    let spec = job.spec().clone();
+    let (placement, policy) = Baseline::Sync
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &SimOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    // Step 1: 100 ms + a 250 ms cold start (the catalogue's Lambda figure); step 2: warm.
+    assert_eq!(run.cold_starts, 1);
+    close(run.makespan_s, 2.0 * (TRAJ + TRAIN + 0.1) + 0.25 + 0.02);
+}
