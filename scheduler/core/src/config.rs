@@ -1,0 +1,293 @@
+//! The core's configuration: plain numbers derived once from the job spec, the placement and the
+//! scheduling policy.
+//!
+//! The core never looks at YAML, the catalogue or distributions while it runs; [`Config`] is all
+//! it knows, which keeps every decision a function of `(Config, inputs)`. The [`Policy`] is what
+//! distinguishes rollfleet from the baselines it is measured against: the same core, run with a
+//! synchronous or one-step-off discipline, behaves like those systems (see `docs/baselines.md`).
+
+use rollfleet_catalog::Catalog;
+use rollfleet_spec::{JobSpec, PoolKind, RewardPlacement, Role};
+use serde::{Deserialize, Serialize};
+
+use crate::placement::{Placement, ReplicaConfig, TrainerConfig};
+use crate::protocol::{PoolIndex, SyncMode};
+use crate::time::Span;
+
+/// When new trajectories may start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Discipline {
+    /// Trajectory-level asynchrony: trajectories start whenever the staleness budget allows
+    /// (AReaL's rule: at most `(version + maxStaleness + 1) * rolloutBatchSize` started, plus the
+    /// over-provisioning), and the trainer takes whole groups as soon as `trainBatchSize` of them
+    /// are ready.
+    Continuous,
+    /// Batches with a barrier: batch `k` (exactly `rolloutBatchSize` trajectories) starts when
+    /// batch `k - 1` is fully generated and the replicas serve version `k - lag`; step `k` trains
+    /// on batch `k` once it is complete. `lag = 0` is synchronous RL, `lag = 1` one-step-off.
+    Batched {
+        /// How many versions behind the trainer a batch is generated.
+        lag: u64,
+    },
+}
+
+/// A scheduling policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Policy {
+    /// When trajectories start and when the trainer consumes them.
+    pub discipline: Discipline,
+    /// Hard staleness bound (versions).
+    pub max_staleness: u64,
+    /// Extra fraction of a batch started beyond need (continuous discipline only).
+    pub over_provisioning: f64,
+    /// How weights reach the replicas.
+    pub weight_sync: SyncMode,
+    /// Replicas updated at once in rolling mode (0: one per trainer node).
+    pub max_concurrent_updates: u32,
+    /// Whether later turns go back to the replica holding the trajectory's KV cache.
+    pub sticky_sessions: bool,
+    /// Whether the trainer briefly holds the batch that publishes a version while unfinished
+    /// groups would fall out of the staleness bound by it (continuous discipline only).
+    pub expiry_aware_publish: bool,
+}
+
+impl Policy {
+    /// rollfleet's own policy with the job's RL settings.
+    pub fn rollfleet(spec: &JobSpec) -> Policy {
+        Policy {
+            discipline: Discipline::Continuous,
+            max_staleness: spec.rl.max_staleness.max(0) as u64,
+            over_provisioning: spec.rl.over_provisioning.max(0.0),
+            weight_sync: SyncMode::Rolling,
+            max_concurrent_updates: 0,
+            sticky_sessions: true,
+            expiry_aware_publish: false,
+        }
+    }
+}
+
+/// Where a task's reward is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RewardRoute {
+    /// By the environment on its last step: no separate stage.
+    Environment,
+    /// On a serverless pool (index into [`Config::serverless_pools`]).
+    Serverless(u32),
+    /// On a CPU pool (index into [`Config::cpu_pools`]).
+    Local(u32),
+}
+
+/// What the core needs to know about a task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskLimits {
+    /// Share of groups that sample this task.
+    pub share: f64,
+    /// Most turns.
+    pub max_turns: u32,
+    /// Longest context.
+    pub context_limit: u64,
+    /// Most tokens one action may take (KV reserved for it at admission).
+    pub max_action_tokens: u64,
+    /// Milli-vCPUs an environment step occupies.
+    pub env_millicpus: u64,
+    /// Where its reward is computed.
+    pub reward: RewardRoute,
+}
+
+/// A CPU pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CpuPoolConfig {
+    /// Index in the spec.
+    pub pool: PoolIndex,
+    /// Milli-vCPUs in the pool.
+    pub millicpus: u64,
+    /// Whether it hosts environments.
+    pub environments: bool,
+}
+
+/// A serverless pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServerlessPoolConfig {
+    /// Index in the spec.
+    pub pool: PoolIndex,
+    /// Concurrent executions.
+    pub concurrency: u64,
+}
+
+/// Everything the core knows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    /// Seed of the core's own random decisions (task sampling).
+    pub seed: u64,
+    /// The scheduling policy.
+    pub policy: Policy,
+    /// Trajectories per group.
+    pub group_size: u32,
+    /// Trajectories per RL step.
+    pub rollout_batch_size: u32,
+    /// Trajectories per training batch.
+    pub train_batch_size: u32,
+    /// RL steps to run.
+    pub steps: u64,
+    /// Tasks, in spec order.
+    pub tasks: Vec<TaskLimits>,
+    /// Serving replicas.
+    pub replicas: Vec<ReplicaConfig>,
+    /// The trainer.
+    pub trainer: TrainerConfig,
+    /// Whether the trainer shares the serving GPUs.
+    pub colocated: bool,
+    /// CPU pools.
+    pub cpu_pools: Vec<CpuPoolConfig>,
+    /// Serverless pools.
+    pub serverless_pools: Vec<ServerlessPoolConfig>,
+    /// Bytes of one copy of the weights.
+    pub weight_bytes: u64,
+    /// Inputs at least this long are prefilled on a prefill replica (when there is one); shorter
+    /// ones are prefilled by the decode replica itself, where a KV transfer is not worth it.
+    pub pd_min_prefill_tokens: u64,
+    /// A stage with no answer after this long is presumed lost and rescheduled.
+    pub stage_timeout: Span,
+}
+
+/// Why a configuration could not be built.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// The RL settings are unusable.
+    #[error("invalid RL settings: {0}")]
+    Rl(String),
+    /// No CPU pool hosts environments.
+    #[error("no CPU pool hosts environments")]
+    NoEnvironmentPool,
+    /// A reward refers to a pool that is not there.
+    #[error("reward \"{0}\" has no usable pool")]
+    RewardPool(String),
+    /// A task refers to an unknown reward.
+    #[error("task \"{0}\" refers to an unknown reward")]
+    UnknownReward(String),
+}
+
+impl Config {
+    /// Builds the core's configuration.
+    pub fn new(
+        spec: &JobSpec,
+        catalog: &Catalog,
+        placement: &Placement,
+        policy: Policy,
+        seed: u64,
+    ) -> Result<Config, ConfigError> {
+        let rl = &spec.rl;
+        let positive = |v: i64, what: &str| {
+            u32::try_from(v)
+                .ok()
+                .filter(|v| *v > 0)
+                .ok_or_else(|| ConfigError::Rl(format!("{what} must be positive, got {v}")))
+        };
+        let group_size = positive(rl.group_size, "groupSize")?;
+        let rollout_batch_size = positive(rl.rollout_batch_size, "rolloutBatchSize")?;
+        let train_batch_size = positive(rl.train_batch_size, "trainBatchSize")?;
+        if rollout_batch_size % group_size != 0
+            || train_batch_size % group_size != 0
+            || rollout_batch_size % train_batch_size != 0
+        {
+            return Err(ConfigError::Rl(
+                "batch sizes must be multiples of groupSize, and trainBatchSize must divide \
+                 rolloutBatchSize"
+                    .into(),
+            ));
+        }
+        let mut cpu_pools = Vec::new();
+        let mut serverless_pools = Vec::new();
+        for (i, pool) in spec.pools.iter().enumerate() {
+            match pool.kind() {
+                Some(PoolKind::Cpu) => {
+                    let vcpus = pool
+                        .cpu
+                        .as_deref()
+                        .and_then(|c| catalog.cpu_shape(c).ok())
+                        .map_or(0, |s| s.vcpus as u64);
+                    let nodes = pool.count.unwrap_or(0).max(0) as u64;
+                    cpu_pools.push(CpuPoolConfig {
+                        pool: i as PoolIndex,
+                        millicpus: vcpus * nodes * 1000,
+                        environments: pool.roles.is_empty()
+                            || pool.roles.contains(&Role::Environment),
+                    });
+                }
+                Some(PoolKind::Serverless) => {
+                    let default = pool
+                        .serverless
+                        .as_deref()
+                        .and_then(|s| catalog.serverless(s).ok())
+                        .map_or(1, |p| p.default_concurrency as u64);
+                    serverless_pools.push(ServerlessPoolConfig {
+                        pool: i as PoolIndex,
+                        concurrency: pool.concurrency.map_or(default, |c| c.max(1) as u64),
+                    });
+                }
+                _ => {}
+            }
+        }
+        if spec.tasks.is_empty() || !spec.tasks.iter().any(|t| t.share > 0.0) {
+            return Err(ConfigError::Rl(
+                "the job needs at least one task with a positive share".into(),
+            ));
+        }
+        if !cpu_pools.iter().any(|p| p.environments && p.millicpus > 0) {
+            return Err(ConfigError::NoEnvironmentPool);
+        }
+        let mut tasks = Vec::new();
+        for task in &spec.tasks {
+            let reward = spec
+                .rewards
+                .iter()
+                .find(|r| r.name == task.reward)
+                .ok_or_else(|| ConfigError::UnknownReward(task.name.clone()))?;
+            let pool_index = reward
+                .pool
+                .as_deref()
+                .and_then(|name| spec.pools.iter().position(|p| p.name == name));
+            let route = match reward.runs_on {
+                RewardPlacement::Environment => RewardRoute::Environment,
+                RewardPlacement::Serverless => pool_index
+                    .and_then(|p| serverless_pools.iter().position(|s| s.pool as usize == p))
+                    .map(|s| RewardRoute::Serverless(s as u32))
+                    .ok_or_else(|| ConfigError::RewardPool(reward.name.clone()))?,
+                RewardPlacement::Local => pool_index
+                    .and_then(|p| cpu_pools.iter().position(|c| c.pool as usize == p))
+                    .or_else(|| cpu_pools.iter().position(|c| c.millicpus > 0))
+                    .map(|c| RewardRoute::Local(c as u32))
+                    .ok_or_else(|| ConfigError::RewardPool(reward.name.clone()))?,
+            };
+            let context_limit = task.context_limit.max(1) as u64;
+            let max_action = task.action_tokens.upper_bound().map_or(context_limit, |b| {
+                (b.ceil().max(1.0) as u64).min(context_limit)
+            });
+            tasks.push(TaskLimits {
+                share: task.share.max(0.0),
+                max_turns: u32::try_from(task.max_turns.max(1)).unwrap_or(u32::MAX),
+                context_limit,
+                max_action_tokens: max_action,
+                env_millicpus: (task.env_cpus.max(0.001) * 1000.0).round() as u64,
+                reward: route,
+            });
+        }
+        Ok(Config {
+            seed,
+            policy,
+            group_size,
+            rollout_batch_size,
+            train_batch_size,
+            steps: rl.steps.max(0) as u64,
+            tasks,
+            replicas: placement.replicas.clone(),
+            trainer: placement.trainer.clone(),
+            colocated: placement.colocated,
+            cpu_pools,
+            serverless_pools,
+            weight_bytes: spec.model.weight_bytes().max(0.0) as u64,
+            pd_min_prefill_tokens: 256,
+            stage_timeout: Span::from_secs_f64(3600.0),
+        })
+    }
+}

@@ -1,0 +1,323 @@
+//! The router: where the next piece of generation work of a trajectory goes.
+//!
+//! Selection is a pure function of a read-only view of the replicas (the rule dynamo's KV router
+//! follows: choosing has no side effects; booking happens in one admission path, in
+//! `scheduler.rs`). It is:
+//! - **session-sticky**: a later turn goes back to the replica that still holds the trajectory's
+//!   KV cache, if that replica is healthy, serves an admissible version and has room; only the new
+//!   tokens are then prefilled;
+//! - **prefill/decode-aware**: otherwise the whole context must be recomputed, and when a prefill
+//!   pool exists and the input is long enough to be worth a KV transfer, it goes to a prefill
+//!   replica first and to a decode replica after;
+//! - **load-aware**: among admissible replicas, the least loaded (batch slots and KV memory in
+//!   use, see [`load_key`]) that has room wins, among the [`CANDIDATES`] least loaded; ties go
+//!   to the lowest id, so the choice is deterministic;
+//! - **health-aware**: lost, draining or weight-less replicas are not candidates, and every
+//!   stage that timed out on a replica adds a penalty to its load.
+
+use std::collections::BTreeSet;
+
+use crate::placement::ServeRole;
+use crate::protocol::{ReplicaId, Version};
+
+/// How many of the least-loaded replicas the router considers. Looking further rarely finds
+/// room the least-loaded ones lack (the load order already counts KV use), and bounding it keeps
+/// one routing decision O(1) in the size of the fleet.
+pub const CANDIDATES: usize = 32;
+
+/// A replica as the router sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaView {
+    /// Its role.
+    pub role: ServeRole,
+    /// Usable right now (healthy, has weights, not draining for an update).
+    pub available: bool,
+    /// The version it serves.
+    pub version: Option<Version>,
+    /// Stages running on it.
+    pub in_flight: u32,
+    /// Batch slots.
+    pub max_seqs: u32,
+    /// KV tokens reserved.
+    pub kv_reserved: u64,
+    /// KV tokens it can hold.
+    pub kv_capacity: u64,
+    /// KV tokens held for idle trajectories that may be evicted to make room.
+    pub kv_evictable: u64,
+    /// Stages that timed out on it.
+    pub failures: u32,
+    /// Versions it is behind the latest published one.
+    pub behind: u64,
+}
+
+impl ReplicaView {
+    /// Whether it can take a stage needing `kv_tokens` more KV tokens at version `floor` or newer
+    /// (`evict`: counting idle KV it could evict).
+    pub fn fits(&self, kv_tokens: u64, floor: Version, evict: bool) -> bool {
+        let free = self.kv_capacity.saturating_sub(self.kv_reserved)
+            + if evict { self.kv_evictable } else { 0 };
+        self.available
+            && self.version.is_some_and(|v| v >= floor)
+            && self.in_flight < self.max_seqs
+            && kv_tokens <= free
+    }
+}
+
+/// The load order key: batch-slot use and KV use, each in parts per million, plus a penalty per
+/// timed-out stage and per version the replica is behind (new work prefers fresh weights, so its
+/// turns stay inside the staleness bound longer). Lower is less loaded.
+pub fn load_key(view: &ReplicaView) -> u64 {
+    let slots = view.in_flight as u64 * 1_000_000 / view.max_seqs.max(1) as u64;
+    let kv = view.kv_reserved.saturating_mul(1_000_000) / view.kv_capacity.max(1);
+    slots + kv + view.failures as u64 * 250_000 + view.behind.min(16) * 300_000
+}
+
+/// A request for generation work.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteRequest {
+    /// Tokens already in the trajectory's context.
+    pub context: u64,
+    /// New tokens to add this turn (prompt or observation).
+    pub input: u64,
+    /// Most tokens the action may take.
+    pub max_new: u64,
+    /// The replica holding the trajectory's KV cache of `context` tokens, if any.
+    pub sticky: Option<ReplicaId>,
+    /// Oldest admissible version.
+    pub floor: Version,
+    /// Inputs at least this long go to a prefill replica when one exists.
+    pub pd_min_prefill_tokens: u64,
+    /// Whether sticky sessions are enabled.
+    pub sticky_sessions: bool,
+    /// Whether prefill replicas exist.
+    pub disaggregated: bool,
+}
+
+/// Where the work goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Generate on the replica that holds the KV cache; prefill only the new tokens.
+    Sticky(ReplicaId),
+    /// Prefill the whole context on this prefill replica (decode is routed when it is done).
+    Prefill(ReplicaId),
+    /// Prefill the whole context locally and generate on this replica (`evict`: make room by
+    /// evicting idle KV caches first).
+    Generate(ReplicaId, bool),
+}
+
+/// The replica sets, in load order, that the router walks.
+pub struct RouterView<'a> {
+    /// Looks a replica up by id.
+    pub lookup: &'a dyn Fn(ReplicaId) -> Option<ReplicaView>,
+    /// Available prefill replicas by `(load_key, id)`.
+    pub prefill: &'a BTreeSet<(u64, ReplicaId)>,
+    /// Available decode/generate replicas by `(load_key, id)`.
+    pub decode: &'a BTreeSet<(u64, ReplicaId)>,
+}
+
+impl RouterView<'_> {
+    fn view(&self, id: ReplicaId) -> Option<ReplicaView> {
+        (self.lookup)(id)
+    }
+
+    /// The least-loaded replica of `set` that fits (no eviction), then, failing that, the
+    /// least-loaded one that fits after evicting idle KV caches.
+    pub fn least_loaded(
+        &self,
+        set: &BTreeSet<(u64, ReplicaId)>,
+        kv_tokens: u64,
+        floor: Version,
+        allow_evict: bool,
+    ) -> Option<(ReplicaId, bool)> {
+        let fit = set.iter().take(CANDIDATES).map(|&(_, id)| id).find(|&id| {
+            self.view(id)
+                .is_some_and(|v| v.fits(kv_tokens, floor, false))
+        });
+        if let Some(id) = fit {
+            return Some((id, false));
+        }
+        if !allow_evict {
+            return None;
+        }
+        set.iter()
+            .take(CANDIDATES)
+            .map(|&(_, id)| id)
+            .find(|&id| {
+                self.view(id)
+                    .is_some_and(|v| v.fits(kv_tokens, floor, true))
+            })
+            .map(|id| (id, true))
+    }
+
+    /// Routes one turn's generation (pure; see the module docs).
+    pub fn route(&self, req: &RouteRequest, allow_evict: bool) -> Option<Route> {
+        let full = req.context + req.input + req.max_new;
+        if req.sticky_sessions
+            && let Some(id) = req.sticky
+            && let Some(view) = self.view(id).as_ref()
+            && matches!(view.role, ServeRole::Decode | ServeRole::Generate)
+            && view.fits(req.input + req.max_new, req.floor, false)
+        {
+            return Some(Route::Sticky(id));
+        }
+        if req.disaggregated && req.context + req.input >= req.pd_min_prefill_tokens {
+            return self
+                .least_loaded(self.prefill, req.context + req.input, req.floor, false)
+                .map(|(id, _)| Route::Prefill(id));
+        }
+        self.least_loaded(self.decode, full, req.floor, allow_evict)
+            .map(|(id, evict)| Route::Generate(id, evict))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replica(role: ServeRole, in_flight: u32, kv_reserved: u64) -> ReplicaView {
+        ReplicaView {
+            role,
+            available: true,
+            version: Some(3),
+            in_flight,
+            max_seqs: 8,
+            kv_reserved,
+            kv_capacity: 1000,
+            kv_evictable: 0,
+            failures: 0,
+            behind: 0,
+        }
+    }
+
+    type LoadSet = BTreeSet<(u64, ReplicaId)>;
+
+    fn sets(replicas: &[ReplicaView]) -> (LoadSet, LoadSet) {
+        let mut prefill = BTreeSet::new();
+        let mut decode = BTreeSet::new();
+        for (i, r) in replicas.iter().enumerate() {
+            let entry = (load_key(r), ReplicaId(i as u64));
+            match r.role {
+                ServeRole::Prefill => prefill.insert(entry),
+                _ => decode.insert(entry),
+            };
+        }
+        (prefill, decode)
+    }
+
+    fn request(sticky: Option<ReplicaId>) -> RouteRequest {
+        RouteRequest {
+            context: 100,
+            input: 50,
+            max_new: 100,
+            sticky,
+            floor: 2,
+            pd_min_prefill_tokens: 1_000_000,
+            sticky_sessions: true,
+            disaggregated: false,
+        }
+    }
+
+    #[test]
+    fn a_later_turn_goes_back_to_the_replica_holding_its_kv_cache() {
+        let replicas = vec![
+            replica(ServeRole::Decode, 0, 0),
+            replica(ServeRole::Decode, 5, 500),
+        ];
+        let (prefill, decode) = sets(&replicas);
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(
+            view.route(&request(Some(ReplicaId(1))), false),
+            Some(Route::Sticky(ReplicaId(1)))
+        );
+    }
+
+    #[test]
+    fn a_new_trajectory_goes_to_the_least_loaded_replica() {
+        let replicas = vec![
+            replica(ServeRole::Decode, 4, 100),
+            replica(ServeRole::Decode, 1, 100),
+        ];
+        let (prefill, decode) = sets(&replicas);
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(
+            view.route(&request(None), false),
+            Some(Route::Generate(ReplicaId(1), false))
+        );
+    }
+
+    #[test]
+    fn an_unhealthy_or_too_old_replica_is_never_chosen() {
+        let mut replicas = vec![
+            replica(ServeRole::Decode, 0, 0),
+            replica(ServeRole::Decode, 7, 0),
+        ];
+        replicas[0].available = false;
+        let (prefill, decode) = sets(&replicas);
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(
+            view.route(&request(Some(ReplicaId(0))), false),
+            Some(Route::Generate(ReplicaId(1), false))
+        );
+        replicas[1].version = Some(1);
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(view.route(&request(None), false), None);
+    }
+
+    #[test]
+    fn a_long_input_is_prefilled_on_the_prefill_pool_when_disaggregated() {
+        let replicas = vec![
+            replica(ServeRole::Decode, 0, 0),
+            replica(ServeRole::Prefill, 0, 0),
+        ];
+        let (prefill, decode) = sets(&replicas);
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        let req = RouteRequest {
+            disaggregated: true,
+            pd_min_prefill_tokens: 100,
+            ..request(None)
+        };
+        assert_eq!(view.route(&req, false), Some(Route::Prefill(ReplicaId(1))));
+    }
+
+    #[test]
+    fn a_full_replica_is_chosen_only_if_evicting_idle_caches_makes_room() {
+        let mut replicas = vec![replica(ServeRole::Decode, 0, 900)];
+        let (prefill, decode) = sets(&replicas);
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(view.route(&request(None), true), None);
+        replicas[0].kv_evictable = 500;
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        assert_eq!(
+            view.route(&request(None), true),
+            Some(Route::Generate(ReplicaId(0), true))
+        );
+    }
+}

@@ -1,0 +1,1772 @@
+//! The scheduler state machine: trajectories, replicas, pools, the trainer and weight sync.
+//!
+//! [`Core`] follows quinn-proto's shape: [`Core::handle_input`] and [`Core::handle_timeout`] feed
+//! it facts, [`Core::poll_command`] drains the commands they caused, and [`Core::poll_timeout`]
+//! says when it next wants [`Core::handle_timeout`]. After every input the core runs one admission
+//! pass (`pump`), the single place where work is booked on a resource:
+//!
+//! 1. rolling weight sync (drain a replica, then update it) or the global sync of the batched
+//!    baselines;
+//! 2. new groups, as the discipline allows;
+//! 3. environment resets and steps, on CPU pools with free vCPUs;
+//! 4. generation: routed by [`crate::router`], after the staleness check at admission;
+//! 5. decode of prefilled contexts (the second half of prefill/decode disaggregation);
+//! 6. rewards, within serverless concurrency or local vCPUs;
+//! 7. training, on whole groups, after the staleness check at consumption.
+//!
+//! A trajectory's life: `EnvReset` (prompt) → for each turn: generation (sticky `Generate`, or
+//! `Prefill` then `Generate` with a KV pull, or local `Generate`) → `EnvStep` → ... → `Reward` →
+//! complete → trained once, with its whole group. Each generated turn is stamped with the version
+//! that produced it; a trajectory whose oldest turn falls out of the bound is regenerated from
+//! that turn, at admission or at consumption, and never trained on.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Config, Discipline, RewardRoute};
+use crate::placement::ServeRole;
+use crate::protocol::{
+    BatchId, Command, GroupId, Input, ReplicaId, StageCommand, StageId, StageOutcome, StageWork,
+    SyncMode, TrajId, Version,
+};
+use crate::rng::SplitMix64;
+use crate::router::{ReplicaView, Route, RouteRequest, RouterView, load_key};
+use crate::slab::IdSlab;
+use crate::time::Time;
+
+/// How far past a blocked head the admission pass looks for work of another kind.
+const LOOKAHEAD: usize = 16;
+
+/// Counters the core keeps about its own decisions.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Groups started.
+    pub groups_started: u64,
+    /// Trajectories completed (rewarded), counting regenerated ones again.
+    pub trajectories_completed: u64,
+    /// Trajectories handed to the trainer.
+    pub trajectories_consumed: u64,
+    /// Staleness at consumption: index = versions behind, value = trajectories.
+    pub staleness_histogram: Vec<u64>,
+    /// Turns thrown away to keep the staleness bound.
+    pub regenerated_turns: u64,
+    /// Trajectories regenerated at admission.
+    pub regenerated_at_admission: u64,
+    /// Trajectories regenerated at consumption.
+    pub regenerated_at_consumption: u64,
+    /// Turns that reused a KV cache kept on their replica.
+    pub sticky_hits: u64,
+    /// Prefills done on a prefill replica (with a KV transfer after).
+    pub disaggregated_prefills: u64,
+    /// Idle KV caches evicted to make room.
+    pub kv_evictions: u64,
+    /// Stages retried after a failure, a timeout or a lost replica.
+    pub stage_retries: u64,
+    /// Reports about stages the core no longer expected (ignored).
+    pub ignored_reports: u64,
+    /// Weight updates issued.
+    pub weight_updates: u64,
+    /// Training batches issued.
+    pub train_batches: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    QueuedEnv,
+    Env,
+    QueuedGen,
+    Prefill,
+    QueuedDecode,
+    Gen,
+    QueuedReward,
+    Reward,
+    Complete,
+    Consumed,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Queue {
+    Env,
+    Gen,
+    Decode,
+    Reward,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kv {
+    None,
+    /// Kept on a decode/generate replica between turns (evictable).
+    Retained(ReplicaId, u64),
+    /// Prefilled on a prefill replica, waiting to be pulled; with the prefill's version.
+    Held(ReplicaId, u64, Version),
+}
+
+#[derive(Debug, Clone)]
+struct TurnRec {
+    version: Version,
+    context_before: u64,
+    input: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Traj {
+    group: GroupId,
+    task: u32,
+    attempt: u32,
+    turns: Vec<TurnRec>,
+    context: u64,
+    input: u64,
+    pending_action: u64,
+    reset_done: bool,
+    phase: Phase,
+    env_pool: Option<u32>,
+    kv: Kv,
+    queued: Option<(Queue, u64)>,
+    /// Oldest version among `turns` (`Version::MAX` when there are none).
+    min_version: Version,
+}
+
+impl Traj {
+    fn oldest(&self) -> Option<Version> {
+        (self.min_version != Version::MAX).then_some(self.min_version)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Group {
+    members: Vec<TrajId>,
+    batch: u64,
+    complete: u32,
+    ready_key: Option<(Version, GroupId)>,
+}
+
+#[derive(Debug, Clone)]
+struct Replica {
+    role: ServeRole,
+    max_seqs: u32,
+    kv_capacity: u64,
+    healthy: bool,
+    version: Option<Version>,
+    draining: bool,
+    updating: bool,
+    in_flight: u32,
+    kv_reserved: u64,
+    retained: BTreeMap<TrajId, (u64, Time)>,
+    lru: BTreeSet<(Time, TrajId)>,
+    retained_tokens: u64,
+    held: BTreeSet<TrajId>,
+    failures: u32,
+    key: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+enum StageKind {
+    EnvReset,
+    EnvStep,
+    Prefill,
+    Gen { version: Version },
+    Reward,
+}
+
+#[derive(Debug, Clone)]
+struct StageRec {
+    traj: TrajId,
+    kind: StageKind,
+    replica: Option<ReplicaId>,
+    kv_tokens: u64,
+    kv_from: Option<(ReplicaId, u64)>,
+    cpu: Option<(u32, u64)>,
+    serverless: Option<u32>,
+    deadline: Time,
+}
+
+#[derive(Debug, Clone)]
+struct TrainBatch {
+    id: BatchId,
+    publishes: bool,
+}
+
+/// The scheduler core. See the module docs.
+#[derive(Debug, Clone)]
+pub struct Core {
+    cfg: Config,
+    now: Time,
+    version: Version,
+    trajs: Vec<Traj>,
+    groups: Vec<Group>,
+    replicas: Vec<Replica>,
+    prefill_set: BTreeSet<(u64, ReplicaId)>,
+    decode_set: BTreeSet<(u64, ReplicaId)>,
+    disaggregated: bool,
+    cpu_free: Vec<u64>,
+    serverless_free: Vec<u64>,
+    stages: IdSlab<StageRec>,
+    next_stage: u64,
+    queues: BTreeMap<Queue, BTreeSet<(u64, TrajId)>>,
+    ready: BTreeSet<(Version, GroupId)>,
+    batch_complete: BTreeMap<u64, u32>,
+    batch_done: BTreeMap<u64, u32>,
+    batches_admitted: u64,
+    active: u64,
+    gpu_stages: u64,
+    trainer: Option<TrainBatch>,
+    minibatches_in_step: u32,
+    next_batch: u64,
+    pending_update: BTreeSet<ReplicaId>,
+    draining: BTreeSet<ReplicaId>,
+    updating: u32,
+    commands: VecDeque<Command>,
+    repump: bool,
+    open_groups: BTreeSet<GroupId>,
+    groups_closed: u64,
+    hold_checked: u64,
+    hold_until: Option<Time>,
+    last_publish: Time,
+    last_step: crate::time::Span,
+    stats: Stats,
+}
+
+impl Core {
+    /// A core for a job; it starts working on the first input or timeout.
+    pub fn new(cfg: Config) -> Core {
+        let replicas: Vec<Replica> = cfg
+            .replicas
+            .iter()
+            .map(|r| Replica {
+                role: r.role,
+                max_seqs: r.max_seqs.max(1),
+                kv_capacity: r.kv_capacity_tokens,
+                healthy: true,
+                version: Some(0),
+                draining: false,
+                updating: false,
+                in_flight: 0,
+                kv_reserved: 0,
+                retained: BTreeMap::new(),
+                lru: BTreeSet::new(),
+                retained_tokens: 0,
+                held: BTreeSet::new(),
+                failures: 0,
+                key: None,
+            })
+            .collect();
+        let disaggregated = replicas.iter().any(|r| r.role == ServeRole::Prefill);
+        let mut core = Core {
+            cpu_free: cfg.cpu_pools.iter().map(|p| p.millicpus).collect(),
+            serverless_free: cfg.serverless_pools.iter().map(|p| p.concurrency).collect(),
+            cfg,
+            now: Time::ZERO,
+            version: 0,
+            trajs: Vec::new(),
+            groups: Vec::new(),
+            replicas,
+            prefill_set: BTreeSet::new(),
+            decode_set: BTreeSet::new(),
+            disaggregated,
+            stages: IdSlab::new(),
+            next_stage: 0,
+            queues: BTreeMap::new(),
+            ready: BTreeSet::new(),
+            batch_complete: BTreeMap::new(),
+            batch_done: BTreeMap::new(),
+            batches_admitted: 0,
+            active: 0,
+            gpu_stages: 0,
+            trainer: None,
+            minibatches_in_step: 0,
+            next_batch: 0,
+            pending_update: BTreeSet::new(),
+            draining: BTreeSet::new(),
+            updating: 0,
+            commands: VecDeque::new(),
+            repump: false,
+            open_groups: BTreeSet::new(),
+            groups_closed: 0,
+            hold_checked: u64::MAX,
+            hold_until: None,
+            last_publish: Time::ZERO,
+            last_step: crate::time::Span::ZERO,
+            stats: Stats::default(),
+        };
+        for i in 0..core.replicas.len() {
+            core.touch(ReplicaId(i as u64));
+        }
+        core
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The latest published policy version (= RL steps trained).
+    pub fn version(&self) -> Version {
+        self.version
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Whether every RL step has been trained.
+    pub fn finished(&self) -> bool {
+        self.version >= self.cfg.steps
+    }
+
+    /// Feeds a fact.
+    pub fn handle_input(&mut self, now: Time, input: Input) {
+        self.now = self.now.max(now);
+        match input {
+            Input::StageFinished { stage, outcome } => self.stage_finished(stage, outcome),
+            Input::StageFailed { stage } => self.fail_stage(stage, false),
+            Input::ReplicaLost { replica } => self.replica_lost(replica),
+            Input::ReplicaRecovered { replica } => self.replica_recovered(replica),
+            Input::WeightsUpdated { replica, version } => self.weights_updated(replica, version),
+            Input::TrainFinished { batch } => self.train_finished(batch),
+        }
+        self.pump();
+    }
+
+    /// Wakes the core at (or after) the time [`Core::poll_timeout`] asked for; also starts the
+    /// job when called first.
+    pub fn handle_timeout(&mut self, now: Time) {
+        self.now = self.now.max(now);
+        // Every stage gets the same timeout and the clock never goes back, so deadlines grow
+        // with stage ids: the oldest live stage has the earliest one.
+        loop {
+            let Some((id, deadline)) = self.stages.iter().next().map(|(id, s)| (id, s.deadline))
+            else {
+                break;
+            };
+            let stage = StageId(id);
+            if deadline > self.now {
+                break;
+            }
+            if let Some(replica) = self.stages.get(stage.0).and_then(|s| s.replica) {
+                if let Some(r) = self.replicas.get_mut(replica.0 as usize) {
+                    r.failures = r.failures.saturating_add(1);
+                }
+                self.touch(replica);
+            }
+            self.fail_stage(stage, true);
+        }
+        self.pump();
+    }
+
+    /// The next command, if any.
+    pub fn poll_command(&mut self) -> Option<Command> {
+        self.commands.pop_front()
+    }
+
+    /// When the core next needs [`Core::handle_timeout`], if ever.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        let stage = self.stages.iter().next().map(|(_, s)| s.deadline);
+        match (stage, self.hold_until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Trajectories by state: `(in flight, complete and waiting for the trainer, consumed)`.
+    pub fn trajectory_counts(&self) -> (u64, u64, u64) {
+        let mut counts = (0, 0, 0);
+        for t in &self.trajs {
+            match t.phase {
+                Phase::Consumed => counts.2 += 1,
+                Phase::Complete => counts.1 += 1,
+                _ => counts.0 += 1,
+            }
+        }
+        counts
+    }
+
+    /// A one-line summary of where everything is, for diagnostics (e.g. a stalled run).
+    pub fn summary(&self) -> String {
+        let mut phases: BTreeMap<String, u64> = BTreeMap::new();
+        for t in &self.trajs {
+            *phases.entry(format!("{:?}", t.phase)).or_default() += 1;
+        }
+        let replicas: Vec<String> = self
+            .replicas
+            .iter()
+            .map(|r| {
+                format!(
+                    "{:?}/v{:?}/{}{}{}/seq{}/kv{}+{}",
+                    r.role,
+                    r.version,
+                    if r.healthy { "" } else { "lost," },
+                    if r.draining { "draining," } else { "" },
+                    if r.updating { "updating" } else { "" },
+                    r.in_flight,
+                    r.kv_reserved,
+                    r.held.len()
+                )
+            })
+            .collect();
+        format!(
+            "version {} trainer {:?} phases {:?} ready {} pending_update {} updating {} replicas [{}]",
+            self.version,
+            self.trainer.as_ref().map(|b| b.id),
+            phases,
+            self.ready.len(),
+            self.pending_update.len(),
+            self.updating,
+            replicas.join(" ")
+        )
+    }
+
+    /// Checks the core's own books: no replica or pool holds more than its capacity, and every
+    /// counter matches a recount. Meant for tests; returns the first violation.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        for (i, r) in self.replicas.iter().enumerate() {
+            if r.kv_reserved > r.kv_capacity {
+                return Err(format!(
+                    "replica {i}: KV {} > {}",
+                    r.kv_reserved, r.kv_capacity
+                ));
+            }
+            if r.in_flight > r.max_seqs {
+                return Err(format!(
+                    "replica {i}: {} seqs > {}",
+                    r.in_flight, r.max_seqs
+                ));
+            }
+        }
+        let mut cpu_used = vec![0u64; self.cpu_free.len()];
+        let mut fn_used = vec![0u64; self.serverless_free.len()];
+        let mut seqs = vec![0u32; self.replicas.len()];
+        for (_, s) in self.stages.iter() {
+            if let Some((p, m)) = s.cpu {
+                cpu_used[p as usize] += m;
+            }
+            if let Some(p) = s.serverless {
+                fn_used[p as usize] += 1;
+            }
+            if let Some(r) = s.replica {
+                seqs[r.0 as usize] += 1;
+            }
+        }
+        for (i, p) in self.cfg.cpu_pools.iter().enumerate() {
+            if cpu_used[i] + self.cpu_free[i] != p.millicpus {
+                return Err(format!("cpu pool {i}: books do not balance"));
+            }
+        }
+        for (i, p) in self.cfg.serverless_pools.iter().enumerate() {
+            if fn_used[i] + self.serverless_free[i] != p.concurrency {
+                return Err(format!("serverless pool {i}: books do not balance"));
+            }
+        }
+        for (i, r) in self.replicas.iter().enumerate() {
+            if seqs[i] != r.in_flight {
+                return Err(format!("replica {i}: in-flight count is off"));
+            }
+        }
+        Ok(())
+    }
+
+    // ----- bookkeeping helpers -----
+
+    fn view(r: &Replica, latest: Version) -> ReplicaView {
+        ReplicaView {
+            role: r.role,
+            available: r.healthy && !r.draining && !r.updating && r.version.is_some(),
+            version: r.version,
+            in_flight: r.in_flight,
+            max_seqs: r.max_seqs,
+            kv_reserved: r.kv_reserved,
+            kv_capacity: r.kv_capacity,
+            kv_evictable: r.retained_tokens,
+            failures: r.failures,
+            behind: r.version.map_or(0, |v| latest.saturating_sub(v)),
+        }
+    }
+
+    /// Re-files a replica in the router's load-ordered sets after any change.
+    fn touch(&mut self, id: ReplicaId) {
+        let Some(r) = self.replicas.get_mut(id.0 as usize) else {
+            return;
+        };
+        let set = match r.role {
+            ServeRole::Prefill => &mut self.prefill_set,
+            _ => &mut self.decode_set,
+        };
+        let view = Self::view(r, self.version);
+        let key = view.available.then(|| load_key(&view));
+        if key == r.key {
+            return;
+        }
+        if let Some(old) = r.key.take() {
+            set.remove(&(old, id));
+        }
+        if let Some(key) = key {
+            set.insert((key, id));
+            r.key = Some(key);
+        }
+    }
+
+    fn floor(&self) -> Version {
+        self.version.saturating_sub(self.cfg.policy.max_staleness)
+    }
+
+    fn enqueue(&mut self, t: TrajId, queue: Queue, phase: Phase) {
+        self.dequeue(t);
+        // Oldest group first, everywhere: a straggler of an old group overtakes fresh work, so
+        // groups complete (and can be trained on) before their first turns fall out of the bound.
+        let prio = self.trajs[t.0 as usize].group.0;
+        self.queues.entry(queue).or_default().insert((prio, t));
+        let traj = &mut self.trajs[t.0 as usize];
+        traj.queued = Some((queue, prio));
+        traj.phase = phase;
+    }
+
+    fn dequeue(&mut self, t: TrajId) {
+        if let Some((q, prio)) = self.trajs[t.0 as usize].queued.take()
+            && let Some(set) = self.queues.get_mut(&q)
+        {
+            set.remove(&(prio, t));
+        }
+    }
+
+    fn new_stage(&mut self, rec: StageRec, cmd: StageCommand) {
+        if rec.replica.is_some() {
+            self.gpu_stages += 1;
+        }
+        self.stages.insert(cmd.stage.0, rec);
+        self.commands.push_back(Command::Run(cmd));
+    }
+
+    fn stage_id(&mut self) -> StageId {
+        let id = StageId(self.next_stage);
+        self.next_stage += 1;
+        id
+    }
+
+    fn stage_command(
+        &self,
+        stage: StageId,
+        t: TrajId,
+        version: Version,
+        work: StageWork,
+    ) -> StageCommand {
+        let traj = &self.trajs[t.0 as usize];
+        StageCommand {
+            stage,
+            traj: t,
+            group: traj.group,
+            task: traj.task,
+            turn: traj.turns.len() as u32,
+            attempt: traj.attempt,
+            version,
+            work,
+        }
+    }
+
+    /// Frees everything a stage holds (not the trajectory's retained/held KV).
+    fn release_stage(&mut self, rec: &StageRec) {
+        if let Some(r) = rec.replica {
+            self.gpu_stages = self.gpu_stages.saturating_sub(1);
+            if let Some(rep) = self.replicas.get_mut(r.0 as usize) {
+                rep.in_flight = rep.in_flight.saturating_sub(1);
+                rep.kv_reserved = rep.kv_reserved.saturating_sub(rec.kv_tokens);
+            }
+            self.touch(r);
+        }
+        if let Some((p, tokens)) = rec.kv_from {
+            if let Some(rep) = self.replicas.get_mut(p.0 as usize) {
+                rep.kv_reserved = rep.kv_reserved.saturating_sub(tokens);
+                rep.held.remove(&rec.traj);
+            }
+            self.touch(p);
+        }
+        if let Some((pool, m)) = rec.cpu {
+            self.cpu_free[pool as usize] += m;
+        }
+        if let Some(pool) = rec.serverless {
+            self.serverless_free[pool as usize] += 1;
+        }
+    }
+
+    fn take_stage(&mut self, stage: StageId) -> Option<StageRec> {
+        let rec = self.stages.remove(stage.0)?;
+        self.release_stage(&rec);
+        Some(rec)
+    }
+
+    /// Drops a trajectory's retained or held KV cache (telling the replica).
+    fn drop_kv(&mut self, t: TrajId, tell: bool) {
+        let kv = std::mem::replace(&mut self.trajs[t.0 as usize].kv, Kv::None);
+        let (replica, tokens) = match kv {
+            Kv::None => return,
+            Kv::Retained(r, n) => {
+                if let Some(rep) = self.replicas.get_mut(r.0 as usize)
+                    && let Some((_, used)) = rep.retained.remove(&t)
+                {
+                    rep.lru.remove(&(used, t));
+                    rep.retained_tokens = rep.retained_tokens.saturating_sub(n);
+                }
+                (r, n)
+            }
+            Kv::Held(r, n, _) => {
+                if let Some(rep) = self.replicas.get_mut(r.0 as usize) {
+                    rep.held.remove(&t);
+                }
+                (r, n)
+            }
+        };
+        if let Some(rep) = self.replicas.get_mut(replica.0 as usize) {
+            rep.kv_reserved = rep.kv_reserved.saturating_sub(tokens);
+        }
+        self.touch(replica);
+        if tell {
+            self.commands
+                .push_back(Command::ReleaseKv { replica, traj: t });
+        }
+    }
+
+    /// Evicts least-recently-used idle KV caches on `replica` until `needed` tokens are free.
+    fn evict(&mut self, replica: ReplicaId, needed: u64) {
+        loop {
+            let Some(r) = self.replicas.get(replica.0 as usize) else {
+                return;
+            };
+            if r.kv_capacity.saturating_sub(r.kv_reserved) >= needed {
+                return;
+            }
+            let Some(&(_, victim)) = r.lru.first() else {
+                return;
+            };
+            self.drop_kv(victim, true);
+            self.stats.kv_evictions += 1;
+        }
+    }
+
+    // ----- inputs -----
+
+    fn stage_finished(&mut self, stage: StageId, outcome: StageOutcome) {
+        let Some(rec) = self.stages.get(stage.0) else {
+            self.stats.ignored_reports += 1;
+            return;
+        };
+        let matches = matches!(
+            (&rec.kind, &outcome),
+            (
+                StageKind::EnvReset | StageKind::EnvStep,
+                StageOutcome::Observed { .. }
+            ) | (StageKind::Prefill, StageOutcome::Prefilled)
+                | (StageKind::Gen { .. }, StageOutcome::Generated { .. })
+                | (StageKind::Reward, StageOutcome::Rewarded { .. })
+        );
+        if !matches {
+            // A report that does not fit the stage is treated as a failure of the stage.
+            self.stats.ignored_reports += 1;
+            self.fail_stage(stage, true);
+            return;
+        }
+        let Some(rec) = self.take_stage(stage) else {
+            return;
+        };
+        let t = rec.traj;
+        let ti = t.0 as usize;
+        let task = self.cfg.tasks[self.trajs[ti].task as usize].clone();
+        match (rec.kind, outcome) {
+            // Reported lengths are clamped to the context limit, so no sum can overflow.
+            (StageKind::EnvReset, StageOutcome::Observed { tokens, .. }) => {
+                let tokens = tokens.min(task.context_limit);
+                let traj = &mut self.trajs[ti];
+                traj.reset_done = true;
+                traj.context = 0;
+                traj.input = tokens.max(1);
+                self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+            }
+            (StageKind::EnvStep, StageOutcome::Observed { tokens, done }) => {
+                let tokens = tokens.min(task.context_limit);
+                let traj = &mut self.trajs[ti];
+                let turns = traj.turns.len() as u32;
+                let over = traj.context + tokens >= task.context_limit;
+                if done || turns >= task.max_turns || over {
+                    self.finish_rollout(t);
+                } else {
+                    traj.input = tokens;
+                    self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+                }
+            }
+            (StageKind::Prefill, StageOutcome::Prefilled) => {
+                let replica = rec.replica.unwrap_or(ReplicaId(0));
+                let version = self.replicas[replica.0 as usize].version.unwrap_or(0);
+                // The stage's reservation becomes the held cache.
+                if let Some(rep) = self.replicas.get_mut(replica.0 as usize) {
+                    rep.kv_reserved += rec.kv_tokens;
+                    rep.held.insert(t);
+                }
+                self.touch(replica);
+                self.trajs[ti].kv = Kv::Held(replica, rec.kv_tokens, version);
+                self.enqueue(t, Queue::Decode, Phase::QueuedDecode);
+            }
+            (StageKind::Gen { version }, StageOutcome::Generated { tokens }) => {
+                let replica = rec.replica.unwrap_or(ReplicaId(0));
+                let traj = &mut self.trajs[ti];
+                let before = traj.context;
+                let input = traj.input;
+                let tokens = tokens.min(task.max_action_tokens);
+                traj.turns.push(TurnRec {
+                    version,
+                    context_before: before,
+                    input,
+                });
+                traj.min_version = traj.min_version.min(version);
+                traj.context = before + input + tokens;
+                traj.input = 0;
+                traj.pending_action = tokens;
+                let keep = traj.context;
+                if self.cfg.policy.sticky_sessions
+                    && let Some(rep) = self.replicas.get_mut(replica.0 as usize)
+                    && rep.healthy
+                    && !rep.updating
+                    && !rep.draining
+                    && rep.kv_reserved + keep <= rep.kv_capacity
+                {
+                    rep.kv_reserved += keep;
+                    rep.retained.insert(t, (keep, self.now));
+                    rep.lru.insert((self.now, t));
+                    rep.retained_tokens += keep;
+                    self.trajs[ti].kv = Kv::Retained(replica, keep);
+                    self.touch(replica);
+                } else {
+                    self.commands
+                        .push_back(Command::ReleaseKv { replica, traj: t });
+                }
+                self.enqueue(t, Queue::Env, Phase::QueuedEnv);
+            }
+            (StageKind::Reward, StageOutcome::Rewarded { .. }) => self.complete(t),
+            _ => {}
+        }
+    }
+
+    fn finish_rollout(&mut self, t: TrajId) {
+        self.drop_kv(t, true);
+        let task = &self.cfg.tasks[self.trajs[t.0 as usize].task as usize];
+        if task.reward == RewardRoute::Environment {
+            self.complete(t);
+        } else {
+            self.enqueue(t, Queue::Reward, Phase::QueuedReward);
+        }
+    }
+
+    fn complete(&mut self, t: TrajId) {
+        self.dequeue(t);
+        self.trajs[t.0 as usize].phase = Phase::Complete;
+        self.active = self.active.saturating_sub(1);
+        self.stats.trajectories_completed += 1;
+        // A finished batch can open the next one (an earlier step of the pass).
+        self.repump = true;
+        let g = self.trajs[t.0 as usize].group;
+        let group = &mut self.groups[g.0 as usize];
+        group.complete += 1;
+        if group.complete as usize == group.members.len() {
+            let batch = group.batch;
+            let oldest = group
+                .members
+                .iter()
+                .filter_map(|m| self.trajs[m.0 as usize].oldest())
+                .min()
+                .unwrap_or(0);
+            let key = (oldest, g);
+            self.open_groups.remove(&g);
+            self.groups_closed += 1;
+            self.groups[g.0 as usize].ready_key = Some(key);
+            self.ready.insert(key);
+            *self.batch_complete.entry(batch).or_default() += 1;
+            *self.batch_done.entry(batch).or_default() += 1;
+        }
+    }
+
+    /// Puts a failed (or lost, or timed-out) stage's trajectory back in the right queue;
+    /// `cancel`: tell the worker to abandon it (the core, not the worker, gave up on it).
+    fn fail_stage(&mut self, stage: StageId, cancel: bool) {
+        let Some(rec) = self.take_stage(stage) else {
+            self.stats.ignored_reports += 1;
+            return;
+        };
+        if cancel {
+            self.commands.push_back(Command::Cancel { stage });
+        }
+        self.stats.stage_retries += 1;
+        let t = rec.traj;
+        match rec.kind {
+            StageKind::EnvReset | StageKind::EnvStep => {
+                self.enqueue(t, Queue::Env, Phase::QueuedEnv);
+            }
+            StageKind::Prefill | StageKind::Gen { .. } => {
+                self.drop_kv(t, true);
+                self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+            }
+            StageKind::Reward => self.enqueue(t, Queue::Reward, Phase::QueuedReward),
+        }
+    }
+
+    fn replica_lost(&mut self, id: ReplicaId) {
+        let Some(r) = self.replicas.get_mut(id.0 as usize) else {
+            self.stats.ignored_reports += 1;
+            return;
+        };
+        if !r.healthy {
+            return;
+        }
+        r.healthy = false;
+        if r.updating {
+            r.updating = false;
+            self.updating = self.updating.saturating_sub(1);
+        }
+        r.draining = false;
+        self.pending_update.remove(&id);
+        self.draining.remove(&id);
+        self.touch(id);
+        let doomed: Vec<StageId> = self
+            .stages
+            .iter()
+            .filter(|(_, s)| s.replica == Some(id) || s.kv_from.is_some_and(|(p, _)| p == id))
+            .map(|(sid, _)| StageId(sid))
+            .collect();
+        for sid in doomed {
+            self.fail_stage(sid, true);
+        }
+        let r = &self.replicas[id.0 as usize];
+        let cached: Vec<TrajId> = r.retained.keys().chain(r.held.iter()).copied().collect();
+        for t in cached {
+            self.drop_kv(t, false);
+            if self.trajs[t.0 as usize].phase == Phase::QueuedDecode {
+                self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+            }
+        }
+        let r = &mut self.replicas[id.0 as usize];
+        r.kv_reserved = 0;
+        r.in_flight = 0;
+        r.version = None;
+    }
+
+    fn replica_recovered(&mut self, id: ReplicaId) {
+        let Some(r) = self.replicas.get_mut(id.0 as usize) else {
+            self.stats.ignored_reports += 1;
+            return;
+        };
+        if r.healthy {
+            return;
+        }
+        r.healthy = true;
+        r.version = None;
+        r.failures = 0;
+        // A recovered replica gets the current weights straight away, whatever the discipline.
+        r.updating = true;
+        self.updating += 1;
+        self.stats.weight_updates += 1;
+        self.commands.push_back(Command::UpdateWeights {
+            replica: id,
+            version: self.version,
+            bytes: self.cfg.weight_bytes,
+            mode: SyncMode::Rolling,
+        });
+        self.touch(id);
+    }
+
+    fn weights_updated(&mut self, id: ReplicaId, version: Version) {
+        let Some(r) = self.replicas.get_mut(id.0 as usize) else {
+            self.stats.ignored_reports += 1;
+            return;
+        };
+        if !r.updating || !r.healthy {
+            self.stats.ignored_reports += 1;
+            return;
+        }
+        r.updating = false;
+        r.draining = false;
+        r.version = Some(version);
+        self.updating = self.updating.saturating_sub(1);
+        if version < self.version && self.cfg.policy.weight_sync == SyncMode::Rolling {
+            self.pending_update.insert(id);
+        }
+        self.touch(id);
+    }
+
+    fn train_finished(&mut self, batch: BatchId) {
+        let Some(current) = self.trainer.as_ref() else {
+            self.stats.ignored_reports += 1;
+            return;
+        };
+        if current.id != batch {
+            self.stats.ignored_reports += 1;
+            return;
+        }
+        let publishes = current.publishes;
+        self.trainer = None;
+        if publishes {
+            self.version += 1;
+            self.minibatches_in_step = 0;
+            self.last_step = self.now.since(self.last_publish);
+            self.last_publish = self.now;
+            self.hold_until = None;
+            for i in 0..self.replicas.len() {
+                self.touch(ReplicaId(i as u64));
+            }
+            if self.cfg.policy.weight_sync == SyncMode::Rolling {
+                for (i, r) in self.replicas.iter().enumerate() {
+                    if r.healthy && !r.updating && r.version.is_some_and(|v| v < self.version) {
+                        self.pending_update.insert(ReplicaId(i as u64));
+                    }
+                }
+            }
+        }
+    }
+
+    // ----- the admission pass -----
+
+    fn pump(&mut self) {
+        if self.finished() {
+            return;
+        }
+        // A pass can unblock work an earlier stage of the same pass already looked at (training
+        // opens a batch or a sync; a rewind re-queues a trajectory): repeat while that happens.
+        for _ in 0..8 {
+            self.repump = false;
+            self.sync_weights();
+            self.admit_groups();
+            self.dispatch_env();
+            self.dispatch_gen();
+            self.dispatch_decode();
+            self.dispatch_reward();
+            self.dispatch_train();
+            if !self.repump {
+                break;
+            }
+        }
+    }
+
+    fn sync_weights(&mut self) {
+        match self.cfg.policy.weight_sync {
+            SyncMode::Rolling => self.rolling_sync(),
+            mode => self.global_sync(mode),
+        }
+    }
+
+    fn rolling_sync(&mut self) {
+        let limit = match self.cfg.policy.max_concurrent_updates {
+            0 => self.cfg.trainer.nodes.max(1),
+            n => n,
+        };
+        // Start draining replicas while there are free update slots.
+        loop {
+            let draining = self.draining.len() as u32;
+            if self.updating + draining >= limit || self.pending_update.is_empty() {
+                break;
+            }
+            let pick = self.pending_update.iter().copied().min_by_key(|id| {
+                let r = &self.replicas[id.0 as usize];
+                (r.version, r.in_flight, r.held.len(), *id)
+            });
+            let Some(id) = pick else { break };
+            self.pending_update.remove(&id);
+            self.replicas[id.0 as usize].draining = true;
+            self.draining.insert(id);
+            self.touch(id);
+        }
+        let drained: Vec<ReplicaId> = self
+            .draining
+            .iter()
+            .copied()
+            .filter(|id| {
+                let r = &self.replicas[id.0 as usize];
+                r.draining && !r.updating && r.in_flight == 0 && r.held.is_empty()
+            })
+            .collect();
+        for id in drained {
+            self.draining.remove(&id);
+            self.start_update(id, SyncMode::Rolling);
+        }
+    }
+
+    fn start_update(&mut self, id: ReplicaId, mode: SyncMode) {
+        // Loading weights drops the replica's KV cache.
+        let retained: Vec<TrajId> = self.replicas[id.0 as usize]
+            .retained
+            .keys()
+            .copied()
+            .collect();
+        for t in retained {
+            self.drop_kv(t, false);
+        }
+        let r = &mut self.replicas[id.0 as usize];
+        r.updating = true;
+        self.updating += 1;
+        self.stats.weight_updates += 1;
+        self.commands.push_back(Command::UpdateWeights {
+            replica: id,
+            version: self.version,
+            bytes: self.cfg.weight_bytes,
+            mode,
+        });
+        self.touch(id);
+    }
+
+    fn global_sync(&mut self, mode: SyncMode) {
+        if self.updating > 0 || self.active > 0 || self.trainer.is_some() {
+            return;
+        }
+        let stale: Vec<ReplicaId> = (0..self.replicas.len())
+            .map(|i| ReplicaId(i as u64))
+            .filter(|id| {
+                let r = &self.replicas[id.0 as usize];
+                r.healthy && r.version != Some(self.version)
+            })
+            .collect();
+        for id in stale {
+            self.start_update(id, mode);
+        }
+    }
+
+    fn admit_groups(&mut self) {
+        let n = self.cfg.group_size as u64;
+        let b = self.cfg.rollout_batch_size as u64;
+        let groups_per_batch = (b / n).max(1);
+        match self.cfg.policy.discipline {
+            Discipline::Continuous => {
+                // Started but not consumed: a window of batches (below) plus the
+                // over-provisioning, in the spirit of AReaL's `(version + maxStaleness + 1) *
+                // batch`, and never more than the job needs.
+                let extra = (self.cfg.policy.over_provisioning * b as f64)
+                    .ceil()
+                    .max(0.0) as u64;
+                // Little's law: with N trajectories generating, a step takes about B / (N / L)
+                // for a lifetime L, so a trajectory spans N / B versions; to finish within the
+                // bound, N must stay below S * B, and a group lives as long as the slowest of its
+                // members (about twice the mean), hence half of that, but at least one batch.
+                let window = (self.cfg.policy.max_staleness * b / 2).max(b);
+                let budget = (self.stats.trajectories_consumed + window + extra)
+                    .min(self.cfg.steps * b + extra);
+                while (self.groups.len() as u64 + 1) * n <= budget {
+                    self.start_group(0);
+                }
+            }
+            Discipline::Batched { lag } => {
+                let k = self.batches_admitted;
+                if k >= self.cfg.steps || self.updating > 0 {
+                    return;
+                }
+                if self.cfg.colocated && self.trainer.is_some() {
+                    return;
+                }
+                let previous_done = k == 0
+                    || self.batch_done.get(&(k - 1)).copied().unwrap_or(0) as u64
+                        >= groups_per_batch;
+                let floor = k.saturating_sub(lag);
+                let replicas_ready = self
+                    .replicas
+                    .iter()
+                    .filter(|r| r.healthy)
+                    .all(|r| r.version.is_some_and(|v| v >= floor));
+                if previous_done && self.version >= floor && replicas_ready {
+                    for _ in 0..groups_per_batch {
+                        self.start_group(k);
+                    }
+                    self.batches_admitted += 1;
+                }
+            }
+        }
+    }
+
+    fn start_group(&mut self, batch: u64) {
+        let g = GroupId(self.groups.len() as u64);
+        let shares: Vec<f64> = self.cfg.tasks.iter().map(|t| t.share).collect();
+        let task = SplitMix64::keyed(self.cfg.seed, &[1, g.0]).weighted(&shares) as u32;
+        let mut members = Vec::new();
+        for _ in 0..self.cfg.group_size {
+            let t = TrajId(self.trajs.len() as u64);
+            self.trajs.push(Traj {
+                group: g,
+                task,
+                attempt: 0,
+                turns: Vec::new(),
+                context: 0,
+                input: 0,
+                pending_action: 0,
+                reset_done: false,
+                phase: Phase::QueuedEnv,
+                env_pool: None,
+                kv: Kv::None,
+                queued: None,
+                min_version: Version::MAX,
+            });
+            members.push(t);
+            self.active += 1;
+        }
+        self.groups.push(Group {
+            members: members.clone(),
+            batch,
+            complete: 0,
+            ready_key: None,
+        });
+        self.stats.groups_started += 1;
+        self.open_groups.insert(g);
+        for t in members {
+            self.enqueue(t, Queue::Env, Phase::QueuedEnv);
+        }
+    }
+
+    /// The queue entry after `after` (the first one for `None`).
+    fn queue_next(&self, q: Queue, after: Option<(u64, TrajId)>) -> Option<(u64, TrajId)> {
+        let set = self.queues.get(&q)?;
+        match after {
+            None => set.first().copied(),
+            Some(key) => set
+                .range((std::ops::Bound::Excluded(key), std::ops::Bound::Unbounded))
+                .next()
+                .copied(),
+        }
+    }
+
+    fn dispatch_env(&mut self) {
+        let mut cursor = None;
+        let mut misses = 0;
+        while misses < LOOKAHEAD {
+            let Some(key) = self.queue_next(Queue::Env, cursor) else {
+                return;
+            };
+            cursor = Some(key);
+            let t = key.1;
+            let mut progressed = false;
+            'item: {
+                let traj = &self.trajs[t.0 as usize];
+                let need = self.cfg.tasks[traj.task as usize].env_millicpus;
+                let pool = match traj.env_pool {
+                    Some(p) => Some(p),
+                    None => (0..self.cfg.cpu_pools.len())
+                        .filter(|&i| self.cfg.cpu_pools[i].environments)
+                        .max_by_key(|&i| (self.cpu_free[i], std::cmp::Reverse(i)))
+                        .map(|i| i as u32),
+                };
+                let Some(pool) = pool else { return };
+                // An environment needing more than a whole pool is clamped to the pool.
+                let need = need.min(self.cfg.cpu_pools[pool as usize].millicpus).max(1);
+                if self.cpu_free[pool as usize] < need {
+                    break 'item;
+                }
+                self.cpu_free[pool as usize] -= need;
+                let stage = self.stage_id();
+                let traj = &mut self.trajs[t.0 as usize];
+                traj.env_pool = Some(pool);
+                let spec_pool = self.cfg.cpu_pools[pool as usize].pool;
+                let (kind, work) = if traj.reset_done {
+                    (
+                        StageKind::EnvStep,
+                        StageWork::EnvStep {
+                            pool: spec_pool,
+                            millicpus: need,
+                            action_tokens: traj.pending_action,
+                        },
+                    )
+                } else {
+                    (
+                        StageKind::EnvReset,
+                        StageWork::EnvReset {
+                            pool: spec_pool,
+                            millicpus: need,
+                        },
+                    )
+                };
+                self.dequeue(t);
+                self.trajs[t.0 as usize].phase = Phase::Env;
+                let cmd = self.stage_command(stage, t, self.version, work);
+                let rec = StageRec {
+                    traj: t,
+                    kind,
+                    replica: None,
+                    kv_tokens: 0,
+                    kv_from: None,
+                    cpu: Some((pool, need)),
+                    serverless: None,
+                    deadline: self.now.plus(self.cfg.stage_timeout),
+                };
+                self.new_stage(rec, cmd);
+                progressed = true;
+            }
+            if !progressed {
+                misses += 1;
+            }
+        }
+    }
+
+    /// The staleness check at admission: regenerates from the first turn older than the bound.
+    /// Returns whether the trajectory was rewound.
+    fn check_admission(&mut self, t: TrajId) -> bool {
+        let floor = self.floor();
+        let traj = &self.trajs[t.0 as usize];
+        if floor == 0 || (traj.turns.is_empty() && !matches!(traj.kv, Kv::Held(..))) {
+            return false;
+        }
+        let first_bad = traj.turns.iter().position(|turn| turn.version < floor);
+        let held_bad = matches!(traj.kv, Kv::Held(_, _, v) if v < floor);
+        match first_bad {
+            Some(k) => {
+                self.regenerate(t, k);
+                self.stats.regenerated_at_admission += 1;
+                true
+            }
+            None if held_bad => {
+                self.drop_kv(t, true);
+                self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Rewinds a (queued or complete) trajectory to turn `k` and queues it for generation.
+    fn regenerate(&mut self, t: TrajId, k: usize) {
+        let ti = t.0 as usize;
+        if self.trajs[ti].phase == Phase::Complete {
+            let g = self.trajs[ti].group;
+            let group = &mut self.groups[g.0 as usize];
+            if let Some(key) = group.ready_key.take() {
+                self.ready.remove(&key);
+                let batch = group.batch;
+                if let Some(c) = self.batch_complete.get_mut(&batch) {
+                    *c = c.saturating_sub(1);
+                }
+                if let Some(c) = self.batch_done.get_mut(&batch) {
+                    *c = c.saturating_sub(1);
+                }
+            }
+            group.complete = group.complete.saturating_sub(1);
+            self.active += 1;
+            self.open_groups.insert(g);
+        }
+        self.drop_kv(t, true);
+        let traj = &mut self.trajs[ti];
+        let Some(turn) = traj.turns.get(k).cloned() else {
+            return;
+        };
+        self.stats.regenerated_turns += (traj.turns.len() - k) as u64;
+        traj.turns.truncate(k);
+        traj.min_version = traj
+            .turns
+            .iter()
+            .map(|t| t.version)
+            .min()
+            .unwrap_or(Version::MAX);
+        traj.context = turn.context_before;
+        traj.input = turn.input;
+        traj.attempt += 1;
+        self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+    }
+
+    fn gpu_gate_closed(&self) -> bool {
+        self.cfg.colocated && self.trainer.is_some()
+    }
+
+    fn dispatch_gen(&mut self) {
+        if self.gpu_gate_closed() {
+            return;
+        }
+        let mut prefill_blocked = !self.disaggregated;
+        let mut decode_blocked = false;
+        let mut cursor = None;
+        let mut misses = 0;
+        while misses < LOOKAHEAD {
+            let Some(key) = self.queue_next(Queue::Gen, cursor) else {
+                return;
+            };
+            cursor = Some(key);
+            let t = key.1;
+            let mut progressed = false;
+            'item: {
+                if prefill_blocked && decode_blocked {
+                    return;
+                }
+                if self.check_admission(t) {
+                    // Rewound (and re-queued, maybe elsewhere): look again in another pass.
+                    self.repump = true;
+                    progressed = true;
+                    break 'item;
+                }
+                let traj = &self.trajs[t.0 as usize];
+                let task = &self.cfg.tasks[traj.task as usize];
+                if traj.context + traj.input >= task.context_limit {
+                    self.finish_rollout(t);
+                    progressed = true;
+                    break 'item;
+                }
+                let max_new = task
+                    .max_action_tokens
+                    .min(task.context_limit - traj.context - traj.input)
+                    .max(1);
+                let sticky = match traj.kv {
+                    Kv::Retained(r, _) => Some(r),
+                    _ => None,
+                };
+                let req = RouteRequest {
+                    context: traj.context,
+                    input: traj.input,
+                    max_new,
+                    sticky,
+                    floor: self.floor(),
+                    pd_min_prefill_tokens: self.cfg.pd_min_prefill_tokens,
+                    sticky_sessions: self.cfg.policy.sticky_sessions,
+                    disaggregated: self.disaggregated,
+                };
+                let wants_prefill =
+                    self.disaggregated && req.context + req.input >= req.pd_min_prefill_tokens;
+                if (wants_prefill && prefill_blocked) || (!wants_prefill && decode_blocked) {
+                    // Still worth trying the sticky replica.
+                    if sticky.is_none() {
+                        break 'item;
+                    }
+                }
+                let route = {
+                    let lookup = |id: ReplicaId| {
+                        self.replicas
+                            .get(id.0 as usize)
+                            .map(|r| Self::view(r, self.version))
+                    };
+                    let router = RouterView {
+                        lookup: &lookup,
+                        prefill: &self.prefill_set,
+                        decode: &self.decode_set,
+                    };
+                    router.route(&req, true)
+                };
+                match route {
+                    Some(route) => {
+                        self.book_gen(t, route, &req);
+                        progressed = true;
+                    }
+                    None => {
+                        if wants_prefill {
+                            prefill_blocked = true;
+                        } else {
+                            decode_blocked = true;
+                        }
+                    }
+                }
+            }
+            if !progressed {
+                misses += 1;
+            }
+        }
+    }
+
+    fn book_gen(&mut self, t: TrajId, route: Route, req: &RouteRequest) {
+        let stage = self.stage_id();
+        let deadline = self.now.plus(self.cfg.stage_timeout);
+        let (replica, kind, work, kv_tokens) = match route {
+            Route::Sticky(r) => {
+                // The retained cache becomes part of this stage's reservation.
+                let kept = match self.trajs[t.0 as usize].kv {
+                    Kv::Retained(_, n) => n,
+                    _ => 0,
+                };
+                if let Some(rep) = self.replicas.get_mut(r.0 as usize)
+                    && let Some((_, used)) = rep.retained.remove(&t)
+                {
+                    rep.lru.remove(&(used, t));
+                    rep.retained_tokens = rep.retained_tokens.saturating_sub(kept);
+                    rep.kv_reserved = rep.kv_reserved.saturating_sub(kept);
+                }
+                self.trajs[t.0 as usize].kv = Kv::None;
+                self.stats.sticky_hits += 1;
+                let version = self.replicas[r.0 as usize].version.unwrap_or(0);
+                (
+                    r,
+                    StageKind::Gen { version },
+                    StageWork::Generate {
+                        replica: r,
+                        cached_tokens: req.context,
+                        prefill_tokens: req.input,
+                        max_new_tokens: req.max_new,
+                        kv_from: None,
+                        kv_tokens: 0,
+                    },
+                    req.context + req.input + req.max_new,
+                )
+            }
+            Route::Prefill(p) => {
+                self.drop_kv(t, true);
+                self.stats.disaggregated_prefills += 1;
+                let tokens = req.context + req.input;
+                (
+                    p,
+                    StageKind::Prefill,
+                    StageWork::Prefill { replica: p, tokens },
+                    tokens,
+                )
+            }
+            Route::Generate(r, evict) => {
+                self.drop_kv(t, true);
+                let full = req.context + req.input + req.max_new;
+                if evict {
+                    self.evict(r, full);
+                }
+                let version = self.replicas[r.0 as usize].version.unwrap_or(0);
+                (
+                    r,
+                    StageKind::Gen { version },
+                    StageWork::Generate {
+                        replica: r,
+                        cached_tokens: 0,
+                        prefill_tokens: req.context + req.input,
+                        max_new_tokens: req.max_new,
+                        kv_from: None,
+                        kv_tokens: 0,
+                    },
+                    full,
+                )
+            }
+        };
+        let version = match kind {
+            StageKind::Gen { version } => version,
+            _ => self.replicas[replica.0 as usize].version.unwrap_or(0),
+        };
+        if let Some(rep) = self.replicas.get_mut(replica.0 as usize) {
+            rep.in_flight += 1;
+            rep.kv_reserved += kv_tokens;
+        }
+        self.touch(replica);
+        self.dequeue(t);
+        self.trajs[t.0 as usize].phase = match kind {
+            StageKind::Prefill => Phase::Prefill,
+            _ => Phase::Gen,
+        };
+        let cmd = self.stage_command(stage, t, version, work);
+        let rec = StageRec {
+            traj: t,
+            kind,
+            replica: Some(replica),
+            kv_tokens,
+            kv_from: None,
+            cpu: None,
+            serverless: None,
+            deadline,
+        };
+        self.new_stage(rec, cmd);
+    }
+
+    fn dispatch_decode(&mut self) {
+        if self.gpu_gate_closed() {
+            return;
+        }
+        let mut cursor = None;
+        let mut misses = 0;
+        while misses < LOOKAHEAD {
+            let Some(key) = self.queue_next(Queue::Decode, cursor) else {
+                return;
+            };
+            cursor = Some(key);
+            let t = key.1;
+            let progressed;
+            'item: {
+                if self.check_admission(t) {
+                    // Rewound (and re-queued, maybe elsewhere): look again in another pass.
+                    self.repump = true;
+                    progressed = true;
+                    break 'item;
+                }
+                let traj = &self.trajs[t.0 as usize];
+                let Kv::Held(p, held_tokens, p_version) = traj.kv else {
+                    // Not held any more (lost replica): start the turn over.
+                    self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+                    self.repump = true;
+                    progressed = true;
+                    break 'item;
+                };
+                let task = &self.cfg.tasks[traj.task as usize];
+                let context = traj.context + traj.input;
+                let max_new = task
+                    .max_action_tokens
+                    .min(task.context_limit.saturating_sub(context))
+                    .max(1);
+                let need = context + max_new;
+                let floor = self.floor();
+                let pick = {
+                    let lookup = |id: ReplicaId| {
+                        self.replicas
+                            .get(id.0 as usize)
+                            .map(|r| Self::view(r, self.version))
+                    };
+                    let router = RouterView {
+                        lookup: &lookup,
+                        prefill: &self.prefill_set,
+                        decode: &self.decode_set,
+                    };
+                    router.least_loaded(&self.decode_set, need, floor, true)
+                };
+                let Some((d, evict)) = pick else { return };
+                if evict {
+                    self.evict(d, need);
+                }
+                let d_version = self.replicas[d.0 as usize].version.unwrap_or(0);
+                let version = d_version.min(p_version);
+                let stage = self.stage_id();
+                if let Some(rep) = self.replicas.get_mut(d.0 as usize) {
+                    rep.in_flight += 1;
+                    rep.kv_reserved += need;
+                }
+                self.touch(d);
+                self.dequeue(t);
+                // The held cache is released when the pull is done (the stage ends).
+                self.trajs[t.0 as usize].kv = Kv::None;
+                self.trajs[t.0 as usize].phase = Phase::Gen;
+                let cmd = self.stage_command(
+                    stage,
+                    t,
+                    version,
+                    StageWork::Generate {
+                        replica: d,
+                        cached_tokens: context,
+                        prefill_tokens: 0,
+                        max_new_tokens: max_new,
+                        kv_from: Some(p),
+                        kv_tokens: held_tokens,
+                    },
+                );
+                let rec = StageRec {
+                    traj: t,
+                    kind: StageKind::Gen { version },
+                    replica: Some(d),
+                    kv_tokens: need,
+                    kv_from: Some((p, held_tokens)),
+                    cpu: None,
+                    serverless: None,
+                    deadline: self.now.plus(self.cfg.stage_timeout),
+                };
+                self.new_stage(rec, cmd);
+                progressed = true;
+            }
+            if !progressed {
+                misses += 1;
+            }
+        }
+    }
+
+    fn dispatch_reward(&mut self) {
+        let mut cursor = None;
+        let mut misses = 0;
+        while misses < LOOKAHEAD {
+            let Some(key) = self.queue_next(Queue::Reward, cursor) else {
+                return;
+            };
+            cursor = Some(key);
+            let t = key.1;
+            let mut progressed = false;
+            'item: {
+                let task = &self.cfg.tasks[self.trajs[t.0 as usize].task as usize];
+                let (work, cpu, serverless) = match task.reward {
+                    RewardRoute::Environment => {
+                        self.complete(t);
+                        progressed = true;
+                        break 'item;
+                    }
+                    RewardRoute::Serverless(s) => {
+                        if self.serverless_free[s as usize] == 0 {
+                            break 'item;
+                        }
+                        self.serverless_free[s as usize] -= 1;
+                        let pool = self.cfg.serverless_pools[s as usize].pool;
+                        (
+                            StageWork::Reward {
+                                pool,
+                                serverless: true,
+                                millicpus: 0,
+                            },
+                            None,
+                            Some(s),
+                        )
+                    }
+                    RewardRoute::Local(c) => {
+                        let need = 1000u64.min(self.cfg.cpu_pools[c as usize].millicpus).max(1);
+                        if self.cpu_free[c as usize] < need {
+                            break 'item;
+                        }
+                        self.cpu_free[c as usize] -= need;
+                        let pool = self.cfg.cpu_pools[c as usize].pool;
+                        (
+                            StageWork::Reward {
+                                pool,
+                                serverless: false,
+                                millicpus: need,
+                            },
+                            Some((c, need)),
+                            None,
+                        )
+                    }
+                };
+                let stage = self.stage_id();
+                self.dequeue(t);
+                self.trajs[t.0 as usize].phase = Phase::Reward;
+                let cmd = self.stage_command(stage, t, self.version, work);
+                let rec = StageRec {
+                    traj: t,
+                    kind: StageKind::Reward,
+                    replica: None,
+                    kv_tokens: 0,
+                    kv_from: None,
+                    cpu,
+                    serverless,
+                    deadline: self.now.plus(self.cfg.stage_timeout),
+                };
+                self.new_stage(rec, cmd);
+                progressed = true;
+            }
+            if !progressed {
+                misses += 1;
+            }
+        }
+    }
+
+    /// Expiry-aware publishing: whether to hold the batch that would publish the next version
+    /// because some unfinished group would fall out of the staleness bound the moment it is
+    /// published (and be regenerated). The hold lasts until no such group is left or for half the
+    /// previous step's duration, whichever comes first; the trainer is rarely the bottleneck of
+    /// agentic RL, so a short wait costs less than regenerating whole groups.
+    fn hold_publish(&mut self) -> bool {
+        if let Some(until) = self.hold_until {
+            if self.now >= until {
+                return false;
+            }
+            if self.hold_checked == self.groups_closed {
+                return true;
+            }
+        }
+        self.hold_checked = self.groups_closed;
+        let s = self.cfg.policy.max_staleness;
+        let v = self.version;
+        let at_risk = self.open_groups.iter().any(|g| {
+            self.groups[g.0 as usize]
+                .members
+                .iter()
+                .filter_map(|m| self.trajs[m.0 as usize].oldest())
+                .min()
+                .is_some_and(|oldest| oldest + s <= v)
+        });
+        if !at_risk {
+            self.hold_until = None;
+            return false;
+        }
+        if self.hold_until.is_none() {
+            let limit = crate::time::Span(self.last_step.0 / 2);
+            if limit == crate::time::Span::ZERO {
+                return false;
+            }
+            self.hold_until = Some(self.now.plus(limit));
+        }
+        true
+    }
+
+    fn dispatch_train(&mut self) {
+        if self.trainer.is_some() || self.finished() || (self.updating > 0 && self.cfg.colocated) {
+            return;
+        }
+        if self.cfg.colocated && self.gpu_stages > 0 {
+            return;
+        }
+        let n = self.cfg.group_size as u64;
+        let per_batch = (self.cfg.train_batch_size as u64 / n).max(1) as usize;
+        let groups_per_step = (self.cfg.rollout_batch_size as u64 / n).max(1);
+        let floor = self.floor();
+        let any_stale = self.ready.first().is_some_and(|(v, _)| *v < floor);
+        if !any_stale && self.ready.len() < per_batch {
+            return;
+        }
+        // Consumption check: groups with a turn older than the bound are regenerated.
+        let stale: Vec<(Version, GroupId)> = self
+            .ready
+            .iter()
+            .take_while(|(v, _)| *v < floor)
+            .copied()
+            .collect();
+        for (_, g) in stale {
+            let members = self.groups[g.0 as usize].members.clone();
+            for t in members {
+                let first_bad = self.trajs[t.0 as usize]
+                    .turns
+                    .iter()
+                    .position(|turn| turn.version < floor);
+                if let Some(k) = first_bad {
+                    self.regenerate(t, k);
+                    self.stats.regenerated_at_consumption += 1;
+                    self.repump = true;
+                }
+            }
+        }
+        let per_step = (self.cfg.rollout_batch_size / self.cfg.train_batch_size).max(1);
+        if self.cfg.policy.expiry_aware_publish
+            && self.cfg.policy.discipline == Discipline::Continuous
+            && self.minibatches_in_step + 1 >= per_step
+            && self.ready.len() >= per_batch
+            && self.hold_publish()
+        {
+            return;
+        }
+        let chosen: Vec<GroupId> = match self.cfg.policy.discipline {
+            Discipline::Continuous => self.ready.iter().take(per_batch).map(|&(_, g)| g).collect(),
+            Discipline::Batched { .. } => {
+                let step = self.version;
+                let complete = self.batch_complete.get(&step).copied().unwrap_or(0) as u64;
+                let consumed = self.minibatches_in_step as u64 * per_batch as u64;
+                if complete + consumed < groups_per_step {
+                    return;
+                }
+                self.ready
+                    .iter()
+                    .filter(|(_, g)| self.groups[g.0 as usize].batch == step)
+                    .take(per_batch)
+                    .map(|&(_, g)| g)
+                    .collect()
+            }
+        };
+        if chosen.len() < per_batch {
+            return;
+        }
+        let mut trajectories = Vec::new();
+        let mut tokens = 0;
+        for g in &chosen {
+            let group = &mut self.groups[g.0 as usize];
+            if let Some(key) = group.ready_key.take() {
+                self.ready.remove(&key);
+                if let Some(c) = self.batch_complete.get_mut(&group.batch) {
+                    *c = c.saturating_sub(1);
+                }
+            }
+            for &t in &group.members {
+                let traj = &mut self.trajs[t.0 as usize];
+                traj.phase = Phase::Consumed;
+                tokens += traj.context;
+                let staleness =
+                    traj.oldest().map_or(0, |v| self.version.saturating_sub(v)) as usize;
+                if self.stats.staleness_histogram.len() <= staleness {
+                    self.stats.staleness_histogram.resize(staleness + 1, 0);
+                }
+                self.stats.staleness_histogram[staleness] += 1;
+                self.stats.trajectories_consumed += 1;
+                trajectories.push(t);
+            }
+        }
+        self.minibatches_in_step += 1;
+        let publishes = self.minibatches_in_step >= per_step;
+        if publishes {
+            self.hold_until = None;
+            self.hold_checked = u64::MAX;
+        }
+        let id = BatchId(self.next_batch);
+        self.next_batch += 1;
+        self.trainer = Some(TrainBatch { id, publishes });
+        // Consumption opens the admission budget (an earlier step of the pass).
+        self.repump = true;
+        self.stats.train_batches += 1;
+        self.commands.push_back(Command::Train {
+            batch: id,
+            step: self.version,
+            publishes,
+            trajectories,
+            tokens,
+        });
+    }
+}

@@ -1,0 +1,90 @@
+//! The policies compared by the simulator: rollfleet and the baselines it is measured against.
+//!
+//! Each baseline is the same core run with a different placement and [`Policy`]; what each one
+//! models, and its published source, is in `docs/baselines.md`:
+//! - `sync`: verl's default synchronous, colocated PPO/GRPO loop (generate the batch, reward,
+//!   train, reshard the weights in place) on the GPU pool with the most compute;
+//! - `sync-disaggregated`: the same loop on rollfleet's disaggregated pools, with a barrier and a
+//!   global weight broadcast at every step;
+//! - `one-step-off`: verl's / slime's one-step-off-policy pipeline: batch `k + 1` is generated
+//!   while step `k` trains, weights are broadcast between batches;
+//! - `rollfleet`: trajectory-level asynchrony, bounded staleness, over-provisioning with partial
+//!   rollout, streaming training and rolling weight sync.
+
+use rollfleet_catalog::Catalog;
+use rollfleet_core::{
+    Discipline, Placement, PlacementError, Policy, SyncMode, WorkloadMeans, colocated_placement,
+    default_placement,
+};
+use rollfleet_spec::JobSpec;
+use serde::Serialize;
+
+/// A policy to simulate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Baseline {
+    /// Synchronous and colocated, one GPU type (verl's default loop).
+    Sync,
+    /// Synchronous on disaggregated pools: a barrier at every step.
+    SyncDisaggregated,
+    /// Rollout of step k+1 overlaps training of step k (verl/slime one-step-off).
+    OneStepOff,
+    /// rollfleet: everything.
+    Rollfleet,
+}
+
+impl Baseline {
+    /// Every policy, in the order reports list them.
+    pub const ALL: [Baseline; 4] = [
+        Baseline::Sync,
+        Baseline::SyncDisaggregated,
+        Baseline::OneStepOff,
+        Baseline::Rollfleet,
+    ];
+
+    /// Its name on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Baseline::Sync => "sync",
+            Baseline::SyncDisaggregated => "sync-disaggregated",
+            Baseline::OneStepOff => "one-step-off",
+            Baseline::Rollfleet => "rollfleet",
+        }
+    }
+
+    /// Its placement and policy for a job.
+    pub fn setup(
+        self,
+        spec: &JobSpec,
+        catalog: &Catalog,
+        means: &WorkloadMeans,
+    ) -> Result<(Placement, Policy), PlacementError> {
+        let batched = |lag: u64, max_staleness: u64, weight_sync: SyncMode| Policy {
+            discipline: Discipline::Batched { lag },
+            max_staleness,
+            over_provisioning: 0.0,
+            weight_sync,
+            max_concurrent_updates: 0,
+            sticky_sessions: true,
+            expiry_aware_publish: false,
+        };
+        Ok(match self {
+            Baseline::Sync => (
+                colocated_placement(spec, catalog)?,
+                batched(0, 0, SyncMode::Colocated),
+            ),
+            Baseline::SyncDisaggregated => (
+                default_placement(spec, catalog, means)?,
+                batched(0, 0, SyncMode::Broadcast),
+            ),
+            Baseline::OneStepOff => (
+                default_placement(spec, catalog, means)?,
+                batched(1, 1, SyncMode::Broadcast),
+            ),
+            Baseline::Rollfleet => (
+                default_placement(spec, catalog, means)?,
+                Policy::rollfleet(spec),
+            ),
+        })
+    }
+}

@@ -1,0 +1,206 @@
+//! The `rollfleet sim` command: arguments, and the function that runs it.
+//!
+//! The `rollfleet` binary flattens [`SimArgs`] into its `sim` subcommand and calls [`run`] with
+//! its global `-o/--output` format. Progress goes to `stderr`; the table or JSON to `stdout`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use rollfleet_spec::{Distribution, load_job_file};
+
+use crate::baseline::Baseline;
+use crate::hardware::HardwareModel;
+use crate::report::{SimReport, policy_report, render_table};
+use crate::sim::{RunError, SimOptions, simulate, workload_means};
+use crate::workload::AZURE_ATTRIBUTION;
+
+/// How results are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OutputFormat {
+    /// A table for people.
+    #[default]
+    Table,
+    /// JSON for programs (byte-identical for the same job and seed).
+    Json,
+}
+
+/// Arguments of `rollfleet sim`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimArgs {
+    /// The job spec (YAML).
+    #[arg(value_name = "JOB")]
+    pub job: PathBuf,
+    /// Policy to simulate; repeat for several (default: all of them).
+    #[arg(long = "baseline", value_enum, value_name = "NAME")]
+    pub baselines: Vec<Baseline>,
+    /// Seed of every random draw.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write a per-pool utilisation timeline (SVG) here.
+    #[arg(long, value_name = "PATH")]
+    pub timeline: Option<PathBuf>,
+    /// Override the number of RL steps of the job.
+    #[arg(long, value_name = "N")]
+    pub steps: Option<u64>,
+    /// Inject replica failures with this mean time between failures across the fleet (seconds).
+    #[arg(long, value_name = "SECONDS")]
+    pub failure_mtbf: Option<f64>,
+}
+
+/// Why `rollfleet sim` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The job spec is invalid.
+    #[error(transparent)]
+    Spec(#[from] rollfleet_spec::SpecError),
+    /// No placement fits the job.
+    #[error("{policy}: {source}")]
+    Placement {
+        /// The policy.
+        policy: String,
+        /// Why.
+        source: rollfleet_core::PlacementError,
+    },
+    /// A run failed.
+    #[error("{policy}: {source}")]
+    Run {
+        /// The policy.
+        policy: String,
+        /// Why.
+        source: RunError,
+    },
+    /// An argument is out of range.
+    #[error("{0}")]
+    Argument(String),
+    /// Writing output failed.
+    #[error("cannot write output: {0}")]
+    Io(#[from] std::io::Error),
+    /// JSON serialisation failed.
+    #[error("cannot serialise the report: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+fn uses_trace(spec: &rollfleet_spec::JobSpec) -> bool {
+    spec.tasks.iter().any(|t| {
+        [
+            &t.prompt_tokens,
+            &t.action_tokens,
+            &t.observation_tokens,
+            &t.env_step_ms,
+        ]
+        .into_iter()
+        .chain(t.turns.as_ref())
+        .any(|d| matches!(**d, Distribution::Trace { .. }))
+    })
+}
+
+/// Runs the simulation the arguments describe and prints its report.
+pub fn run(
+    args: &SimArgs,
+    output: OutputFormat,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<(), SimError> {
+    let job = load_job_file(&args.job)?;
+    let mut spec = job.spec().clone();
+    if let Some(steps) = args.steps {
+        if steps == 0 || steps > 1_000_000 {
+            return Err(SimError::Argument(format!(
+                "--steps must be in 1..=1000000, got {steps}"
+            )));
+        }
+        spec.rl.steps = steps as i64;
+    }
+    if let Some(m) = args.failure_mtbf
+        && !(m.is_finite() && m > 0.0)
+    {
+        return Err(SimError::Argument(format!(
+            "--failure-mtbf must be a positive number, got {m}"
+        )));
+    }
+    let baselines: Vec<Baseline> = if args.baselines.is_empty() {
+        Baseline::ALL.to_vec()
+    } else {
+        let mut b = args.baselines.clone();
+        b.sort();
+        b.dedup();
+        b
+    };
+    let opts = SimOptions {
+        seed: args.seed,
+        failure_mtbf_s: args.failure_mtbf,
+        ..SimOptions::default()
+    };
+    let hw = HardwareModel::default();
+    let means = workload_means(&spec);
+    let mut runs = Vec::new();
+    for baseline in &baselines {
+        let name = baseline.name();
+        let (placement, policy) =
+            baseline
+                .setup(&spec, &job.catalog, &means)
+                .map_err(|source| SimError::Placement {
+                    policy: name.into(),
+                    source,
+                })?;
+        let started = Instant::now();
+        let steps = spec.rl.steps;
+        let mut progress = |step: u64, at: f64| {
+            let _ = writeln!(stderr, "  {name}: step {step}/{steps} at {at:.0} virtual s");
+        };
+        let result = simulate(&spec, &job.catalog, placement, policy, &opts, &mut progress)
+            .map_err(|source| SimError::Run {
+                policy: name.into(),
+                source,
+            })?;
+        let wall = started.elapsed().as_secs_f64().max(1e-9);
+        let _ = writeln!(
+            stderr,
+            "{name}: {:.0} virtual s in {wall:.2} s wall; {} scheduler events ({:.2} M/s), {} sim events",
+            result.makespan_s,
+            result.scheduler_events,
+            result.scheduler_events as f64 / wall / 1e6,
+            result.sim_events
+        );
+        runs.push((name.to_owned(), result));
+    }
+    let mut policies: Vec<_> = runs
+        .iter()
+        .map(|(name, r)| policy_report(name, &spec, &job.catalog, &hw, r))
+        .collect();
+    if let Some(sync) = policies
+        .iter()
+        .find(|p| p.policy == "sync")
+        .map(|p| p.step_time_s)
+    {
+        for p in &mut policies {
+            p.speedup_vs_sync = Some(sync / p.step_time_s.max(1e-12));
+        }
+    }
+    let attribution = uses_trace(&spec).then(|| AZURE_ATTRIBUTION.to_owned());
+    let report = SimReport {
+        job: job.manifest.metadata.name.clone(),
+        seed: args.seed,
+        hardware: hw,
+        data_attribution: attribution.clone(),
+        policies,
+    };
+    if let Some(path) = &args.timeline {
+        let names: Vec<String> = spec.pools.iter().map(|p| p.name.clone()).collect();
+        let refs: Vec<(String, &crate::sim::RunResult)> =
+            runs.iter().map(|(n, r)| (n.clone(), r)).collect();
+        std::fs::write(
+            path,
+            crate::svg::timeline(&names, &refs, attribution.as_deref()),
+        )?;
+    }
+    match output {
+        OutputFormat::Table => stdout.write_all(render_table(&report).as_bytes())?,
+        OutputFormat::Json => {
+            serde_json::to_writer_pretty(&mut *stdout, &report)?;
+            stdout.write_all(b"\n")?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,512 @@
+//! Hardware models: how long work takes on the simulated machines.
+//!
+//! These are the simulator's own models, deliberately separate from the estimates the core uses
+//! for its decisions, so that a wrong estimate shows up as a worse result rather than being
+//! assumed away.
+//!
+//! - **Inference replica** ([`Engine`]): a roofline of the model's FLOPs and bytes against the
+//!   replica's GPUs (peak BF16 FLOP/s and HBM bandwidth from the catalogue, times
+//!   [`HardwareModel::compute_efficiency`] and [`HardwareModel::bandwidth_efficiency`]).
+//!   Decode is continuously batched: one iteration advances every running sequence by a token and
+//!   takes `max(FLOPs / compute, bytes / bandwidth)`, where FLOPs are `2 * N_active` per sequence
+//!   plus attention over its context and bytes are the active weights (read once per iteration)
+//!   plus every sequence's KV cache. The iteration time is recomputed whenever the batch changes
+//!   (a fluid model of the per-token loop, exact between batch changes up to context growth).
+//!   Prefill runs in batches of up to [`PREFILL_BATCH_TOKENS`] tokens, mixed with decode as
+//!   chunked prefill does: decode keeps its pace and prefill gets the compute decode leaves.
+//! - **KV-cache transfer**: tokens x KV bytes per token over the cross-pool link.
+//! - **Training** and **weight transfer**: in `sim.rs`, from the formulas of the issue.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use rollfleet_core::{StageId, Time, TrajId};
+
+/// Tokens one prefill batch takes at most.
+pub const PREFILL_BATCH_TOKENS: u64 = 16_384;
+
+/// Achieved fractions of peak, and other constants of the simulated hardware.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct HardwareModel {
+    /// Share of peak FLOP/s that inference kernels achieve (prefill, compute-bound).
+    pub compute_efficiency: f64,
+    /// Share of peak HBM bandwidth that decode achieves (memory-bound).
+    pub bandwidth_efficiency: f64,
+    /// Share of the cross-pool link a bulk transfer achieves.
+    pub link_efficiency: f64,
+    /// How long an idle serverless instance stays warm, seconds.
+    pub serverless_keepalive_s: f64,
+}
+
+impl Default for HardwareModel {
+    fn default() -> Self {
+        HardwareModel {
+            compute_efficiency: 0.6,
+            bandwidth_efficiency: 0.8,
+            link_efficiency: 0.8,
+            serverless_keepalive_s: 600.0,
+        }
+    }
+}
+
+/// Per-token costs of the policy model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelCosts {
+    /// Dense forward FLOPs per token (2 x active parameters).
+    pub flops_per_token: f64,
+    /// Attention FLOPs per token per token of context (4 x layers x hidden).
+    pub attention_flops_per_context: f64,
+    /// Bytes of active weights read per decode iteration.
+    pub active_weight_bytes: f64,
+    /// KV-cache bytes per token.
+    pub kv_bytes_per_token: f64,
+}
+
+/// A prefill waiting for (or in) a batch.
+#[derive(Debug, Clone)]
+pub struct PrefillJob {
+    /// The stage.
+    pub stage: StageId,
+    /// The trajectory.
+    pub traj: TrajId,
+    /// Tokens already cached.
+    pub cached: u64,
+    /// Tokens to compute.
+    pub tokens: u64,
+    /// Tokens to decode after it (`None`: prefill only).
+    pub decode: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+struct Seq {
+    stage: StageId,
+    target: f64,
+    tokens: u64,
+    ctx_base: f64,
+}
+
+/// Something an engine finished.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineDone {
+    /// A prefill-only job.
+    Prefilled(StageId),
+    /// A generation, with its tokens.
+    Generated(StageId, u64),
+}
+
+/// One inference replica.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    /// GPUs.
+    pub gpus: u32,
+    flops: f64,
+    bandwidth: f64,
+    costs: ModelCosts,
+    /// KV tokens it can hold.
+    pub kv_capacity: u64,
+    /// KV tokens held, per trajectory (the sim's own books).
+    pub kv_held: BTreeMap<TrajId, u64>,
+    /// Sum of `kv_held`.
+    pub kv_used: u64,
+    /// Version of the weights.
+    pub version: Option<u64>,
+    /// Incremented whenever scheduled wake-ups become void.
+    pub epoch: u64,
+    queue: VecDeque<PrefillJob>,
+    batch: Option<(Time, Vec<PrefillJob>)>,
+    seqs: BTreeMap<u64, Seq>,
+    finish: BTreeSet<(u64, u64)>,
+    next_seq: u64,
+    progress: f64,
+    last: Time,
+    t_iter: f64,
+    sum_ctx_base: f64,
+    /// Generated tokens so far.
+    pub tokens_generated: u64,
+    /// Prefilled tokens so far.
+    pub tokens_prefilled: u64,
+}
+
+impl Engine {
+    /// A replica of `gpus` GPUs with the given per-GPU peak FLOP/s and bytes/s.
+    pub fn new(
+        gpus: u32,
+        peak_flops: f64,
+        bandwidth: f64,
+        hw: &HardwareModel,
+        costs: ModelCosts,
+        kv_capacity: u64,
+    ) -> Engine {
+        Engine {
+            gpus,
+            flops: gpus as f64 * peak_flops * hw.compute_efficiency,
+            bandwidth: gpus as f64 * bandwidth * hw.bandwidth_efficiency,
+            costs,
+            kv_capacity,
+            kv_held: BTreeMap::new(),
+            kv_used: 0,
+            version: Some(0),
+            epoch: 0,
+            queue: VecDeque::new(),
+            batch: None,
+            seqs: BTreeMap::new(),
+            finish: BTreeSet::new(),
+            next_seq: 0,
+            progress: 0.0,
+            last: Time::ZERO,
+            t_iter: 0.0,
+            sum_ctx_base: 0.0,
+            tokens_generated: 0,
+            tokens_prefilled: 0,
+        }
+    }
+
+    /// Whether it is doing anything.
+    pub fn busy(&self) -> bool {
+        self.batch.is_some() || !self.seqs.is_empty()
+    }
+
+    /// Sets the KV held for a trajectory; returns whether capacity still holds.
+    pub fn hold_kv(&mut self, traj: TrajId, tokens: u64) -> bool {
+        let old = self.kv_held.insert(traj, tokens).unwrap_or(0);
+        self.kv_used = self.kv_used - old + tokens;
+        self.kv_used <= self.kv_capacity
+    }
+
+    /// Frees the KV held for a trajectory.
+    pub fn release_kv(&mut self, traj: TrajId) {
+        if let Some(old) = self.kv_held.remove(&traj) {
+            self.kv_used -= old;
+        }
+    }
+
+    /// Forgets everything (lost, or loading new weights keeps nothing).
+    pub fn wipe(&mut self, now: Time) {
+        self.kv_held.clear();
+        self.kv_used = 0;
+        self.queue.clear();
+        self.batch = None;
+        self.seqs.clear();
+        self.finish.clear();
+        self.progress = 0.0;
+        self.sum_ctx_base = 0.0;
+        self.last = now;
+        self.t_iter = 0.0;
+        self.epoch += 1;
+    }
+
+    fn advance(&mut self, now: Time) {
+        if !self.seqs.is_empty() && self.t_iter > 0.0 {
+            self.progress += now.since(self.last).as_secs_f64() / self.t_iter;
+        }
+        self.last = now;
+    }
+
+    fn recompute(&mut self) {
+        let n = self.seqs.len() as f64;
+        if n == 0.0 {
+            self.t_iter = 0.0;
+            return;
+        }
+        let ctx = self.sum_ctx_base + n * self.progress;
+        let flops = n * self.costs.flops_per_token + self.costs.attention_flops_per_context * ctx;
+        let bytes = self.costs.active_weight_bytes + self.costs.kv_bytes_per_token * ctx;
+        self.t_iter = (flops / self.flops).max(bytes / self.bandwidth).max(1e-9);
+    }
+
+    /// Share of compute decode uses right now.
+    fn decode_compute_share(&self) -> f64 {
+        if self.seqs.is_empty() || self.t_iter <= 0.0 {
+            return 0.0;
+        }
+        let n = self.seqs.len() as f64;
+        let ctx = self.sum_ctx_base + n * self.progress;
+        let flops = n * self.costs.flops_per_token + self.costs.attention_flops_per_context * ctx;
+        (flops / self.flops / self.t_iter).min(0.9)
+    }
+
+    /// Queues a prefill (then, for a generation, its decode).
+    pub fn add_prefill(&mut self, now: Time, job: PrefillJob) {
+        self.advance(now);
+        self.queue.push_back(job);
+        self.start_batch(now);
+    }
+
+    /// Starts decoding a sequence whose KV cache of `context` tokens is in place.
+    pub fn add_decode(&mut self, now: Time, stage: StageId, context: u64, tokens: u64) {
+        self.advance(now);
+        self.join(stage, context, tokens);
+        self.recompute();
+    }
+
+    fn join(&mut self, stage: StageId, context: u64, tokens: u64) {
+        let key = self.next_seq;
+        self.next_seq += 1;
+        let tokens = tokens.max(1);
+        let target = self.progress + tokens as f64;
+        let ctx_base = context as f64 - self.progress;
+        self.sum_ctx_base += ctx_base;
+        self.seqs.insert(
+            key,
+            Seq {
+                stage,
+                target,
+                tokens,
+                ctx_base,
+            },
+        );
+        self.finish.insert((target.to_bits(), key));
+    }
+
+    fn start_batch(&mut self, now: Time) {
+        if self.batch.is_some() || self.queue.is_empty() {
+            return;
+        }
+        let mut jobs = Vec::new();
+        let mut tokens = 0;
+        while let Some(job) = self.queue.front() {
+            if !jobs.is_empty() && tokens + job.tokens > PREFILL_BATCH_TOKENS {
+                break;
+            }
+            tokens += job.tokens;
+            if let Some(job) = self.queue.pop_front() {
+                jobs.push(job);
+            }
+        }
+        let mut flops = 0.0;
+        let mut bytes = self.costs.active_weight_bytes;
+        for job in &jobs {
+            let t = job.tokens as f64;
+            flops += t * self.costs.flops_per_token
+                + self.costs.attention_flops_per_context * t * (job.cached as f64 + t / 2.0);
+            bytes += self.costs.kv_bytes_per_token * (job.cached as f64 + t);
+        }
+        let compute = self.flops * (1.0 - self.decode_compute_share());
+        let secs = (flops / compute).max(bytes / self.bandwidth);
+        self.batch = Some((now.plus(rollfleet_core::Span::from_secs_f64(secs)), jobs));
+    }
+
+    /// When it next finishes something.
+    pub fn next_wake(&self) -> Option<Time> {
+        let batch = self.batch.as_ref().map(|(t, _)| *t);
+        let decode = self.finish.first().map(|&(bits, _)| {
+            let remaining = (f64::from_bits(bits) - self.progress).max(0.0);
+            self.last
+                .plus(rollfleet_core::Span::from_secs_f64(remaining * self.t_iter))
+        });
+        match (batch, decode) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Advances to `now` and returns what finished.
+    pub fn wake(&mut self, now: Time) -> Vec<EngineDone> {
+        self.advance(now);
+        let mut done = Vec::new();
+        if let Some((end, _)) = &self.batch
+            && *end <= now
+            && let Some((_, jobs)) = self.batch.take()
+        {
+            for job in jobs {
+                self.tokens_prefilled += job.tokens;
+                match job.decode {
+                    None => done.push(EngineDone::Prefilled(job.stage)),
+                    Some(tokens) => self.join(job.stage, job.cached + job.tokens, tokens),
+                }
+            }
+            self.start_batch(now);
+        }
+        // Sequences within a nanosecond's worth of progress of their target are done.
+        let slack = if self.t_iter > 0.0 {
+            1e-9 / self.t_iter
+        } else {
+            0.0
+        };
+        while let Some(&(bits, key)) = self.finish.first() {
+            if f64::from_bits(bits) > self.progress + slack + 1e-9 {
+                break;
+            }
+            self.finish.remove(&(bits, key));
+            if let Some(seq) = self.seqs.remove(&key) {
+                self.sum_ctx_base -= seq.ctx_base;
+                self.tokens_generated += seq.tokens;
+                done.push(EngineDone::Generated(seq.stage, seq.tokens));
+            }
+        }
+        if self.seqs.is_empty() {
+            self.progress = 0.0;
+            self.sum_ctx_base = 0.0;
+        }
+        self.recompute();
+        done
+    }
+
+    /// Drops a stage wherever it is (a cancel).
+    pub fn cancel(&mut self, now: Time, stage: StageId) {
+        self.advance(now);
+        self.queue.retain(|j| j.stage != stage);
+        if let Some((_, jobs)) = &mut self.batch {
+            jobs.retain(|j| j.stage != stage);
+        }
+        let keys: Vec<u64> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.stage == stage)
+            .map(|(&k, _)| k)
+            .collect();
+        for key in keys {
+            if let Some(seq) = self.seqs.remove(&key) {
+                self.finish.remove(&(seq.target.to_bits(), key));
+                self.sum_ctx_base -= seq.ctx_base;
+            }
+        }
+        self.recompute();
+    }
+}
+
+/// Integrates a level (busy GPUs, busy vCPUs, ...) over time, with a coarse timeline.
+#[derive(Debug, Clone)]
+pub struct Meter {
+    level: f64,
+    last: Time,
+    /// Integral of the level, level-seconds.
+    pub total: f64,
+    /// Level-seconds per bucket.
+    pub buckets: Vec<f64>,
+    /// Bucket width, ns.
+    pub width: u64,
+}
+
+/// Buckets a meter keeps at most before halving its resolution.
+const MAX_BUCKETS: usize = 512;
+
+impl Default for Meter {
+    fn default() -> Self {
+        Meter {
+            level: 0.0,
+            last: Time::ZERO,
+            total: 0.0,
+            buckets: Vec::new(),
+            width: 1_000_000_000,
+        }
+    }
+}
+
+impl Meter {
+    /// The current level.
+    pub fn level(&self) -> f64 {
+        self.level
+    }
+
+    /// Changes the level at `now`.
+    pub fn set(&mut self, now: Time, level: f64) {
+        self.flush(now);
+        self.level = level;
+    }
+
+    /// Adds to the level at `now`.
+    pub fn add(&mut self, now: Time, delta: f64) {
+        let level = self.level + delta;
+        self.set(now, level.max(0.0));
+    }
+
+    /// Accounts time up to `now` at the current level.
+    pub fn flush(&mut self, now: Time) {
+        if now <= self.last {
+            return;
+        }
+        while now.0 / self.width >= MAX_BUCKETS as u64 {
+            self.width *= 2;
+            let merged: Vec<f64> = self.buckets.chunks(2).map(|c| c.iter().sum()).collect();
+            self.buckets = merged;
+        }
+        let mut t = self.last.0;
+        while t < now.0 {
+            let bucket = (t / self.width) as usize;
+            let end = ((bucket as u64 + 1) * self.width).min(now.0);
+            if self.buckets.len() <= bucket {
+                self.buckets.resize(bucket + 1, 0.0);
+            }
+            let secs = (end - t) as f64 / 1e9;
+            self.buckets[bucket] += self.level * secs;
+            self.total += self.level * secs;
+            t = end;
+        }
+        self.last = now;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn costs() -> ModelCosts {
+        ModelCosts {
+            flops_per_token: 2e9,
+            attention_flops_per_context: 0.0,
+            active_weight_bytes: 2e9,
+            kv_bytes_per_token: 0.0,
+        }
+    }
+
+    fn hw() -> HardwareModel {
+        HardwareModel {
+            compute_efficiency: 1.0,
+            bandwidth_efficiency: 1.0,
+            ..HardwareModel::default()
+        }
+    }
+
+    #[test]
+    fn a_lone_decode_is_bound_by_reading_the_weights_once_per_token() {
+        // 2 GB of weights at 1 TB/s: 2 ms per token; 100 tokens take 0.2 s.
+        let mut e = Engine::new(1, 1e15, 1e12, &hw(), costs(), 1000);
+        e.add_decode(Time::ZERO, StageId(1), 10, 100);
+        let wake = e.next_wake().unwrap();
+        assert!((wake.as_secs_f64() - 0.2).abs() < 1e-6, "{wake:?}");
+        assert_eq!(e.wake(wake), vec![EngineDone::Generated(StageId(1), 100)]);
+    }
+
+    #[test]
+    fn batching_shares_the_weight_reads() {
+        // Two sequences in one batch still take 2 ms per iteration.
+        let mut e = Engine::new(1, 1e15, 1e12, &hw(), costs(), 1000);
+        e.add_decode(Time::ZERO, StageId(1), 10, 100);
+        e.add_decode(Time::ZERO, StageId(2), 10, 50);
+        let first = e.next_wake().unwrap();
+        assert!((first.as_secs_f64() - 0.1).abs() < 1e-6);
+        assert_eq!(e.wake(first), vec![EngineDone::Generated(StageId(2), 50)]);
+        let second = e.next_wake().unwrap();
+        assert!((second.as_secs_f64() - 0.2).abs() < 1e-6);
+    }
+
+    #[test]
+    fn prefill_is_compute_bound_for_long_inputs() {
+        // 10,000 tokens x 2 GFLOP at 1 PFLOP/s = 20 ms (the weight read takes 2 ms).
+        let mut e = Engine::new(1, 1e15, 1e12, &hw(), costs(), 100_000);
+        e.add_prefill(
+            Time::ZERO,
+            PrefillJob {
+                stage: StageId(1),
+                traj: TrajId(1),
+                cached: 0,
+                tokens: 10_000,
+                decode: None,
+            },
+        );
+        let wake = e.next_wake().unwrap();
+        assert!((wake.as_secs_f64() - 0.02).abs() < 1e-6, "{wake:?}");
+        assert_eq!(e.wake(wake), vec![EngineDone::Prefilled(StageId(1))]);
+    }
+
+    #[test]
+    fn a_meter_integrates_its_level_over_time() {
+        let mut m = Meter::default();
+        m.set(Time::from_secs_f64(1.0), 4.0);
+        m.set(Time::from_secs_f64(3.0), 0.0);
+        assert!((m.total - 8.0).abs() < 1e-9);
+        m.flush(Time::from_secs_f64(2000.0));
+        assert!((m.buckets.iter().sum::<f64>() - 8.0).abs() < 1e-9);
+        assert!(m.buckets.len() <= MAX_BUCKETS);
+    }
+}

@@ -1,0 +1,23 @@
+//! rollfleet's discrete-event simulator: the scheduler core on a virtual clock.
+//!
+//! `rollfleet sim JOB.yaml` answers "what would this hardware do for my workload, and how much
+//! better is rollfleet than the usual ways of running RL?" It drives the very same
+//! [`rollfleet_core::Core`] the server runs, against hardware models of its own
+//! ([`hardware`]), a workload sampled from the job spec and real traces ([`workload`]), and
+//! compares rollfleet with the synchronous and one-step-off baselines ([`baseline`]) and with a
+//! lower bound ([`bound`]). [`report`] turns runs into tables, JSON and an SVG timeline; [`cli`]
+//! is the entry point the `rollfleet` binary calls.
+
+pub mod baseline;
+pub mod bound;
+pub mod cli;
+pub mod hardware;
+pub mod report;
+pub mod sim;
+pub mod svg;
+pub mod workload;
+
+pub use baseline::Baseline;
+pub use cli::{OutputFormat, SimArgs, SimError, run};
+pub use report::{PolicyReport, SimReport};
+pub use sim::{RunError, RunResult, SimOptions, simulate};

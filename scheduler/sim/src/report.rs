@@ -1,0 +1,374 @@
+//! Reports: what a run measured, the lower bound, and their rendering as a table or JSON.
+//!
+//! The JSON is a serialisation of [`SimReport`]; it contains no wall-clock figures, only virtual
+//! time and counts, so the same job and seed give byte-identical output.
+
+use rollfleet_catalog::Catalog;
+use rollfleet_core::{Placement, ServeRole};
+use rollfleet_spec::{JobSpec, PoolKind};
+use serde::Serialize;
+
+use crate::bound::min_makespan;
+use crate::hardware::HardwareModel;
+use crate::sim::{RunResult, Work, model_costs};
+
+/// The lower bound on one RL step (see [`crate::bound`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BoundReport {
+    /// The bound: the largest of the per-resource bounds, seconds per step.
+    pub step_s: f64,
+    /// GPU pools under the best fractional placement, seconds per step.
+    pub gpu_s: f64,
+    /// CPU pools (environments and local rewards), seconds per step.
+    pub cpu_s: f64,
+    /// The busiest serverless pool, seconds per step.
+    pub serverless_s: f64,
+    /// Which resource binds.
+    pub binding: String,
+    /// Per GPU pool: seconds per step of each kind of work under the best placement.
+    pub gpu_pools: Vec<BoundPool>,
+}
+
+/// One GPU pool's share of the bound.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BoundPool {
+    /// Pool name.
+    pub pool: String,
+    /// Prefill seconds per step.
+    pub prefill_s: f64,
+    /// Decode seconds per step.
+    pub decode_s: f64,
+    /// Training seconds per step.
+    pub train_s: f64,
+}
+
+/// Computes the bound from the useful work of `steps` steps.
+pub fn lower_bound(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    hw: &HardwareModel,
+    work: &Work,
+    steps: u64,
+) -> BoundReport {
+    let steps = steps.max(1) as f64;
+    let costs = model_costs(spec);
+    let mfu = spec.rl.train_mfu.clamp(0.01, 1.0);
+    let mut names = Vec::new();
+    let mut cost = vec![Vec::new(), Vec::new(), Vec::new()];
+    let mut vcpus = 0.0;
+    for pool in &spec.pools {
+        match pool.kind() {
+            Some(PoolKind::Gpu) => {
+                let Some(gpu) = pool.gpu.as_deref().and_then(|g| catalog.gpu(g).ok()) else {
+                    continue;
+                };
+                let n = pool.count.unwrap_or(0).max(0) as f64;
+                if n == 0.0 {
+                    continue;
+                }
+                let flops = n * gpu.peak_flops() * hw.compute_efficiency;
+                let bw = n * gpu.memory_bandwidth_bytes_per_s() * hw.bandwidth_efficiency;
+                let weight_reads = work.decode_tokens * costs.active_weight_bytes
+                    / rollfleet_core::placement::MAX_SEQS_PER_REPLICA as f64;
+                names.push(pool.name.clone());
+                cost[0].push(work.prefill_flops / flops);
+                cost[1].push(
+                    (work.decode_flops / flops).max((work.decode_kv_bytes + weight_reads) / bw),
+                );
+                cost[2].push(work.train_flops / (n * gpu.peak_flops() * mfu));
+            }
+            Some(PoolKind::Cpu) => {
+                let shape = pool.cpu.as_deref().and_then(|c| catalog.cpu_shape(c).ok());
+                vcpus +=
+                    shape.map_or(0.0, |s| s.vcpus as f64) * pool.count.unwrap_or(0).max(0) as f64;
+            }
+            _ => {}
+        }
+    }
+    let (gpu_total, x) = min_makespan(&cost).unwrap_or((0.0, vec![vec![]; 3]));
+    let gpu_pools = names
+        .iter()
+        .enumerate()
+        .map(|(p, name)| BoundPool {
+            pool: name.clone(),
+            prefill_s: x[0].get(p).copied().unwrap_or(0.0) * cost[0][p] / steps,
+            decode_s: x[1].get(p).copied().unwrap_or(0.0) * cost[1][p] / steps,
+            train_s: x[2].get(p).copied().unwrap_or(0.0) * cost[2][p] / steps,
+        })
+        .collect();
+    let cpu_s = if vcpus > 0.0 {
+        (work.env_cpu_seconds + work.local_reward_cpu_seconds) / vcpus / steps
+    } else {
+        0.0
+    };
+    let serverless_s = work
+        .serverless_seconds
+        .iter()
+        .map(|(&pool, &secs)| {
+            let conc = spec
+                .pools
+                .get(pool as usize)
+                .and_then(|p| p.concurrency)
+                .unwrap_or(1)
+                .max(1) as f64;
+            secs / conc / steps
+        })
+        .fold(0.0, f64::max);
+    let gpu_s = gpu_total / steps;
+    let (step_s, binding) = [(gpu_s, "gpu"), (cpu_s, "cpu"), (serverless_s, "serverless")]
+        .into_iter()
+        .fold((0.0, "gpu"), |best, c| if c.0 > best.0 { c } else { best });
+    BoundReport {
+        step_s,
+        gpu_s,
+        cpu_s,
+        serverless_s,
+        binding: binding.to_owned(),
+        gpu_pools,
+    }
+}
+
+/// How one pool was used.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PoolReport {
+    /// Pool name.
+    pub name: String,
+    /// `gpu`, `cpu` or `serverless`.
+    pub kind: String,
+    /// What it did in this run.
+    pub use_: String,
+    /// Busy share of its capacity over the run (GPU-seconds busy over GPU-seconds, vCPU-seconds
+    /// over vCPU-seconds, executions over concurrency).
+    pub utilisation: f64,
+    /// Share of its GPU-seconds spent loading weights.
+    pub weight_sync_share: f64,
+}
+
+/// Everything measured for one policy.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PolicyReport {
+    /// The policy.
+    pub policy: String,
+    /// RL steps trained.
+    pub steps: u64,
+    /// Virtual seconds to train them all.
+    pub total_s: f64,
+    /// Seconds per RL step (total over steps).
+    pub step_time_s: f64,
+    /// `sync`'s step time over this one's, when `sync` was run too.
+    pub speedup_vs_sync: Option<f64>,
+    /// Trajectories trained on per second.
+    pub trajectories_per_s: f64,
+    /// Tokens trained on per second.
+    pub trained_tokens_per_s: f64,
+    /// Tokens generated per second (including regenerated ones).
+    pub generated_tokens_per_s: f64,
+    /// Every pool's utilisation.
+    pub pools: Vec<PoolReport>,
+    /// Environment (CPU pools) utilisation.
+    pub environment_utilisation: f64,
+    /// Trajectories trained on, by how many versions their oldest turn was behind.
+    pub staleness_histogram: Vec<u64>,
+    /// The lower bound for this run's trained work.
+    pub bound: BoundReport,
+    /// Bound over achieved step time.
+    pub efficiency: f64,
+    /// Serverless cold starts.
+    pub serverless_cold_starts: u64,
+    /// The core's counters.
+    pub core: rollfleet_core::Stats,
+    /// Invariant breaches the simulator saw (empty when all held).
+    pub invariant_violations: Vec<String>,
+    /// Inputs and timeouts the core handled.
+    pub scheduler_events: u64,
+    /// Events the simulator processed.
+    pub sim_events: u64,
+}
+
+/// A whole simulation: one job, one seed, several policies.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimReport {
+    /// Job name.
+    pub job: String,
+    /// The seed.
+    pub seed: u64,
+    /// The hardware model's constants.
+    pub hardware: HardwareModel,
+    /// Attribution of real data the workload sampled, if any.
+    pub data_attribution: Option<String>,
+    /// One report per policy.
+    pub policies: Vec<PolicyReport>,
+}
+
+fn describe_use(spec: &JobSpec, placement: &Placement, pool: u32) -> String {
+    let mut parts = Vec::new();
+    for role in [ServeRole::Prefill, ServeRole::Decode, ServeRole::Generate] {
+        let replicas: Vec<_> = placement
+            .replicas
+            .iter()
+            .filter(|r| r.pool == pool && r.role == role)
+            .collect();
+        if let Some(first) = replicas.first() {
+            let name = match role {
+                ServeRole::Prefill => "prefill",
+                ServeRole::Decode => "decode",
+                ServeRole::Generate => "generate",
+            };
+            parts.push(format!("{name} {}x{}", replicas.len(), first.gpus));
+        }
+    }
+    if placement.trainer.pool == pool {
+        parts.push(format!("train {}", placement.trainer.gpus));
+    }
+    match spec.pools.get(pool as usize).and_then(|p| p.kind()) {
+        Some(PoolKind::Cpu) => "environments".into(),
+        Some(PoolKind::Serverless) => "rewards".into(),
+        _ if parts.is_empty() => "idle".into(),
+        _ => parts.join(", "),
+    }
+}
+
+/// Builds a policy's report from its run.
+pub fn policy_report(
+    name: &str,
+    spec: &JobSpec,
+    catalog: &Catalog,
+    hw: &HardwareModel,
+    run: &RunResult,
+) -> PolicyReport {
+    let steps = run.publish_times_s.len() as u64;
+    let total = run.makespan_s.max(1e-9);
+    let step_time = total / steps.max(1) as f64;
+    let bound = lower_bound(spec, catalog, hw, &run.work, steps);
+    let mut pools = Vec::new();
+    let mut env_busy = 0.0;
+    let mut env_cap = 0.0;
+    for (i, pool) in spec.pools.iter().enumerate() {
+        let i = i as u32;
+        let cap = run.capacity.get(&i).copied().unwrap_or(0.0);
+        let busy = run.meters.get(&i).map_or(0.0, |m| m.total);
+        let kind = match pool.kind() {
+            Some(PoolKind::Gpu) => "gpu",
+            Some(PoolKind::Cpu) => {
+                env_busy += busy;
+                env_cap += cap;
+                "cpu"
+            }
+            Some(PoolKind::Serverless) => "serverless",
+            None => "unknown",
+        };
+        let denom = (cap * total).max(1e-9);
+        pools.push(PoolReport {
+            name: pool.name.clone(),
+            kind: kind.into(),
+            use_: describe_use(spec, &run.placement, i),
+            utilisation: busy / denom,
+            weight_sync_share: run.sync_seconds.get(&i).copied().unwrap_or(0.0) / denom,
+        });
+    }
+    PolicyReport {
+        policy: name.to_owned(),
+        steps,
+        total_s: total,
+        step_time_s: step_time,
+        speedup_vs_sync: None,
+        trajectories_per_s: run.trajectories as f64 / total,
+        trained_tokens_per_s: run.trained_tokens as f64 / total,
+        generated_tokens_per_s: run.generated_tokens as f64 / total,
+        pools,
+        environment_utilisation: if env_cap > 0.0 {
+            env_busy / (env_cap * total)
+        } else {
+            0.0
+        },
+        staleness_histogram: run.staleness_histogram.clone(),
+        efficiency: if step_time > 0.0 {
+            bound.step_s / step_time
+        } else {
+            0.0
+        },
+        bound,
+        serverless_cold_starts: run.cold_starts,
+        core: run.core.clone(),
+        invariant_violations: run.violations.clone(),
+        scheduler_events: run.scheduler_events,
+        sim_events: run.sim_events,
+    }
+}
+
+/// Renders the report as a plain-text table.
+pub fn render_table(report: &SimReport) -> String {
+    let mut out = String::new();
+    out.push_str(&format!("job {} (seed {})\n\n", report.job, report.seed));
+    let pool_names: Vec<String> = report
+        .policies
+        .first()
+        .map(|p| p.pools.iter().map(|x| x.name.clone()).collect())
+        .unwrap_or_default();
+    let mut header = format!(
+        "{:<20} {:>9} {:>8} {:>8} {:>10} {:>9} {:>6} {:>9}",
+        "policy", "step (s)", "vs sync", "traj/s", "tok/s", "bound (s)", "eff", "env util"
+    );
+    for name in &pool_names {
+        header.push_str(&format!(" {:>10}", truncate(name, 10)));
+    }
+    header.push_str("  staleness");
+    out.push_str(&header);
+    out.push('\n');
+    for p in &report.policies {
+        let mut line = format!(
+            "{:<20} {:>9.1} {:>8} {:>8.2} {:>10.0} {:>9.1} {:>6.2} {:>8.0}%",
+            p.policy,
+            p.step_time_s,
+            p.speedup_vs_sync
+                .map_or("-".to_owned(), |s| format!("{s:.2}x")),
+            p.trajectories_per_s,
+            p.trained_tokens_per_s,
+            p.bound.step_s,
+            p.efficiency,
+            p.environment_utilisation * 100.0
+        );
+        for pool in &p.pools {
+            line.push_str(&format!(" {:>9.0}%", pool.utilisation * 100.0));
+        }
+        let hist: Vec<String> = p
+            .staleness_histogram
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| **c > 0)
+            .map(|(s, c)| format!("{s}:{c}"))
+            .collect();
+        line.push_str(&format!("  {}", hist.join(" ")));
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out.push_str("\nplacement and checks:\n");
+    for p in &report.policies {
+        let uses: Vec<String> = p
+            .pools
+            .iter()
+            .filter(|x| x.kind == "gpu")
+            .map(|x| format!("{}: {}", x.name, x.use_))
+            .collect();
+        out.push_str(&format!(
+            "  {:<20} {}; bound binds on {}; {} regenerated turns; invariants {}\n",
+            p.policy,
+            uses.join("; "),
+            p.bound.binding,
+            p.core.regenerated_turns,
+            if p.invariant_violations.is_empty() {
+                "held".to_owned()
+            } else {
+                format!("BROKEN: {}", p.invariant_violations.join("; "))
+            }
+        ));
+    }
+    if let Some(attribution) = &report.data_attribution {
+        out.push_str(&format!("\nworkload samples: {attribution}\n"));
+    }
+    out
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    s.chars().take(n).collect()
+}

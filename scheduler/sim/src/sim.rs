@@ -1,0 +1,1303 @@
+//! The discrete-event simulation: the core on a virtual clock, against the hardware models.
+//!
+//! The loop is the one any driver of a sans-IO core runs: hand the core's commands to the
+//! (simulated) workers, advance the clock to the earlier of the next worker event and the core's
+//! own timeout, feed the resulting fact back, repeat until the core has trained every step.
+//!
+//! Besides running the workload, the simulation keeps its own independent books and records
+//! every breach of the invariants the core promises: a trajectory trained on twice, a group
+//! trained on incomplete, a turn older than the staleness bound (by the versions the simulated
+//! replicas actually served), a pool given more than its capacity (KV cache, batch slots, vCPUs,
+//! serverless concurrency), a sticky turn sent where its KV cache is not.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+
+use rollfleet_catalog::Catalog;
+use rollfleet_core::rng::SplitMix64;
+use rollfleet_core::slab::IdSlab;
+use rollfleet_core::{
+    BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaId, Span, StageCommand,
+    StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
+};
+use rollfleet_spec::{JobSpec, PoolKind};
+
+use crate::hardware::{Engine, EngineDone, HardwareModel, Meter, ModelCosts, PrefillJob};
+use crate::workload::{mean, sample, stream};
+
+/// Options of one simulated run.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// Seed of every random draw.
+    pub seed: u64,
+    /// The hardware model.
+    pub hardware: HardwareModel,
+    /// Mean time between replica failures across the fleet, seconds (`None`: no failures).
+    pub failure_mtbf_s: Option<f64>,
+    /// How long a failed replica stays down, seconds.
+    pub repair_s: f64,
+    /// Give up after this much virtual time, seconds.
+    pub max_virtual_s: f64,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions {
+            seed: 0,
+            hardware: HardwareModel::default(),
+            failure_mtbf_s: None,
+            repair_s: 60.0,
+            max_virtual_s: 30.0 * 86_400.0,
+        }
+    }
+}
+
+/// Useful work of trained trajectories, the input of the lower bound.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Work {
+    /// Prefill FLOPs (prompt and observations, with perfect KV reuse).
+    pub prefill_flops: f64,
+    /// Decode FLOPs.
+    pub decode_flops: f64,
+    /// Decode KV-cache bytes read.
+    pub decode_kv_bytes: f64,
+    /// Tokens decoded.
+    pub decode_tokens: f64,
+    /// Training FLOPs.
+    pub train_flops: f64,
+    /// Tokens trained on.
+    pub train_tokens: f64,
+    /// Environment vCPU-seconds.
+    pub env_cpu_seconds: f64,
+    /// Local reward vCPU-seconds.
+    pub local_reward_cpu_seconds: f64,
+    /// Serverless seconds, per spec pool index.
+    pub serverless_seconds: BTreeMap<u32, f64>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct TurnWork {
+    version: u64,
+    context_before: u64,
+    input: u64,
+    action: u64,
+    env_cpu_s: f64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct TrajLedger {
+    group: u64,
+    task: u32,
+    reset_cpu_s: f64,
+    turns: Vec<TurnWork>,
+    reward_s: f64,
+    inputs: Vec<u64>,
+    consumed: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Loc {
+    Engine(u32),
+    Transfer(u32),
+    Cpu(u32, u64),
+    Serverless(u32),
+}
+
+#[derive(Debug, Clone)]
+enum Event {
+    Wake(u32, u64),
+    Done(StageId, StageOutcome),
+    Failed(StageId),
+    KvArrived(Box<KvArrival>),
+    TrainDone(BatchId, bool),
+    WeightsDone(u32, u64, u64),
+    Fail,
+    Recover(u32),
+}
+
+#[derive(Debug, Clone)]
+struct KvArrival {
+    replica: u32,
+    epoch: u64,
+    stage: StageId,
+    traj: TrajId,
+    from: u32,
+    context: u64,
+    prefill: u64,
+    action: u64,
+}
+
+struct Entry {
+    at: Time,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Entry {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+impl Eq for Entry {}
+impl PartialOrd for Entry {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Entry {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct ServerlessState {
+    in_use: u64,
+    concurrency: u64,
+    idle: Vec<Time>,
+    cold_starts: u64,
+    invocations: u64,
+    cold_start_s: f64,
+}
+
+/// Why a run could not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The core could not be configured.
+    #[error(transparent)]
+    Config(#[from] rollfleet_core::ConfigError),
+    /// Nothing left to happen, yet steps remain.
+    #[error("the simulation stalled at {at:.1} s with {trained} of {steps} steps trained: {state}")]
+    Stalled {
+        /// Where the core's work was.
+        state: String,
+        /// Virtual time.
+        at: f64,
+        /// Steps trained.
+        trained: u64,
+        /// Steps wanted.
+        steps: u64,
+    },
+    /// The virtual-time limit was reached.
+    #[error("the simulation passed its limit of {0:.0} virtual seconds")]
+    TooLong(f64),
+}
+
+/// What one run measured.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    /// Virtual seconds from start to the last published version.
+    pub makespan_s: f64,
+    /// Times at which each version was published.
+    pub publish_times_s: Vec<f64>,
+    /// The core's counters.
+    pub core: rollfleet_core::Stats,
+    /// Busy GPU-seconds (or vCPU-seconds, or concurrency-seconds) per spec pool, with timeline.
+    pub meters: BTreeMap<u32, Meter>,
+    /// Capacity per spec pool (GPUs, vCPUs, concurrency) for utilisation.
+    pub capacity: BTreeMap<u32, f64>,
+    /// Seconds replicas spent loading weights, per spec pool.
+    pub sync_seconds: BTreeMap<u32, f64>,
+    /// Useful work of the trained trajectories.
+    pub work: Work,
+    /// Trajectories trained on.
+    pub trajectories: u64,
+    /// Tokens trained on.
+    pub trained_tokens: u64,
+    /// Tokens generated (including thrown-away ones).
+    pub generated_tokens: u64,
+    /// Staleness histogram by the simulator's own books.
+    pub staleness_histogram: Vec<u64>,
+    /// Invariant breaches seen (empty when all held).
+    pub violations: Vec<String>,
+    /// Inputs and timeouts handled by the core.
+    pub scheduler_events: u64,
+    /// All simulation events processed.
+    pub sim_events: u64,
+    /// Serverless cold starts.
+    pub cold_starts: u64,
+    /// The placement used.
+    pub placement: Placement,
+    /// Trajectories started, in flight at the end, complete but untrained at the end.
+    pub lifecycle: (u64, u64, u64),
+}
+
+/// Average tokens per trajectory of a job, for the placement.
+pub fn workload_means(spec: &JobSpec) -> WorkloadMeans {
+    let mut prefill = 0.0;
+    let mut train = 0.0;
+    let total_share: f64 = spec
+        .tasks
+        .iter()
+        .map(|t| t.share.max(0.0))
+        .sum::<f64>()
+        .max(1e-9);
+    for task in &spec.tasks {
+        let turns = task
+            .turns
+            .as_ref()
+            .map_or(task.max_turns as f64, |d| mean(d))
+            .clamp(1.0, task.max_turns.max(1) as f64);
+        let p = mean(&task.prompt_tokens);
+        let a = mean(&task.action_tokens);
+        let o = mean(&task.observation_tokens);
+        let w = task.share.max(0.0) / total_share;
+        prefill += w * (p + (turns - 1.0) * o);
+        train += w * (p + turns * a + (turns - 1.0) * o);
+    }
+    WorkloadMeans {
+        prefill_tokens: prefill,
+        train_tokens: train,
+    }
+}
+
+/// Model costs from the spec.
+pub fn model_costs(spec: &JobSpec) -> ModelCosts {
+    ModelCosts {
+        flops_per_token: spec.model.forward_flops_per_token(),
+        attention_flops_per_context: spec.model.attention_flops_per_token(1.0),
+        active_weight_bytes: spec.model.active_weight_bytes(),
+        kv_bytes_per_token: spec.model.kv_bytes_per_token(),
+    }
+}
+
+struct Sim<'a> {
+    spec: &'a JobSpec,
+    opts: &'a SimOptions,
+    core: Core,
+    now: Time,
+    heap: BinaryHeap<Reverse<Entry>>,
+    seq: u64,
+    engines: Vec<Engine>,
+    engine_pool: Vec<u32>,
+    engine_max_seqs: Vec<u32>,
+    engine_running: Vec<u32>,
+    engine_scheduled: Vec<Option<Time>>,
+    engine_busy: Vec<bool>,
+    engine_alive: Vec<bool>,
+    prefill_versions: BTreeMap<TrajId, u64>,
+    stage_loc: IdSlab<Loc>,
+    stage_info: IdSlab<StageInfo>,
+    meters: BTreeMap<u32, Meter>,
+    capacity: BTreeMap<u32, f64>,
+    sync_seconds: BTreeMap<u32, f64>,
+    cpu_in_use: BTreeMap<u32, u64>,
+    serverless: BTreeMap<u32, ServerlessState>,
+    ledger: Vec<TrajLedger>,
+    turns_wanted: BTreeMap<TrajId, u32>,
+    version: u64,
+    publish_times: Vec<f64>,
+    work: Work,
+    trained_tokens: u64,
+    trajectories: u64,
+    staleness: Vec<u64>,
+    violations: Vec<String>,
+    scheduler_events: u64,
+    sim_events: u64,
+    trainer_pool: u32,
+    trainer_gpus: f64,
+    train_peak: f64,
+    costs: ModelCosts,
+    link_bytes_per_s: f64,
+    interconnect: f64,
+    cold_start_s: BTreeMap<u32, f64>,
+    failure_rng: SplitMix64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct StageInfo {
+    traj: TrajId,
+    turn: u32,
+    version: u64,
+}
+
+impl<'a> Sim<'a> {
+    fn push(&mut self, at: Time, event: Event) {
+        self.seq += 1;
+        self.heap.push(Reverse(Entry {
+            at,
+            seq: self.seq,
+            event,
+        }));
+    }
+
+    fn ledger_mut(&mut self, traj: TrajId) -> &mut TrajLedger {
+        let i = traj.0 as usize;
+        if self.ledger.len() <= i {
+            self.ledger.resize_with(i + 1, TrajLedger::default);
+        }
+        &mut self.ledger[i]
+    }
+
+    fn violation(&mut self, what: String) {
+        if self.violations.len() < 20 {
+            self.violations.push(what);
+        } else if self.violations.len() == 20 {
+            self.violations.push("(more violations not listed)".into());
+        }
+    }
+
+    fn rng(&self, keys: &[u64]) -> SplitMix64 {
+        SplitMix64::keyed(self.opts.seed, keys)
+    }
+
+    fn task(&self, index: u32) -> Option<&'a rollfleet_spec::TaskSpec> {
+        self.spec.tasks.get(index as usize)
+    }
+
+    fn input(&mut self, input: Input) {
+        self.scheduler_events += 1;
+        self.core.handle_input(self.now, input);
+    }
+
+    fn refresh_engine(&mut self, r: usize) {
+        let busy = self.engines[r].busy();
+        if busy != self.engine_busy[r] {
+            self.engine_busy[r] = busy;
+            let gpus = self.engines[r].gpus as f64;
+            let now = self.now;
+            if let Some(m) = self.meters.get_mut(&self.engine_pool[r]) {
+                m.add(now, if busy { gpus } else { -gpus });
+            }
+        }
+        // At most one live wake-up per engine, the earliest needed: a later one is pushed when
+        // the earlier one fires, so superseded wake-ups do not pile up in the event queue.
+        let next = self.engines[r].next_wake();
+        let push = match (next, self.engine_scheduled[r]) {
+            (Some(n), Some(s)) => n < s,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if push && let Some(at) = next {
+            self.engine_scheduled[r] = next;
+            let epoch = self.engines[r].epoch;
+            self.push(at.max(self.now), Event::Wake(r as u32, epoch));
+        }
+    }
+
+    fn execute(&mut self, command: Command) {
+        match command {
+            Command::Run(cmd) => self.run_stage(cmd),
+            Command::UpdateWeights {
+                replica,
+                version,
+                bytes,
+                mode,
+            } => {
+                let r = replica.0 as usize;
+                if r >= self.engines.len() {
+                    return;
+                }
+                if self.engine_running[r] > 0 {
+                    self.violation(format!("replica {r} updated while running stages"));
+                }
+                let now = self.now;
+                self.engines[r].wipe(now);
+                self.engine_scheduled[r] = None;
+                self.engines[r].version = None;
+                self.refresh_engine(r);
+                let secs = match mode {
+                    SyncMode::Rolling | SyncMode::Broadcast => bytes as f64 / self.link_bytes_per_s,
+                    SyncMode::Colocated => {
+                        // Resharding inside the node over NVLink.
+                        bytes as f64 / self.interconnect.max(1.0)
+                    }
+                };
+                *self.sync_seconds.entry(self.engine_pool[r]).or_default() +=
+                    secs * self.engines[r].gpus as f64;
+                let epoch = self.engines[r].epoch;
+                self.push(
+                    now.plus(Span::from_secs_f64(secs)),
+                    Event::WeightsDone(r as u32, version, epoch),
+                );
+            }
+            Command::ReleaseKv { replica, traj } => {
+                if let Some(e) = self.engines.get_mut(replica.0 as usize) {
+                    e.release_kv(traj);
+                }
+            }
+            Command::Cancel { stage } => self.cancel(stage),
+            Command::Train {
+                batch,
+                publishes,
+                trajectories,
+                tokens,
+                ..
+            } => self.train(batch, publishes, trajectories, tokens),
+        }
+    }
+
+    fn cancel(&mut self, stage: StageId) {
+        let Some(loc) = self.stage_loc.remove(stage.0) else {
+            return;
+        };
+        let now = self.now;
+        match loc {
+            Loc::Engine(r) | Loc::Transfer(r) => {
+                let r = r as usize;
+                self.engines[r].cancel(now, stage);
+                if let Some(info) = self.stage_info.get(stage.0).copied() {
+                    self.engines[r].release_kv(info.traj);
+                }
+                self.engine_running[r] = self.engine_running[r].saturating_sub(1);
+                self.refresh_engine(r);
+            }
+            Loc::Cpu(pool, m) => self.cpu_release(pool, m),
+            Loc::Serverless(pool) => {
+                if let Some(s) = self.serverless.get_mut(&pool) {
+                    s.in_use = s.in_use.saturating_sub(1);
+                    s.idle.push(now);
+                }
+                if let Some(m) = self.meters.get_mut(&pool) {
+                    m.add(now, -1.0);
+                }
+            }
+        }
+        self.stage_info.remove(stage.0);
+    }
+
+    fn cpu_take(&mut self, pool: u32, millicpus: u64) {
+        let used = self.cpu_in_use.entry(pool).or_default();
+        *used += millicpus;
+        let used = *used;
+        let cap = self.capacity.get(&pool).copied().unwrap_or(0.0);
+        if used as f64 > cap * 1000.0 + 0.5 {
+            self.violation(format!(
+                "CPU pool {pool}: {used} millicpus in use > {cap} vCPUs"
+            ));
+        }
+        let now = self.now;
+        if let Some(m) = self.meters.get_mut(&pool) {
+            m.add(now, millicpus as f64 / 1000.0);
+        }
+    }
+
+    fn cpu_release(&mut self, pool: u32, millicpus: u64) {
+        if let Some(used) = self.cpu_in_use.get_mut(&pool) {
+            *used = used.saturating_sub(millicpus);
+        }
+        let now = self.now;
+        if let Some(m) = self.meters.get_mut(&pool) {
+            m.add(now, -(millicpus as f64) / 1000.0);
+        }
+    }
+
+    fn run_stage(&mut self, cmd: StageCommand) {
+        let StageCommand {
+            stage,
+            traj,
+            group,
+            task,
+            turn,
+            attempt,
+            work,
+            ..
+        } = cmd;
+        self.stage_info.insert(
+            stage.0,
+            StageInfo {
+                traj,
+                turn,
+                version: 0,
+            },
+        );
+        let ledger = self.ledger_mut(traj);
+        ledger.group = group.0;
+        ledger.task = task;
+        let Some(task_spec) = self.task(task) else {
+            self.violation(format!("stage {} names unknown task {task}", stage.0));
+            return;
+        };
+        let now = self.now;
+        match work {
+            StageWork::EnvReset { pool, millicpus }
+            | StageWork::EnvStep {
+                pool, millicpus, ..
+            } => {
+                let reset = matches!(work, StageWork::EnvReset { .. });
+                self.cpu_take(pool, millicpus);
+                self.stage_loc.insert(stage.0, Loc::Cpu(pool, millicpus));
+                let ms = sample(
+                    &task_spec.env_step_ms,
+                    &mut self.rng(&[
+                        stream::ENV_LATENCY,
+                        traj.0,
+                        turn as u64,
+                        attempt as u64,
+                        reset as u64,
+                    ]),
+                );
+                let at = now.plus(Span::from_secs_f64(ms / 1000.0));
+                let fails = self.rng(&[stream::ENV_FAILURE, stage.0]).next_f64()
+                    < task_spec.env_failure_rate.clamp(0.0, 1.0);
+                if fails {
+                    self.push(at, Event::Failed(stage));
+                    return;
+                }
+                let cpu_s = ms / 1000.0 * millicpus as f64 / 1000.0;
+                let outcome = if reset {
+                    let tokens = sample(
+                        &task_spec.prompt_tokens,
+                        &mut self.rng(&[stream::PROMPT, group.0]),
+                    )
+                    .round()
+                    .max(1.0) as u64;
+                    if let Some(l) = Some(self.ledger_mut(traj)) {
+                        l.reset_cpu_s = cpu_s;
+                        l.inputs = vec![tokens];
+                    }
+                    StageOutcome::Observed {
+                        tokens,
+                        done: false,
+                    }
+                } else {
+                    let wanted = *self.turns_wanted.entry(traj).or_insert_with(|| {
+                        let max = task_spec.max_turns.max(1) as f64;
+                        let t = task_spec.turns.as_ref().map_or(max, |d| {
+                            sample(
+                                d,
+                                &mut SplitMix64::keyed(self.opts.seed, &[stream::TURNS, traj.0]),
+                            )
+                            .round()
+                        });
+                        t.clamp(1.0, max) as u32
+                    });
+                    let tokens = sample(
+                        &task_spec.observation_tokens,
+                        &mut self.rng(&[stream::OBSERVATION, traj.0, turn as u64]),
+                    )
+                    .round() as u64;
+                    if let Some(l) = Some(self.ledger_mut(traj)) {
+                        // Turns beyond this one belong to an attempt that was thrown away.
+                        l.turns.truncate(turn as usize);
+                        if let Some(last) = (turn as usize)
+                            .checked_sub(1)
+                            .and_then(|k| l.turns.get_mut(k))
+                        {
+                            last.env_cpu_s = cpu_s;
+                        }
+                        l.inputs.truncate(turn as usize);
+                        l.inputs.push(tokens);
+                    }
+                    StageOutcome::Observed {
+                        tokens,
+                        done: turn >= wanted,
+                    }
+                };
+                self.push(at, Event::Done(stage, outcome));
+            }
+            StageWork::Prefill { replica, tokens } => {
+                let r = replica.0 as usize;
+                if !self.engine_ok(r, stage) {
+                    return;
+                }
+                self.engine_running[r] += 1;
+                self.check_slots(r);
+                if !self.engines[r].hold_kv(traj, tokens) {
+                    self.violation(format!("replica {r}: KV over capacity after a prefill"));
+                }
+                self.stage_loc.insert(stage.0, Loc::Engine(r as u32));
+                self.engines[r].add_prefill(
+                    now,
+                    PrefillJob {
+                        stage,
+                        traj,
+                        cached: 0,
+                        tokens,
+                        decode: None,
+                    },
+                );
+                self.refresh_engine(r);
+            }
+            StageWork::Generate {
+                replica,
+                cached_tokens,
+                prefill_tokens,
+                max_new_tokens,
+                kv_from,
+                kv_tokens,
+            } => {
+                let r = replica.0 as usize;
+                if !self.engine_ok(r, stage) {
+                    return;
+                }
+                let action = sample(
+                    &task_spec.action_tokens,
+                    &mut self.rng(&[stream::ACTION, traj.0, turn as u64, attempt as u64]),
+                )
+                .round()
+                .clamp(1.0, max_new_tokens.max(1) as f64) as u64;
+                if kv_from.is_none()
+                    && cached_tokens > 0
+                    && !self.engines[r].kv_held.contains_key(&traj)
+                {
+                    self.violation(format!("replica {r}: sticky turn without its KV cache"));
+                }
+                self.engine_running[r] += 1;
+                self.check_slots(r);
+                if !self.engines[r].hold_kv(traj, cached_tokens + prefill_tokens + action) {
+                    self.violation(format!(
+                        "replica {r}: KV over capacity ({} > {})",
+                        self.engines[r].kv_used, self.engines[r].kv_capacity
+                    ));
+                }
+                match kv_from {
+                    Some(p) => {
+                        self.stage_loc.insert(stage.0, Loc::Transfer(r as u32));
+                        let secs = kv_tokens as f64 * self.costs.kv_bytes_per_token
+                            / self.link_bytes_per_s;
+                        let epoch = self.engines[r].epoch;
+                        self.push(
+                            now.plus(Span::from_secs_f64(secs)),
+                            Event::KvArrived(Box::new(KvArrival {
+                                replica: r as u32,
+                                epoch,
+                                stage,
+                                traj,
+                                from: p.0 as u32,
+                                context: cached_tokens,
+                                prefill: prefill_tokens,
+                                action,
+                            })),
+                        );
+                    }
+                    None => {
+                        self.stage_loc.insert(stage.0, Loc::Engine(r as u32));
+                        self.start_generation(
+                            r,
+                            stage,
+                            traj,
+                            cached_tokens,
+                            prefill_tokens,
+                            action,
+                            false,
+                        );
+                    }
+                }
+            }
+            StageWork::Reward {
+                pool,
+                serverless,
+                millicpus,
+            } => {
+                let reward = self
+                    .spec
+                    .rewards
+                    .iter()
+                    .find(|rw| rw.name == task_spec.reward);
+                let latency = reward.map_or(0.0, |rw| {
+                    sample(
+                        &rw.latency_ms,
+                        &mut self.rng(&[stream::REWARD, traj.0, attempt as u64]),
+                    ) / 1000.0
+                });
+                let mut secs = latency;
+                if serverless {
+                    let keepalive = self.opts.hardware.serverless_keepalive_s;
+                    let cold = self.serverless_cold_start(pool);
+                    let mut violation = None;
+                    if let Some(s) = self.serverless.get_mut(&pool) {
+                        s.in_use += 1;
+                        s.invocations += 1;
+                        if s.in_use > s.concurrency {
+                            violation =
+                                Some(format!("serverless pool {pool} over its concurrency"));
+                        }
+                        // Reuse the most recently idle warm instance, if still warm.
+                        s.idle.retain(|&t| now.since(t).as_secs_f64() <= keepalive);
+                        if s.idle.pop().is_none() {
+                            s.cold_starts += 1;
+                            s.cold_start_s += cold;
+                            secs += cold;
+                        }
+                    }
+                    if let Some(v) = violation {
+                        self.violation(v);
+                    }
+                    if let Some(m) = self.meters.get_mut(&pool) {
+                        m.add(now, 1.0);
+                    }
+                    self.stage_loc.insert(stage.0, Loc::Serverless(pool));
+                } else {
+                    self.cpu_take(pool, millicpus);
+                    self.stage_loc.insert(stage.0, Loc::Cpu(pool, millicpus));
+                }
+                if let Some(l) = Some(self.ledger_mut(traj)) {
+                    l.reward_s = latency;
+                }
+                self.push(
+                    now.plus(Span::from_secs_f64(secs)),
+                    Event::Done(stage, StageOutcome::Rewarded { score: 0.0 }),
+                );
+            }
+        }
+    }
+
+    fn serverless_cold_start(&self, pool: u32) -> f64 {
+        self.cold_start_s.get(&pool).copied().unwrap_or(0.25)
+    }
+
+    fn engine_ok(&mut self, r: usize, stage: StageId) -> bool {
+        if r >= self.engines.len() {
+            self.violation(format!("stage {} sent to unknown replica {r}", stage.0));
+            return false;
+        }
+        if !self.engine_alive[r] || self.engines[r].version.is_none() {
+            self.violation(format!(
+                "stage {} sent to replica {r}, which cannot serve",
+                stage.0
+            ));
+        }
+        true
+    }
+
+    fn check_slots(&mut self, r: usize) {
+        if self.engine_running[r] > self.engine_max_seqs[r] {
+            self.violation(format!("replica {r}: more stages than batch slots"));
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_generation(
+        &mut self,
+        r: usize,
+        stage: StageId,
+        traj: TrajId,
+        cached: u64,
+        prefill: u64,
+        action: u64,
+        pulled: bool,
+    ) {
+        let now = self.now;
+        let version = self.engines[r].version.unwrap_or(0);
+        // A pulled KV cache was computed by the prefill replica's version.
+        let prefilled = self.prefill_versions.remove(&traj);
+        let v = if pulled {
+            prefilled.map_or(version, |p| p.min(version))
+        } else {
+            version
+        };
+        if let Some(info) = self.stage_info.get_mut(stage.0) {
+            info.version = v;
+        }
+        if prefill > 0 {
+            self.engines[r].add_prefill(
+                now,
+                PrefillJob {
+                    stage,
+                    traj,
+                    cached,
+                    tokens: prefill,
+                    decode: Some(action),
+                },
+            );
+        } else {
+            self.engines[r].add_decode(now, stage, cached, action);
+        }
+        self.refresh_engine(r);
+    }
+
+    fn train(&mut self, batch: BatchId, publishes: bool, trajectories: Vec<TrajId>, tokens: u64) {
+        // Independent checks: no trajectory twice, whole groups, staleness by our own books.
+        let floor = self
+            .version
+            .saturating_sub(self.core.config().policy.max_staleness);
+        let mut groups: BTreeMap<u64, u32> = BTreeMap::new();
+        let costs = self.costs;
+        let mut violations = Vec::new();
+        for &t in &trajectories {
+            let Some(l) = self.ledger.get_mut(t.0 as usize) else {
+                violations.push(format!("trajectory {} trained but never run", t.0));
+                continue;
+            };
+            if l.consumed {
+                violations.push(format!("trajectory {} trained twice", t.0));
+            }
+            l.consumed = true;
+            *groups.entry(l.group).or_default() += 1;
+            let oldest = l.turns.iter().map(|w| w.version).min();
+            match oldest {
+                Some(v) if v < floor => violations.push(format!(
+                    "trajectory {} trained with a turn of version {v} at version {}",
+                    t.0, self.version
+                )),
+                None => violations.push(format!("trajectory {} trained with no turns", t.0)),
+                _ => {}
+            }
+            let staleness = oldest.map_or(0, |v| self.version.saturating_sub(v)) as usize;
+            if self.staleness.len() <= staleness {
+                self.staleness.resize(staleness + 1, 0);
+            }
+            self.staleness[staleness] += 1;
+            // Useful work, for the bound.
+            let w = &mut self.work;
+            w.env_cpu_seconds += l.reset_cpu_s;
+            let mut context = 0.0;
+            for turn in &l.turns {
+                let before = turn.context_before as f64;
+                let input = turn.input as f64;
+                let action = turn.action as f64;
+                w.prefill_flops += costs.flops_per_token * input
+                    + costs.attention_flops_per_context * input * (before + input / 2.0);
+                let ctx = before + input;
+                w.decode_flops += costs.flops_per_token * action
+                    + costs.attention_flops_per_context * action * (ctx + action / 2.0);
+                w.decode_kv_bytes += costs.kv_bytes_per_token * action * (ctx + action / 2.0);
+                w.decode_tokens += action;
+                w.env_cpu_seconds += turn.env_cpu_s;
+                context = ctx + action;
+            }
+            w.train_tokens += context;
+            w.train_flops += 3.0 * costs.flops_per_token * context;
+            if let Some(task) = self.spec.tasks.get(l.task as usize)
+                && let Some(reward) = self.spec.rewards.iter().find(|r| r.name == task.reward)
+            {
+                match reward.runs_on {
+                    rollfleet_spec::RewardPlacement::Serverless => {
+                        let pool = reward
+                            .pool
+                            .as_deref()
+                            .and_then(|n| self.spec.pools.iter().position(|p| p.name == n))
+                            .unwrap_or(0) as u32;
+                        *w.serverless_seconds.entry(pool).or_default() += l.reward_s;
+                    }
+                    rollfleet_spec::RewardPlacement::Local => {
+                        w.local_reward_cpu_seconds += l.reward_s
+                    }
+                    rollfleet_spec::RewardPlacement::Environment => {}
+                }
+            }
+        }
+        let n = self.core.config().group_size;
+        for (g, count) in groups {
+            if count != n {
+                violations.push(format!(
+                    "group {g} trained with {count} of {n} trajectories"
+                ));
+            }
+        }
+        for v in violations {
+            self.violation(v);
+        }
+        self.trajectories += trajectories.len() as u64;
+        self.trained_tokens += tokens;
+        let mfu = self.spec.rl.train_mfu.clamp(0.01, 1.0);
+        let secs = 6.0 * self.spec.model.active() * tokens as f64
+            / (self.trainer_gpus * self.train_peak * mfu);
+        let now = self.now;
+        let gpus = self.trainer_gpus;
+        if let Some(m) = self.meters.get_mut(&self.trainer_pool) {
+            m.add(now, gpus);
+        }
+        self.push(
+            now.plus(Span::from_secs_f64(secs)),
+            Event::TrainDone(batch, publishes),
+        );
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Wake(r, epoch) => {
+                let r = r as usize;
+                if self.engines[r].epoch != epoch || self.engine_scheduled[r] != Some(self.now) {
+                    return;
+                }
+                self.engine_scheduled[r] = None;
+                if self.engines[r].next_wake().is_none_or(|n| n > self.now) {
+                    // Woken early (its work moved later): just ask again for the right time.
+                    self.refresh_engine(r);
+                    return;
+                }
+                let done = self.engines[r].wake(self.now);
+                self.refresh_engine(r);
+                for d in done {
+                    let (stage, outcome) = match d {
+                        EngineDone::Prefilled(stage) => {
+                            if let Some(info) = self.stage_info.get(stage.0).copied() {
+                                let v = self.engines[r].version.unwrap_or(0);
+                                self.prefill_versions.insert(info.traj, v);
+                            }
+                            (stage, StageOutcome::Prefilled)
+                        }
+                        EngineDone::Generated(stage, tokens) => {
+                            if let Some(info) = self.stage_info.get(stage.0).copied()
+                                && self.stage_loc.contains(stage.0)
+                            {
+                                let l = self.ledger_mut(info.traj);
+                                let k = info.turn as usize;
+                                l.turns.truncate(k);
+                                let context_before =
+                                    l.turns.iter().map(|w| w.input + w.action).sum();
+                                let input = l.inputs.get(k).copied().unwrap_or(0);
+                                l.turns.push(TurnWork {
+                                    version: info.version,
+                                    context_before,
+                                    input,
+                                    action: tokens,
+                                    env_cpu_s: 0.0,
+                                });
+                            }
+                            (stage, StageOutcome::Generated { tokens })
+                        }
+                    };
+                    if self.stage_loc.remove(stage.0).is_some() {
+                        self.engine_running[r] = self.engine_running[r].saturating_sub(1);
+                        self.stage_info.remove(stage.0);
+                        self.input(Input::StageFinished { stage, outcome });
+                    }
+                }
+            }
+            Event::Done(stage, outcome) => {
+                let Some(loc) = self.stage_loc.remove(stage.0) else {
+                    return;
+                };
+                self.release_loc(loc);
+                self.stage_info.remove(stage.0);
+                self.input(Input::StageFinished { stage, outcome });
+            }
+            Event::Failed(stage) => {
+                let Some(loc) = self.stage_loc.remove(stage.0) else {
+                    return;
+                };
+                self.release_loc(loc);
+                self.stage_info.remove(stage.0);
+                self.input(Input::StageFailed { stage });
+            }
+            Event::KvArrived(arrival) => {
+                let KvArrival {
+                    replica,
+                    epoch,
+                    stage,
+                    traj,
+                    from,
+                    context,
+                    prefill,
+                    action,
+                } = *arrival;
+                let r = replica as usize;
+                if self.engines[r].epoch != epoch || !self.stage_loc.contains(stage.0) {
+                    return;
+                }
+                if let Some(p) = self.engines.get_mut(from as usize) {
+                    p.release_kv(traj);
+                }
+                self.stage_loc.insert(stage.0, Loc::Engine(replica));
+                self.start_generation(r, stage, traj, context, prefill, action, true);
+            }
+            Event::TrainDone(batch, publishes) => {
+                let now = self.now;
+                let gpus = self.trainer_gpus;
+                if let Some(m) = self.meters.get_mut(&self.trainer_pool) {
+                    m.add(now, -gpus);
+                }
+                if publishes {
+                    self.version += 1;
+                    self.publish_times.push(now.as_secs_f64());
+                }
+                self.input(Input::TrainFinished { batch });
+            }
+            Event::WeightsDone(r, version, epoch) => {
+                let ri = r as usize;
+                if self.engines[ri].epoch != epoch || !self.engine_alive[ri] {
+                    return;
+                }
+                self.engines[ri].version = Some(version);
+                self.input(Input::WeightsUpdated {
+                    replica: ReplicaId(r as u64),
+                    version,
+                });
+            }
+            Event::Fail => {
+                let alive: Vec<usize> = (0..self.engines.len())
+                    .filter(|&r| self.engine_alive[r])
+                    .collect();
+                if alive.len() > 1 {
+                    let r = alive[self.failure_rng.below(alive.len() as u64) as usize];
+                    let now = self.now;
+                    self.engine_alive[r] = false;
+                    self.engines[r].wipe(now);
+                    self.engine_scheduled[r] = None;
+                    self.engines[r].version = None;
+                    self.engine_running[r] = 0;
+                    let lost: Vec<StageId> = self
+                        .stage_loc
+                        .iter()
+                        .filter(|(_, l)| matches!(l, Loc::Engine(x) | Loc::Transfer(x) if *x as usize == r))
+                        .map(|(s, _)| StageId(s))
+                        .collect();
+                    for s in lost {
+                        self.stage_loc.remove(s.0);
+                        self.stage_info.remove(s.0);
+                    }
+                    self.refresh_engine(r);
+                    self.input(Input::ReplicaLost {
+                        replica: ReplicaId(r as u64),
+                    });
+                    let back = now.plus(Span::from_secs_f64(self.opts.repair_s));
+                    self.push(back, Event::Recover(r as u32));
+                }
+                self.schedule_failure();
+            }
+            Event::Recover(r) => {
+                self.engine_alive[r as usize] = true;
+                self.input(Input::ReplicaRecovered {
+                    replica: ReplicaId(r as u64),
+                });
+            }
+        }
+    }
+
+    fn release_loc(&mut self, loc: Loc) {
+        let now = self.now;
+        match loc {
+            Loc::Cpu(pool, m) => self.cpu_release(pool, m),
+            Loc::Serverless(pool) => {
+                if let Some(s) = self.serverless.get_mut(&pool) {
+                    s.in_use = s.in_use.saturating_sub(1);
+                    s.idle.push(now);
+                }
+                if let Some(m) = self.meters.get_mut(&pool) {
+                    m.add(now, -1.0);
+                }
+            }
+            Loc::Engine(_) | Loc::Transfer(_) => {}
+        }
+    }
+
+    fn schedule_failure(&mut self) {
+        if let Some(mtbf) = self.opts.failure_mtbf_s.filter(|m| *m > 0.0) {
+            let u = self.failure_rng.next_f64().max(1e-12);
+            let at = self.now.plus(Span::from_secs_f64(-u.ln() * mtbf));
+            self.push(at, Event::Fail);
+        }
+    }
+}
+
+/// Simulates one policy on a job.
+pub fn simulate(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    placement: Placement,
+    policy: Policy,
+    opts: &SimOptions,
+    progress: &mut dyn FnMut(u64, f64),
+) -> Result<RunResult, RunError> {
+    let cfg = Config::new(spec, catalog, &placement, policy, opts.seed)?;
+    let steps = cfg.steps;
+    let costs = model_costs(spec);
+    let mut engines = Vec::new();
+    let mut engine_pool = Vec::new();
+    let mut engine_max_seqs = Vec::new();
+    for rc in &placement.replicas {
+        let gpu = spec
+            .pools
+            .get(rc.pool as usize)
+            .and_then(|p| p.gpu.as_deref())
+            .and_then(|g| catalog.gpu(g).ok());
+        let (peak, bw) = gpu.map_or((1e15, 1e12), |g| {
+            (g.peak_flops(), g.memory_bandwidth_bytes_per_s())
+        });
+        engines.push(Engine::new(
+            rc.gpus,
+            peak,
+            bw,
+            &opts.hardware,
+            costs,
+            rc.kv_capacity_tokens,
+        ));
+        engine_pool.push(rc.pool);
+        engine_max_seqs.push(rc.max_seqs);
+    }
+    let trainer_gpu = spec
+        .pools
+        .get(placement.trainer.pool as usize)
+        .and_then(|p| p.gpu.as_deref())
+        .and_then(|g| catalog.gpu(g).ok());
+    let train_peak = trainer_gpu.map_or(1e15, |g| g.peak_flops());
+    let interconnect = trainer_gpu.map_or(400e9, |g| g.interconnect_gbps * 1e9);
+    let mut meters = BTreeMap::new();
+    let mut capacity = BTreeMap::new();
+    let mut serverless = BTreeMap::new();
+    for (i, pool) in spec.pools.iter().enumerate() {
+        let i = i as u32;
+        let cap = match pool.kind() {
+            Some(PoolKind::Gpu) => pool.count.unwrap_or(0).max(0) as f64,
+            Some(PoolKind::Cpu) => {
+                let vcpus = pool
+                    .cpu
+                    .as_deref()
+                    .and_then(|c| catalog.cpu_shape(c).ok())
+                    .map_or(0, |s| s.vcpus);
+                (vcpus as i64 * pool.count.unwrap_or(0).max(0)) as f64
+            }
+            Some(PoolKind::Serverless) => {
+                let conc = cfg
+                    .serverless_pools
+                    .iter()
+                    .find(|s| s.pool == i)
+                    .map_or(1, |s| s.concurrency);
+                serverless.insert(
+                    i,
+                    ServerlessState {
+                        concurrency: conc,
+                        ..ServerlessState::default()
+                    },
+                );
+                conc as f64
+            }
+            None => 0.0,
+        };
+        capacity.insert(i, cap);
+        meters.insert(i, Meter::default());
+    }
+    let cold_start_s: BTreeMap<u32, f64> = spec
+        .pools
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| {
+            let platform = catalog.serverless(p.serverless.as_deref()?).ok()?;
+            Some((i as u32, platform.cold_start_ms / 1000.0))
+        })
+        .collect();
+    let n = engines.len();
+    let mut sim = Sim {
+        spec,
+        opts,
+        core: Core::new(cfg),
+        now: Time::ZERO,
+        heap: BinaryHeap::new(),
+        seq: 0,
+        engines,
+        engine_pool,
+        engine_max_seqs,
+        engine_running: vec![0; n],
+        engine_scheduled: vec![None; n],
+        engine_busy: vec![false; n],
+        engine_alive: vec![true; n],
+        prefill_versions: BTreeMap::new(),
+        stage_loc: IdSlab::new(),
+        stage_info: IdSlab::new(),
+        meters,
+        capacity,
+        sync_seconds: BTreeMap::new(),
+        cpu_in_use: BTreeMap::new(),
+        serverless,
+        ledger: Vec::new(),
+        turns_wanted: BTreeMap::new(),
+        version: 0,
+        publish_times: Vec::new(),
+        work: Work::default(),
+        trained_tokens: 0,
+        trajectories: 0,
+        staleness: Vec::new(),
+        violations: Vec::new(),
+        scheduler_events: 0,
+        sim_events: 0,
+        trainer_pool: placement.trainer.pool,
+        trainer_gpus: placement.trainer.gpus.max(1) as f64,
+        train_peak,
+        costs,
+        link_bytes_per_s: (spec.network.cross_pool_gbps * 1e9 * opts.hardware.link_efficiency)
+            .max(1.0),
+        failure_rng: SplitMix64::keyed(opts.seed, &[stream::FAILURES]),
+        interconnect,
+        cold_start_s,
+    };
+    sim.schedule_failure();
+    sim.scheduler_events += 1;
+    sim.core.handle_timeout(Time::ZERO);
+    let mut reported = 0;
+    loop {
+        while let Some(command) = sim.core.poll_command() {
+            sim.execute(command);
+        }
+        if sim.core.finished() {
+            break;
+        }
+        if sim.core.version() > reported {
+            reported = sim.core.version();
+            progress(reported, sim.now.as_secs_f64());
+        }
+        let next_event = sim.heap.peek().map(|Reverse(e)| e.at);
+        let timeout = sim.core.poll_timeout();
+        // Only the failure injector left to happen means nothing will ever finish.
+        let only_failures = sim.heap.len() == 1
+            && sim
+                .heap
+                .peek()
+                .is_some_and(|Reverse(e)| matches!(e.event, Event::Fail));
+        match (next_event, timeout) {
+            (None, None) => {
+                return Err(RunError::Stalled {
+                    state: sim.core.summary(),
+                    at: sim.now.as_secs_f64(),
+                    trained: sim.core.version(),
+                    steps,
+                });
+            }
+            (Some(_), None) if only_failures => {
+                return Err(RunError::Stalled {
+                    state: sim.core.summary(),
+                    at: sim.now.as_secs_f64(),
+                    trained: sim.core.version(),
+                    steps,
+                });
+            }
+            (e, t) if t.is_some() && e.is_none_or(|e| t.is_some_and(|t| t < e)) => {
+                let at = t.unwrap_or(sim.now);
+                sim.now = sim.now.max(at);
+                sim.scheduler_events += 1;
+                sim.sim_events += 1;
+                let now = sim.now;
+                sim.core.handle_timeout(now);
+            }
+            _ => {
+                let Some(Reverse(entry)) = sim.heap.pop() else {
+                    continue;
+                };
+                sim.now = sim.now.max(entry.at);
+                sim.sim_events += 1;
+                sim.handle(entry.event);
+            }
+        }
+        if sim.now.as_secs_f64() > opts.max_virtual_s {
+            return Err(RunError::TooLong(opts.max_virtual_s));
+        }
+    }
+    let end = sim.now;
+    for m in sim.meters.values_mut() {
+        m.flush(end);
+    }
+    if let Err(e) = sim.core.check_invariants() {
+        sim.violation(format!("core books: {e}"));
+    }
+    let (in_flight, complete, consumed) = sim.core.trajectory_counts();
+    let started = sim.core.stats().groups_started * sim.core.config().group_size as u64;
+    if in_flight + complete + consumed != started || consumed != sim.trajectories {
+        sim.violation(format!(
+            "trajectories lost: {started} started, {in_flight} in flight, {complete} waiting, {consumed} consumed, {} trained",
+            sim.trajectories
+        ));
+    }
+    let cold_starts = sim.serverless.values().map(|s| s.cold_starts).sum();
+    let generated_tokens = sim.engines.iter().map(|e| e.tokens_generated).sum();
+    Ok(RunResult {
+        makespan_s: end.as_secs_f64(),
+        publish_times_s: sim.publish_times,
+        core: sim.core.stats().clone(),
+        meters: sim.meters,
+        capacity: sim.capacity,
+        sync_seconds: sim.sync_seconds,
+        work: sim.work,
+        trajectories: sim.trajectories,
+        trained_tokens: sim.trained_tokens,
+        generated_tokens,
+        staleness_histogram: sim.staleness,
+        violations: sim.violations,
+        scheduler_events: sim.scheduler_events,
+        sim_events: sim.sim_events,
+        cold_starts,
+        placement,
+        lifecycle: (started, in_flight, complete),
+    })
+}

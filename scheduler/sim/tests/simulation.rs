@@ -1,0 +1,339 @@
+//! End-to-end tests of the simulator: baselines and the bound on a job small enough to compute
+//! by hand, determinism, and the core's invariants over many seeds (with replica failures).
+#![allow(clippy::unwrap_used)]
+
+use proptest::prelude::*;
+use rollfleet_sim::report::lower_bound;
+use rollfleet_sim::sim::{RunResult, SimOptions, simulate, workload_means};
+use rollfleet_sim::{Baseline, OutputFormat, SimArgs};
+
+/// A job whose every figure is a round number: a 1B-parameter model with a negligible KV cache
+/// on a made-up GPU of 1 PFLOP/s and 1 TB/s, one single-turn task with fixed lengths, 1 s
+/// environment steps, the reward computed by the environment, one trajectory per step.
+const HAND_JOB: &str = r#"
+apiVersion: rollfleet.dev/v1alpha1
+kind: RLJob
+metadata: { name: hand }
+spec:
+  model: { name: toy, parameters: 1.0e9, layers: 1, hiddenSize: 8, kvHeads: 1, headDim: 8 }
+  rl: { groupSize: 1, rolloutBatchSize: 1, trainBatchSize: 1, maxStaleness: 1, steps: 2, trainMfu: 0.5 }
+  tasks:
+    - { name: t, environment: e, share: 1.0, maxTurns: 1, promptTokens: 1000, actionTokens: 100,
+        observationTokens: 10, contextLimit: 4096, envStepMs: 1000, reward: r }
+  rewards:
+    - { name: r, runsOn: environment, latencyMs: 0 }
+  network: { crossPoolGBps: 25 }
+  catalog:
+    gpus:
+      - { name: T1, bf16DenseTflops: 1000, memoryGb: 100, memoryBandwidthGBps: 1000,
+          interconnectGBps: 100, pricePerHourUsd: 1, source: test }
+  pools:
+    - { name: gen, gpu: T1, count: 1, roles: [generate] }
+    - { name: train, gpu: T1, count: 1, roles: [train] }
+    - { name: envs, cpu: c7i.8xlarge, count: 1 }
+"#;
+
+fn hand_run(baseline: Baseline) -> (RunResult, rollfleet_spec::ValidatedJob) {
+    let job = rollfleet_spec::parse_job(HAND_JOB.as_bytes(), "hand.yaml").unwrap();
+    let spec = job.spec().clone();
+    let (placement, policy) = baseline
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &SimOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    (run, job)
+}
+
+// Hand computation, with the simulator's efficiencies (60% of peak FLOP/s, 80% of HBM and link
+// bandwidth) and a training MFU of 50%:
+//   environment reset (the prompt)          1 s
+//   prefill 1,000 tokens: 2e12 FLOP / 0.6e15    = 3.333 ms (the 2 GB weight read takes 2.5 ms)
+//   decode 100 tokens: 2 GB / 0.8e12 B/s each   = 250 ms
+//   environment step                        1 s
+//   => one trajectory                       2.26833 s
+//   train 1,100 tokens: 6 x 1e9 x 1100 / (1e15 x 0.5) = 13.2 ms
+//   weights: colocated 2 GB / 100 GB/s = 20 ms; broadcast 2 GB / (25 GB/s x 0.8) = 100 ms.
+const TRAJ: f64 = 1.0 + 2e12 / 0.6e15 + 100.0 * 2e9 / 0.8e12 + 1.0;
+const TRAIN: f64 = 6.0 * 1e9 * 1100.0 / (1e15 * 0.5);
+
+fn close(actual: f64, expected: f64) {
+    assert!(
+        (actual - expected).abs() < 1e-3 * expected,
+        "expected {expected:.6} s, simulated {actual:.6} s"
+    );
+}
+
+#[test]
+fn sync_runs_generate_train_and_an_in_place_reshard_one_after_the_other() {
+    let (run, _) = hand_run(Baseline::Sync);
+    close(run.makespan_s, 2.0 * (TRAJ + TRAIN) + 0.02);
+}
+
+#[test]
+fn sync_disaggregated_waits_for_a_weight_broadcast_between_steps() {
+    let (run, _) = hand_run(Baseline::SyncDisaggregated);
+    close(run.makespan_s, 2.0 * (TRAJ + TRAIN) + 0.1);
+}
+
+#[test]
+fn one_step_off_generates_the_next_batch_while_the_trainer_trains() {
+    let (run, _) = hand_run(Baseline::OneStepOff);
+    // Batch 1 starts as soon as batch 0 is generated; step 1 trains when batch 1 is done.
+    close(run.makespan_s, 2.0 * TRAJ + TRAIN);
+    assert_eq!(run.staleness_histogram, vec![1, 1]);
+}
+
+#[test]
+fn rollfleet_overlaps_training_and_updates_weights_while_the_next_trajectory_runs() {
+    let (run, _) = hand_run(Baseline::Rollfleet);
+    close(run.makespan_s, 2.0 * TRAJ + TRAIN);
+    // The second trajectory's turn was generated after the rolling update: on-policy.
+    assert_eq!(run.staleness_histogram, vec![2]);
+}
+
+#[test]
+fn the_lower_bound_is_the_busiest_resource_under_the_best_placement() {
+    let (run, job) = hand_run(Baseline::Rollfleet);
+    let bound = lower_bound(
+        job.spec(),
+        &job.catalog,
+        &rollfleet_sim::hardware::HardwareModel::default(),
+        &run.work,
+        2,
+    );
+    // Per step: 2 vCPU-seconds of environment (reset and step) on 32 vCPUs = 62.5 ms; the GPU
+    // work (3.3 ms prefill, ~1 ms decode, 13.2 ms training) split over two GPUs is 8.8 ms.
+    assert_eq!(bound.binding, "cpu");
+    close(bound.cpu_s, 2.0 / 32.0);
+    let gpu = (2e12 / 0.6e15 + 100.0 * 2e9 / 256.0 / 0.8e12 + TRAIN) / 2.0;
+    assert!((bound.gpu_s - gpu).abs() < 1e-4, "{} vs {gpu}", bound.gpu_s);
+    assert!(bound.step_s <= run.makespan_s / 2.0);
+}
+
+fn quickstart() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/jobs/quickstart.yaml")
+}
+
+fn json(seed: u64) -> Vec<u8> {
+    let args = SimArgs {
+        job: quickstart(),
+        baselines: vec![],
+        seed,
+        timeline: None,
+        steps: Some(3),
+        failure_mtbf: None,
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    out
+}
+
+#[test]
+fn the_same_seed_gives_byte_identical_json() {
+    let first = json(7);
+    assert_eq!(first, json(7));
+    assert_ne!(first, json(8));
+}
+
+#[test]
+fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
+    let svg = std::env::temp_dir().join(format!("rollfleet-timeline-{}.svg", std::process::id()));
+    let args = SimArgs {
+        job: quickstart(),
+        baselines: vec![Baseline::Rollfleet, Baseline::Sync],
+        seed: 1,
+        timeline: Some(svg.clone()),
+        steps: Some(2),
+        failure_mtbf: None,
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
+    let table = String::from_utf8(out).unwrap();
+    assert!(
+        table.contains("rollfleet") && table.contains("sync"),
+        "{table}"
+    );
+    assert!(table.contains("invariants held"), "{table}");
+    let drawing = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawing.starts_with("<svg") && drawing.trim_end().ends_with("</svg>"));
+    let _ = std::fs::remove_file(svg);
+}
+
+#[test]
+fn a_missing_job_file_is_an_error_not_a_panic() {
+    let args = SimArgs {
+        job: "/nonexistent/job.yaml".into(),
+        baselines: vec![],
+        seed: 0,
+        timeline: None,
+        steps: None,
+        failure_mtbf: None,
+    };
+    let err = rollfleet_sim::run(&args, OutputFormat::Table, &mut Vec::new(), &mut Vec::new());
+    assert!(err.is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Over many seeds, every policy, with and without replica failures: no trajectory lost or
+    /// trained twice, every trained group complete, no turn beyond the staleness bound, no pool
+    /// over capacity (all checked by the simulator's own books), and every step trained.
+    #[test]
+    fn every_policy_keeps_every_invariant_over_many_seeds(
+        seed in any::<u64>(),
+        policy in 0usize..4,
+        failures in any::<bool>(),
+    ) {
+        let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
+        let mut spec = job.spec().clone();
+        spec.rl.steps = 3;
+        let baseline = Baseline::ALL[policy];
+        let (placement, pol) = baseline.setup(&spec, &job.catalog, &workload_means(&spec)).unwrap();
+        let opts = SimOptions {
+            seed,
+            failure_mtbf_s: failures.then_some(0.5),
+            repair_s: 0.5,
+            ..SimOptions::default()
+        };
+        let run = simulate(&spec, &job.catalog, placement, pol, &opts, &mut |_, _| {}).unwrap();
+        prop_assert!(run.violations.is_empty(), "{:?}", run.violations);
+        prop_assert_eq!(run.publish_times_s.len(), 3);
+        prop_assert_eq!(run.trajectories, 3 * 32);
+        // The bound is a bound: no run beats it.
+        let report = rollfleet_sim::report::policy_report(
+            baseline.name(),
+            &spec,
+            &job.catalog,
+            &rollfleet_sim::hardware::HardwareModel::default(),
+            &run,
+        );
+        prop_assert!(report.efficiency > 0.0 && report.efficiency <= 1.0, "{}", report.efficiency);
+    }
+}
+
+#[test]
+fn replica_failures_are_survived_without_losing_or_duplicating_a_trajectory() {
+    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = 4;
+    let (placement, policy) = Baseline::Rollfleet
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    let opts = SimOptions {
+        seed: 3,
+        failure_mtbf_s: Some(0.2),
+        repair_s: 1.0,
+        ..SimOptions::default()
+    };
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    assert!(run.core.stage_retries > 0, "no failure hit a stage");
+    assert_eq!(run.trajectories, 4 * 32);
+}
+
+/// Regression: a trajectory rewound by the staleness check at admission, with nothing else in
+/// flight, used to wait for an event that never came.
+#[test]
+fn a_trajectory_rewound_at_admission_is_dispatched_in_the_same_pass() {
+    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = 3;
+    let (placement, policy) = Baseline::Rollfleet
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    let opts = SimOptions {
+        seed: 15397575574545266249,
+        ..SimOptions::default()
+    };
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    assert!(run.core.regenerated_at_admission > 0);
+}
+
+#[test]
+fn the_command_line_takes_repeated_baselines_a_seed_and_a_timeline() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+    let cli = Cli::try_parse_from([
+        "sim",
+        "job.yaml",
+        "--baseline",
+        "sync",
+        "--baseline",
+        "one-step-off",
+        "--seed",
+        "3",
+        "--timeline",
+        "t.svg",
+        "--steps",
+        "2",
+    ])
+    .unwrap();
+    assert_eq!(
+        cli.sim.baselines,
+        vec![Baseline::Sync, Baseline::OneStepOff]
+    );
+    assert_eq!((cli.sim.seed, cli.sim.steps), (3, Some(2)));
+    assert!(Cli::try_parse_from(["sim", "job.yaml", "--baseline", "nope"]).is_err());
+}
+
+#[test]
+fn a_serverless_reward_pays_a_cold_start_only_when_no_instance_is_warm() {
+    // The hand job, scored by a 100 ms serverless function instead of the environment.
+    let yaml = HAND_JOB
+        .replace(
+            "- { name: r, runsOn: environment, latencyMs: 0 }",
+            "- { name: r, runsOn: serverless, pool: fn, function: f, latencyMs: 100 }",
+        )
+        .replace(
+            "- { name: envs, cpu: c7i.8xlarge, count: 1 }",
+            "- { name: envs, cpu: c7i.8xlarge, count: 1 }\n    - { name: fn, serverless: aws-lambda, concurrency: 4 }",
+        );
+    let job = rollfleet_spec::parse_job(yaml.as_bytes(), "hand.yaml").unwrap();
+    let spec = job.spec().clone();
+    let (placement, policy) = Baseline::Sync
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &SimOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    // Step 1: 100 ms + a 250 ms cold start (the catalogue's Lambda figure); step 2: warm.
+    assert_eq!(run.cold_starts, 1);
+    close(run.makespan_s, 2.0 * (TRAJ + TRAIN + 0.1) + 0.25 + 0.02);
+}
