@@ -186,3 +186,100 @@ fn gpus_either_lists_real_gpus_or_says_plainly_there_are_none() {
         assert!(!report["gpus"].as_array().unwrap().is_empty());
     }
 }
+
+#[test]
+fn sim_compares_rollfleet_with_every_baseline_and_labels_the_figures_as_modelled() {
+    let out = rollfleet(&["sim", "examples/jobs/quickstart.yaml"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("simulated on a virtual clock"), "{stdout}");
+    assert!(stdout.contains("not measured"), "{stdout}");
+    for policy in ["sync ", "sync-disaggregated", "one-step-off", "rollfleet"] {
+        assert!(stdout.contains(policy), "{policy} missing: {stdout}");
+    }
+    assert!(
+        text(&out.stderr).contains("scheduler events"),
+        "progress goes to stderr"
+    );
+}
+
+#[test]
+fn sim_json_is_byte_identical_across_processes_and_yaml_carries_the_same_report() {
+    let args = [
+        "sim",
+        "-o",
+        "json",
+        "--seed",
+        "3",
+        "examples/jobs/quickstart.yaml",
+    ];
+    let first = rollfleet(&args);
+    let second = rollfleet(&args);
+    assert_eq!(first.status.code(), Some(0), "{}", text(&first.stderr));
+    assert_eq!(first.stdout, second.stdout);
+    let json: serde_json::Value = serde_json::from_slice(&first.stdout).unwrap();
+
+    let yaml = rollfleet(&[
+        "sim",
+        "-o",
+        "yaml",
+        "--seed",
+        "3",
+        "examples/jobs/quickstart.yaml",
+    ]);
+    assert_eq!(yaml.status.code(), Some(0));
+    let from_yaml: serde_json::Value = serde_yaml_ng::from_slice(&yaml.stdout).unwrap();
+    assert_eq!(json["policies"].as_array().unwrap().len(), 4);
+    assert_eq!(json["policies"], from_yaml["policies"]);
+}
+
+#[test]
+fn sim_of_an_invalid_job_exits_3_naming_the_field() {
+    let good = std::fs::read_to_string(repo().join("examples/jobs/quickstart.yaml")).unwrap();
+    let path = scratch("bad-sim.yaml", &good.replace("gpu: H20", "gpu: H900"));
+    let out = rollfleet(&["sim", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(text(&out.stderr).contains("spec.pools[1].gpu: unknown GPU \"H900\""));
+}
+
+#[test]
+fn serverless_serve_answers_the_lambda_invoke_api_and_stops_on_ctrl_c() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::Stdio;
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rollfleet"))
+        .args(["serverless", "serve", "--listen", "127.0.0.1:0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut banner = String::new();
+    BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut banner)
+        .unwrap();
+    let address = banner
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {banner:?}"))
+        .to_owned();
+    let mut stream = std::net::TcpStream::connect(&address).unwrap();
+    let body = r#"{"response":"the answer is \\boxed{42}","reference":"42"}"#;
+    write!(
+        stream,
+        "POST /2015-03-31/functions/math_answer/invocations HTTP/1.1\r\nhost: localhost\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    assert!(reply.contains("\"reward\":1.0"), "{reply}");
+
+    let interrupted = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(interrupted.success());
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+}

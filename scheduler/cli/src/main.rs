@@ -20,6 +20,8 @@ use crate::output::{OutputFormat, exit};
     version,
     after_help = "Examples:\n  \
         rollfleet validate examples/jobs/quickstart.yaml\n  \
+        rollfleet sim examples/jobs/rollart-agentic.yaml\n  \
+        rollfleet serverless serve\n  \
         rollfleet catalog -o json\n\n\
         Exit codes: 0 success, 1 failure while running, 2 bad command line, 3 invalid input.\n\
         Docs: docs/cli.md"
@@ -39,6 +41,17 @@ enum Command {
     Validate(commands::validate::ValidateArgs),
     /// Print the hardware catalogue (GPUs, CPU node shapes, serverless platforms).
     Catalog(commands::catalog::CatalogArgs),
+    /// Simulate a job under rollfleet and the baselines (sync, sync-disaggregated,
+    /// one-step-off) on a virtual clock, against the lower bound.
+    #[command(after_help = "Examples:\n  \
+        rollfleet sim examples/jobs/rollart-agentic.yaml\n  \
+        rollfleet sim examples/jobs/quickstart.yaml --baseline rollfleet --baseline sync --seed 7\n  \
+        rollfleet sim examples/jobs/rollart-agentic.yaml --timeline timeline.svg -o json > report.json\n\n\
+        All hardware figures in the output are modelled (a roofline of published peaks), not measured.")]
+    Sim(rollfleet_sim::cli::SimArgs),
+    /// Reward functions over the AWS Lambda Invoke API.
+    #[command(subcommand)]
+    Serverless(commands::serverless::ServerlessCommand),
     /// List this node's GPUs (NVML) and optionally probe their real speed (CUDA, cuBLAS).
     Gpus(commands::gpus::GpusArgs),
 }
@@ -52,6 +65,8 @@ fn main() -> ExitCode {
             commands::validate::run(args, cli.output, &mut stdout, &mut stderr)
         }
         Command::Catalog(args) => commands::catalog::run(args, cli.output, &mut stdout),
+        Command::Sim(args) => commands::sim::run(args, cli.output, &mut stdout, &mut stderr),
+        Command::Serverless(command) => commands::serverless::run(command, &mut stderr),
         Command::Gpus(args) => commands::gpus::run(args, cli.output, &mut stdout, &mut stderr),
     };
     match result {

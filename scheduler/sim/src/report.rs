@@ -299,7 +299,14 @@ pub fn policy_report(
 /// Renders the report as a plain-text table.
 pub fn render_table(report: &SimReport) -> String {
     let mut out = String::new();
-    out.push_str(&format!("job {} (seed {})\n\n", report.job, report.seed));
+    out.push_str(&format!(
+        "job {} (seed {}): simulated on a virtual clock; GPU times are modelled from published \
+         peaks (roofline at {:.0}% of compute, {:.0}% of bandwidth), not measured\n\n",
+        report.job,
+        report.seed,
+        report.hardware.compute_efficiency * 100.0,
+        report.hardware.bandwidth_efficiency * 100.0
+    ));
     let pool_names: Vec<String> = report
         .policies
         .first()

@@ -2,4 +2,6 @@
 
 pub mod catalog;
 pub mod gpus;
+pub mod serverless;
+pub mod sim;
 pub mod validate;
