@@ -85,6 +85,16 @@ enum Phase {
     Consumed,
 }
 
+/// What one look at a queued trajectory in [`Core::scan`] achieved.
+enum Visit {
+    /// It was dispatched, finished or re-queued.
+    Progressed,
+    /// It could not be placed now; keep looking past it.
+    Missed,
+    /// Nothing behind it can be placed either; end the scan.
+    Stop,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Queue {
     Env,
@@ -1124,75 +1134,82 @@ impl Core {
         }
     }
 
-    fn dispatch_env(&mut self) {
+    /// Offers the queued trajectories of `queue`, oldest group first, to `visit`, until the
+    /// queue is exhausted, `visit` says to stop, or `LOOKAHEAD` of them in a row could not be
+    /// placed (the rest would not fit either, and looking at them all would make a pass cost
+    /// as much as the queue is long).
+    fn scan(&mut self, queue: Queue, mut visit: impl FnMut(&mut Self, TrajId) -> Visit) {
         let mut cursor = None;
         let mut misses = 0;
         while misses < LOOKAHEAD {
-            let Some(key) = self.queue_next(Queue::Env, cursor) else {
+            let Some(key) = self.queue_next(queue, cursor) else {
                 return;
             };
             cursor = Some(key);
-            let t = key.1;
-            let mut progressed = false;
-            'item: {
-                let traj = &self.trajs[t.0 as usize];
-                let need = self.cfg.tasks[traj.task as usize].env_millicpus;
-                let pool = match traj.env_pool {
-                    Some(p) => Some(p),
-                    None => (0..self.cfg.cpu_pools.len())
-                        .filter(|&i| self.cfg.cpu_pools[i].environments)
-                        .max_by_key(|&i| (self.cpu_free[i], std::cmp::Reverse(i)))
-                        .map(|i| i as u32),
-                };
-                let Some(pool) = pool else { return };
-                // An environment needing more than a whole pool is clamped to the pool.
-                let need = need.min(self.cfg.cpu_pools[pool as usize].millicpus).max(1);
-                if self.cpu_free[pool as usize] < need {
-                    break 'item;
-                }
-                self.cpu_free[pool as usize] -= need;
-                let stage = self.stage_id();
-                let traj = &mut self.trajs[t.0 as usize];
-                traj.env_pool = Some(pool);
-                let spec_pool = self.cfg.cpu_pools[pool as usize].pool;
-                let (kind, work) = if traj.reset_done {
-                    (
-                        StageKind::EnvStep,
-                        StageWork::EnvStep {
-                            pool: spec_pool,
-                            millicpus: need,
-                            action_tokens: traj.pending_action,
-                        },
-                    )
-                } else {
-                    (
-                        StageKind::EnvReset,
-                        StageWork::EnvReset {
-                            pool: spec_pool,
-                            millicpus: need,
-                        },
-                    )
-                };
-                self.dequeue(t);
-                self.trajs[t.0 as usize].phase = Phase::Env;
-                let cmd = self.stage_command(stage, t, self.version, work);
-                let rec = StageRec {
-                    traj: t,
-                    kind,
-                    replica: None,
-                    kv_tokens: 0,
-                    kv_from: None,
-                    cpu: Some((pool, need)),
-                    serverless: None,
-                    deadline: self.now.plus(self.cfg.stage_timeout),
-                };
-                self.new_stage(rec, cmd);
-                progressed = true;
-            }
-            if !progressed {
-                misses += 1;
+            match visit(self, key.1) {
+                Visit::Progressed => {}
+                Visit::Missed => misses += 1,
+                Visit::Stop => return,
             }
         }
+    }
+
+    fn dispatch_env(&mut self) {
+        self.scan(Queue::Env, |core, t| {
+            let traj = &core.trajs[t.0 as usize];
+            let need = core.cfg.tasks[traj.task as usize].env_millicpus;
+            let pool = match traj.env_pool {
+                Some(p) => Some(p),
+                None => (0..core.cfg.cpu_pools.len())
+                    .filter(|&i| core.cfg.cpu_pools[i].environments)
+                    .max_by_key(|&i| (core.cpu_free[i], std::cmp::Reverse(i)))
+                    .map(|i| i as u32),
+            };
+            let Some(pool) = pool else { return Visit::Stop };
+            // An environment needing more than a whole pool is clamped to the pool.
+            let need = need.min(core.cfg.cpu_pools[pool as usize].millicpus).max(1);
+            if core.cpu_free[pool as usize] < need {
+                return Visit::Missed;
+            }
+            core.cpu_free[pool as usize] -= need;
+            let stage = core.stage_id();
+            let traj = &mut core.trajs[t.0 as usize];
+            traj.env_pool = Some(pool);
+            let spec_pool = core.cfg.cpu_pools[pool as usize].pool;
+            let (kind, work) = if traj.reset_done {
+                (
+                    StageKind::EnvStep,
+                    StageWork::EnvStep {
+                        pool: spec_pool,
+                        millicpus: need,
+                        action_tokens: traj.pending_action,
+                    },
+                )
+            } else {
+                (
+                    StageKind::EnvReset,
+                    StageWork::EnvReset {
+                        pool: spec_pool,
+                        millicpus: need,
+                    },
+                )
+            };
+            core.dequeue(t);
+            core.trajs[t.0 as usize].phase = Phase::Env;
+            let cmd = core.stage_command(stage, t, core.version, work);
+            let rec = StageRec {
+                traj: t,
+                kind,
+                replica: None,
+                kv_tokens: 0,
+                kv_from: None,
+                cpu: Some((pool, need)),
+                serverless: None,
+                deadline: core.now.plus(core.cfg.stage_timeout),
+            };
+            core.new_stage(rec, cmd);
+            Visit::Progressed
+        });
     }
 
     /// The staleness check at admission: regenerates from the first turn older than the bound.
@@ -1269,89 +1286,75 @@ impl Core {
         }
         let mut prefill_blocked = !self.disaggregated;
         let mut decode_blocked = false;
-        let mut cursor = None;
-        let mut misses = 0;
-        while misses < LOOKAHEAD {
-            let Some(key) = self.queue_next(Queue::Gen, cursor) else {
-                return;
+        self.scan(Queue::Gen, |core, t| {
+            if prefill_blocked && decode_blocked {
+                return Visit::Stop;
+            }
+            if core.check_admission(t) {
+                // Rewound (and re-queued, maybe elsewhere): look again in another pass.
+                core.repump = true;
+                return Visit::Progressed;
+            }
+            let traj = &core.trajs[t.0 as usize];
+            let task = &core.cfg.tasks[traj.task as usize];
+            if traj.context + traj.input >= task.context_limit {
+                core.finish_rollout(t);
+                return Visit::Progressed;
+            }
+            let max_new = task
+                .max_action_tokens
+                .min(task.context_limit - traj.context - traj.input)
+                .max(1);
+            let sticky = match traj.kv {
+                Kv::Retained(r, _) => Some(r),
+                _ => None,
             };
-            cursor = Some(key);
-            let t = key.1;
-            let mut progressed = false;
-            'item: {
-                if prefill_blocked && decode_blocked {
-                    return;
-                }
-                if self.check_admission(t) {
-                    // Rewound (and re-queued, maybe elsewhere): look again in another pass.
-                    self.repump = true;
-                    progressed = true;
-                    break 'item;
-                }
-                let traj = &self.trajs[t.0 as usize];
-                let task = &self.cfg.tasks[traj.task as usize];
-                if traj.context + traj.input >= task.context_limit {
-                    self.finish_rollout(t);
-                    progressed = true;
-                    break 'item;
-                }
-                let max_new = task
-                    .max_action_tokens
-                    .min(task.context_limit - traj.context - traj.input)
-                    .max(1);
-                let sticky = match traj.kv {
-                    Kv::Retained(r, _) => Some(r),
-                    _ => None,
-                };
-                let req = RouteRequest {
-                    context: traj.context,
-                    input: traj.input,
-                    max_new,
-                    sticky,
-                    floor: self.floor(),
-                    pd_min_prefill_tokens: self.cfg.pd_min_prefill_tokens,
-                    sticky_sessions: self.cfg.policy.sticky_sessions,
-                    disaggregated: self.disaggregated,
-                };
-                let wants_prefill =
-                    self.disaggregated && req.context + req.input >= req.pd_min_prefill_tokens;
-                if (wants_prefill && prefill_blocked) || (!wants_prefill && decode_blocked) {
-                    // Still worth trying the sticky replica.
-                    if sticky.is_none() {
-                        break 'item;
-                    }
-                }
-                let route = {
-                    let lookup = |id: ReplicaId| {
-                        self.replicas
-                            .get(id.0 as usize)
-                            .map(|r| Self::view(r, self.version))
-                    };
-                    let router = RouterView {
-                        lookup: &lookup,
-                        prefill: &self.prefill_set,
-                        decode: &self.decode_set,
-                    };
-                    router.route(&req, true)
-                };
-                match route {
-                    Some(route) => {
-                        self.book_gen(t, route, &req);
-                        progressed = true;
-                    }
-                    None => {
-                        if wants_prefill {
-                            prefill_blocked = true;
-                        } else {
-                            decode_blocked = true;
-                        }
-                    }
+            let req = RouteRequest {
+                context: traj.context,
+                input: traj.input,
+                max_new,
+                sticky,
+                floor: core.floor(),
+                pd_min_prefill_tokens: core.cfg.pd_min_prefill_tokens,
+                sticky_sessions: core.cfg.policy.sticky_sessions,
+                disaggregated: core.disaggregated,
+            };
+            let wants_prefill =
+                core.disaggregated && req.context + req.input >= req.pd_min_prefill_tokens;
+            if (wants_prefill && prefill_blocked) || (!wants_prefill && decode_blocked) {
+                // Still worth trying the sticky replica.
+                if sticky.is_none() {
+                    return Visit::Missed;
                 }
             }
-            if !progressed {
-                misses += 1;
+            let route = {
+                let lookup = |id: ReplicaId| {
+                    core.replicas
+                        .get(id.0 as usize)
+                        .map(|r| Self::view(r, core.version))
+                };
+                let router = RouterView {
+                    lookup: &lookup,
+                    prefill: &core.prefill_set,
+                    decode: &core.decode_set,
+                };
+                router.route(&req, true)
+            };
+            match route {
+                Some(route) => {
+                    core.book_gen(t, route, &req);
+                    Visit::Progressed
+                }
+                None => {
+                    if wants_prefill {
+                        prefill_blocked = true;
+                    } else {
+                        decode_blocked = true;
+                    }
+                    Visit::Missed
+                }
             }
-        }
+        });
     }
 
     fn book_gen(&mut self, t: TrajId, route: Route, req: &RouteRequest) {
@@ -1453,172 +1456,145 @@ impl Core {
         if self.gpu_gate_closed() {
             return;
         }
-        let mut cursor = None;
-        let mut misses = 0;
-        while misses < LOOKAHEAD {
-            let Some(key) = self.queue_next(Queue::Decode, cursor) else {
-                return;
+        self.scan(Queue::Decode, |core, t| {
+            if core.check_admission(t) {
+                // Rewound (and re-queued, maybe elsewhere): look again in another pass.
+                core.repump = true;
+                return Visit::Progressed;
+            }
+            let traj = &core.trajs[t.0 as usize];
+            let Kv::Held(p, held_tokens, p_version) = traj.kv else {
+                // Not held any more (lost replica): start the turn over.
+                core.enqueue(t, Queue::Gen, Phase::QueuedGen);
+                core.repump = true;
+                return Visit::Progressed;
             };
-            cursor = Some(key);
-            let t = key.1;
-            let progressed;
-            'item: {
-                if self.check_admission(t) {
-                    // Rewound (and re-queued, maybe elsewhere): look again in another pass.
-                    self.repump = true;
-                    progressed = true;
-                    break 'item;
-                }
-                let traj = &self.trajs[t.0 as usize];
-                let Kv::Held(p, held_tokens, p_version) = traj.kv else {
-                    // Not held any more (lost replica): start the turn over.
-                    self.enqueue(t, Queue::Gen, Phase::QueuedGen);
-                    self.repump = true;
-                    progressed = true;
-                    break 'item;
+            let task = &core.cfg.tasks[traj.task as usize];
+            let context = traj.context + traj.input;
+            let max_new = task
+                .max_action_tokens
+                .min(task.context_limit.saturating_sub(context))
+                .max(1);
+            let need = context + max_new;
+            let floor = core.floor();
+            let pick = {
+                let lookup = |id: ReplicaId| {
+                    core.replicas
+                        .get(id.0 as usize)
+                        .map(|r| Self::view(r, core.version))
                 };
-                let task = &self.cfg.tasks[traj.task as usize];
-                let context = traj.context + traj.input;
-                let max_new = task
-                    .max_action_tokens
-                    .min(task.context_limit.saturating_sub(context))
-                    .max(1);
-                let need = context + max_new;
-                let floor = self.floor();
-                let pick = {
-                    let lookup = |id: ReplicaId| {
-                        self.replicas
-                            .get(id.0 as usize)
-                            .map(|r| Self::view(r, self.version))
-                    };
-                    let router = RouterView {
-                        lookup: &lookup,
-                        prefill: &self.prefill_set,
-                        decode: &self.decode_set,
-                    };
-                    router.least_loaded(&self.decode_set, need, floor, true)
+                let router = RouterView {
+                    lookup: &lookup,
+                    prefill: &core.prefill_set,
+                    decode: &core.decode_set,
                 };
-                let Some((d, evict)) = pick else { return };
-                if evict {
-                    self.evict(d, need);
-                }
-                let d_version = self.replicas[d.0 as usize].version.unwrap_or(0);
-                let version = d_version.min(p_version);
-                let stage = self.stage_id();
-                if let Some(rep) = self.replicas.get_mut(d.0 as usize) {
-                    rep.in_flight += 1;
-                    rep.kv_reserved += need;
-                }
-                self.touch(d);
-                self.dequeue(t);
-                // The held cache is released when the pull is done (the stage ends).
-                self.trajs[t.0 as usize].kv = Kv::None;
-                self.trajs[t.0 as usize].phase = Phase::Gen;
-                let cmd = self.stage_command(
-                    stage,
-                    t,
-                    version,
-                    StageWork::Generate {
-                        replica: d,
-                        cached_tokens: context,
-                        prefill_tokens: 0,
-                        max_new_tokens: max_new,
-                        kv_from: Some(p),
-                        kv_tokens: held_tokens,
-                    },
-                );
-                let rec = StageRec {
-                    traj: t,
-                    kind: StageKind::Gen { version },
-                    replica: Some(d),
-                    kv_tokens: need,
-                    kv_from: Some((p, held_tokens)),
-                    cpu: None,
-                    serverless: None,
-                    deadline: self.now.plus(self.cfg.stage_timeout),
-                };
-                self.new_stage(rec, cmd);
-                progressed = true;
+                router.least_loaded(&core.decode_set, need, floor, true)
+            };
+            let Some((d, evict)) = pick else {
+                return Visit::Stop;
+            };
+            if evict {
+                core.evict(d, need);
             }
-            if !progressed {
-                misses += 1;
+            let d_version = core.replicas[d.0 as usize].version.unwrap_or(0);
+            let version = d_version.min(p_version);
+            let stage = core.stage_id();
+            if let Some(rep) = core.replicas.get_mut(d.0 as usize) {
+                rep.in_flight += 1;
+                rep.kv_reserved += need;
             }
-        }
+            core.touch(d);
+            core.dequeue(t);
+            // The held cache is released when the pull is done (the stage ends).
+            core.trajs[t.0 as usize].kv = Kv::None;
+            core.trajs[t.0 as usize].phase = Phase::Gen;
+            let cmd = core.stage_command(
+                stage,
+                t,
+                version,
+                StageWork::Generate {
+                    replica: d,
+                    cached_tokens: context,
+                    prefill_tokens: 0,
+                    max_new_tokens: max_new,
+                    kv_from: Some(p),
+                    kv_tokens: held_tokens,
+                },
+            );
+            let rec = StageRec {
+                traj: t,
+                kind: StageKind::Gen { version },
+                replica: Some(d),
+                kv_tokens: need,
+                kv_from: Some((p, held_tokens)),
+                cpu: None,
+                serverless: None,
+                deadline: core.now.plus(core.cfg.stage_timeout),
+            };
+            core.new_stage(rec, cmd);
+            Visit::Progressed
+        });
     }
 
     fn dispatch_reward(&mut self) {
-        let mut cursor = None;
-        let mut misses = 0;
-        while misses < LOOKAHEAD {
-            let Some(key) = self.queue_next(Queue::Reward, cursor) else {
-                return;
+        self.scan(Queue::Reward, |core, t| {
+            let task = &core.cfg.tasks[core.trajs[t.0 as usize].task as usize];
+            let (work, cpu, serverless) = match task.reward {
+                RewardRoute::Environment => {
+                    core.complete(t);
+                    return Visit::Progressed;
+                }
+                RewardRoute::Serverless(s) => {
+                    if core.serverless_free[s as usize] == 0 {
+                        return Visit::Missed;
+                    }
+                    core.serverless_free[s as usize] -= 1;
+                    let pool = core.cfg.serverless_pools[s as usize].pool;
+                    (
+                        StageWork::Reward {
+                            pool,
+                            serverless: true,
+                            millicpus: 0,
+                        },
+                        None,
+                        Some(s),
+                    )
+                }
+                RewardRoute::Local(c) => {
+                    let need = 1000u64.min(core.cfg.cpu_pools[c as usize].millicpus).max(1);
+                    if core.cpu_free[c as usize] < need {
+                        return Visit::Missed;
+                    }
+                    core.cpu_free[c as usize] -= need;
+                    let pool = core.cfg.cpu_pools[c as usize].pool;
+                    (
+                        StageWork::Reward {
+                            pool,
+                            serverless: false,
+                            millicpus: need,
+                        },
+                        Some((c, need)),
+                        None,
+                    )
+                }
             };
-            cursor = Some(key);
-            let t = key.1;
-            let mut progressed = false;
-            'item: {
-                let task = &self.cfg.tasks[self.trajs[t.0 as usize].task as usize];
-                let (work, cpu, serverless) = match task.reward {
-                    RewardRoute::Environment => {
-                        self.complete(t);
-                        progressed = true;
-                        break 'item;
-                    }
-                    RewardRoute::Serverless(s) => {
-                        if self.serverless_free[s as usize] == 0 {
-                            break 'item;
-                        }
-                        self.serverless_free[s as usize] -= 1;
-                        let pool = self.cfg.serverless_pools[s as usize].pool;
-                        (
-                            StageWork::Reward {
-                                pool,
-                                serverless: true,
-                                millicpus: 0,
-                            },
-                            None,
-                            Some(s),
-                        )
-                    }
-                    RewardRoute::Local(c) => {
-                        let need = 1000u64.min(self.cfg.cpu_pools[c as usize].millicpus).max(1);
-                        if self.cpu_free[c as usize] < need {
-                            break 'item;
-                        }
-                        self.cpu_free[c as usize] -= need;
-                        let pool = self.cfg.cpu_pools[c as usize].pool;
-                        (
-                            StageWork::Reward {
-                                pool,
-                                serverless: false,
-                                millicpus: need,
-                            },
-                            Some((c, need)),
-                            None,
-                        )
-                    }
-                };
-                let stage = self.stage_id();
-                self.dequeue(t);
-                self.trajs[t.0 as usize].phase = Phase::Reward;
-                let cmd = self.stage_command(stage, t, self.version, work);
-                let rec = StageRec {
-                    traj: t,
-                    kind: StageKind::Reward,
-                    replica: None,
-                    kv_tokens: 0,
-                    kv_from: None,
-                    cpu,
-                    serverless,
-                    deadline: self.now.plus(self.cfg.stage_timeout),
-                };
-                self.new_stage(rec, cmd);
-                progressed = true;
-            }
-            if !progressed {
-                misses += 1;
-            }
-        }
+            let stage = core.stage_id();
+            core.dequeue(t);
+            core.trajs[t.0 as usize].phase = Phase::Reward;
+            let cmd = core.stage_command(stage, t, core.version, work);
+            let rec = StageRec {
+                traj: t,
+                kind: StageKind::Reward,
+                replica: None,
+                kv_tokens: 0,
+                kv_from: None,
+                cpu,
+                serverless,
+                deadline: core.now.plus(core.cfg.stage_timeout),
+            };
+            core.new_stage(rec, cmd);
+            Visit::Progressed
+        });
     }
 
     /// Expiry-aware publishing: whether to hold the batch that would publish the next version
