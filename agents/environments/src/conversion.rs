@@ -9,8 +9,8 @@
 use std::fmt::Write as _;
 
 use crate::expr::evaluate;
-use crate::rng::SplitMix64;
 use crate::{EnvError, Environment, Step, extract_action};
+use rollfleet_rng::SplitMix64;
 
 /// Episode settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -138,9 +138,9 @@ impl Task {
     /// The task for `seed`.
     pub fn generate(seed: u64) -> Task {
         let mut rng = SplitMix64::new(seed);
-        let conversion = CONVERSIONS[rng.below(CONVERSIONS.len())];
+        let conversion = CONVERSIONS[rng.below(CONVERSIONS.len() as u64) as usize];
         // Two decimals, between 1 and 1000: the kind of number people convert.
-        let value = (100 + rng.below(99_900)) as f64 / 100.0;
+        let value = (100 + rng.below(99_900) as usize) as f64 / 100.0;
         Task {
             value,
             from: conversion.from,

@@ -10,8 +10,8 @@
 
 use std::fmt::Write as _;
 
-use crate::rng::SplitMix64;
 use crate::{Direction, EnvError, Environment, Step, parse_direction};
+use rollfleet_rng::SplitMix64;
 
 /// Map and episode settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -76,7 +76,7 @@ impl Map {
         for _ in 0..10_000 {
             let mut tiles: Vec<Tile> = (0..n * n)
                 .map(|_| {
-                    if rng.unit() < config.frozen_probability {
+                    if rng.next_f64() < config.frozen_probability {
                         Tile::Frozen
                     } else {
                         Tile::Hole
@@ -230,7 +230,7 @@ impl FrozenLake {
             Direction::Up | Direction::Down => [Direction::Left, Direction::Right],
             Direction::Left | Direction::Right => [Direction::Up, Direction::Down],
         };
-        match self.rng.below(3) {
+        match self.rng.below(3) as usize {
             0 => intended,
             1 => sideways[0],
             _ => sideways[1],

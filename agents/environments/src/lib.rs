@@ -15,7 +15,6 @@
 pub mod conversion;
 pub mod expr;
 pub mod frozenlake;
-pub mod rng;
 pub mod sokoban;
 
 /// What an environment returns after a step.

@@ -12,8 +12,8 @@
 
 use std::fmt::Write as _;
 
-use crate::rng::SplitMix64;
 use crate::{Direction, EnvError, Environment, Step, parse_direction};
+use rollfleet_rng::SplitMix64;
 
 /// Level generation and episode settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -275,11 +275,11 @@ fn try_generate(config: &Config, rng: &mut SplitMix64) -> Option<Level> {
     let cells = width * height;
     let mut level = Level::walled(width, height);
     // Carve the room by a random walk inside the border.
-    let mut row = 1 + rng.below(height - 2);
-    let mut column = 1 + rng.below(width - 2);
+    let mut row = 1 + rng.below((height - 2) as u64) as usize;
+    let mut column = 1 + rng.below((width - 2) as u64) as usize;
     let floor_wanted = (width - 2) * (height - 2) * 3 / 5;
     let mut floor = 0;
-    let mut direction = Direction::ALL[rng.below(4)];
+    let mut direction = Direction::ALL[rng.below(4) as usize];
     for _ in 0..cells * 20 {
         if floor >= floor_wanted {
             break;
@@ -289,8 +289,8 @@ fn try_generate(config: &Config, rng: &mut SplitMix64) -> Option<Level> {
             level.walls[i] = false;
             floor += 1;
         }
-        if rng.unit() < 0.35 {
-            direction = Direction::ALL[rng.below(4)];
+        if rng.next_f64() < 0.35 {
+            direction = Direction::ALL[rng.below(4) as usize];
         }
         let (dr, dc) = direction.delta();
         let (next_row, next_column) = (row as isize + dr, column as isize + dc);
@@ -302,7 +302,7 @@ fn try_generate(config: &Config, rng: &mut SplitMix64) -> Option<Level> {
             row = next_row as usize;
             column = next_column as usize;
         } else {
-            direction = Direction::ALL[rng.below(4)];
+            direction = Direction::ALL[rng.below(4) as usize];
         }
     }
     let mut free: Vec<usize> = (0..cells).filter(|i| !level.walls[*i]).collect();
@@ -310,11 +310,11 @@ fn try_generate(config: &Config, rng: &mut SplitMix64) -> Option<Level> {
         return None;
     }
     for _ in 0..config.boxes {
-        let cell = free.swap_remove(rng.below(free.len()));
+        let cell = free.swap_remove(rng.below(free.len() as u64) as usize);
         level.targets[cell] = true;
         level.boxes[cell] = true;
     }
-    level.player = free[rng.below(free.len())];
+    level.player = free[rng.below(free.len() as u64) as usize];
 
     let targets: Vec<usize> = level.box_cells();
     let distance = |level: &Level| -> usize {
@@ -334,8 +334,8 @@ fn try_generate(config: &Config, rng: &mut SplitMix64) -> Option<Level> {
     };
     let mut best: Option<(usize, Level)> = None;
     for _ in 0..config.reverse_moves {
-        let direction = Direction::ALL[rng.below(4)];
-        let pull = rng.unit() < 0.8;
+        let direction = Direction::ALL[rng.below(4) as usize];
+        let pull = rng.next_f64() < 0.8;
         if level.pull(direction, pull) && !level.solved() {
             let score = distance(&level);
             if best.as_ref().is_none_or(|(s, _)| score > *s) {

@@ -19,7 +19,8 @@
 pub mod config;
 pub mod placement;
 pub mod protocol;
-pub mod rng;
+/// The seeded generator, re-exported so the simulator draws from the same implementation.
+pub use rollfleet_rng as rng;
 pub mod router;
 pub mod scheduler;
 pub mod slab;

@@ -1,11 +1,13 @@
-//! The core's own seeded random number generator (SplitMix64).
+//! rollfleet's one seeded random number generator (SplitMix64), shared by the scheduler core,
+//! the simulator and the environments.
 //!
-//! The core needs randomness for exactly one decision, which task a new group samples (by the
-//! task shares of the job). It must be reproducible and independent of event order, so each
-//! group's draw comes from a generator seeded by `(job seed, group id)`: the same group gets the
-//! same task whatever policy or timing surrounds it. SplitMix64 (Steele, Lea and Flood, 2014) is
-//! small, fast and good enough for sampling; it is written here so the core depends on no RNG
-//! crate and no OS entropy.
+//! Every random draw in rollfleet must be reproducible and independent of event order. The core
+//! draws which task a new group samples from a generator seeded by `(job seed, group id)`, so the
+//! same group gets the same task whatever policy or timing surrounds it; the simulator keys its
+//! workload streams the same way; an environment's level is a pure function of its seed, so a lost
+//! episode can be replayed. SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom
+//! number generators", OOPSLA 2014) is small, fast and good enough for sampling (not for secrets);
+//! it is written here so nothing depends on an RNG crate or OS entropy.
 
 /// A SplitMix64 generator.
 #[derive(Debug, Clone)]
@@ -91,6 +93,23 @@ mod tests {
     fn the_first_output_matches_the_reference_implementation() {
         // Reference value of splitmix64 seeded with 0 (Vigna's splitmix64.c).
         assert_eq!(SplitMix64::new(0).next_u64(), 0xe220_a839_7b1d_cdaf);
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_sequence() {
+        let mut a = SplitMix64::new(7);
+        let mut b = SplitMix64::new(7);
+        assert!((0..5).all(|_| a.next_u64() == b.next_u64()));
+    }
+
+    #[test]
+    fn below_stays_in_range_and_hits_every_value() {
+        let mut rng = SplitMix64::new(1);
+        let mut seen = [false; 6];
+        for _ in 0..1000 {
+            seen[rng.below(6) as usize] = true;
+        }
+        assert!(seen.iter().all(|s| *s));
     }
 
     #[test]
