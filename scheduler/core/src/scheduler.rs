@@ -1134,6 +1134,21 @@ impl Core {
         }
     }
 
+    /// Runs `f` with a read-only view of the replicas for the router (selection has no side
+    /// effects; the caller books what it picks).
+    fn with_router<R>(&self, f: impl FnOnce(&RouterView) -> R) -> R {
+        let lookup = |id: ReplicaId| {
+            self.replicas
+                .get(id.0 as usize)
+                .map(|r| Self::view(r, self.version))
+        };
+        f(&RouterView {
+            lookup: &lookup,
+            prefill: &self.prefill_set,
+            decode: &self.decode_set,
+        })
+    }
+
     /// Offers the queued trajectories of `queue`, oldest group first, to `visit`, until the
     /// queue is exhausted, `visit` says to stop, or `LOOKAHEAD` of them in a row could not be
     /// placed (the rest would not fit either, and looking at them all would make a pass cost
@@ -1327,19 +1342,7 @@ impl Core {
                     return Visit::Missed;
                 }
             }
-            let route = {
-                let lookup = |id: ReplicaId| {
-                    core.replicas
-                        .get(id.0 as usize)
-                        .map(|r| Self::view(r, core.version))
-                };
-                let router = RouterView {
-                    lookup: &lookup,
-                    prefill: &core.prefill_set,
-                    decode: &core.decode_set,
-                };
-                router.route(&req, true)
-            };
+            let route = core.with_router(|router| router.route(&req, true));
             match route {
                 Some(route) => {
                     core.book_gen(t, route, &req);
@@ -1477,19 +1480,8 @@ impl Core {
                 .max(1);
             let need = context + max_new;
             let floor = core.floor();
-            let pick = {
-                let lookup = |id: ReplicaId| {
-                    core.replicas
-                        .get(id.0 as usize)
-                        .map(|r| Self::view(r, core.version))
-                };
-                let router = RouterView {
-                    lookup: &lookup,
-                    prefill: &core.prefill_set,
-                    decode: &core.decode_set,
-                };
-                router.least_loaded(&core.decode_set, need, floor, true)
-            };
+            let pick =
+                core.with_router(|router| router.least_loaded(&router.decode, need, floor, true));
             let Some((d, evict)) = pick else {
                 return Visit::Stop;
             };
