@@ -1481,7 +1481,7 @@ impl Core {
             let need = context + max_new;
             let floor = core.floor();
             let pick =
-                core.with_router(|router| router.least_loaded(&router.decode, need, floor, true));
+                core.with_router(|router| router.least_loaded(router.decode, need, floor, true));
             let Some((d, evict)) = pick else {
                 return Visit::Stop;
             };
