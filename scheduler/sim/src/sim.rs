@@ -442,16 +442,7 @@ impl<'a> Sim<'a> {
                 self.engine_running[r] = self.engine_running[r].saturating_sub(1);
                 self.refresh_engine(r);
             }
-            Loc::Cpu(pool, m) => self.cpu_release(pool, m),
-            Loc::Serverless(pool) => {
-                if let Some(s) = self.serverless.get_mut(&pool) {
-                    s.in_use = s.in_use.saturating_sub(1);
-                    s.idle.push(now);
-                }
-                if let Some(m) = self.meters.get_mut(&pool) {
-                    m.add(now, -1.0);
-                }
-            }
+            cpu_or_serverless => self.release_loc(cpu_or_serverless),
         }
         self.stage_info.remove(stage.0);
     }
