@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 use rollfleet_envhost::{EnvHost, Factory, HostConfig, HostError};
 use rollfleet_environments::{EnvError, Environment, Step};
 
+/// The deadline for tests about something other than the deadline.
+const RELAXED_DEADLINE: Duration = Duration::from_secs(10);
+
 /// Echoes actions; panics on "boom", hangs on "hang", reports itself unreachable on "gone".
 struct Moody;
 
@@ -38,13 +41,16 @@ impl Environment for Moody {
     }
 }
 
-fn host(slots: usize) -> EnvHost {
+/// A host whose step deadline is `step_timeout`. Tests that do not exercise the deadline give it
+/// seconds: a panic in a debug build prints its backtrace before the step can answer, and on a
+/// loaded two-core machine that alone has taken longer than 300 ms.
+fn host(slots: usize, step_timeout: Duration) -> EnvHost {
     let mut factories: BTreeMap<String, Factory> = BTreeMap::new();
     factories.insert("moody".into(), Arc::new(|| Box::new(Moody)));
     EnvHost::new(
         HostConfig {
             slots,
-            step_timeout: Duration::from_millis(300),
+            step_timeout,
         },
         factories,
     )
@@ -52,7 +58,7 @@ fn host(slots: usize) -> EnvHost {
 
 #[tokio::test]
 async fn a_panicking_environment_fails_only_its_own_episode() {
-    let host = host(4);
+    let host = host(4, RELAXED_DEADLINE);
     let (healthy, _) = host.start("moody", 1).await.unwrap();
     let (doomed, _) = host.start("moody", 2).await.unwrap();
     let error = host.step(doomed, "boom").await.unwrap_err();
@@ -76,7 +82,7 @@ async fn a_panicking_environment_fails_only_its_own_episode() {
 
 #[tokio::test]
 async fn a_hanging_environment_is_abandoned_at_its_deadline_and_its_slot_freed() {
-    let host = host(1);
+    let host = host(1, Duration::from_millis(300));
     let (stuck, _) = host.start("moody", 1).await.unwrap();
     let started = Instant::now();
     let error = host.step(stuck, "hang").await.unwrap_err();
@@ -92,7 +98,7 @@ async fn a_hanging_environment_is_abandoned_at_its_deadline_and_its_slot_freed()
 
 #[tokio::test]
 async fn an_unreachable_environment_is_an_infrastructure_failure() {
-    let host = host(2);
+    let host = host(2, RELAXED_DEADLINE);
     let (id, _) = host.start("moody", 1).await.unwrap();
     let error = host.step(id, "gone").await.unwrap_err();
     assert_eq!(
@@ -106,7 +112,7 @@ async fn an_unreachable_environment_is_an_infrastructure_failure() {
 
 #[tokio::test]
 async fn slots_bound_the_episodes_and_free_up_when_episodes_end() {
-    let host = host(2);
+    let host = host(2, RELAXED_DEADLINE);
     let (first, _) = host.start("moody", 1).await.unwrap();
     host.start("moody", 2).await.unwrap();
     assert_eq!(
