@@ -168,6 +168,8 @@ struct Replica {
     held: BTreeSet<TrajId>,
     failures: u32,
     key: Option<u64>,
+    /// Changed since it was last filed in the router's sets (it is in `Core::dirty`).
+    dirty: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -224,6 +226,8 @@ pub struct Core {
     minibatches_in_step: u32,
     next_batch: u64,
     pending_update: BTreeSet<ReplicaId>,
+    /// Replicas changed since the router's sets were last brought up to date.
+    dirty: Vec<ReplicaId>,
     draining: BTreeSet<ReplicaId>,
     updating: u32,
     commands: VecDeque<Command>,
@@ -259,6 +263,7 @@ impl Core {
                 held: BTreeSet::new(),
                 failures: 0,
                 key: None,
+                dirty: false,
             })
             .collect();
         let disaggregated = replicas.iter().any(|r| r.role == ServeRole::Prefill);
@@ -287,6 +292,7 @@ impl Core {
             minibatches_in_step: 0,
             next_batch: 0,
             pending_update: BTreeSet::new(),
+            dirty: Vec::new(),
             draining: BTreeSet::new(),
             updating: 0,
             commands: VecDeque::new(),
@@ -493,26 +499,43 @@ impl Core {
         }
     }
 
-    /// Re-files a replica in the router's load-ordered sets after any change.
+    /// Notes a change to a replica; it is re-filed in the router's load-ordered sets before the
+    /// router next looks at them ([`Core::refile`]). A replica often changes several times
+    /// between two routing decisions (a stage ends, its KV cache is kept, the next is booked),
+    /// and re-filing it once gives the same sets as re-filing it every time.
     fn touch(&mut self, id: ReplicaId) {
         let Some(r) = self.replicas.get_mut(id.0 as usize) else {
             return;
         };
-        let set = match r.role {
-            ServeRole::Prefill => &mut self.prefill_set,
-            _ => &mut self.decode_set,
-        };
-        let view = Self::view(r, self.version);
-        let key = view.available.then(|| load_key(&view));
-        if key == r.key {
-            return;
+        if !r.dirty {
+            r.dirty = true;
+            self.dirty.push(id);
         }
-        if let Some(old) = r.key.take() {
-            set.remove(&(old, id));
-        }
-        if let Some(key) = key {
-            set.insert((key, id));
-            r.key = Some(key);
+    }
+
+    /// Re-files every replica changed since the last call in the router's sets.
+    fn refile(&mut self) {
+        for id in std::mem::take(&mut self.dirty) {
+            let Some(r) = self.replicas.get_mut(id.0 as usize) else {
+                continue;
+            };
+            r.dirty = false;
+            let set = match r.role {
+                ServeRole::Prefill => &mut self.prefill_set,
+                _ => &mut self.decode_set,
+            };
+            let view = Self::view(r, self.version);
+            let key = view.available.then(|| load_key(&view));
+            if key == r.key {
+                continue;
+            }
+            if let Some(old) = r.key.take() {
+                set.remove(&(old, id));
+            }
+            if let Some(key) = key {
+                set.insert((key, id));
+                r.key = Some(key);
+            }
         }
     }
 
@@ -1136,7 +1159,8 @@ impl Core {
 
     /// Runs `f` with a read-only view of the replicas for the router (selection has no side
     /// effects; the caller books what it picks).
-    fn with_router<R>(&self, f: impl FnOnce(&RouterView) -> R) -> R {
+    fn with_router<R>(&mut self, f: impl FnOnce(&RouterView) -> R) -> R {
+        self.refile();
         let lookup = |id: ReplicaId| {
             self.replicas
                 .get(id.0 as usize)
@@ -1235,7 +1259,13 @@ impl Core {
         if floor == 0 || (traj.turns.is_empty() && !matches!(traj.kv, Kv::Held(..))) {
             return false;
         }
-        let first_bad = traj.turns.iter().position(|turn| turn.version < floor);
+        // `min_version` is the oldest turn's version: when it is inside the bound, no turn is
+        // out of it and the turns need not be walked (this runs on every look at a queued turn).
+        let first_bad = if traj.min_version >= floor {
+            None
+        } else {
+            traj.turns.iter().position(|turn| turn.version < floor)
+        };
         let held_bad = matches!(traj.kv, Kv::Held(_, _, v) if v < floor);
         match first_bad {
             Some(k) => {

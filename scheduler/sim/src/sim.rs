@@ -93,6 +93,8 @@ struct TrajLedger {
     reward_s: f64,
     inputs: Vec<u64>,
     consumed: bool,
+    /// Turns the episode lasts (sampled on its first environment step).
+    turns_wanted: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -127,26 +129,59 @@ struct KvArrival {
     action: u64,
 }
 
+/// An event's place in the queue: ordered by time, then by the order it was pushed (`seq` is
+/// unique, so `slot` never decides). The event itself waits in [`EventQueue::slots`], so the heap
+/// moves 24-byte entries instead of whole events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Entry {
     at: Time,
     seq: u64,
-    event: Event,
+    slot: u32,
 }
 
-impl PartialEq for Entry {
-    fn eq(&self, other: &Self) -> bool {
-        (self.at, self.seq) == (other.at, other.seq)
-    }
+/// The simulator's future events, earliest first (ties in the order they were pushed).
+#[derive(Default)]
+struct EventQueue {
+    heap: BinaryHeap<Reverse<Entry>>,
+    slots: Vec<Option<Event>>,
+    free: Vec<u32>,
+    seq: u64,
 }
-impl Eq for Entry {}
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
+
+impl EventQueue {
+    fn push(&mut self, at: Time, event: Event) {
+        self.seq += 1;
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(event);
+                slot
+            }
+            None => {
+                self.slots.push(Some(event));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.heap.push(Reverse(Entry {
+            at,
+            seq: self.seq,
+            slot,
+        }));
     }
-}
-impl Ord for Entry {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.at, self.seq).cmp(&(other.at, other.seq))
+
+    fn peek(&self) -> Option<(Time, &Event)> {
+        let Reverse(entry) = self.heap.peek()?;
+        Some((entry.at, self.slots[entry.slot as usize].as_ref()?))
+    }
+
+    fn pop(&mut self) -> Option<(Time, Event)> {
+        let Reverse(entry) = self.heap.pop()?;
+        let event = self.slots[entry.slot as usize].take()?;
+        self.free.push(entry.slot);
+        Some((entry.at, event))
+    }
+
+    fn len(&self) -> usize {
+        self.heap.len()
     }
 }
 
@@ -266,8 +301,7 @@ struct Sim<'a> {
     opts: &'a SimOptions,
     core: Core,
     now: Time,
-    heap: BinaryHeap<Reverse<Entry>>,
-    seq: u64,
+    heap: EventQueue,
     engines: Vec<Engine>,
     engine_pool: Vec<u32>,
     engine_max_seqs: Vec<u32>,
@@ -284,7 +318,6 @@ struct Sim<'a> {
     cpu_in_use: BTreeMap<u32, u64>,
     serverless: BTreeMap<u32, ServerlessState>,
     ledger: Vec<TrajLedger>,
-    turns_wanted: BTreeMap<TrajId, u32>,
     version: u64,
     publish_times: Vec<f64>,
     work: Work,
@@ -313,12 +346,7 @@ struct StageInfo {
 
 impl<'a> Sim<'a> {
     fn push(&mut self, at: Time, event: Event) {
-        self.seq += 1;
-        self.heap.push(Reverse(Entry {
-            at,
-            seq: self.seq,
-            event,
-        }));
+        self.heap.push(at, event);
     }
 
     fn ledger_mut(&mut self, traj: TrajId) -> &mut TrajLedger {
@@ -542,14 +570,12 @@ impl<'a> Sim<'a> {
                         done: false,
                     }
                 } else {
-                    let wanted = *self.turns_wanted.entry(traj).or_insert_with(|| {
+                    let seed = self.opts.seed;
+                    let wanted = *self.ledger_mut(traj).turns_wanted.get_or_insert_with(|| {
                         let max = task_spec.max_turns.max(1) as f64;
                         let t = task_spec.turns.as_ref().map_or(max, |d| {
-                            sample(
-                                d,
-                                &mut SplitMix64::keyed(self.opts.seed, &[stream::TURNS, traj.0]),
-                            )
-                            .round()
+                            sample(d, &mut SplitMix64::keyed(seed, &[stream::TURNS, traj.0]))
+                                .round()
                         });
                         t.clamp(1.0, max) as u32
                     });
@@ -917,8 +943,11 @@ impl<'a> Sim<'a> {
                                 let l = self.ledger_mut(info.traj);
                                 let k = info.turn as usize;
                                 l.turns.truncate(k);
-                                let context_before =
-                                    l.turns.iter().map(|w| w.input + w.action).sum();
+                                // Each turn's context is the one before it plus what it added.
+                                let context_before = l
+                                    .turns
+                                    .last()
+                                    .map_or(0, |w| w.context_before + w.input + w.action);
                                 let input = l.inputs.get(k).copied().unwrap_or(0);
                                 l.turns.push(TurnWork {
                                     version: info.version,
@@ -1156,8 +1185,7 @@ pub fn simulate(
         opts,
         core: Core::new(cfg),
         now: Time::ZERO,
-        heap: BinaryHeap::new(),
-        seq: 0,
+        heap: EventQueue::default(),
         engines,
         engine_pool,
         engine_max_seqs,
@@ -1174,7 +1202,6 @@ pub fn simulate(
         cpu_in_use: BTreeMap::new(),
         serverless,
         ledger: Vec::new(),
-        turns_wanted: BTreeMap::new(),
         version: 0,
         publish_times: Vec::new(),
         work: Work::default(),
@@ -1209,14 +1236,14 @@ pub fn simulate(
             reported = sim.core.version();
             progress(reported, sim.now.as_secs_f64());
         }
-        let next_event = sim.heap.peek().map(|Reverse(e)| e.at);
+        let next_event = sim.heap.peek().map(|(at, _)| at);
         let timeout = sim.core.poll_timeout();
         // Only the failure injector left to happen means nothing will ever finish.
         let only_failures = sim.heap.len() == 1
             && sim
                 .heap
                 .peek()
-                .is_some_and(|Reverse(e)| matches!(e.event, Event::Fail));
+                .is_some_and(|(_, e)| matches!(e, Event::Fail));
         match (next_event, timeout) {
             (None, None) => {
                 return Err(RunError::Stalled {
@@ -1243,12 +1270,12 @@ pub fn simulate(
                 sim.core.handle_timeout(now);
             }
             _ => {
-                let Some(Reverse(entry)) = sim.heap.pop() else {
+                let Some((at, event)) = sim.heap.pop() else {
                     continue;
                 };
-                sim.now = sim.now.max(entry.at);
+                sim.now = sim.now.max(at);
                 sim.sim_events += 1;
-                sim.handle(entry.event);
+                sim.handle(event);
             }
         }
         if sim.now.as_secs_f64() > opts.max_virtual_s {
