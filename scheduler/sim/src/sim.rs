@@ -22,7 +22,9 @@ use rollfleet_core::{
 };
 use rollfleet_spec::{JobSpec, PoolKind};
 
+use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
 use crate::hardware::{Engine, EngineDone, HardwareModel, Meter, ModelCosts, PrefillJob};
+use crate::report::latency_rates;
 use crate::workload::{mean, sample, stream};
 
 /// Options of one simulated run.
@@ -73,6 +75,8 @@ pub struct Work {
     pub local_reward_cpu_seconds: f64,
     /// Serverless seconds, per spec pool index.
     pub serverless_seconds: BTreeMap<u32, f64>,
+    /// Per RL step, what the latency term of the bound needs (see [`crate::bound`]).
+    pub steps: Vec<StepChain>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -82,6 +86,7 @@ struct TurnWork {
     input: u64,
     action: u64,
     env_cpu_s: f64,
+    env_s: f64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -255,6 +260,8 @@ pub struct RunResult {
     pub placement: Placement,
     /// Trajectories started, in flight at the end, complete but untrained at the end.
     pub lifecycle: (u64, u64, u64),
+    /// The staleness bound the policy kept (versions).
+    pub max_staleness: u64,
 }
 
 /// Average tokens per trajectory of a job, for the placement.
@@ -335,6 +342,8 @@ struct Sim<'a> {
     interconnect: f64,
     cold_start_s: BTreeMap<u32, f64>,
     failure_rng: SplitMix64,
+    rates: LatencyRates,
+    traces: Vec<TurnTrace>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -592,6 +601,7 @@ impl<'a> Sim<'a> {
                             .and_then(|k| l.turns.get_mut(k))
                         {
                             last.env_cpu_s = cpu_s;
+                            last.env_s = ms / 1000.0;
                         }
                         l.inputs.truncate(turn as usize);
                         l.inputs.push(tokens);
@@ -866,6 +876,27 @@ impl<'a> Sim<'a> {
             }
             w.train_tokens += context;
             w.train_flops += 3.0 * costs.flops_per_token * context;
+            let reward_s = l.reward_s;
+            let has_turns = !l.turns.is_empty();
+            self.traces.clear();
+            self.traces.extend(l.turns.iter().map(|turn| TurnTrace {
+                context_before: turn.context_before,
+                input: turn.input,
+                action: turn.action,
+                env_s: turn.env_s,
+            }));
+            let step = self.version as usize;
+            if w.steps.len() <= step {
+                w.steps.resize(step + 1, StepChain::default());
+            }
+            let train_s = 3.0 * costs.flops_per_token * context / self.rates.train_flops.max(1.0);
+            let chain = &mut w.steps[step];
+            chain.train_s += train_s;
+            // A trajectory with no turns has no version to wait for (and is a violation anyway).
+            if has_turns {
+                let latency = trajectory_latency(&self.rates, &self.traces, reward_s);
+                chain.longest_s = chain.longest_s.max(latency + train_s);
+            }
             if let Some(task) = self.spec.tasks.get(l.task as usize)
                 && let Some(reward) = self.spec.rewards.iter().find(|r| r.name == task.reward)
             {
@@ -955,6 +986,7 @@ impl<'a> Sim<'a> {
                                     input,
                                     action: tokens,
                                     env_cpu_s: 0.0,
+                                    env_s: 0.0,
                                 });
                             }
                             (stage, StageOutcome::Generated { tokens })
@@ -1220,6 +1252,8 @@ pub fn simulate(
         failure_rng: SplitMix64::keyed(opts.seed, &[stream::FAILURES]),
         interconnect,
         cold_start_s,
+        rates: latency_rates(spec, catalog, &opts.hardware),
+        traces: Vec::new(),
     };
     sim.schedule_failure();
     sim.scheduler_events += 1;
@@ -1298,6 +1332,7 @@ pub fn simulate(
         ));
     }
     let cold_starts = sim.serverless.values().map(|s| s.cold_starts).sum();
+    let max_staleness = sim.core.config().policy.max_staleness;
     let generated_tokens = sim.engines.iter().map(|e| e.tokens_generated).sum();
     Ok(RunResult {
         makespan_s: end.as_secs_f64(),
@@ -1317,5 +1352,6 @@ pub fn simulate(
         cold_starts,
         placement,
         lifecycle: (started, in_flight, complete),
+        max_staleness,
     })
 }
