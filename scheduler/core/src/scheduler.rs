@@ -1072,8 +1072,12 @@ impl Core {
                 // Little's law: with N trajectories generating, a step takes about B / (N / L)
                 // for a lifetime L, so a trajectory spans N / B versions; to finish within the
                 // bound, N must stay below S * B, and a group lives as long as the slowest of its
-                // members (about twice the mean), hence half of that, but at least one batch.
-                let window = (self.cfg.policy.max_staleness * b / 2).max(b);
+                // members (about twice the mean), hence half of that, but at least three quarters
+                // of a batch so that a small bound still keeps the trainer fed (both measured:
+                // docs/simulator.md).
+                let window = (self.cfg.policy.max_staleness * b / 2)
+                    .max(3 * b / 4)
+                    .max(n);
                 let budget = (self.stats.trajectories_consumed + window + extra)
                     .min(self.cfg.steps * b + extra);
                 while (self.groups.len() as u64 + 1) * n <= budget {
@@ -1321,6 +1325,34 @@ impl Core {
         self.enqueue(t, Queue::Gen, Phase::QueuedGen);
     }
 
+    /// The oldest version a replica may serve to generate `t`'s next turn. Normally the bound's
+    /// floor; but a turn that would become the oldest of its group (its first, when no member
+    /// of the group has an older one) sets when the whole group expires, and one generated at
+    /// version `latest - maxStaleness` would leave the group only the current step to finish in
+    /// and be trained, which a multi-turn group rarely manages: it would be thrown away. So such
+    /// a turn waits for a replica of version `latest - maxStaleness + 1` or newer (capped at the
+    /// latest). Continuous discipline only; the batched baselines keep their own rule.
+    fn start_floor(&self, t: TrajId) -> Version {
+        let floor = self.floor();
+        let strict = (self.version + 1)
+            .saturating_sub(self.cfg.policy.max_staleness)
+            .min(self.version);
+        if self.cfg.policy.discipline != Discipline::Continuous || strict <= floor {
+            return floor;
+        }
+        let traj = &self.trajs[t.0 as usize];
+        if traj.min_version < strict {
+            return floor;
+        }
+        let group_oldest = self.groups[traj.group.0 as usize]
+            .members
+            .iter()
+            .map(|m| self.trajs[m.0 as usize].min_version)
+            .min()
+            .unwrap_or(Version::MAX);
+        if group_oldest < strict { floor } else { strict }
+    }
+
     fn gpu_gate_closed(&self) -> bool {
         self.cfg.colocated && self.trainer.is_some()
     }
@@ -1359,7 +1391,7 @@ impl Core {
                 input: traj.input,
                 max_new,
                 sticky,
-                floor: core.floor(),
+                floor: core.start_floor(t),
                 pd_min_prefill_tokens: core.cfg.pd_min_prefill_tokens,
                 sticky_sessions: core.cfg.policy.sticky_sessions,
                 disaggregated: core.disaggregated,
@@ -1509,7 +1541,7 @@ impl Core {
                 .min(task.context_limit.saturating_sub(context))
                 .max(1);
             let need = context + max_new;
-            let floor = core.floor();
+            let floor = core.start_floor(t);
             let pick =
                 core.with_router(|router| router.least_loaded(router.decode, need, floor, true));
             let Some((d, evict)) = pick else {
