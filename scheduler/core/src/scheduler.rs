@@ -149,6 +149,8 @@ struct Group {
     batch: u64,
     complete: u32,
     ready_key: Option<(Version, GroupId)>,
+    /// Oldest turn version among its members (`Version::MAX` when none has a turn).
+    oldest: Version,
 }
 
 #[derive(Debug, Clone)]
@@ -749,6 +751,8 @@ impl Core {
                     input,
                 });
                 traj.min_version = traj.min_version.min(version);
+                let g = traj.group.0 as usize;
+                self.groups[g].oldest = self.groups[g].oldest.min(version);
                 traj.context = before + input + tokens;
                 traj.input = 0;
                 traj.pending_action = tokens;
@@ -1141,6 +1145,7 @@ impl Core {
             batch,
             complete: 0,
             ready_key: None,
+            oldest: Version::MAX,
         });
         self.stats.groups_started += 1;
         self.open_groups.insert(g);
@@ -1322,6 +1327,13 @@ impl Core {
         traj.context = turn.context_before;
         traj.input = turn.input;
         traj.attempt += 1;
+        let g = traj.group.0 as usize;
+        self.groups[g].oldest = self.groups[g]
+            .members
+            .iter()
+            .map(|m| self.trajs[m.0 as usize].min_version)
+            .min()
+            .unwrap_or(Version::MAX);
         self.enqueue(t, Queue::Gen, Phase::QueuedGen);
     }
 
@@ -1344,13 +1356,11 @@ impl Core {
         if traj.min_version < strict {
             return floor;
         }
-        let group_oldest = self.groups[traj.group.0 as usize]
-            .members
-            .iter()
-            .map(|m| self.trajs[m.0 as usize].min_version)
-            .min()
-            .unwrap_or(Version::MAX);
-        if group_oldest < strict { floor } else { strict }
+        if self.groups[traj.group.0 as usize].oldest < strict {
+            floor
+        } else {
+            strict
+        }
     }
 
     fn gpu_gate_closed(&self) -> bool {
