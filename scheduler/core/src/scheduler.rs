@@ -149,6 +149,8 @@ struct Group {
     batch: u64,
     complete: u32,
     ready_key: Option<(Version, GroupId)>,
+    /// Oldest turn version among its members (`Version::MAX` when none has a turn).
+    oldest: Version,
 }
 
 #[derive(Debug, Clone)]
@@ -168,6 +170,8 @@ struct Replica {
     held: BTreeSet<TrajId>,
     failures: u32,
     key: Option<u64>,
+    /// Changed since it was last filed in the router's sets (it is in `Core::dirty`).
+    dirty: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -224,6 +228,8 @@ pub struct Core {
     minibatches_in_step: u32,
     next_batch: u64,
     pending_update: BTreeSet<ReplicaId>,
+    /// Replicas changed since the router's sets were last brought up to date.
+    dirty: Vec<ReplicaId>,
     draining: BTreeSet<ReplicaId>,
     updating: u32,
     commands: VecDeque<Command>,
@@ -259,6 +265,7 @@ impl Core {
                 held: BTreeSet::new(),
                 failures: 0,
                 key: None,
+                dirty: false,
             })
             .collect();
         let disaggregated = replicas.iter().any(|r| r.role == ServeRole::Prefill);
@@ -287,6 +294,7 @@ impl Core {
             minibatches_in_step: 0,
             next_batch: 0,
             pending_update: BTreeSet::new(),
+            dirty: Vec::new(),
             draining: BTreeSet::new(),
             updating: 0,
             commands: VecDeque::new(),
@@ -493,26 +501,43 @@ impl Core {
         }
     }
 
-    /// Re-files a replica in the router's load-ordered sets after any change.
+    /// Notes a change to a replica; it is re-filed in the router's load-ordered sets before the
+    /// router next looks at them ([`Core::refile`]). A replica often changes several times
+    /// between two routing decisions (a stage ends, its KV cache is kept, the next is booked),
+    /// and re-filing it once gives the same sets as re-filing it every time.
     fn touch(&mut self, id: ReplicaId) {
         let Some(r) = self.replicas.get_mut(id.0 as usize) else {
             return;
         };
-        let set = match r.role {
-            ServeRole::Prefill => &mut self.prefill_set,
-            _ => &mut self.decode_set,
-        };
-        let view = Self::view(r, self.version);
-        let key = view.available.then(|| load_key(&view));
-        if key == r.key {
-            return;
+        if !r.dirty {
+            r.dirty = true;
+            self.dirty.push(id);
         }
-        if let Some(old) = r.key.take() {
-            set.remove(&(old, id));
-        }
-        if let Some(key) = key {
-            set.insert((key, id));
-            r.key = Some(key);
+    }
+
+    /// Re-files every replica changed since the last call in the router's sets.
+    fn refile(&mut self) {
+        for id in std::mem::take(&mut self.dirty) {
+            let Some(r) = self.replicas.get_mut(id.0 as usize) else {
+                continue;
+            };
+            r.dirty = false;
+            let set = match r.role {
+                ServeRole::Prefill => &mut self.prefill_set,
+                _ => &mut self.decode_set,
+            };
+            let view = Self::view(r, self.version);
+            let key = view.available.then(|| load_key(&view));
+            if key == r.key {
+                continue;
+            }
+            if let Some(old) = r.key.take() {
+                set.remove(&(old, id));
+            }
+            if let Some(key) = key {
+                set.insert((key, id));
+                r.key = Some(key);
+            }
         }
     }
 
@@ -726,6 +751,8 @@ impl Core {
                     input,
                 });
                 traj.min_version = traj.min_version.min(version);
+                let g = traj.group.0 as usize;
+                self.groups[g].oldest = self.groups[g].oldest.min(version);
                 traj.context = before + input + tokens;
                 traj.input = 0;
                 traj.pending_action = tokens;
@@ -1049,8 +1076,12 @@ impl Core {
                 // Little's law: with N trajectories generating, a step takes about B / (N / L)
                 // for a lifetime L, so a trajectory spans N / B versions; to finish within the
                 // bound, N must stay below S * B, and a group lives as long as the slowest of its
-                // members (about twice the mean), hence half of that, but at least one batch.
-                let window = (self.cfg.policy.max_staleness * b / 2).max(b);
+                // members (about twice the mean), hence half of that, but at least three quarters
+                // of a batch so that a small bound still keeps the trainer fed (both measured:
+                // docs/simulator.md).
+                let window = (self.cfg.policy.max_staleness * b / 2)
+                    .max(3 * b / 4)
+                    .max(n);
                 let budget = (self.stats.trajectories_consumed + window + extra)
                     .min(self.cfg.steps * b + extra);
                 while (self.groups.len() as u64 + 1) * n <= budget {
@@ -1114,6 +1145,7 @@ impl Core {
             batch,
             complete: 0,
             ready_key: None,
+            oldest: Version::MAX,
         });
         self.stats.groups_started += 1;
         self.open_groups.insert(g);
@@ -1136,7 +1168,8 @@ impl Core {
 
     /// Runs `f` with a read-only view of the replicas for the router (selection has no side
     /// effects; the caller books what it picks).
-    fn with_router<R>(&self, f: impl FnOnce(&RouterView) -> R) -> R {
+    fn with_router<R>(&mut self, f: impl FnOnce(&RouterView) -> R) -> R {
+        self.refile();
         let lookup = |id: ReplicaId| {
             self.replicas
                 .get(id.0 as usize)
@@ -1235,7 +1268,13 @@ impl Core {
         if floor == 0 || (traj.turns.is_empty() && !matches!(traj.kv, Kv::Held(..))) {
             return false;
         }
-        let first_bad = traj.turns.iter().position(|turn| turn.version < floor);
+        // `min_version` is the oldest turn's version: when it is inside the bound, no turn is
+        // out of it and the turns need not be walked (this runs on every look at a queued turn).
+        let first_bad = if traj.min_version >= floor {
+            None
+        } else {
+            traj.turns.iter().position(|turn| turn.version < floor)
+        };
         let held_bad = matches!(traj.kv, Kv::Held(_, _, v) if v < floor);
         match first_bad {
             Some(k) => {
@@ -1288,7 +1327,40 @@ impl Core {
         traj.context = turn.context_before;
         traj.input = turn.input;
         traj.attempt += 1;
+        let g = traj.group.0 as usize;
+        self.groups[g].oldest = self.groups[g]
+            .members
+            .iter()
+            .map(|m| self.trajs[m.0 as usize].min_version)
+            .min()
+            .unwrap_or(Version::MAX);
         self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+    }
+
+    /// The oldest version a replica may serve to generate `t`'s next turn. Normally the bound's
+    /// floor; but a turn that would become the oldest of its group (its first, when no member
+    /// of the group has an older one) sets when the whole group expires, and one generated at
+    /// version `latest - maxStaleness` would leave the group only the current step to finish in
+    /// and be trained, which a multi-turn group rarely manages: it would be thrown away. So such
+    /// a turn waits for a replica of version `latest - maxStaleness + 1` or newer (capped at the
+    /// latest). Continuous discipline only; the batched baselines keep their own rule.
+    fn start_floor(&self, t: TrajId) -> Version {
+        let floor = self.floor();
+        let strict = (self.version + 1)
+            .saturating_sub(self.cfg.policy.max_staleness)
+            .min(self.version);
+        if self.cfg.policy.discipline != Discipline::Continuous || strict <= floor {
+            return floor;
+        }
+        let traj = &self.trajs[t.0 as usize];
+        if traj.min_version < strict {
+            return floor;
+        }
+        if self.groups[traj.group.0 as usize].oldest < strict {
+            floor
+        } else {
+            strict
+        }
     }
 
     fn gpu_gate_closed(&self) -> bool {
@@ -1329,7 +1401,7 @@ impl Core {
                 input: traj.input,
                 max_new,
                 sticky,
-                floor: core.floor(),
+                floor: core.start_floor(t),
                 pd_min_prefill_tokens: core.cfg.pd_min_prefill_tokens,
                 sticky_sessions: core.cfg.policy.sticky_sessions,
                 disaggregated: core.disaggregated,
@@ -1479,7 +1551,7 @@ impl Core {
                 .min(task.context_limit.saturating_sub(context))
                 .max(1);
             let need = context + max_new;
-            let floor = core.floor();
+            let floor = core.start_floor(t);
             let pick =
                 core.with_router(|router| router.least_loaded(router.decode, need, floor, true));
             let Some((d, evict)) = pick else {

@@ -406,13 +406,15 @@ fn complete_one(core: &mut Core, reset: &StageCommand) -> Vec<Command> {
 
 #[test]
 fn weights_are_updated_one_replica_at_a_time_while_the_others_keep_serving() {
+    // Bound 2: at version 1 a new trajectory may still start on a version-0 replica (it has two
+    // more steps to finish in); with bound 1 it would wait for new weights (next test).
     let cfg = config(
         vec![
             replica(ServeRole::Generate, 10_000),
             replica(ServeRole::Generate, 10_000),
             replica(ServeRole::Generate, 10_000),
         ],
-        policy(Discipline::Continuous, 1, 0.0, SyncMode::Rolling),
+        policy(Discipline::Continuous, 2, 0.0, SyncMode::Rolling),
         1,
         1,
         2,
@@ -472,6 +474,71 @@ fn weights_are_updated_one_replica_at_a_time_while_the_others_keep_serving() {
         1,
         "{next:?}"
     );
+}
+
+#[test]
+fn a_new_trajectory_does_not_start_on_weights_it_would_have_to_be_trained_on_at_once() {
+    // Bound 1, one replica per update: after version 1 is published, a first turn generated
+    // by version 0 would have to be trained within the current step; it waits for a replica
+    // serving version 1 and goes there.
+    let cfg = config(
+        vec![
+            replica(ServeRole::Generate, 10_000),
+            replica(ServeRole::Generate, 10_000),
+        ],
+        policy(Discipline::Continuous, 1, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        2,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let resets = runs(&drain(&mut core));
+    let before = complete_one(&mut core, &resets[0]);
+    let Some(Command::Train { batch, .. }) = before
+        .iter()
+        .find(|c| matches!(c, Command::Train { .. }))
+        .cloned()
+    else {
+        panic!("{before:?}")
+    };
+    core.handle_input(Time(5), Input::TrainFinished { batch });
+    let mut out = drain(&mut core);
+    let Some(Command::UpdateWeights {
+        replica: first,
+        version: 1,
+        ..
+    }) = out
+        .iter()
+        .find(|c| matches!(c, Command::UpdateWeights { .. }))
+        .cloned()
+    else {
+        panic!("{out:?}")
+    };
+    out.extend(before);
+    let reset = runs(&out)
+        .into_iter()
+        .find(|s| matches!(s.work, StageWork::EnvReset { .. }))
+        .unwrap();
+    // The other replica still serves version 0: nothing is generated yet.
+    let waiting = finish(&mut core, reset.stage, observed(100, false));
+    assert!(
+        !waiting.iter().any(|c| matches!(c, Command::Run(_))),
+        "{waiting:?}"
+    );
+    core.handle_input(
+        Time(6),
+        Input::WeightsUpdated {
+            replica: first,
+            version: 1,
+        },
+    );
+    let generate = runs(&drain(&mut core));
+    let Some(StageWork::Generate { replica, .. }) = generate.first().map(|s| s.work.clone()) else {
+        panic!("{generate:?}")
+    };
+    assert_eq!(replica, first);
+    assert_eq!(generate[0].version, 1);
 }
 
 #[test]

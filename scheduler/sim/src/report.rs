@@ -8,23 +8,31 @@ use rollfleet_core::{Placement, ServeRole};
 use rollfleet_spec::{JobSpec, PoolKind};
 use serde::Serialize;
 
-use crate::bound::min_makespan;
+use crate::bound::{LatencyRates, latency_makespan, min_makespan};
 use crate::hardware::HardwareModel;
 use crate::sim::{RunResult, Work, model_costs};
 
 /// The lower bound on one RL step (see [`crate::bound`]).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BoundReport {
-    /// The bound: the largest of the per-resource bounds, seconds per step.
+    /// The bound: the largest of the capacity terms and the latency term, seconds per step.
     pub step_s: f64,
+    /// The largest capacity term (work over capacity), seconds per step.
+    pub capacity_s: f64,
+    /// The staleness-aware latency term, seconds per step.
+    pub latency_s: f64,
+    /// The staleness bound the latency term assumes (versions).
+    pub max_staleness: u64,
     /// GPU pools under the best fractional placement, seconds per step.
     pub gpu_s: f64,
     /// CPU pools (environments and local rewards), seconds per step.
     pub cpu_s: f64,
     /// The busiest serverless pool, seconds per step.
     pub serverless_s: f64,
-    /// Which resource binds.
+    /// What binds: `gpu`, `cpu`, `serverless` or `latency`.
     pub binding: String,
+    /// Which resource binds among the capacity terms alone.
+    pub capacity_binding: String,
     /// Per GPU pool: seconds per step of each kind of work under the best placement.
     pub gpu_pools: Vec<BoundPool>,
 }
@@ -42,13 +50,50 @@ pub struct BoundPool {
     pub train_s: f64,
 }
 
-/// Computes the bound from the useful work of `steps` steps.
+/// The fastest rates of the job's hardware, for the latency term (see [`LatencyRates`]).
+pub fn latency_rates(spec: &JobSpec, catalog: &Catalog, hw: &HardwareModel) -> LatencyRates {
+    let costs = model_costs(spec);
+    let mfu = spec.rl.train_mfu.clamp(0.01, 1.0);
+    let mut rates = LatencyRates {
+        replica_bandwidth: 0.0,
+        replica_compute: 0.0,
+        train_flops: 0.0,
+        weight_bytes: costs.active_weight_bytes,
+        kv_bytes_per_token: costs.kv_bytes_per_token,
+        flops_per_token: costs.flops_per_token,
+        attention_flops_per_context: costs.attention_flops_per_context,
+    };
+    for pool in &spec.pools {
+        if pool.kind() != Some(PoolKind::Gpu) {
+            continue;
+        }
+        let Some(gpu) = pool.gpu.as_deref().and_then(|g| catalog.gpu(g).ok()) else {
+            continue;
+        };
+        let n = pool.count.unwrap_or(0).max(0) as f64;
+        // The largest replica: every GPU of a node (or of the pool, if smaller), with tensor
+        // parallelism assumed perfect, as the simulator assumes it.
+        let per_replica = n.min(pool.gpus_per_node().max(1) as f64);
+        rates.replica_bandwidth = rates
+            .replica_bandwidth
+            .max(per_replica * gpu.memory_bandwidth_bytes_per_s() * hw.bandwidth_efficiency);
+        rates.replica_compute = rates
+            .replica_compute
+            .max(per_replica * gpu.peak_flops() * hw.compute_efficiency);
+        rates.train_flops += n * gpu.peak_flops() * mfu;
+    }
+    rates
+}
+
+/// Computes the bound from the useful work of `steps` steps, for a policy keeping turns at most
+/// `max_staleness` versions old.
 pub fn lower_bound(
     spec: &JobSpec,
     catalog: &Catalog,
     hw: &HardwareModel,
     work: &Work,
     steps: u64,
+    max_staleness: u64,
 ) -> BoundReport {
     let steps = steps.max(1) as f64;
     let costs = model_costs(spec);
@@ -115,15 +160,26 @@ pub fn lower_bound(
         })
         .fold(0.0, f64::max);
     let gpu_s = gpu_total / steps;
-    let (step_s, binding) = [(gpu_s, "gpu"), (cpu_s, "cpu"), (serverless_s, "serverless")]
-        .into_iter()
-        .fold((0.0, "gpu"), |best, c| if c.0 > best.0 { c } else { best });
+    let (capacity_s, capacity_binding) =
+        [(gpu_s, "gpu"), (cpu_s, "cpu"), (serverless_s, "serverless")]
+            .into_iter()
+            .fold((0.0, "gpu"), |best, c| if c.0 > best.0 { c } else { best });
+    let latency_s = latency_makespan(&work.steps, max_staleness) / steps;
+    let (step_s, binding) = if latency_s > capacity_s {
+        (latency_s, "latency")
+    } else {
+        (capacity_s, capacity_binding)
+    };
     BoundReport {
         step_s,
+        capacity_s,
+        latency_s,
+        max_staleness,
         gpu_s,
         cpu_s,
         serverless_s,
         binding: binding.to_owned(),
+        capacity_binding: capacity_binding.to_owned(),
         gpu_pools,
     }
 }
@@ -173,6 +229,8 @@ pub struct PolicyReport {
     pub bound: BoundReport,
     /// Bound over achieved step time.
     pub efficiency: f64,
+    /// The capacity terms alone over achieved step time (the bound of issue 3's first version).
+    pub capacity_efficiency: f64,
     /// Serverless cold starts.
     pub serverless_cold_starts: u64,
     /// The core's counters.
@@ -239,7 +297,9 @@ pub fn policy_report(
     let steps = run.publish_times_s.len() as u64;
     let total = run.makespan_s.max(1e-9);
     let step_time = total / steps.max(1) as f64;
-    let bound = lower_bound(spec, catalog, hw, &run.work, steps);
+    // Every policy keeps the job's staleness bound, or its own when it is looser.
+    let max_staleness = run.max_staleness.max(spec.rl.max_staleness.max(0) as u64);
+    let bound = lower_bound(spec, catalog, hw, &run.work, steps, max_staleness);
     let mut pools = Vec::new();
     let mut env_busy = 0.0;
     let mut env_cap = 0.0;
@@ -287,6 +347,11 @@ pub fn policy_report(
         } else {
             0.0
         },
+        capacity_efficiency: if step_time > 0.0 {
+            bound.capacity_s / step_time
+        } else {
+            0.0
+        },
         bound,
         serverless_cold_starts: run.cold_starts,
         core: run.core.clone(),
@@ -313,8 +378,17 @@ pub fn render_table(report: &SimReport) -> String {
         .map(|p| p.pools.iter().map(|x| x.name.clone()).collect())
         .unwrap_or_default();
     let mut header = format!(
-        "{:<20} {:>9} {:>8} {:>8} {:>10} {:>9} {:>6} {:>9}",
-        "policy", "step (s)", "vs sync", "traj/s", "tok/s", "bound (s)", "eff", "env util"
+        "{:<20} {:>9} {:>8} {:>8} {:>10} {:>9} {:>6} {:>7} {:>7} {:>9}",
+        "policy",
+        "step (s)",
+        "vs sync",
+        "traj/s",
+        "tok/s",
+        "bound (s)",
+        "eff",
+        "cap (s)",
+        "cap eff",
+        "env util"
     );
     for name in &pool_names {
         header.push_str(&format!(" {:>10}", truncate(name, 10)));
@@ -324,7 +398,7 @@ pub fn render_table(report: &SimReport) -> String {
     out.push('\n');
     for p in &report.policies {
         let mut line = format!(
-            "{:<20} {:>9.1} {:>8} {:>8.2} {:>10.0} {:>9.1} {:>6.2} {:>8.0}%",
+            "{:<20} {:>9.1} {:>8} {:>8.2} {:>10.0} {:>9.1} {:>6.2} {:>7.1} {:>7.2} {:>8.0}%",
             p.policy,
             p.step_time_s,
             p.speedup_vs_sync
@@ -333,6 +407,8 @@ pub fn render_table(report: &SimReport) -> String {
             p.trained_tokens_per_s,
             p.bound.step_s,
             p.efficiency,
+            p.bound.capacity_s,
+            p.capacity_efficiency,
             p.environment_utilisation * 100.0
         );
         for pool in &p.pools {
@@ -358,10 +434,13 @@ pub fn render_table(report: &SimReport) -> String {
             .map(|x| format!("{}: {}", x.name, x.use_))
             .collect();
         out.push_str(&format!(
-            "  {:<20} {}; bound binds on {}; {} regenerated turns; invariants {}\n",
+            "  {:<20} {}; bound binds on {} (capacity: {}; latency term {:.1} s at staleness {}); {} regenerated turns; invariants {}\n",
             p.policy,
             uses.join("; "),
             p.bound.binding,
+            p.bound.capacity_binding,
+            p.bound.latency_s,
+            p.bound.max_staleness,
             p.core.regenerated_turns,
             if p.invariant_violations.is_empty() {
                 "held".to_owned()

@@ -22,7 +22,9 @@ use rollfleet_core::{
 };
 use rollfleet_spec::{JobSpec, PoolKind};
 
+use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
 use crate::hardware::{Engine, EngineDone, HardwareModel, Meter, ModelCosts, PrefillJob};
+use crate::report::latency_rates;
 use crate::workload::{mean, sample, stream};
 
 /// Options of one simulated run.
@@ -73,6 +75,8 @@ pub struct Work {
     pub local_reward_cpu_seconds: f64,
     /// Serverless seconds, per spec pool index.
     pub serverless_seconds: BTreeMap<u32, f64>,
+    /// Per RL step, what the latency term of the bound needs (see [`crate::bound`]).
+    pub steps: Vec<StepChain>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -82,6 +86,7 @@ struct TurnWork {
     input: u64,
     action: u64,
     env_cpu_s: f64,
+    env_s: f64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -93,6 +98,8 @@ struct TrajLedger {
     reward_s: f64,
     inputs: Vec<u64>,
     consumed: bool,
+    /// Turns the episode lasts (sampled on its first environment step).
+    turns_wanted: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -127,26 +134,59 @@ struct KvArrival {
     action: u64,
 }
 
+/// An event's place in the queue: ordered by time, then by the order it was pushed (`seq` is
+/// unique, so `slot` never decides). The event itself waits in [`EventQueue::slots`], so the heap
+/// moves 24-byte entries instead of whole events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Entry {
     at: Time,
     seq: u64,
-    event: Event,
+    slot: u32,
 }
 
-impl PartialEq for Entry {
-    fn eq(&self, other: &Self) -> bool {
-        (self.at, self.seq) == (other.at, other.seq)
-    }
+/// The simulator's future events, earliest first (ties in the order they were pushed).
+#[derive(Default)]
+struct EventQueue {
+    heap: BinaryHeap<Reverse<Entry>>,
+    slots: Vec<Option<Event>>,
+    free: Vec<u32>,
+    seq: u64,
 }
-impl Eq for Entry {}
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
+
+impl EventQueue {
+    fn push(&mut self, at: Time, event: Event) {
+        self.seq += 1;
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(event);
+                slot
+            }
+            None => {
+                self.slots.push(Some(event));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.heap.push(Reverse(Entry {
+            at,
+            seq: self.seq,
+            slot,
+        }));
     }
-}
-impl Ord for Entry {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.at, self.seq).cmp(&(other.at, other.seq))
+
+    fn peek(&self) -> Option<(Time, &Event)> {
+        let Reverse(entry) = self.heap.peek()?;
+        Some((entry.at, self.slots[entry.slot as usize].as_ref()?))
+    }
+
+    fn pop(&mut self) -> Option<(Time, Event)> {
+        let Reverse(entry) = self.heap.pop()?;
+        let event = self.slots[entry.slot as usize].take()?;
+        self.free.push(entry.slot);
+        Some((entry.at, event))
+    }
+
+    fn len(&self) -> usize {
+        self.heap.len()
     }
 }
 
@@ -220,6 +260,8 @@ pub struct RunResult {
     pub placement: Placement,
     /// Trajectories started, in flight at the end, complete but untrained at the end.
     pub lifecycle: (u64, u64, u64),
+    /// The staleness bound the policy kept (versions).
+    pub max_staleness: u64,
 }
 
 /// Average tokens per trajectory of a job, for the placement.
@@ -266,8 +308,7 @@ struct Sim<'a> {
     opts: &'a SimOptions,
     core: Core,
     now: Time,
-    heap: BinaryHeap<Reverse<Entry>>,
-    seq: u64,
+    heap: EventQueue,
     engines: Vec<Engine>,
     engine_pool: Vec<u32>,
     engine_max_seqs: Vec<u32>,
@@ -284,7 +325,6 @@ struct Sim<'a> {
     cpu_in_use: BTreeMap<u32, u64>,
     serverless: BTreeMap<u32, ServerlessState>,
     ledger: Vec<TrajLedger>,
-    turns_wanted: BTreeMap<TrajId, u32>,
     version: u64,
     publish_times: Vec<f64>,
     work: Work,
@@ -302,6 +342,8 @@ struct Sim<'a> {
     interconnect: f64,
     cold_start_s: BTreeMap<u32, f64>,
     failure_rng: SplitMix64,
+    rates: LatencyRates,
+    traces: Vec<TurnTrace>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -313,12 +355,7 @@ struct StageInfo {
 
 impl<'a> Sim<'a> {
     fn push(&mut self, at: Time, event: Event) {
-        self.seq += 1;
-        self.heap.push(Reverse(Entry {
-            at,
-            seq: self.seq,
-            event,
-        }));
+        self.heap.push(at, event);
     }
 
     fn ledger_mut(&mut self, traj: TrajId) -> &mut TrajLedger {
@@ -542,14 +579,12 @@ impl<'a> Sim<'a> {
                         done: false,
                     }
                 } else {
-                    let wanted = *self.turns_wanted.entry(traj).or_insert_with(|| {
+                    let seed = self.opts.seed;
+                    let wanted = *self.ledger_mut(traj).turns_wanted.get_or_insert_with(|| {
                         let max = task_spec.max_turns.max(1) as f64;
                         let t = task_spec.turns.as_ref().map_or(max, |d| {
-                            sample(
-                                d,
-                                &mut SplitMix64::keyed(self.opts.seed, &[stream::TURNS, traj.0]),
-                            )
-                            .round()
+                            sample(d, &mut SplitMix64::keyed(seed, &[stream::TURNS, traj.0]))
+                                .round()
                         });
                         t.clamp(1.0, max) as u32
                     });
@@ -566,6 +601,7 @@ impl<'a> Sim<'a> {
                             .and_then(|k| l.turns.get_mut(k))
                         {
                             last.env_cpu_s = cpu_s;
+                            last.env_s = ms / 1000.0;
                         }
                         l.inputs.truncate(turn as usize);
                         l.inputs.push(tokens);
@@ -840,6 +876,27 @@ impl<'a> Sim<'a> {
             }
             w.train_tokens += context;
             w.train_flops += 3.0 * costs.flops_per_token * context;
+            let reward_s = l.reward_s;
+            let has_turns = !l.turns.is_empty();
+            self.traces.clear();
+            self.traces.extend(l.turns.iter().map(|turn| TurnTrace {
+                context_before: turn.context_before,
+                input: turn.input,
+                action: turn.action,
+                env_s: turn.env_s,
+            }));
+            let step = self.version as usize;
+            if w.steps.len() <= step {
+                w.steps.resize(step + 1, StepChain::default());
+            }
+            let train_s = 3.0 * costs.flops_per_token * context / self.rates.train_flops.max(1.0);
+            let chain = &mut w.steps[step];
+            chain.train_s += train_s;
+            // A trajectory with no turns has no version to wait for (and is a violation anyway).
+            if has_turns {
+                let latency = trajectory_latency(&self.rates, &self.traces, reward_s);
+                chain.longest_s = chain.longest_s.max(latency + train_s);
+            }
             if let Some(task) = self.spec.tasks.get(l.task as usize)
                 && let Some(reward) = self.spec.rewards.iter().find(|r| r.name == task.reward)
             {
@@ -917,8 +974,11 @@ impl<'a> Sim<'a> {
                                 let l = self.ledger_mut(info.traj);
                                 let k = info.turn as usize;
                                 l.turns.truncate(k);
-                                let context_before =
-                                    l.turns.iter().map(|w| w.input + w.action).sum();
+                                // Each turn's context is the one before it plus what it added.
+                                let context_before = l
+                                    .turns
+                                    .last()
+                                    .map_or(0, |w| w.context_before + w.input + w.action);
                                 let input = l.inputs.get(k).copied().unwrap_or(0);
                                 l.turns.push(TurnWork {
                                     version: info.version,
@@ -926,6 +986,7 @@ impl<'a> Sim<'a> {
                                     input,
                                     action: tokens,
                                     env_cpu_s: 0.0,
+                                    env_s: 0.0,
                                 });
                             }
                             (stage, StageOutcome::Generated { tokens })
@@ -1156,8 +1217,7 @@ pub fn simulate(
         opts,
         core: Core::new(cfg),
         now: Time::ZERO,
-        heap: BinaryHeap::new(),
-        seq: 0,
+        heap: EventQueue::default(),
         engines,
         engine_pool,
         engine_max_seqs,
@@ -1174,7 +1234,6 @@ pub fn simulate(
         cpu_in_use: BTreeMap::new(),
         serverless,
         ledger: Vec::new(),
-        turns_wanted: BTreeMap::new(),
         version: 0,
         publish_times: Vec::new(),
         work: Work::default(),
@@ -1193,6 +1252,8 @@ pub fn simulate(
         failure_rng: SplitMix64::keyed(opts.seed, &[stream::FAILURES]),
         interconnect,
         cold_start_s,
+        rates: latency_rates(spec, catalog, &opts.hardware),
+        traces: Vec::new(),
     };
     sim.schedule_failure();
     sim.scheduler_events += 1;
@@ -1209,14 +1270,14 @@ pub fn simulate(
             reported = sim.core.version();
             progress(reported, sim.now.as_secs_f64());
         }
-        let next_event = sim.heap.peek().map(|Reverse(e)| e.at);
+        let next_event = sim.heap.peek().map(|(at, _)| at);
         let timeout = sim.core.poll_timeout();
         // Only the failure injector left to happen means nothing will ever finish.
         let only_failures = sim.heap.len() == 1
             && sim
                 .heap
                 .peek()
-                .is_some_and(|Reverse(e)| matches!(e.event, Event::Fail));
+                .is_some_and(|(_, e)| matches!(e, Event::Fail));
         match (next_event, timeout) {
             (None, None) => {
                 return Err(RunError::Stalled {
@@ -1243,12 +1304,12 @@ pub fn simulate(
                 sim.core.handle_timeout(now);
             }
             _ => {
-                let Some(Reverse(entry)) = sim.heap.pop() else {
+                let Some((at, event)) = sim.heap.pop() else {
                     continue;
                 };
-                sim.now = sim.now.max(entry.at);
+                sim.now = sim.now.max(at);
                 sim.sim_events += 1;
-                sim.handle(entry.event);
+                sim.handle(event);
             }
         }
         if sim.now.as_secs_f64() > opts.max_virtual_s {
@@ -1271,6 +1332,7 @@ pub fn simulate(
         ));
     }
     let cold_starts = sim.serverless.values().map(|s| s.cold_starts).sum();
+    let max_staleness = sim.core.config().policy.max_staleness;
     let generated_tokens = sim.engines.iter().map(|e| e.tokens_generated).sum();
     Ok(RunResult {
         makespan_s: end.as_secs_f64(),
@@ -1290,5 +1352,6 @@ pub fn simulate(
         cold_starts,
         placement,
         lifecycle: (started, in_flight, complete),
+        max_staleness,
     })
 }

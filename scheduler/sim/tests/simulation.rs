@@ -108,14 +108,47 @@ fn the_lower_bound_is_the_busiest_resource_under_the_best_placement() {
         &rollfleet_sim::hardware::HardwareModel::default(),
         &run.work,
         2,
+        1,
     );
     // Per step: 2 vCPU-seconds of environment (reset and step) on 32 vCPUs = 62.5 ms; the GPU
     // work (3.3 ms prefill, ~1 ms decode, 13.2 ms training) split over two GPUs is 8.8 ms.
-    assert_eq!(bound.binding, "cpu");
+    assert_eq!(bound.capacity_binding, "cpu");
     close(bound.cpu_s, 2.0 / 32.0);
+    close(bound.capacity_s, 2.0 / 32.0);
     let gpu = (2e12 / 0.6e15 + 100.0 * 2e9 / 256.0 / 0.8e12 + TRAIN) / 2.0;
     assert!((bound.gpu_s - gpu).abs() < 1e-4, "{} vs {gpu}", bound.gpu_s);
     assert!(bound.step_s <= run.makespan_s / 2.0);
+}
+
+// The latency term by hand, for the hand job. The largest replica is one T1 (one GPU per pool):
+// 0.8 TB/s and 0.6 PFLOP/s achievable. The model reads 2 GB of weights per decode iteration and
+// keeps 32 bytes of KV per token; attention costs 32 FLOPs per token of context.
+//   prefill of the 1,000-token prompt: (2e12 + 32 x 1000 x 500) FLOP / 0.6e15   = 3.33336 ms
+//   100 decode iterations, each (2e9 + 32 x 1000) B / 0.8e12 B/s               = 250.004 ms
+//   environment step (the reset is left out: it may run before the weights exist) = 1 s
+//   => chain l = 1.253337 s; training its 1,100 tokens on both GPUs at 50% MFU:
+//      tau = 6 x 1e9 x 1100 / (2 x 1e15 x 0.5) = 6.6 ms
+const CHAIN: f64 = (2e12 + 32.0 * 1000.0 * 500.0) / 0.6e15 + 100.0 * (2e9 + 32e3) / 0.8e12 + 1.0;
+const TAU: f64 = 6.0 * 1e9 * 1100.0 / (2.0 * 1e15 * 0.5);
+
+#[test]
+fn the_latency_term_waits_for_each_chain_from_the_oldest_version_it_may_use() {
+    let (run, job) = hand_run(Baseline::Rollfleet);
+    let hw = rollfleet_sim::hardware::HardwareModel::default();
+    // Staleness 0: each step's chain starts when the previous version is out:
+    // P_1 = l + tau, P_2 = P_1 + l + tau, so l + tau per step.
+    let strict = lower_bound(job.spec(), &job.catalog, &hw, &run.work, 2, 0);
+    close(strict.latency_s, CHAIN + TAU);
+    assert_eq!(strict.binding, "latency");
+    close(strict.step_s, CHAIN + TAU);
+    // Staleness 1: step 1's chain may start at P_0 = 0 too, so P_2 = max(P_1 + tau, l + tau).
+    let relaxed = lower_bound(job.spec(), &job.catalog, &hw, &run.work, 2, 1);
+    close(relaxed.latency_s, (CHAIN + 2.0 * TAU) / 2.0);
+    assert!(relaxed.step_s >= relaxed.capacity_s);
+    // No policy beats either (sync is held to staleness 0, and still does not).
+    let (sync, _) = hand_run(Baseline::Sync);
+    assert!(strict.step_s <= sync.makespan_s / 2.0);
+    assert!(relaxed.step_s <= run.makespan_s / 2.0);
 }
 
 fn quickstart() -> std::path::PathBuf {
@@ -192,10 +225,12 @@ proptest! {
         seed in any::<u64>(),
         policy in 0usize..4,
         failures in any::<bool>(),
+        max_staleness in 0i64..4,
     ) {
         let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
         let mut spec = job.spec().clone();
         spec.rl.steps = 3;
+        spec.rl.max_staleness = max_staleness;
         let baseline = Baseline::ALL[policy];
         let (placement, pol) = baseline.setup(&spec, &job.catalog, &workload_means(&spec)).unwrap();
         let opts = SimOptions {
@@ -216,6 +251,72 @@ proptest! {
             &rollfleet_sim::hardware::HardwareModel::default(),
             &run,
         );
+        // The full bound (capacity and latency terms) is a bound too, and never below the
+        // capacity terms alone.
+        prop_assert!(report.efficiency > 0.0 && report.efficiency <= 1.0, "{}", report.efficiency);
+        prop_assert!(report.bound.latency_s > 0.0);
+        prop_assert!(report.capacity_efficiency <= report.efficiency);
+        prop_assert!(report.bound.step_s >= report.bound.latency_s);
+    }
+}
+
+/// A job bound by latency, not capacity: multi-turn episodes with slow, heavy-tailed
+/// environment steps on the hand job's tiny model and GPUs.
+const LATENCY_JOB: &str = r#"
+apiVersion: rollfleet.dev/v1alpha1
+kind: RLJob
+metadata: { name: latency }
+spec:
+  model: { name: toy, parameters: 1.0e9, layers: 1, hiddenSize: 8, kvHeads: 1, headDim: 8 }
+  rl: { groupSize: 2, rolloutBatchSize: 8, trainBatchSize: 4, maxStaleness: 1,
+        overProvisioning: 0.5, steps: 3, trainMfu: 0.5 }
+  tasks:
+    - { name: t, environment: e, share: 1.0, maxTurns: 6,
+        turns: { distribution: uniform, min: 1, max: 6 },
+        promptTokens: { distribution: lognormal, median: 500, p99: 3000, max: 4000 },
+        actionTokens: { distribution: lognormal, median: 50, p99: 400, max: 1024 },
+        observationTokens: 20, contextLimit: 16384,
+        envStepMs: { distribution: lognormal, median: 500, p99: 5000, max: 20000 }, reward: r }
+  rewards:
+    - { name: r, runsOn: environment, latencyMs: 0 }
+  network: { crossPoolGBps: 25 }
+  catalog:
+    gpus:
+      - { name: T1, bf16DenseTflops: 1000, memoryGb: 100, memoryBandwidthGBps: 1000,
+          interconnectGBps: 100, pricePerHourUsd: 1, source: test }
+  pools:
+    - { name: gen, gpu: T1, count: 1, roles: [generate] }
+    - { name: train, gpu: T1, count: 1, roles: [train] }
+    - { name: envs, cpu: c7i.8xlarge, count: 1 }
+"#;
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// On a job where the latency term binds, no policy beats the full bound, whatever the seed
+    /// and the staleness bound.
+    #[test]
+    fn no_policy_beats_the_latency_term_on_a_latency_bound_job(
+        seed in any::<u64>(),
+        policy in 0usize..4,
+        max_staleness in 0i64..4,
+    ) {
+        let job = rollfleet_spec::parse_job(LATENCY_JOB.as_bytes(), "latency.yaml").unwrap();
+        let mut spec = job.spec().clone();
+        spec.rl.max_staleness = max_staleness;
+        let baseline = Baseline::ALL[policy];
+        let (placement, pol) = baseline.setup(&spec, &job.catalog, &workload_means(&spec)).unwrap();
+        let opts = SimOptions { seed, ..SimOptions::default() };
+        let run = simulate(&spec, &job.catalog, placement, pol, &opts, &mut |_, _| {}).unwrap();
+        prop_assert!(run.violations.is_empty(), "{:?}", run.violations);
+        let report = rollfleet_sim::report::policy_report(
+            baseline.name(),
+            &spec,
+            &job.catalog,
+            &rollfleet_sim::hardware::HardwareModel::default(),
+            &run,
+        );
+        prop_assert_eq!(report.bound.binding.as_str(), "latency");
         prop_assert!(report.efficiency > 0.0 && report.efficiency <= 1.0, "{}", report.efficiency);
     }
 }
@@ -255,6 +356,9 @@ fn a_trajectory_rewound_at_admission_is_dispatched_in_the_same_pass() {
     let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
     let mut spec = job.spec().clone();
     spec.rl.steps = 3;
+    // Twice a batch of over-provisioning: admission now rarely lets a turn fall out of the
+    // bound, so the test makes it happen by starting far more than a step needs.
+    spec.rl.over_provisioning = 2.0;
     let (placement, policy) = Baseline::Rollfleet
         .setup(&spec, &job.catalog, &workload_means(&spec))
         .unwrap();
