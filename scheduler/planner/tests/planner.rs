@@ -1,0 +1,304 @@
+//! The planner end to end on job specs: where each role goes, exactness against brute force,
+//! infeasible inputs, determinism.
+
+use rollfleet_planner::plan::{self, PlanError};
+use rollfleet_planner::predict::{self, Role};
+use rollfleet_planner::roofline::Efficiency;
+use rollfleet_planner::search;
+use rollfleet_spec::{Distribution, JobSpec, ValidatedJob, parse_job};
+
+fn mean(d: &Distribution) -> f64 {
+    d.mean().unwrap_or(0.0)
+}
+
+/// A RollArt-like job (the example's task mix without trace columns), on the given pools.
+fn job(model: &str, pools: &str) -> ValidatedJob {
+    let yaml = format!(
+        r#"
+apiVersion: rollfleet.dev/v1alpha1
+kind: RLJob
+metadata: {{ name: planner-test }}
+spec:
+  model: {model}
+  rl: {{ groupSize: 8, rolloutBatchSize: 1024, trainBatchSize: 256, maxStaleness: 2, overProvisioning: 0.25, steps: 5 }}
+  tasks:
+    - name: swe
+      environment: swe-sandbox
+      share: 0.5
+      maxTurns: 30
+      turns: {{ distribution: uniform, min: 8, max: 30 }}
+      promptTokens: {{ distribution: lognormal, median: 3000, p99: 9000, max: 12000 }}
+      actionTokens: {{ distribution: lognormal, median: 300, p99: 2000, max: 4096 }}
+      observationTokens: {{ distribution: lognormal, median: 600, p99: 4000, max: 8000 }}
+      contextLimit: 65536
+      envStepMs: {{ distribution: lognormal, median: 2500, p99: 30000, max: 120000 }}
+      envCpus: 2
+      reward: unit-tests
+    - name: sokoban
+      environment: sokoban
+      share: 0.5
+      maxTurns: 20
+      promptTokens: 400
+      actionTokens: {{ distribution: lognormal, median: 200, p99: 1500, max: 2048 }}
+      observationTokens: 150
+      contextLimit: 16384
+      envStepMs: {{ distribution: uniform, min: 2, max: 20 }}
+      reward: env-score
+  rewards:
+    - {{ name: unit-tests, runsOn: serverless, pool: lambda, function: code_tests, latencyMs: 4000, memoryMb: 2048 }}
+    - {{ name: env-score, runsOn: environment, latencyMs: 0 }}
+  network: {{ crossPoolGBps: 50 }}
+  pools:
+{pools}
+    - {{ name: env-nodes, cpu: c7i.16xlarge, count: 48 }}
+    - {{ name: lambda, serverless: aws-lambda, concurrency: 800 }}
+"#
+    );
+    parse_job(yaml.as_bytes(), "test").unwrap_or_else(|e| panic!("{e}"))
+}
+
+const QWEN_32B: &str = "{ name: Qwen3-32B, parameters: 32.8e9, layers: 64, hiddenSize: 5120, kvHeads: 8, headDim: 128 }";
+const QWEN_7B: &str = "{ name: Qwen2.5-7B, parameters: 7.61e9, layers: 28, hiddenSize: 3584, kvHeads: 4, headDim: 128 }";
+
+fn spec(job: &ValidatedJob) -> &JobSpec {
+    job.spec()
+}
+
+#[test]
+fn decode_goes_to_the_bandwidth_rich_pool_and_prefill_and_training_to_the_compute_rich_one() {
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 192 }\n    - { name: h20, gpu: H20, count: 320 }",
+    );
+    let plan = plan::plan(spec(&job), &job.catalog, &mean).unwrap();
+    let c = &plan.candidate;
+    // Pool 0 is the H800s, pool 1 the H20s.
+    assert_eq!(c.trainer_pool, 0, "{plan:#?}");
+    assert!(
+        c.groups
+            .iter()
+            .any(|g| g.pool == 1 && g.role == Role::Decode && g.replicas > 0),
+        "{:#?}",
+        c.groups
+    );
+    assert!(
+        c.groups
+            .iter()
+            .all(|g| g.pool != 1 || g.role == Role::Decode),
+        "{:#?}",
+        c.groups
+    );
+    let decode = plan.roles.iter().find(|r| r.role == "decode").unwrap();
+    assert!(decode.why.contains("bandwidth-bound"), "{}", decode.why);
+    let train = plan.roles.iter().find(|r| r.role == "train").unwrap();
+    assert!(train.why.contains("compute-bound"), "{}", train.why);
+    if let Some(prefill) = plan.roles.iter().find(|r| r.role == "prefill") {
+        assert_eq!(prefill.gpu, "H800");
+        assert!(prefill.why.contains("compute-bound"), "{}", prefill.why);
+    }
+    // Every replica holds the weights plus a longest context in its GPUs.
+    for r in &plan.placement.replicas {
+        assert!(r.kv_capacity_tokens >= 65_536, "{r:?}");
+    }
+}
+
+/// Small inventories: two or three pools of a few GPUs each, different products and node sizes.
+fn small_inventories() -> Vec<(&'static str, String)> {
+    let cases = [
+        ("H800 8 + H20 8", "H800", 8, "H20", 8, None),
+        ("H800 16 + H20 8", "H800", 16, "H20", 8, None),
+        ("H100 8 + L20 16", "H100", 8, "L20", 16, None),
+        (
+            "B200 8 + H20 16 + A100 8",
+            "B200",
+            8,
+            "H20",
+            16,
+            Some(("A100-80G", 8)),
+        ),
+        (
+            "H200 4 + H20 4 + L40S 8",
+            "H200",
+            4,
+            "H20",
+            4,
+            Some(("L40S", 8)),
+        ),
+    ];
+    cases
+        .into_iter()
+        .map(|(name, a, na, b, nb, c)| {
+            let mut pools = format!(
+                "    - {{ name: a, gpu: {a}, count: {na}, gpusPerNode: 4 }}\n    - {{ name: b, gpu: {b}, count: {nb}, gpusPerNode: 4 }}"
+            );
+            if let Some((g, n)) = c {
+                pools.push_str(&format!(
+                    "\n    - {{ name: c, gpu: {g}, count: {n}, gpusPerNode: 4 }}"
+                ));
+            }
+            (name, pools)
+        })
+        .collect()
+}
+
+#[test]
+fn branch_and_bound_finds_the_brute_force_optimum_on_small_instances() {
+    let mut checked = 0;
+    for model in [QWEN_7B, QWEN_32B] {
+        for (name, pools) in small_inventories() {
+            let job = job(model, &pools);
+            let Ok(p) = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default())
+            else {
+                continue;
+            };
+            let exact = search::solve(&p);
+            let brute = search::brute_force(&p);
+            match (exact, brute) {
+                (Some(e), Some(b)) => {
+                    let gap = (e.step_s - b.step_s) / b.step_s;
+                    println!(
+                        "{name}: branch and bound {:.6} s ({} nodes), brute force {:.6} s ({} nodes), gap {gap:.2e}",
+                        e.step_s, e.nodes, b.step_s, b.nodes
+                    );
+                    assert!(gap.abs() < 1e-9, "{name}: gap {gap}");
+                    assert!(e.nodes <= b.nodes, "{name}: pruning explored more");
+                    // The reported optimum is the predictor's figure for that candidate.
+                    let again = predict::step_time(&p, &e.candidate).unwrap();
+                    assert_eq!(again, e.step_s);
+                    checked += 1;
+                }
+                (None, None) => {}
+                (e, b) => panic!("{name}: one search found a plan, the other not: {e:?} {b:?}"),
+            }
+        }
+    }
+    assert!(checked >= 6, "only {checked} instances were feasible");
+}
+
+#[test]
+fn a_model_that_fits_nowhere_is_an_error_naming_the_pool_and_the_bytes_short() {
+    // 300B parameters in BF16: 600 GB of weights; one node of 8 L20 has 8 x 48 x 0.9 = 345.6 GB.
+    // (Spec validation rejects this too; the planner must also say it for an `--inventory`.)
+    let job = job(
+        QWEN_7B,
+        "    - { name: l20s, gpu: L20, count: 64 }\n    - { name: l40s, gpu: L40S, count: 16, gpusPerNode: 4 }",
+    );
+    let mut huge = spec(&job).clone();
+    huge.model.parameters = 300e9;
+    huge.model.layers = 96;
+    huge.model.hidden_size = 16384;
+    huge.model.kv_heads = 8;
+    let err = plan::plan(&huge, &job.catalog, &mean).unwrap_err();
+    let PlanError::DoesNotFit {
+        ref pool,
+        usable_gb,
+        short_gb,
+        needed_gb,
+        ..
+    } = err
+    else {
+        panic!("{err}");
+    };
+    assert_eq!(pool, "l20s");
+    assert!((usable_gb - 345.6).abs() < 1e-9, "{usable_gb}");
+    // 600 GB + 2 x 96 x 8 x 128 x 2 bytes x 65,536 tokens = 600 + 25.77 GB.
+    assert!((needed_gb - (600.0 + 393_216.0 * 65_536.0 / 1e9)).abs() < 1e-6);
+    assert!((short_gb - (needed_gb - 345.6)).abs() < 1e-9);
+    let message = err.to_string();
+    assert!(
+        message.contains("pool \"l20s\"") && message.contains("GB short"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_pool_too_small_to_hold_the_training_state_is_named() {
+    // 32.8B x 16 bytes = 524.8 GB to train; 4 H20s hold 4 x 96 x 0.9 = 345.6 GB.
+    let job = job(
+        QWEN_32B,
+        "    - { name: tiny, gpu: H20, count: 4, gpusPerNode: 4 }",
+    );
+    let err = plan::plan(spec(&job), &job.catalog, &mean).unwrap_err();
+    match err {
+        PlanError::NoTrainer {
+            ref pool, short_gb, ..
+        } => {
+            assert_eq!(pool, "tiny");
+            assert!((short_gb - (524.8 - 345.6)).abs() < 1e-9, "{short_gb}");
+        }
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn the_same_job_gives_the_same_plan_byte_for_byte() {
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let a = serde_json::to_string(&plan::plan(spec(&job), &job.catalog, &mean).unwrap()).unwrap();
+    let b = serde_json::to_string(&plan::plan(spec(&job), &job.catalog, &mean).unwrap()).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn more_replicas_never_make_the_predicted_step_slower() {
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let base = predict::Candidate {
+        groups: vec![
+            predict::Group {
+                pool: 0,
+                role: Role::Prefill,
+                tp: 2,
+                replicas: 8,
+            },
+            predict::Group {
+                pool: 1,
+                role: Role::Decode,
+                tp: 2,
+                replicas: 20,
+            },
+        ],
+        trainer_pool: 0,
+        trainer_gpus: 32,
+    };
+    let t0 = predict::step_time(&p, &base).unwrap();
+    for (i, extra) in [
+        predict::Group {
+            pool: 1,
+            role: Role::Decode,
+            tp: 2,
+            replicas: 8,
+        },
+        predict::Group {
+            pool: 0,
+            role: Role::Decode,
+            tp: 1,
+            replicas: 4,
+        },
+        predict::Group {
+            pool: 0,
+            role: Role::Prefill,
+            tp: 4,
+            replicas: 2,
+        },
+        predict::Group {
+            pool: 1,
+            role: Role::Prefill,
+            tp: 2,
+            replicas: 8,
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut c = base.clone();
+        c.groups.push(extra);
+        let t = predict::step_time(&p, &c).unwrap();
+        assert!(t <= t0 * (1.0 + 1e-9), "case {i}: {t} > {t0}");
+    }
+}
