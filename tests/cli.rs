@@ -120,6 +120,7 @@ fn help_shows_an_example_for_every_subcommand() {
         &["--help"][..],
         &["validate", "--help"],
         &["catalog", "--help"],
+        &["plan", "--help"],
     ] {
         let out = rollfleet(args);
         assert_eq!(out.status.code(), Some(0));
@@ -129,6 +130,53 @@ fn help_shows_an_example_for_every_subcommand() {
             "{args:?}: {stdout}"
         );
     }
+}
+
+#[test]
+fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where() {
+    let out = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "--compare"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("not measured"), "{stdout}");
+    assert!(stdout.contains("predicted step:"), "{stdout}");
+    let train = stdout
+        .lines()
+        .find(|l| l.starts_with("train "))
+        .unwrap_or_default();
+    assert!(train.contains("h800"), "{stdout}");
+    assert!(stdout.contains("bandwidth-bound") && stdout.contains("compute-bound"));
+    assert!(stdout.contains("best-gpu"), "{stdout}");
+    let json = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "-o", "json"]);
+    let value: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert!(
+        value["plan"]["placement"]["replicas"]
+            .as_array()
+            .unwrap()
+            .len()
+            > 100
+    );
+}
+
+#[test]
+fn plan_on_an_inventory_too_small_for_the_model_exits_3_naming_the_pool_and_the_bytes_short() {
+    let inventory = scratch(
+        "small-inventory.yaml",
+        "pools:\n  - { name: l20s, gpu: L20, count: 16, gpusPerNode: 1 }\n  \
+         - { name: env-nodes, cpu: c7i.16xlarge, count: 4 }\n  \
+         - { name: lambda, serverless: aws-lambda, concurrency: 100 }\n",
+    );
+    let out = rollfleet(&[
+        "plan",
+        "examples/jobs/rollart-agentic.yaml",
+        "--inventory",
+        inventory.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("pool \"l20s\"") && stderr.contains("GB short"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -152,12 +152,27 @@ fn longest_context(spec: &JobSpec) -> u64 {
         .unwrap_or(0)
 }
 
-/// Builds the planning problem of a job (with `pools` in place of the job's own, if given).
+/// Builds the planning problem of a job, with each pool's tensor-parallel degree set by the
+/// core's rule (see [`problem_with`]).
 pub fn problem(
     spec: &JobSpec,
     catalog: &Catalog,
     mean: &dyn Fn(&Distribution) -> f64,
     eff: &Efficiency,
+) -> Result<Problem, PlanError> {
+    problem_with(spec, catalog, mean, eff, false)
+}
+
+/// Builds the planning problem of a job. With `search_tp`, every power-of-two degree within a
+/// node that holds the weights and one longest context is a choice of the search; without, each
+/// pool gets one degree by the core's rule (the smallest that leaves as much memory for KV cache
+/// as the weights take), which keeps the search over thousands of GPUs well under a second.
+pub fn problem_with(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    mean: &dyn Fn(&Distribution) -> f64,
+    eff: &Efficiency,
+    search_tp: bool,
 ) -> Result<Problem, PlanError> {
     let model = &spec.model;
     let weights = model.weight_bytes();
@@ -167,6 +182,12 @@ pub fn problem(
     let train_memory = TRAIN_BYTES_PER_PARAMETER * model.parameters;
     let mut gpu_pools = Vec::new();
     let mut closest: Option<(f64, String, String, u32)> = None;
+    // As in the spec: a pool pinned to `train` keeps training to itself; otherwise any unpinned
+    // pool may train.
+    let train_pinned = spec
+        .pools
+        .iter()
+        .any(|p| p.roles.contains(&SpecRole::Train));
     let mut vcpus = 0.0;
     let mut cpu_price = 0.0;
     let mut serverless = Vec::new();
@@ -182,11 +203,23 @@ pub fn problem(
                 let per_node = u32::try_from(pool.gpus_per_node().max(1)).unwrap_or(8);
                 let rates = GpuRates::of(gpu, eff);
                 let limit = per_node.min(count).max(1);
-                let tps: Vec<u32> = (0..7)
+                let fitting: Vec<u32> = (0..7)
                     .map(|s| 1u32 << s)
                     .filter(|&t| t <= limit)
                     .filter(|&t| t as f64 * rates.memory * USABLE_MEMORY_FRACTION >= replica_bytes)
                     .collect();
+                let tps = if search_tp {
+                    fitting
+                } else {
+                    // The core's rule: the smallest degree that leaves at least as much memory
+                    // for KV cache as the weights take (so batches amortise the weight reads),
+                    // else the smallest that fits.
+                    let roomy = fitting.iter().copied().find(|&t| {
+                        t as f64 * rates.memory * USABLE_MEMORY_FRACTION - weights
+                            >= weights.max(kv * context as f64)
+                    });
+                    roomy.or(fitting.first().copied()).into_iter().collect()
+                };
                 let node_usable = limit as f64 * rates.memory * USABLE_MEMORY_FRACTION;
                 if closest.as_ref().is_none_or(|(u, ..)| node_usable > *u) {
                     closest = Some((node_usable, pool.name.clone(), gpu.name.clone(), limit));
@@ -214,7 +247,11 @@ pub fn problem(
                     per_node,
                     tps,
                     serve_roles,
-                    may_train: pinned.is_empty() || pinned.contains(&SpecRole::Train),
+                    may_train: if train_pinned {
+                        pinned.contains(&SpecRole::Train)
+                    } else {
+                        pinned.is_empty()
+                    },
                 });
             }
             Some(PoolKind::Cpu) => {

@@ -172,8 +172,11 @@ pub enum Binding {
 /// What the predictor says about a candidate.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Prediction {
-    /// Seconds per RL step.
+    /// Seconds per RL step, in steady state.
     pub step_s: f64,
+    /// Seconds per RL step averaged over the job's steps, counting the first step's warm-up
+    /// (the first batch takes a whole slot lifetime): what a finite run measures.
+    pub job_step_s: f64,
     /// Trajectories per second.
     pub trajectories_per_s: f64,
     /// The term that sets it.
@@ -345,48 +348,82 @@ pub fn step_time(p: &Problem, c: &Candidate) -> Option<f64> {
 }
 
 fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> {
-    let s = step_work(p);
-    let w = &p.workload;
+    let caps = capacities(p, c)?;
+    predict_caps(p, &caps, if detail { Some(c) } else { None })
+}
+
+/// What a placement offers, summed: all the predictor needs besides the problem.
+#[derive(Debug, Clone)]
+pub(crate) struct Caps {
+    disaggregated: bool,
+    prefill_flops: f64,
+    prefill_fastest: f64,
+    local_flops: f64,
+    local_fastest: f64,
+    kinds: Vec<DecodeKind>,
+    trainer_flops: f64,
+}
+
+fn kv_cap(p: &Problem, pool: &GpuPool, tp: f64) -> f64 {
+    let kv_tokens = ((tp * pool.rates.memory * p.usable_memory - p.weight_bytes)
+        / p.kv_bytes_per_token)
+        .max(0.0);
+    (kv_tokens / p.reserved_context.max(1.0))
+        .floor()
+        .min(p.max_seqs)
+}
+
+fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
     let trainer = p.gpu_pools.get(c.trainer_pool)?;
-    if c.trainer_gpus == 0 {
-        return None;
-    }
-    let disaggregated = c
-        .groups
-        .iter()
-        .any(|g| g.role == Role::Prefill && g.replicas > 0);
-    let mut prefill_flops = 0.0;
-    let mut prefill_fastest: f64 = 0.0;
-    let mut local_flops = 0.0;
-    let mut local_fastest: f64 = 0.0;
-    let mut kinds = Vec::new();
+    let mut caps = Caps {
+        disaggregated: c
+            .groups
+            .iter()
+            .any(|g| g.role == Role::Prefill && g.replicas > 0),
+        prefill_flops: 0.0,
+        prefill_fastest: 0.0,
+        local_flops: 0.0,
+        local_fastest: 0.0,
+        kinds: Vec::new(),
+        trainer_flops: c.trainer_gpus as f64 * trainer.peak_flops,
+    };
     for g in c.groups.iter().filter(|g| g.replicas > 0) {
         let pool = p.gpu_pools.get(g.pool)?;
         let tp = g.tp as f64;
         let n = g.replicas as f64;
         let f = pool.rates.flops * tp;
-        let kv_tokens = ((tp * pool.rates.memory * p.usable_memory - p.weight_bytes)
-            / p.kv_bytes_per_token)
-            .max(0.0);
         match g.role {
             Role::Prefill => {
-                prefill_flops += n * f;
-                prefill_fastest = prefill_fastest.max(f);
+                caps.prefill_flops += n * f;
+                caps.prefill_fastest = caps.prefill_fastest.max(f);
             }
             Role::Decode | Role::Generate => {
-                local_flops += n * f;
-                local_fastest = local_fastest.max(f);
-                kinds.push(DecodeKind {
+                caps.local_flops += n * f;
+                caps.local_fastest = caps.local_fastest.max(f);
+                caps.kinds.push(DecodeKind {
                     replicas: n,
                     bandwidth: pool.rates.bandwidth * tp,
                     flops: f,
-                    cap: (kv_tokens / p.reserved_context.max(1.0))
-                        .floor()
-                        .min(p.max_seqs),
+                    cap: kv_cap(p, pool, tp),
                 });
             }
         }
     }
+    Some(caps)
+}
+
+fn predict_caps(p: &Problem, caps: &Caps, detail: Option<&Candidate>) -> Option<Prediction> {
+    let s = step_work(p);
+    let w = &p.workload;
+    if caps.trainer_flops <= 0.0 {
+        return None;
+    }
+    let disaggregated = caps.disaggregated;
+    let prefill_flops = caps.prefill_flops;
+    let prefill_fastest = caps.prefill_fastest;
+    let local_flops = caps.local_flops;
+    let local_fastest = caps.local_fastest;
+    let kinds = &caps.kinds;
     if kinds.iter().all(|k| k.cap < 1.0) {
         return None;
     }
@@ -396,7 +433,7 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
         (0.0, s.first_prefill_flops)
     };
     let local_work = s.later_prefill_flops + first_local;
-    let train_s = s.train_flops / (c.trainer_gpus as f64 * trainer.peak_flops * w.train_mfu);
+    let train_s = s.train_flops / (caps.trainer_flops * w.train_mfu);
     let prefill_s = if first_remote > 0.0 {
         first_remote / prefill_flops.max(1e-30)
     } else {
@@ -448,6 +485,7 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
         let q_local = queue(local_prefill_s / t);
         let mut slots = 0.0;
         let mut longest: f64 = 0.0;
+        let fill = w.train_batch / w.batch;
         for task in &w.tasks {
             let first_tokens = task.prompt;
             let first = p.flops_per_token * first_tokens
@@ -460,18 +498,25 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
             let obs = task.observation;
             let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
             let later_s = later / local_fastest.max(1e-30) * q_local;
-            let turns = task.group_turns;
-            let life = (turns + 1.0) * task.env_step_s
+            // A group is trained when its slowest member is done: the mean lifetime plus
+            // `group_max_z` standard deviations of it (turns vary, and so does every step).
+            let turns = task.turns;
+            let per_turn = task.env_step_s + later_s + task.action * tau;
+            let mean_life = (turns + 1.0) * task.env_step_s
                 + first_s
                 + (turns - 1.0).max(0.0) * later_s
                 + turns * task.action * tau
                 + task.reward_s;
+            let var_life = turns * (task.env_step_var + tau * tau * task.action_var)
+                + task.turns_var * per_turn * per_turn;
+            let life = mean_life + w.group_max_z * var_life.sqrt();
             longest = longest.max(life);
             slots += task.share * life;
         }
-        // A finished group waits for a training batch to fill and for the trainer.
-        let fill = w.train_batch / w.batch;
-        let wait = fill * (t / 2.0 + train_s);
+        // A finished group waits for a training batch to fill and for the trainer, which
+        // queues batches like any server: a trainer busy nearly all the step makes every group
+        // wait (M/D/1), holding its slot and ageing towards the staleness bound.
+        let wait = fill * (t / 2.0 + train_s * queue(train_s / t));
         let latency_s = w.batch * (slots + wait) / window.max(1.0);
         let staleness_s = longest / w.max_staleness.max(1.0);
         let terms = Terms {
@@ -507,7 +552,7 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
         hi = lo;
     }
     for _ in 0..60 {
-        if hi - lo <= 1e-6 * hi {
+        if hi - lo <= 1e-7 * hi {
             break;
         }
         let mid = 0.5 * (lo + hi);
@@ -519,9 +564,10 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
     }
     let t = hi;
     let (mut terms, tau, slot) = evaluate(t)?;
-    if !detail {
+    let Some(c) = detail else {
         return Some(Prediction {
             step_s: t,
+            job_step_s: t,
             trajectories_per_s: w.batch / t,
             binding: Binding::Latency,
             terms,
@@ -531,12 +577,12 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
             env_utilisation: 0.0,
             cost_per_step_usd: 0.0,
         });
-    }
+    };
     // The decode capacity term: the step time below which no per-token time serves the tokens.
     let mut dlo = 0.0;
     let mut dhi = t;
     if token_time(
-        &kinds,
+        kinds,
         s.decode_tokens / dhi,
         weights,
         kv_per_seq,
@@ -550,7 +596,7 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
                 break;
             }
             if token_time(
-                &kinds,
+                kinds,
                 s.decode_tokens / mid,
                 weights,
                 kv_per_seq,
@@ -601,16 +647,11 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
             Role::Prefill => (prefill_s / t).min(1.0),
             Role::Decode | Role::Generate => {
                 let tp = g.tp as f64;
-                let kv_tokens = ((tp * pool.rates.memory * p.usable_memory - p.weight_bytes)
-                    / p.kv_bytes_per_token)
-                    .max(0.0);
                 let k = DecodeKind {
                     replicas: 1.0,
                     bandwidth: pool.rates.bandwidth * tp,
                     flops: pool.rates.flops * tp,
-                    cap: (kv_tokens / p.reserved_context.max(1.0))
-                        .floor()
-                        .min(p.max_seqs),
+                    cap: kv_cap(p, pool, tp),
                 };
                 let b = batch_at(&k, tau, weights, kv_per_seq, flops_per_seq);
                 // A replica is busy whenever it holds a sequence (Poisson occupancy).
@@ -633,8 +674,10 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
         .sum();
     let cost_per_step_usd = (gpu_cost_per_s + p.cpu_price_per_hour / 3600.0) * t
         + p.serverless_gb_s_per_step * p.serverless.first().map_or(0.0, |s| s.price_per_gb_s);
+    let steps = w.steps.max(1.0);
     Some(Prediction {
         step_s: t,
+        job_step_s: (slot.max(t) + (steps - 1.0) * t) / steps,
         trajectories_per_s: w.batch / t,
         binding,
         terms,
@@ -646,43 +689,61 @@ fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> 
     })
 }
 
-/// A lower bound on the predicted step time of every completion of a partial candidate: the
-/// pools not yet decided (`free`, with the GPUs each may still use) are counted as prefill and
-/// as decode replicas at once, at every tensor-parallel degree at once, so any completion can
-/// only be slower.
+/// A lower bound on the predicted step time of every completion of a partial candidate. Each
+/// pool not yet decided (`free`, with the GPUs it may still use) is counted as prefill and as
+/// decode capacity at once, with all its GPUs' FLOP/s, and as many decode replicas as its
+/// smallest tensor-parallel degree gives, each as fast and as roomy as its largest degree makes
+/// one: any completion's replicas are no more, no faster and no roomier, and the predictor never
+/// gets slower when capacity is added, so no completion is faster than this.
 pub fn relaxed(
     p: &Problem,
     partial: &Candidate,
     free: &[(usize, u32)],
     disaggregated: bool,
 ) -> Option<f64> {
-    let mut c = partial.clone();
+    let mut caps = capacities(p, partial)?;
+    caps.disaggregated = disaggregated;
     for &(pool, gpus) in free {
         let Some(gp) = p.gpu_pools.get(pool) else {
             continue;
         };
-        // Every tensor-parallel degree at once, each with all the GPUs: a superset of the
-        // replicas of any completion, so (the predictor being monotone) no completion is faster.
-        for &tp in gp.tps.iter().filter(|&&t| t <= gpus) {
-            let replicas = gpus / tp;
-            let roles: &[Role] = if disaggregated {
-                &[Role::Prefill, Role::Decode]
-            } else {
-                &[Role::Generate]
-            };
-            for &role in roles {
-                if gp.serve_roles.contains(&role) {
-                    c.groups.push(Group {
-                        pool,
-                        role,
-                        tp,
-                        replicas,
-                    });
-                }
-            }
+        let mut fitting = gp.tps.iter().copied().filter(|&t| t <= gpus);
+        let Some(smallest) = fitting.next() else {
+            continue;
+        };
+        let largest = fitting.next_back().unwrap_or(smallest);
+        let all = gpus as f64 * gp.rates.flops;
+        let fastest = largest as f64 * gp.rates.flops;
+        let prefills = disaggregated && gp.serve_roles.contains(&Role::Prefill);
+        let decodes = if disaggregated {
+            gp.serve_roles.contains(&Role::Decode)
+        } else {
+            gp.serve_roles.contains(&Role::Generate)
+        };
+        if prefills {
+            caps.prefill_flops += all;
+            caps.prefill_fastest = caps.prefill_fastest.max(fastest);
+        }
+        if decodes {
+            caps.local_flops += all;
+            caps.local_fastest = caps.local_fastest.max(fastest);
+            caps.kinds.push(DecodeKind {
+                replicas: (gpus / smallest) as f64,
+                bandwidth: gp.rates.bandwidth * largest as f64,
+                flops: fastest,
+                cap: kv_cap(p, gp, largest as f64),
+            });
         }
     }
-    step_time(p, &c)
+    predict_caps(p, &caps, None).map(|x| x.step_s)
+}
+
+/// The training term alone for a trainer, seconds per step: no placement with this trainer can
+/// be faster.
+pub fn train_time(p: &Problem, pool: usize, gpus: u32) -> f64 {
+    let s = step_work(p);
+    let flops = p.gpu_pools.get(pool).map_or(0.0, |g| g.peak_flops) * gpus as f64;
+    s.train_flops / (flops * p.workload.train_mfu).max(1e-30)
 }
 
 /// Training GPUs needed to hold the model's training state in a pool's memory.

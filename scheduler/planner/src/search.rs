@@ -14,11 +14,13 @@
 //!
 //! The search walks the pools depth first. At every node it bounds all completions from below
 //! with [`predict::relaxed`] (undecided pools serve every role at every degree at once) and
-//! drops the branch when the bound is no better than the best complete placement found so far;
-//! whole trainer choices are dropped the same way before their first branch. Because the
-//! predictor never gets slower when capacity is added, the bound is valid and the result is the
-//! exact optimum of the predictor over the space; [`brute_force`] enumerates the same space
-//! without pruning, and the tests check that both agree.
+//! drops the branch when the bound is no better than the best complete placement found so far
+//! (less a relative gap: 0 for [`solve_within`]`(p, 0.0)`, which is exact, and [`DEFAULT_GAP`]
+//! for [`solve`], i.e. exact too); whole trainer choices are dropped the same way before their first branch,
+//! and are tried best bound first. Because the predictor never gets slower when capacity is
+//! added, the bound is valid; [`brute_force`] enumerates the same space without pruning, and
+//! the tests check that the exact search agrees with it (gap 0) and the default one stays
+//! within its gap.
 
 use crate::predict::{self, Candidate, Group, Problem, Role};
 
@@ -98,11 +100,17 @@ struct Search<'a> {
     best: Option<(f64, Candidate)>,
     nodes: u64,
     prune: bool,
+    gap: f64,
 }
 
 impl Search<'_> {
     fn incumbent(&self) -> f64 {
         self.best.as_ref().map_or(f64::INFINITY, |(t, _)| *t)
+    }
+
+    /// A branch is worth exploring only if its bound beats the incumbent by more than the gap.
+    fn worth(&self, bound: f64) -> bool {
+        bound < self.incumbent() * (1.0 - self.gap)
     }
 
     fn run(&mut self, disaggregated: bool, trainer_pool: usize, trainer_gpus: u32) {
@@ -137,7 +145,7 @@ impl Search<'_> {
         }
         if self.prune {
             match predict::relaxed(self.p, partial, &free, disaggregated) {
-                Some(bound) if bound < self.incumbent() => {}
+                Some(bound) if self.worth(bound) => {}
                 _ => return,
             }
         }
@@ -163,7 +171,7 @@ impl Search<'_> {
     }
 }
 
-fn search(p: &Problem, prune: bool) -> Option<Found> {
+fn search(p: &Problem, prune: bool, gap: f64) -> Option<Found> {
     // Big pools first: deciding them moves the bound most.
     let mut order: Vec<usize> = (0..p.gpu_pools.len()).collect();
     order.sort_by(|&a, &b| {
@@ -178,17 +186,45 @@ fn search(p: &Problem, prune: bool) -> Option<Found> {
         best: None,
         nodes: 0,
         prune,
+        gap: gap.clamp(0.0, 0.5),
     };
+    // Every (mode, trainer pool, trainer size) with the bound of its root; best first, so that
+    // a good incumbent comes early and the rest are dropped on their root bound alone.
+    let mut runs: Vec<(f64, bool, usize, u32)> = Vec::new();
     for disaggregated in [true, false] {
         for trainer_pool in 0..p.gpu_pools.len() {
-            // Largest trainers first when pruning: rollout rarely needs all of a pool, and a good
-            // first incumbent prunes the rest.
-            let mut sizes = trainer_sizes(p, trainer_pool);
-            sizes.reverse();
-            for g in sizes {
-                s.run(disaggregated, trainer_pool, g);
+            for g in trainer_sizes(p, trainer_pool) {
+                let bound = if prune {
+                    let free: Vec<(usize, u32)> = (0..p.gpu_pools.len())
+                        .map(|i| {
+                            let count = p.gpu_pools[i].count;
+                            (i, if i == trainer_pool { count - g } else { count })
+                        })
+                        .collect();
+                    let root = Candidate {
+                        groups: Vec::new(),
+                        trainer_pool,
+                        trainer_gpus: g,
+                    };
+                    s.nodes += 1;
+                    match predict::relaxed(p, &root, &free, disaggregated) {
+                        Some(b) => b,
+                        None => continue,
+                    }
+                } else {
+                    0.0
+                };
+                runs.push((bound, disaggregated, trainer_pool, g));
             }
         }
+    }
+    // A stable sort on the bound keeps the enumeration order among equals: deterministic.
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for (bound, disaggregated, trainer_pool, g) in runs {
+        if prune && !s.worth(bound) {
+            break;
+        }
+        s.run(disaggregated, trainer_pool, g);
     }
     let nodes = s.nodes;
     s.best.map(|(step_s, candidate)| Found {
@@ -198,13 +234,25 @@ fn search(p: &Problem, prune: bool) -> Option<Found> {
     })
 }
 
-/// The exact optimum of the predictor over the decision space, by branch and bound.
+/// The relative optimality gap [`solve`] allows: none, it is exact. (With tensor-parallel
+/// degrees searched too, [`crate::plan::problem_with`], large inventories make the predicted
+/// step nearly flat across many placements, and a gap such as `1e-2` is what keeps such a search
+/// short; [`solve_within`] takes one.)
+pub const DEFAULT_GAP: f64 = 0.0;
+
+/// The optimum of the predictor over the decision space within [`DEFAULT_GAP`], by branch and
+/// bound.
 pub fn solve(p: &Problem) -> Option<Found> {
-    search(p, true)
+    search(p, true, DEFAULT_GAP)
+}
+
+/// The optimum within a relative gap (0: exact).
+pub fn solve_within(p: &Problem, gap: f64) -> Option<Found> {
+    search(p, true, gap)
 }
 
 /// Every placement of the decision space (including pools left idle), without pruning. For
 /// tests on small instances.
 pub fn brute_force(p: &Problem) -> Option<Found> {
-    search(p, false)
+    search(p, false, 0.0)
 }

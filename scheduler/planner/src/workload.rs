@@ -20,6 +20,12 @@ pub struct TaskLoad {
     /// Mean turns of the longest of a group's `groupSize` trajectories (a group is trained on
     /// only when its slowest member is done).
     pub group_turns: f64,
+    /// Variance of the turns per trajectory.
+    pub turns_var: f64,
+    /// Variance of one environment step, seconds squared.
+    pub env_step_var: f64,
+    /// Variance of the action tokens of one turn.
+    pub action_var: f64,
     /// Mean prompt tokens.
     pub prompt: f64,
     /// Mean action tokens per turn.
@@ -57,6 +63,11 @@ pub struct Workload {
     pub over_provisioning: f64,
     /// Share of peak FLOP/s training achieves.
     pub train_mfu: f64,
+    /// RL steps the job runs.
+    pub steps: f64,
+    /// Mean of the largest of `groupSize` standard normal draws (Blom's approximation): how many
+    /// standard deviations the slowest member of a group lags the mean.
+    pub group_max_z: f64,
 }
 
 impl Workload {
@@ -74,11 +85,12 @@ impl Workload {
             .iter()
             .map(|task| {
                 let max_turns = task.max_turns.max(1) as f64;
-                let (turns, group_turns) = match task.turns.as_deref() {
-                    None => (max_turns, max_turns),
+                let (turns, group_turns, turns_var) = match task.turns.as_deref() {
+                    None => (max_turns, max_turns, 0.0),
                     Some(d) => (
                         mean(d).clamp(1.0, max_turns),
                         expected_max(d, group, mean).clamp(1.0, max_turns),
+                        variance(d, mean),
                     ),
                 };
                 let prompt = mean(&task.prompt_tokens).max(0.0);
@@ -101,6 +113,9 @@ impl Workload {
                     share: task.share.max(0.0) / total,
                     turns,
                     group_turns,
+                    turns_var,
+                    env_step_var: variance(&task.env_step_ms, mean) / 1e6,
+                    action_var: variance(&task.action_tokens, mean),
                     prompt,
                     action,
                     observation,
@@ -121,6 +136,12 @@ impl Workload {
             max_staleness: spec.rl.max_staleness.max(0) as f64,
             over_provisioning: spec.rl.over_provisioning.max(0.0),
             train_mfu: spec.rl.train_mfu.clamp(0.01, 1.0),
+            steps: spec.rl.steps.max(1) as f64,
+            group_max_z: if group > 1.0 {
+                normal_quantile((group - 0.375) / (group + 0.25))
+            } else {
+                0.0
+            },
         }
     }
 
@@ -158,6 +179,22 @@ pub fn expected_max(dist: &Distribution, n: f64, mean: &dyn Fn(&Distribution) ->
             max.map_or(v, |m| v.min(m))
         }
         Distribution::Trace { .. } => mean(dist),
+    }
+}
+
+/// The variance of a distribution. Closed form for fixed, uniform and log-normal (clipping
+/// ignored); a trace is taken to have a coefficient of variation of 1 (its variance is its mean
+/// squared), about what token-count traces show.
+pub fn variance(dist: &Distribution, mean: &dyn Fn(&Distribution) -> f64) -> f64 {
+    match *dist {
+        Distribution::Fixed { .. } => 0.0,
+        Distribution::Uniform { min, max } => (max - min).powi(2) / 12.0,
+        Distribution::LogNormal { median, p99, .. } => {
+            let sigma = lognormal_sigma(median, p99);
+            let m = median * (sigma * sigma / 2.0).exp();
+            m * m * ((sigma * sigma).exp() - 1.0)
+        }
+        Distribution::Trace { .. } => mean(dist).powi(2),
     }
 }
 
@@ -227,6 +264,27 @@ mod tests {
         };
         let m = expected_max(&d, 8.0, &no_trace);
         assert!((m - (8.0 + 22.0 * 8.0 / 9.0)).abs() < 1e-12, "{m}");
+    }
+
+    #[test]
+    fn variances_match_their_closed_forms() {
+        let u = Distribution::Uniform {
+            min: 8.0,
+            max: 30.0,
+        };
+        assert!((variance(&u, &no_trace) - 484.0 / 12.0).abs() < 1e-12);
+        // Log-normal with median 1 and sigma 1 (p99 = e^2.326): mean e^0.5, variance e (e - 1).
+        let l = Distribution::LogNormal {
+            median: 1.0,
+            p99: 2.326_347_874_040_841_f64.exp(),
+            max: None,
+        };
+        let e = std::f64::consts::E;
+        assert!((variance(&l, &no_trace) - e * (e - 1.0)).abs() < 1e-9);
+        assert_eq!(
+            variance(&Distribution::Fixed { value: 3.0 }, &no_trace),
+            0.0
+        );
     }
 
     #[test]

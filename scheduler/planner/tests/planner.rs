@@ -147,12 +147,22 @@ fn branch_and_bound_finds_the_brute_force_optimum_on_small_instances() {
     for model in [QWEN_7B, QWEN_32B] {
         for (name, pools) in small_inventories() {
             let job = job(model, &pools);
-            let Ok(p) = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default())
-            else {
+            // Tensor-parallel degrees searched too: the larger space.
+            let Ok(p) = plan::problem_with(
+                spec(&job),
+                &job.catalog,
+                &mean,
+                &Efficiency::default(),
+                true,
+            ) else {
                 continue;
             };
-            let exact = search::solve(&p);
+            let exact = search::solve_within(&p, 0.0);
             let brute = search::brute_force(&p);
+            let default = search::solve(&p);
+            if let (Some(d), Some(b)) = (&default, &brute) {
+                assert!(d.step_s <= b.step_s * (1.0 + search::DEFAULT_GAP) + 1e-12);
+            }
             match (exact, brute) {
                 (Some(e), Some(b)) => {
                     let gap = (e.step_s - b.step_s) / b.step_s;
