@@ -4,8 +4,9 @@
 //!   every pool gives the same share of its serving GPUs to prefill and the rest to decode (or
 //!   every pool generates, prefill and decode colocated). The core trains on one pool, so the
 //!   trainer is one pool's whole nodes. Among this family, the best by the predictor (trainer
-//!   pool and size, prefill share in tenths, or colocated generation) is taken, so the comparison
-//!   is with the best uniform placement, not a strawman.
+//!   pool and size, prefill share in tenths or colocated generation, one tensor-parallel degree
+//!   for every pool) is taken, so the comparison is with the best uniform placement, not a
+//!   strawman.
 //! - **best-gpu**: everything on the most powerful GPU product (highest peak FLOP/s per GPU; the
 //!   larger pool on a tie), the other GPU pools idle, planned exactly on that pool alone.
 
@@ -18,11 +19,19 @@ pub fn uniform(p: &Problem) -> Option<Found> {
     let mut nodes = 0;
     for trainer_pool in 0..p.gpu_pools.len() {
         for g in trainer_sizes(p, trainer_pool) {
-            // Prefill share in tenths, or 10 = colocated generation everywhere.
-            for tenth in 1..=10u32 {
+            // Prefill share in tenths, or 10 = colocated generation everywhere; one
+            // tensor-parallel degree for every pool (the smallest each pool allows at or above
+            // it), so the uniform placement has the same lever the plan has.
+            for (tenth, wanted) in (1..=10u32).flat_map(|t| [1u32, 2, 4, 8].map(|w| (t, w))) {
                 let mut groups = Vec::new();
                 for (i, pool) in p.gpu_pools.iter().enumerate() {
-                    let Some(&tp) = pool.tps.first() else {
+                    let Some(tp) = pool
+                        .tps
+                        .iter()
+                        .copied()
+                        .find(|&t| t >= wanted)
+                        .or_else(|| pool.tps.last().copied())
+                    else {
                         continue;
                     };
                     let avail = if i == trainer_pool {

@@ -152,16 +152,26 @@ fn longest_context(spec: &JobSpec) -> u64 {
         .unwrap_or(0)
 }
 
-/// Builds the planning problem of a job, with each pool's tensor-parallel degree set by the
-/// core's rule (see [`problem_with`]).
+/// Builds the planning problem of a job: tensor-parallel degrees searched on small inventories,
+/// set by the core's rule on large ones (see [`problem_with`], [`SEARCH_TP_MAX_POOLS`]).
 pub fn problem(
     spec: &JobSpec,
     catalog: &Catalog,
     mean: &dyn Fn(&Distribution) -> f64,
     eff: &Efficiency,
 ) -> Result<Problem, PlanError> {
-    problem_with(spec, catalog, mean, eff, false)
+    let gpu_pools = spec
+        .pools
+        .iter()
+        .filter(|p| p.kind() == Some(PoolKind::Gpu))
+        .count();
+    problem_with(spec, catalog, mean, eff, gpu_pools <= SEARCH_TP_MAX_POOLS)
 }
+
+/// Inventories with at most this many GPU pools have their tensor-parallel degrees searched
+/// too (exactly, in milliseconds); larger ones use the core's rule per pool, which keeps the
+/// exact search over thousands of GPUs in tens of milliseconds (see `benches/plan.rs`).
+pub const SEARCH_TP_MAX_POOLS: usize = 4;
 
 /// Builds the planning problem of a job. With `search_tp`, every power-of-two degree within a
 /// node that holds the weights and one longest context is a choice of the search; without, each
