@@ -506,7 +506,7 @@ pub fn describe(
             replicas: 1,
             tp: c.trainer_gpus,
             why: format!(
-                "{}; {} GPUs train a step in {:.1} s, the most its pool can give while serving keeps up",
+                "{}; {} GPUs train a step in {:.1} s (the trainer size with the shortest predicted step)",
                 explain_role(p, "training", train, "one step's tokens", c.trainer_pool),
                 c.trainer_gpus,
                 prediction.terms.train_s
