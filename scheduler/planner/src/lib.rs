@@ -11,7 +11,9 @@
 //!   step, and the brute force it is tested against;
 //! - [`plan`]: the problem built from a job spec, the plan as the core's `Placement`, and the
 //!   explanation of every role;
-//! - [`compare`]: the `uniform` and `best-gpu` placements the plan is measured against.
+//! - [`compare`]: the `uniform` and `best-gpu` placements the plan is measured against;
+//! - [`profile`]: measured and probed profiles, their precedence over the model, and the store
+//!   `rollfleet profile` saves and loads.
 //!
 //! The crate is pure and deterministic (no clock, no randomness, no hash-order iteration): the
 //! same job gives the same plan, byte for byte.
@@ -19,6 +21,7 @@
 pub mod compare;
 pub mod plan;
 pub mod predict;
+pub mod profile;
 pub mod roofline;
 pub mod search;
 pub mod workload;

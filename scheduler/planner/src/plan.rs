@@ -7,7 +7,8 @@ use rollfleet_spec::{Distribution, JobSpec, PoolKind, PoolSpec, Role as SpecRole
 use serde::{Deserialize, Serialize};
 
 use crate::predict::{self, Candidate, GpuPool, Group, Prediction, Problem, Role, ServerlessPool};
-use crate::roofline::{self, Bound, Efficiency, GpuRates};
+use crate::profile::ProfileStore;
+use crate::roofline::{self, Bound, Efficiency, GpuRates, WorkKind};
 use crate::search;
 use crate::workload::Workload;
 
@@ -165,7 +166,38 @@ pub fn problem(
         .iter()
         .filter(|p| p.kind() == Some(PoolKind::Gpu))
         .count();
-    problem_with(spec, catalog, mean, eff, gpu_pools <= SEARCH_TP_MAX_POOLS)
+    problem_with(
+        spec,
+        catalog,
+        mean,
+        eff,
+        gpu_pools <= SEARCH_TP_MAX_POOLS,
+        &ProfileStore::default(),
+    )
+}
+
+/// [`problem`] with measured and probed profiles: each pool's achieved shares of peak come
+/// from the store where it has them (probed, then measured once ready), else from `eff`.
+pub fn problem_profiled(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    mean: &dyn Fn(&Distribution) -> f64,
+    eff: &Efficiency,
+    profiles: &ProfileStore,
+) -> Result<Problem, PlanError> {
+    let gpu_pools = spec
+        .pools
+        .iter()
+        .filter(|p| p.kind() == Some(PoolKind::Gpu))
+        .count();
+    problem_with(
+        spec,
+        catalog,
+        mean,
+        eff,
+        gpu_pools <= SEARCH_TP_MAX_POOLS,
+        profiles,
+    )
 }
 
 /// Inventories with at most this many GPU pools have their tensor-parallel degrees searched
@@ -183,6 +215,7 @@ pub fn problem_with(
     mean: &dyn Fn(&Distribution) -> f64,
     eff: &Efficiency,
     search_tp: bool,
+    profiles: &ProfileStore,
 ) -> Result<Problem, PlanError> {
     let model = &spec.model;
     let weights = model.weight_bytes();
@@ -211,7 +244,24 @@ pub fn problem_with(
                 })?;
                 let count = u32::try_from(pool.count.unwrap_or(0).max(0)).unwrap_or(u32::MAX);
                 let per_node = u32::try_from(pool.gpus_per_node().max(1)).unwrap_or(8);
-                let rates = GpuRates::of(gpu, eff);
+                let share = |kind| {
+                    profiles
+                        .effective(
+                            kind,
+                            &pool.name,
+                            &gpu.name,
+                            gpu.peak_flops(),
+                            gpu.memory_bandwidth_bytes_per_s(),
+                            eff,
+                        )
+                        .share
+                };
+                let pool_eff = Efficiency {
+                    compute: share(WorkKind::Prefill),
+                    bandwidth: share(WorkKind::Decode),
+                    link: eff.link,
+                };
+                let rates = GpuRates::of(gpu, &pool_eff);
                 let limit = per_node.min(count).max(1);
                 let fitting: Vec<u32> = (0..7)
                     .map(|s| 1u32 << s)

@@ -143,6 +143,7 @@ fn branch_and_bound_finds_the_brute_force_optimum_on_small_instances() {
                 &mean,
                 &Efficiency::default(),
                 true,
+                &Default::default(),
             ) else {
                 continue;
             };
@@ -227,6 +228,49 @@ fn a_pool_too_small_to_hold_the_training_state_is_named() {
         }
         other => panic!("{other}"),
     }
+}
+
+#[test]
+fn a_measured_profile_slower_than_the_model_slows_the_prediction() {
+    use rollfleet_planner::profile::{MIN_SAMPLES, ProfileStore};
+    use rollfleet_planner::roofline::{WorkKind, decode_step};
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let model = plan::plan(spec(&job), &job.catalog, &mean).unwrap();
+    // H20 decode measured at 40% of peak bandwidth instead of the model's 80%.
+    let mut store = ProfileStore::default();
+    let work = decode_step(&spec(&job).model, 8.0, 4096.0);
+    let h20 = job.catalog.gpu("H20").unwrap();
+    let at_peak = work.seconds(h20.peak_flops(), h20.memory_bandwidth_bytes_per_s());
+    for _ in 0..MIN_SAMPLES {
+        store.record(
+            WorkKind::Decode,
+            "h20",
+            work,
+            h20.peak_flops(),
+            h20.memory_bandwidth_bytes_per_s(),
+            at_peak / 0.4,
+        );
+    }
+    let p = plan::problem_profiled(
+        spec(&job),
+        &job.catalog,
+        &mean,
+        &Efficiency::default(),
+        &store,
+    )
+    .unwrap();
+    let h20_pool = p.gpu_pools.iter().find(|g| g.name == "h20").unwrap();
+    assert!((h20_pool.rates.bandwidth - 0.4 * 4000e9).abs() < 1e-3);
+    let slower = search::solve(&p).unwrap();
+    assert!(
+        slower.step_s > model.prediction.step_s,
+        "{} vs {}",
+        slower.step_s,
+        model.prediction.step_s
+    );
 }
 
 #[test]
