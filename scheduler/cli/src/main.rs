@@ -58,6 +58,9 @@ enum Command {
         rollfleet plan JOB.yaml --inventory cluster.yaml\n\n\
         Predictions come from the planner's roofline model of published peaks, not from a GPU.")]
     Plan(commands::plan::PlanArgs),
+    /// Profiles the planner uses (model, measured, probed): show them, export and import them.
+    #[command(subcommand)]
+    Profile(commands::profile::ProfileCommand),
     /// Reward functions over the AWS Lambda Invoke API.
     #[command(subcommand)]
     Serverless(commands::serverless::ServerlessCommand),
@@ -76,6 +79,9 @@ fn main() -> ExitCode {
         Command::Catalog(args) => commands::catalog::run(args, cli.output, &mut stdout),
         Command::Sim(args) => commands::sim::run(args, cli.output, &mut stdout, &mut stderr),
         Command::Plan(args) => commands::plan::run(args, cli.output, &mut stdout, &mut stderr),
+        Command::Profile(command) => {
+            commands::profile::run(command, cli.output, &mut stdout, &mut stderr)
+        }
         Command::Serverless(command) => commands::serverless::run(command, &mut stderr),
         Command::Gpus(args) => commands::gpus::run(args, cli.output, &mut stdout, &mut stderr),
     };

@@ -30,6 +30,10 @@ pub struct PlanArgs {
     /// Also predict the `uniform` and `best-gpu` placements, to compare.
     #[arg(long)]
     pub compare: bool,
+    /// A profile store (JSON, from `rollfleet profile export|import`): measured and probed
+    /// shares of peak replace the model's where the store has them.
+    #[arg(long, value_name = "FILE")]
+    pub profiles: Option<PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -84,13 +88,24 @@ pub fn run(
             }
         }
     }
-    let problem = match plan::problem(&spec, &job.catalog, &mean, &Efficiency::default()) {
-        Ok(p) => p,
-        Err(e) => {
-            writeln!(stderr, "error: {e}")?;
-            return Ok(exit::INVALID_INPUT);
-        }
+    let store = match &args.profiles {
+        Some(path) => match crate::commands::profile::read_store(path) {
+            Ok(s) => s,
+            Err(e) => {
+                writeln!(stderr, "error: {e:#}")?;
+                return Ok(exit::INVALID_INPUT);
+            }
+        },
+        None => Default::default(),
     };
+    let problem =
+        match plan::problem_profiled(&spec, &job.catalog, &mean, &Efficiency::default(), &store) {
+            Ok(p) => p,
+            Err(e) => {
+                writeln!(stderr, "error: {e}")?;
+                return Ok(exit::INVALID_INPUT);
+            }
+        };
     let Some(found) = search::solve(&problem) else {
         writeln!(stderr, "error: no placement can run the job")?;
         return Ok(exit::INVALID_INPUT);
