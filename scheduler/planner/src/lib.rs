@@ -13,7 +13,9 @@
 //!   explanation of every role;
 //! - [`compare`]: the `uniform` and `best-gpu` placements the plan is measured against;
 //! - [`profile`]: measured and probed profiles, their precedence over the model, and the store
-//!   `rollfleet profile` saves and loads.
+//!   `rollfleet profile` saves and loads;
+//! - [`replan`]: drift detection, the placement that survives a pool's loss, the new plan, and
+//!   the gradual migration between them.
 //!
 //! The crate is pure and deterministic (no clock, no randomness, no hash-order iteration): the
 //! same job gives the same plan, byte for byte.
@@ -22,6 +24,7 @@ pub mod compare;
 pub mod plan;
 pub mod predict;
 pub mod profile;
+pub mod replan;
 pub mod roofline;
 pub mod search;
 pub mod workload;

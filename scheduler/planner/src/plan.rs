@@ -303,6 +303,7 @@ pub fn problem_with(
                     spec_index: i,
                     rates,
                     peak_flops: gpu.peak_flops(),
+                    peak_bandwidth: gpu.memory_bandwidth_bytes_per_s(),
                     count,
                     per_node,
                     tps,

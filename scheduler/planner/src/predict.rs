@@ -86,6 +86,8 @@ pub struct GpuPool {
     pub rates: GpuRates,
     /// Peak dense FLOP/s per GPU (training runs at `trainMfu` of it).
     pub peak_flops: f64,
+    /// Peak memory bytes/s per GPU.
+    pub peak_bandwidth: f64,
     /// GPUs.
     pub count: u32,
     /// GPUs per node.

@@ -274,6 +274,116 @@ fn a_measured_profile_slower_than_the_model_slows_the_prediction() {
 }
 
 #[test]
+fn a_measured_share_beyond_the_margin_is_drift_and_one_within_it_is_not() {
+    use rollfleet_planner::profile::{Estimate, ProfileStore};
+    use rollfleet_planner::replan::drift;
+    use rollfleet_planner::roofline::WorkKind;
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let store_at = |share: f64| {
+        let mut e = Estimate::default();
+        for _ in 0..30 {
+            e.add(share);
+        }
+        let mut s = ProfileStore::default();
+        s.measured
+            .entry(WorkKind::Decode)
+            .or_default()
+            .insert("h20".into(), e);
+        s
+    };
+    // Planned at 80% of peak bandwidth; 78% is within a 10% margin, 40% is not.
+    assert!(drift(&p, &store_at(0.78), 0.1).is_empty());
+    let moved = drift(&p, &store_at(0.4), 0.1);
+    assert_eq!(moved.len(), 1, "{moved:?}");
+    assert_eq!(moved[0].pool, "h20");
+    assert_eq!(moved[0].kind, WorkKind::Decode);
+    assert!((moved[0].planned - 0.8).abs() < 1e-12 && (moved[0].now - 0.4).abs() < 1e-12);
+}
+
+#[test]
+fn after_losing_a_third_of_the_decode_pool_the_new_plan_is_reached_in_waves_without_stopping() {
+    use rollfleet_planner::replan::replan_after_loss;
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 192 }\n    - { name: h20, gpu: H20, count: 320 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let before = search::solve(&p).unwrap();
+    let lost = 320 / 3;
+    let per_wave = 4;
+    let (smaller, survivor, after, waves) =
+        replan_after_loss(&p, &before.candidate, 1, lost, per_wave).unwrap();
+    assert_eq!(smaller.gpu_pools[1].count, 320 - lost);
+    // Re-planning is never worse than running on what survived.
+    let kept = predict::step_time(&smaller, &survivor).unwrap();
+    assert!(
+        after.step_s <= kept * (1.0 + 1e-12),
+        "{} > {kept}",
+        after.step_s
+    );
+    println!(
+        "before {:.1} s, survivors {:.1} s, re-planned {:.1} s, {} waves",
+        before.step_s,
+        kept,
+        after.step_s,
+        waves.len()
+    );
+    // Replay the waves: never more GPUs than the pools have, never fewer serving replicas than
+    // the smaller of the two placements less one wave, and the new plan at the end.
+    use std::collections::BTreeMap;
+    let count = |c: &predict::Candidate| {
+        let mut m: BTreeMap<(usize, Role, u32), u32> = BTreeMap::new();
+        for g in &c.groups {
+            *m.entry((g.pool, g.role, g.tp)).or_insert(0) += g.replicas;
+        }
+        m
+    };
+    let mut now = count(&survivor);
+    let floor = now
+        .values()
+        .sum::<u32>()
+        .min(count(&after.candidate).values().sum::<u32>());
+    let mut trainer = survivor.trainer_gpus;
+    for w in &waves {
+        for g in &w.start {
+            *now.entry((g.pool, g.role, g.tp)).or_insert(0) += g.replicas;
+        }
+        let mut used = vec![0u32; smaller.gpu_pools.len()];
+        for (&(pool, _, tp), &n) in &now {
+            used[pool] += n * tp;
+        }
+        used[survivor.trainer_pool] += trainer;
+        for (i, u) in used.iter().enumerate() {
+            assert!(
+                *u <= smaller.gpu_pools[i].count,
+                "pool {i}: {u} GPUs in use"
+            );
+        }
+        for g in &w.stop {
+            let e = now.entry((g.pool, g.role, g.tp)).or_insert(0);
+            assert!(*e >= g.replicas);
+            *e -= g.replicas;
+        }
+        now.retain(|_, n| *n > 0);
+        trainer = w.trainer_gpus;
+        let serving: u32 = now.values().sum();
+        assert!(
+            serving + per_wave >= floor,
+            "{serving} serving, floor {floor}"
+        );
+        assert!(serving > 0, "rollout stopped");
+    }
+    if after.candidate.trainer_pool == survivor.trainer_pool {
+        assert_eq!(now, count(&after.candidate));
+        assert_eq!(trainer, after.candidate.trainer_gpus);
+    }
+}
+
+#[test]
 fn the_same_job_gives_the_same_plan_byte_for_byte() {
     let job = job(
         QWEN_32B,
