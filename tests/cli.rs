@@ -120,6 +120,8 @@ fn help_shows_an_example_for_every_subcommand() {
         &["--help"][..],
         &["validate", "--help"],
         &["catalog", "--help"],
+        &["plan", "--help"],
+        &["profile", "show", "--help"],
     ] {
         let out = rollfleet(args);
         assert_eq!(out.status.code(), Some(0));
@@ -129,6 +131,162 @@ fn help_shows_an_example_for_every_subcommand() {
             "{args:?}: {stdout}"
         );
     }
+}
+
+#[test]
+fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where() {
+    let out = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "--compare"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("not measured"), "{stdout}");
+    assert!(stdout.contains("predicted step:"), "{stdout}");
+    let train = stdout
+        .lines()
+        .find(|l| l.starts_with("train "))
+        .unwrap_or_default();
+    assert!(train.contains("h800"), "{stdout}");
+    assert!(stdout.contains("bandwidth-bound") && stdout.contains("compute-bound"));
+    assert!(stdout.contains("best-gpu"), "{stdout}");
+    let json = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "-o", "json"]);
+    let value: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    // Every GPU is used at most once: serving replicas plus the trainer fit in 192 + 320 GPUs.
+    let replicas = value["plan"]["placement"]["replicas"].as_array().unwrap();
+    assert!(!replicas.is_empty());
+    let serving: u64 = replicas.iter().map(|r| r["gpus"].as_u64().unwrap()).sum();
+    let training = value["plan"]["placement"]["trainer"]["gpus"]
+        .as_u64()
+        .unwrap();
+    assert!(serving + training <= 512, "{serving} + {training}");
+}
+
+#[test]
+fn plan_on_an_inventory_too_small_for_the_model_exits_3_naming_the_pool_and_the_bytes_short() {
+    let inventory = scratch(
+        "small-inventory.yaml",
+        "pools:\n  - { name: l20s, gpu: L20, count: 16, gpusPerNode: 1 }\n  \
+         - { name: env-nodes, cpu: c7i.16xlarge, count: 4 }\n  \
+         - { name: lambda, serverless: aws-lambda, concurrency: 100 }\n",
+    );
+    let out = rollfleet(&[
+        "plan",
+        "examples/jobs/rollart-agentic.yaml",
+        "--inventory",
+        inventory.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("pool \"l20s\"") && stderr.contains("GB short"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn profiles_show_the_roofline_export_without_fake_probes_and_import_measured_samples() {
+    let out = rollfleet(&["profile", "show", "examples/jobs/rollart-agentic.yaml"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("not measured") && stdout.contains("model"),
+        "{stdout}"
+    );
+    let decode_h20 = stdout
+        .lines()
+        .find(|l| l.starts_with("h20") && l.contains("decode"))
+        .unwrap();
+    assert!(decode_h20.contains("bandwidth-bound"), "{decode_h20}");
+
+    // Export with a probe: on a machine without a GPU it says so and writes no numbers.
+    let exported = scratch("exported.json", "");
+    let out = rollfleet(&[
+        "profile",
+        "export",
+        "--probe",
+        "--to",
+        exported.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let store: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&exported).unwrap()).unwrap();
+    let gpus = rollfleet_gpus_present();
+    if !gpus {
+        assert!(
+            text(&out.stderr).contains("no probe"),
+            "{}",
+            text(&out.stderr)
+        );
+        assert_eq!(store["probed"], serde_json::json!({}));
+    }
+
+    // Import 20 measured samples of H20 decode at 40% of peak bandwidth and plan with them.
+    let samples = vec!["0.4"; 20].join(", ");
+    let measured = scratch(
+        "measured.json",
+        &format!(
+            r#"{{"measured": {{"decode": {{"h20": {{"samples": [{samples}], "total": 20}}}}}}}}"#
+        ),
+    );
+    let merged = scratch("merged.json", "");
+    std::fs::remove_file(&merged).unwrap();
+    let out = rollfleet(&[
+        "profile",
+        "import",
+        measured.to_str().unwrap(),
+        "--into",
+        merged.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("0.400"), "{}", text(&out.stdout));
+    let shown = rollfleet(&[
+        "profile",
+        "show",
+        "examples/jobs/rollart-agentic.yaml",
+        "--profiles",
+        merged.to_str().unwrap(),
+    ]);
+    let shown = text(&shown.stdout);
+    let line = shown
+        .lines()
+        .find(|l| l.starts_with("h20") && l.contains("decode"))
+        .unwrap();
+    assert!(line.contains("0.40") && line.contains("measured"), "{line}");
+    let base = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "-o", "json"]);
+    let slower = rollfleet(&[
+        "plan",
+        "examples/jobs/rollart-agentic.yaml",
+        "-o",
+        "json",
+        "--profiles",
+        merged.to_str().unwrap(),
+    ]);
+    let step = |o: &Output| -> f64 {
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["plan"]["prediction"]["step_s"].as_f64().unwrap()
+    };
+    assert!(
+        step(&slower) > step(&base),
+        "{} vs {}",
+        step(&slower),
+        step(&base)
+    );
+
+    // A sample that is not a share of peak is refused, naming where it is.
+    let bad = scratch(
+        "bad.json",
+        r#"{"measured": {"prefill": {"h800": {"samples": [0.5, -3], "total": 2}}}}"#,
+    );
+    let out = rollfleet(&["profile", "import", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        text(&out.stderr).contains("measured.prefill.h800"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// Whether this machine has an NVIDIA driver (then a probe may add real figures).
+fn rollfleet_gpus_present() -> bool {
+    Path::new("/proc/driver/nvidia").exists()
 }
 
 #[test]

@@ -21,6 +21,7 @@ use crate::output::{OutputFormat, exit};
     after_help = "Examples:\n  \
         rollfleet validate examples/jobs/quickstart.yaml\n  \
         rollfleet sim examples/jobs/rollart-agentic.yaml\n  \
+        rollfleet plan examples/jobs/rollart-agentic.yaml\n  \
         rollfleet serverless serve\n  \
         rollfleet catalog -o json\n\n\
         Exit codes: 0 success, 1 failure while running, 2 bad command line, 3 invalid input.\n\
@@ -49,6 +50,17 @@ enum Command {
         rollfleet sim examples/jobs/rollart-agentic.yaml --timeline timeline.svg -o json > report.json\n\n\
         All hardware figures in the output are modelled (a roofline of published peaks), not measured.")]
     Sim(rollfleet_sim::cli::SimArgs),
+    /// Plan a job: which work goes on which hardware, how many replicas of what size, the
+    /// predicted utilisation, step time and cost, and why.
+    #[command(after_help = "Examples:\n  \
+        rollfleet plan examples/jobs/rollart-agentic.yaml\n  \
+        rollfleet plan examples/jobs/rollart-agentic.yaml --compare -o json\n  \
+        rollfleet plan JOB.yaml --inventory cluster.yaml\n\n\
+        Predictions come from the planner's roofline model of published peaks, not from a GPU.")]
+    Plan(commands::plan::PlanArgs),
+    /// Profiles the planner uses (model, measured, probed): show them, export and import them.
+    #[command(subcommand)]
+    Profile(commands::profile::ProfileCommand),
     /// Reward functions over the AWS Lambda Invoke API.
     #[command(subcommand)]
     Serverless(commands::serverless::ServerlessCommand),
@@ -66,6 +78,10 @@ fn main() -> ExitCode {
         }
         Command::Catalog(args) => commands::catalog::run(args, cli.output, &mut stdout),
         Command::Sim(args) => commands::sim::run(args, cli.output, &mut stdout, &mut stderr),
+        Command::Plan(args) => commands::plan::run(args, cli.output, &mut stdout, &mut stderr),
+        Command::Profile(command) => {
+            commands::profile::run(command, cli.output, &mut stdout, &mut stderr)
+        }
         Command::Serverless(command) => commands::serverless::run(command, &mut stderr),
         Command::Gpus(args) => commands::gpus::run(args, cli.output, &mut stdout, &mut stderr),
     };

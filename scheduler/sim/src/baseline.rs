@@ -52,6 +52,48 @@ impl Baseline {
         }
     }
 
+    /// Its policy for a job on a given disaggregated placement (`sync` keeps its own colocated
+    /// one: that is what it models).
+    pub fn setup_with(
+        self,
+        spec: &JobSpec,
+        catalog: &Catalog,
+        placement: Placement,
+    ) -> Result<(Placement, Policy), PlacementError> {
+        let (own, policy) = match self {
+            Baseline::Sync => {
+                return self.setup(
+                    spec,
+                    catalog,
+                    &WorkloadMeans {
+                        prefill_tokens: 0.0,
+                        train_tokens: 0.0,
+                    },
+                );
+            }
+            _ => (placement.clone(), self.policy(spec)),
+        };
+        Ok((own, policy))
+    }
+
+    fn policy(self, spec: &JobSpec) -> Policy {
+        let batched = |lag: u64, max_staleness: u64, weight_sync: SyncMode| Policy {
+            discipline: Discipline::Batched { lag },
+            max_staleness,
+            over_provisioning: 0.0,
+            weight_sync,
+            max_concurrent_updates: 0,
+            sticky_sessions: true,
+            expiry_aware_publish: false,
+        };
+        match self {
+            Baseline::Sync => batched(0, 0, SyncMode::Colocated),
+            Baseline::SyncDisaggregated => batched(0, 0, SyncMode::Broadcast),
+            Baseline::OneStepOff => batched(1, 1, SyncMode::Broadcast),
+            Baseline::Rollfleet => Policy::rollfleet(spec),
+        }
+    }
+
     /// Its placement and policy for a job.
     pub fn setup(
         self,

@@ -11,8 +11,9 @@ use rollfleet_spec::{Distribution, load_job_file};
 
 use crate::baseline::Baseline;
 use crate::hardware::HardwareModel;
+use crate::placement::{ChoiceError, PlacementChoice, choose};
 use crate::report::{SimReport, policy_report, render_table};
-use crate::sim::{RunError, SimOptions, simulate, workload_means};
+use crate::sim::{RunError, SimOptions, simulate};
 use crate::workload::AZURE_ATTRIBUTION;
 
 /// How results are printed.
@@ -46,6 +47,11 @@ pub struct SimArgs {
     /// Inject replica failures with this mean time between failures across the fleet (seconds).
     #[arg(long, value_name = "SECONDS")]
     pub failure_mtbf: Option<f64>,
+    /// Placement of every policy but `sync` (which keeps its colocated one): the planner's
+    /// (`plan`), the core's stand-in rule (`default`), every role spread evenly (`uniform`), or
+    /// everything on the most powerful GPU (`best-gpu`).
+    #[arg(long, value_enum, default_value_t = PlacementChoice::Plan, value_name = "NAME")]
+    pub placement: PlacementChoice,
 }
 
 /// Why `rollfleet sim` failed.
@@ -69,6 +75,14 @@ pub enum SimError {
         policy: String,
         /// Why.
         source: RunError,
+    },
+    /// The chosen placement could not be made.
+    #[error("--placement {choice}: {source}")]
+    Choice {
+        /// The choice.
+        choice: &'static str,
+        /// Why.
+        source: ChoiceError,
     },
     /// An argument is out of range.
     #[error("{0}")]
@@ -133,17 +147,30 @@ pub fn run(
         ..SimOptions::default()
     };
     let hw = HardwareModel::default();
-    let means = workload_means(&spec);
+    let (chosen, predicted) =
+        choose(args.placement, &spec, &job.catalog).map_err(|source| SimError::Choice {
+            choice: args.placement.name(),
+            source,
+        })?;
+    if let Some(p) = &predicted {
+        let _ = writeln!(
+            stderr,
+            "placement {}: the planner predicts {:.1} s per step in steady state, {:.1} s averaged over the job's steps ({:.2} trajectories/s) for rollfleet",
+            args.placement.name(),
+            p.step_s,
+            p.job_step_s,
+            p.trajectories_per_s
+        );
+    }
     let mut runs = Vec::new();
     for baseline in &baselines {
         let name = baseline.name();
-        let (placement, policy) =
-            baseline
-                .setup(&spec, &job.catalog, &means)
-                .map_err(|source| SimError::Placement {
-                    policy: name.into(),
-                    source,
-                })?;
+        let (placement, policy) = baseline
+            .setup_with(&spec, &job.catalog, chosen.clone())
+            .map_err(|source| SimError::Placement {
+                policy: name.into(),
+                source,
+            })?;
         let started = Instant::now();
         let steps = spec.rl.steps;
         let mut progress = |step: u64, at: f64| {
@@ -181,6 +208,8 @@ pub fn run(
     let attribution = uses_trace(&spec).then(|| AZURE_ATTRIBUTION.to_owned());
     let report = SimReport {
         job: job.manifest.metadata.name.clone(),
+        placement: args.placement.name().to_owned(),
+        predicted_step_s: predicted.map(|p| p.job_step_s),
         seed: args.seed,
         hardware: hw,
         data_attribution: attribution.clone(),

@@ -12,6 +12,7 @@ pub mod baseline;
 pub mod bound;
 pub mod cli;
 pub mod hardware;
+pub mod placement;
 pub mod report;
 pub mod sim;
 pub mod svg;
@@ -19,5 +20,6 @@ pub mod workload;
 
 pub use baseline::Baseline;
 pub use cli::{OutputFormat, SimArgs, SimError, run};
+pub use placement::PlacementChoice;
 pub use report::{PolicyReport, SimReport};
 pub use sim::{RunError, RunResult, SimOptions, simulate};

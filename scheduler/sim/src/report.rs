@@ -250,6 +250,12 @@ pub struct SimReport {
     pub job: String,
     /// The seed.
     pub seed: u64,
+    /// The placement every policy but `sync` ran on (`plan`, `default`, `uniform`, `best-gpu`).
+    pub placement: String,
+    /// The planner's predicted step time for rollfleet on it, averaged over the job's steps
+    /// (warm-up included, as the simulated figure is), seconds, when the planner's model made
+    /// the placement.
+    pub predicted_step_s: Option<f64>,
     /// The hardware model's constants.
     pub hardware: HardwareModel,
     /// Attribution of real data the workload sampled, if any.
@@ -372,6 +378,13 @@ pub fn render_table(report: &SimReport) -> String {
         report.hardware.compute_efficiency * 100.0,
         report.hardware.bandwidth_efficiency * 100.0
     ));
+    out.push_str(&format!("placement: {}", report.placement));
+    if let Some(t) = report.predicted_step_s {
+        out.push_str(&format!(
+            " (the planner predicts {t:.1} s per step for rollfleet)"
+        ));
+    }
+    out.push_str("\n\n");
     let pool_names: Vec<String> = report
         .policies
         .first()

@@ -163,6 +163,7 @@ fn json(seed: u64) -> Vec<u8> {
         timeline: None,
         steps: Some(3),
         failure_mtbf: None,
+        placement: rollfleet_sim::PlacementChoice::Plan,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
@@ -186,6 +187,7 @@ fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
         timeline: Some(svg.clone()),
         steps: Some(2),
         failure_mtbf: None,
+        placement: rollfleet_sim::PlacementChoice::Plan,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
@@ -209,6 +211,7 @@ fn a_missing_job_file_is_an_error_not_a_panic() {
         timeline: None,
         steps: None,
         failure_mtbf: None,
+        placement: rollfleet_sim::PlacementChoice::Plan,
     };
     let err = rollfleet_sim::run(&args, OutputFormat::Table, &mut Vec::new(), &mut Vec::new());
     assert!(err.is_err());

@@ -2,6 +2,8 @@
 
 pub mod catalog;
 pub mod gpus;
+pub mod plan;
+pub mod profile;
 pub mod serverless;
 pub mod sim;
 pub mod validate;

@@ -1,0 +1,219 @@
+//! `rollfleet plan JOB.yaml [--inventory cluster.yaml]`: the planner's placement for a job, with
+//! its predicted per-pool utilisation, step time and cost, and why each role goes where it goes.
+//!
+//! The inventory file, when given, is a YAML document `pools: [...]` in the job spec's own pool
+//! format; it replaces the job's pools (rewards still refer to pools by name).
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use rollfleet_planner::plan::{self, Inventory, Plan};
+use rollfleet_planner::roofline::Efficiency;
+use rollfleet_planner::{compare, search};
+use rollfleet_sim::workload::mean;
+use rollfleet_spec::load_job_file;
+use serde::Serialize;
+
+use crate::output::{OutputFormat, Table, exit, write_structured};
+
+/// Arguments of `rollfleet plan`.
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    /// The job spec (YAML).
+    #[arg(value_name = "JOB")]
+    pub job: PathBuf,
+    /// A cluster inventory (`pools: [...]`, as in a job spec) to plan on instead of the job's
+    /// own pools.
+    #[arg(long, value_name = "PATH")]
+    pub inventory: Option<PathBuf>,
+    /// Also predict the `uniform` and `best-gpu` placements, to compare.
+    #[arg(long)]
+    pub compare: bool,
+    /// A profile store (JSON, from `rollfleet profile export|import`): measured and probed
+    /// shares of peak replace the model's where the store has them.
+    #[arg(long, value_name = "FILE")]
+    pub profiles: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Comparison {
+    placement: &'static str,
+    step_s: f64,
+    trajectories_per_s: f64,
+    plan_speedup: f64,
+}
+
+#[derive(Serialize)]
+struct Output<'a> {
+    job: String,
+    plan: &'a Plan,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    compared: Vec<Comparison>,
+}
+
+fn read_inventory(path: &PathBuf) -> Result<Inventory> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("{}: cannot read", path.display()))?;
+    let inventory: Inventory =
+        serde_path_to_error::deserialize(serde_yaml_ng::Deserializer::from_str(&text))
+            .map_err(|e| anyhow::anyhow!("{}: {}: {}", path.display(), e.path(), e.inner()))?;
+    if inventory.pools.is_empty() {
+        anyhow::bail!("{}: pools: the inventory has no pools", path.display());
+    }
+    Ok(inventory)
+}
+
+/// Runs the command; returns the exit code.
+pub fn run(
+    args: &PlanArgs,
+    format: OutputFormat,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<u8> {
+    let job = match load_job_file(&args.job) {
+        Ok(job) => job,
+        Err(e) => {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    };
+    let mut spec = job.spec().clone();
+    if let Some(path) = &args.inventory {
+        match read_inventory(path) {
+            Ok(inventory) => spec.pools = inventory.pools,
+            Err(e) => {
+                writeln!(stderr, "error: {e:#}")?;
+                return Ok(exit::INVALID_INPUT);
+            }
+        }
+    }
+    let store = match &args.profiles {
+        Some(path) => match crate::commands::profile::read_store(path) {
+            Ok(s) => s,
+            Err(e) => {
+                writeln!(stderr, "error: {e:#}")?;
+                return Ok(exit::INVALID_INPUT);
+            }
+        },
+        None => Default::default(),
+    };
+    let problem =
+        match plan::problem_profiled(&spec, &job.catalog, &mean, &Efficiency::default(), &store) {
+            Ok(p) => p,
+            Err(e) => {
+                writeln!(stderr, "error: {e}")?;
+                return Ok(exit::INVALID_INPUT);
+            }
+        };
+    let Some(found) = search::solve(&problem) else {
+        writeln!(stderr, "error: no placement can run the job")?;
+        return Ok(exit::INVALID_INPUT);
+    };
+    let planned = match plan::describe(&spec, &problem, &found.candidate, found.nodes) {
+        Ok(p) => p,
+        Err(e) => {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    };
+    let mut compared = Vec::new();
+    if args.compare {
+        for (name, other) in [
+            ("uniform", compare::uniform(&problem)),
+            ("best-gpu", compare::best_gpu(&problem)),
+        ] {
+            if let Some(o) = other {
+                compared.push(Comparison {
+                    placement: name,
+                    step_s: o.step_s,
+                    trajectories_per_s: problem.workload.batch / o.step_s,
+                    plan_speedup: o.step_s / planned.prediction.step_s,
+                });
+            }
+        }
+    }
+    let output = Output {
+        job: job.manifest.metadata.name.clone(),
+        plan: &planned,
+        compared,
+    };
+    match format {
+        OutputFormat::Json | OutputFormat::Yaml => write_structured(format, &output, stdout)?,
+        OutputFormat::Table => render(&output, stdout)?,
+    }
+    Ok(exit::OK)
+}
+
+fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
+    let p = o.plan;
+    let pr = &p.prediction;
+    writeln!(
+        out,
+        "job {}: planned placement (predicted by the planner's roofline model of published peaks, \
+         not measured)\n",
+        o.job
+    )?;
+    let mut roles = Table::new(&["role", "pool", "gpu", "replicas>", "GPUs each>"]);
+    for r in &p.roles {
+        roles.row(vec![
+            r.role.clone(),
+            r.pool.clone(),
+            r.gpu.clone(),
+            r.replicas.to_string(),
+            r.tp.to_string(),
+        ]);
+    }
+    roles.write(out)?;
+    writeln!(out)?;
+    let mut pools = Table::new(&["pool", "kind", "does", "utilisation>", "slots>"]);
+    for pool in &p.pools {
+        pools.row(vec![
+            pool.pool.clone(),
+            pool.kind.clone(),
+            pool.does.clone(),
+            format!("{:.0}%", pool.utilisation * 100.0),
+            pool.slots.map_or("-".into(), |s| s.to_string()),
+        ]);
+    }
+    pools.write(out)?;
+    writeln!(
+        out,
+        "\npredicted step: {:.1} s ({:.2} trajectories/s), bound by {:?}; {:.1} ms per decoded \
+         token; ${:.2} per step",
+        pr.step_s,
+        pr.trajectories_per_s,
+        pr.binding,
+        pr.token_s * 1e3,
+        pr.cost_per_step_usd
+    )?;
+    let t = &pr.terms;
+    writeln!(
+        out,
+        "terms (s): train {:.1}, prefill {:.1}, local prefill {:.1}, decode capacity {:.1}, \
+         environments {:.1}, serverless {:.1}, latency {:.1}, staleness {:.1}",
+        t.train_s,
+        t.prefill_s,
+        t.local_prefill_s,
+        t.decode_s,
+        t.env_s,
+        t.serverless_s,
+        t.latency_s,
+        t.staleness_s
+    )?;
+    writeln!(out, "\nwhy:")?;
+    for r in &p.roles {
+        writeln!(out, "  {} on {}: {}", r.role, r.pool, r.why)?;
+    }
+    if !o.compared.is_empty() {
+        writeln!(out, "\ncompared (predicted):")?;
+        for c in &o.compared {
+            writeln!(
+                out,
+                "  {:<9} {:.1} s per step, {:.2} trajectories/s: the plan is {:.2}x faster",
+                c.placement, c.step_s, c.trajectories_per_s, c.plan_speedup
+            )?;
+        }
+    }
+    Ok(())
+}

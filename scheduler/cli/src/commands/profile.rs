@@ -1,0 +1,449 @@
+//! `rollfleet profile show|export|import`: the profiles the planner uses, from the model,
+//! measured online and probed on the node, saved and loaded as JSON files.
+//!
+//! - `show JOB [--profiles FILE]`: per GPU pool and kind of work, the roofline (arithmetic
+//!   intensity against the ridge point, the binding roof, seconds and dollars for a typical shape
+//!   of the job) and the achieved share of peak in effect, with its source;
+//! - `export --to FILE [--profiles FILE] [--probe]`: writes a profile store; `--probe` adds this
+//!   node's probed GPUs (on a machine without a GPU it says so and adds nothing);
+//! - `import FILE [--into FILE]`: checks a store and prints what it holds; with `--into`, merges
+//!   it into another store file (measured samples appended, probes replaced).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use rollfleet_planner::profile::{Estimate, Probed, ProfileStore};
+use rollfleet_planner::roofline::{Efficiency, GpuRates, Shapes, WorkKind, profile_rows};
+use rollfleet_planner::workload::Workload;
+use rollfleet_sim::workload::mean;
+use rollfleet_spec::{PoolKind, load_job_file};
+use serde::Serialize;
+
+use crate::output::{OutputFormat, Table, exit, write_structured};
+
+/// `rollfleet profile`.
+#[derive(Debug, clap::Subcommand)]
+pub enum ProfileCommand {
+    /// The profiles of a job's GPU pools: roofline and the achieved share of peak in effect.
+    #[command(after_help = "Examples:\n  \
+        rollfleet profile show examples/jobs/rollart-agentic.yaml\n  \
+        rollfleet profile show JOB.yaml --profiles cluster-profiles.json -o json")]
+    Show {
+        /// The job spec (YAML).
+        #[arg(value_name = "JOB")]
+        job: PathBuf,
+        /// A profile store (JSON) with measured or probed figures.
+        #[arg(long, value_name = "FILE")]
+        profiles: Option<PathBuf>,
+    },
+    /// Write a profile store (JSON), optionally with this node's probed GPUs.
+    #[command(after_help = "Examples:\n  \
+        rollfleet profile export --to profiles.json --probe\n  \
+        rollfleet profile export --profiles old.json --to new.json")]
+    Export {
+        /// Where to write it.
+        #[arg(long, value_name = "FILE")]
+        to: PathBuf,
+        /// Start from this store.
+        #[arg(long, value_name = "FILE")]
+        profiles: Option<PathBuf>,
+        /// Probe this node's GPUs (CUDA GEMM and copy) and add their figures.
+        #[arg(long)]
+        probe: bool,
+    },
+    /// Check a profile store and print what it holds; `--into` merges it into another.
+    #[command(after_help = "Examples:\n  \
+        rollfleet profile import shared.json\n  \
+        rollfleet profile import shared.json --into profiles.json")]
+    Import {
+        /// The store to read.
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+        /// Merge into this store file (created if missing).
+        #[arg(long, value_name = "FILE")]
+        into: Option<PathBuf>,
+    },
+}
+
+/// Largest profile file accepted: a store of every pool and kind at full windows is well below.
+const MAX_PROFILE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Reads and checks a profile store.
+pub fn read_store(path: &Path) -> Result<ProfileStore> {
+    let size = std::fs::metadata(path)
+        .with_context(|| format!("{}: cannot read", path.display()))?
+        .len();
+    if size > MAX_PROFILE_BYTES {
+        anyhow::bail!(
+            "{}: {size} bytes is too large for a profile store",
+            path.display()
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("{}: cannot read", path.display()))?;
+    let store: ProfileStore =
+        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(&text))
+            .map_err(|e| anyhow::anyhow!("{}: {}: {}", path.display(), e.path(), e.inner()))?;
+    for (kind, pools) in &store.measured {
+        for (pool, e) in pools {
+            if let Some(bad) = e
+                .samples
+                .iter()
+                .find(|v| !(v.is_finite() && **v > 0.0 && **v <= 1.5))
+            {
+                anyhow::bail!(
+                    "{}: measured.{}.{pool}: sample {bad} is not a share of peak in (0, 1.5]",
+                    path.display(),
+                    kind.name()
+                );
+            }
+        }
+    }
+    for (gpu, p) in &store.probed {
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if !(positive(p.gemm_flops) && positive(p.memory_bandwidth_bytes_per_s)) {
+            anyhow::bail!("{}: probed.{gpu}: figures must be positive", path.display());
+        }
+    }
+    Ok(store)
+}
+
+#[derive(Serialize)]
+struct Row {
+    pool: String,
+    gpu: String,
+    kind: WorkKind,
+    shape: String,
+    intensity: f64,
+    ridge: f64,
+    bound: &'static str,
+    seconds: f64,
+    cost_usd: f64,
+    share_of_peak: f64,
+    source: rollfleet_planner::profile::Source,
+    spread: Option<f64>,
+    samples: usize,
+}
+
+/// Runs the command; returns the exit code.
+pub fn run(
+    command: &ProfileCommand,
+    format: OutputFormat,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<u8> {
+    match command {
+        ProfileCommand::Show { job, profiles } => {
+            show(job, profiles.as_deref(), format, stdout, stderr)
+        }
+        ProfileCommand::Export {
+            to,
+            profiles,
+            probe,
+        } => {
+            let mut store = match profiles {
+                Some(p) => match read_store(p) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        writeln!(stderr, "error: {e:#}")?;
+                        return Ok(exit::INVALID_INPUT);
+                    }
+                },
+                None => ProfileStore::default(),
+            };
+            if *probe {
+                probe_into(&mut store, stderr)?;
+            }
+            let json = serde_json::to_string_pretty(&store)?;
+            std::fs::write(to, json + "\n")
+                .with_context(|| format!("{}: cannot write", to.display()))?;
+            writeln!(
+                stderr,
+                "wrote {}: {} measured (kind, pool) estimates, {} probed GPU products",
+                to.display(),
+                store.measured.values().map(|m| m.len()).sum::<usize>(),
+                store.probed.len()
+            )?;
+            Ok(exit::OK)
+        }
+        ProfileCommand::Import { file, into } => {
+            let incoming = match read_store(file) {
+                Ok(s) => s,
+                Err(e) => {
+                    writeln!(stderr, "error: {e:#}")?;
+                    return Ok(exit::INVALID_INPUT);
+                }
+            };
+            let mut summary = Table::new(&[
+                "source",
+                "kind",
+                "pool or gpu",
+                "samples>",
+                "median share>",
+                "spread>",
+            ]);
+            for (kind, pools) in &incoming.measured {
+                for (pool, e) in pools {
+                    summary.row(vec![
+                        "measured".into(),
+                        kind.name().into(),
+                        pool.clone(),
+                        e.samples.len().to_string(),
+                        e.median().map_or("-".into(), |m| format!("{m:.3}")),
+                        e.mad().map_or("-".into(), |m| format!("{m:.3}")),
+                    ]);
+                }
+            }
+            for (gpu, p) in &incoming.probed {
+                summary.row(vec![
+                    "probed".into(),
+                    "gemm / copy".into(),
+                    gpu.clone(),
+                    "-".into(),
+                    format!("{:.0} TFLOP/s", p.gemm_flops / 1e12),
+                    format!("{:.0} GB/s", p.memory_bandwidth_bytes_per_s / 1e9),
+                ]);
+            }
+            match format {
+                OutputFormat::Table => summary.write(stdout)?,
+                _ => write_structured(format, &incoming, stdout)?,
+            }
+            if let Some(target) = into {
+                let mut base = if target.exists() {
+                    match read_store(target) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            writeln!(stderr, "error: {e:#}")?;
+                            return Ok(exit::INVALID_INPUT);
+                        }
+                    }
+                } else {
+                    ProfileStore::default()
+                };
+                merge(&mut base, incoming);
+                std::fs::write(target, serde_json::to_string_pretty(&base)? + "\n")
+                    .with_context(|| format!("{}: cannot write", target.display()))?;
+                writeln!(stderr, "merged into {}", target.display())?;
+            }
+            Ok(exit::OK)
+        }
+    }
+}
+
+/// Appends measured samples (keeping each window's limit) and replaces probes.
+fn merge(base: &mut ProfileStore, incoming: ProfileStore) {
+    for (kind, pools) in incoming.measured {
+        for (pool, e) in pools {
+            let target: &mut Estimate = base
+                .measured
+                .entry(kind)
+                .or_default()
+                .entry(pool)
+                .or_default();
+            for v in e.samples {
+                target.add(v);
+            }
+        }
+    }
+    base.probed.extend(incoming.probed);
+}
+
+fn probe_into(store: &mut ProfileStore, stderr: &mut dyn Write) -> Result<()> {
+    let gpus = match rollfleet_gpu::discover() {
+        Ok(g) => g,
+        Err(e) => {
+            writeln!(stderr, "no probe: {e}; no probed figures added")?;
+            return Ok(());
+        }
+    };
+    if gpus.is_empty() {
+        writeln!(
+            stderr,
+            "no probe: no GPU on this node; no probed figures added"
+        )?;
+    }
+    for gpu in gpus {
+        match rollfleet_gpu::probe(gpu.index) {
+            Ok(r) => match r.catalog_name {
+                Some(name) => {
+                    writeln!(stderr, "probed GPU {} ({name})", r.index)?;
+                    store.probed.insert(
+                        name,
+                        Probed {
+                            gemm_flops: r.gemm_flops,
+                            memory_bandwidth_bytes_per_s: r.memory_bandwidth_bytes_per_s,
+                        },
+                    );
+                }
+                None => writeln!(
+                    stderr,
+                    "GPU {} ({}) is not in the catalogue; skipped",
+                    r.index, r.name
+                )?,
+            },
+            Err(e) => writeln!(stderr, "GPU {}: probe failed: {e}", gpu.index)?,
+        }
+    }
+    Ok(())
+}
+
+fn show(
+    job_path: &Path,
+    profiles: Option<&Path>,
+    format: OutputFormat,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<u8> {
+    let job = match load_job_file(job_path) {
+        Ok(job) => job,
+        Err(e) => {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    };
+    let store = match profiles {
+        Some(p) => match read_store(p) {
+            Ok(s) => s,
+            Err(e) => {
+                writeln!(stderr, "error: {e:#}")?;
+                return Ok(exit::INVALID_INPUT);
+            }
+        },
+        None => ProfileStore::default(),
+    };
+    let spec = job.spec();
+    let w = Workload::from_spec(spec, &mean);
+    let context: f64 = {
+        let tokens: f64 = w.tasks.iter().map(|t| t.share * t.turns * t.action).sum();
+        w.tasks
+            .iter()
+            .map(|t| t.share * t.turns * t.action * t.decode_context)
+            .sum::<f64>()
+            / tokens.max(1e-12)
+    };
+    let shapes = Shapes {
+        prefill_tokens: w
+            .tasks
+            .iter()
+            .map(|t| t.share * t.prompt)
+            .sum::<f64>()
+            .max(1.0),
+        batch: 64.0,
+        context,
+        train_tokens: w.batch * w.train_tokens(),
+    };
+    let model_eff = Efficiency::default();
+    let mut rows = Vec::new();
+    for pool in spec
+        .pools
+        .iter()
+        .filter(|p| p.kind() == Some(PoolKind::Gpu))
+    {
+        let Some(gpu) = pool.gpu.as_deref().and_then(|g| job.catalog.gpu(g).ok()) else {
+            continue;
+        };
+        let link = spec.network.cross_pool_gbps * 1e9 * model_eff.link;
+        for kind in WorkKind::ALL {
+            let mut eff = store.effective(
+                kind,
+                &pool.name,
+                &gpu.name,
+                gpu.peak_flops(),
+                gpu.memory_bandwidth_bytes_per_s(),
+                &model_eff,
+            );
+            // Training runs at the job's `trainMfu` unless measured or probed.
+            if kind == WorkKind::Train && eff.source == rollfleet_planner::profile::Source::Model {
+                eff.share = spec.rl.train_mfu.clamp(0.01, 1.0);
+            }
+            let pool_eff = Efficiency {
+                compute: if matches!(kind, WorkKind::Prefill | WorkKind::Train) {
+                    eff.share
+                } else {
+                    model_eff.compute
+                },
+                bandwidth: if kind == WorkKind::Decode {
+                    eff.share
+                } else {
+                    model_eff.bandwidth
+                },
+                link: model_eff.link,
+            };
+            let rates = GpuRates::of(gpu, &pool_eff);
+            let Some(r) = profile_rows(&spec.model, &rates, &shapes, link)
+                .into_iter()
+                .find(|r| r.kind == kind)
+            else {
+                continue;
+            };
+            rows.push(Row {
+                pool: pool.name.clone(),
+                gpu: gpu.name.clone(),
+                kind,
+                shape: r.shape,
+                intensity: r.intensity,
+                ridge: r.ridge,
+                bound: r.bound.name(),
+                seconds: r.seconds,
+                cost_usd: r.cost_usd,
+                share_of_peak: if kind == WorkKind::WeightTransfer {
+                    model_eff.link
+                } else {
+                    eff.share
+                },
+                source: eff.source,
+                spread: eff.spread,
+                samples: eff.samples,
+            });
+        }
+    }
+    match format {
+        OutputFormat::Table => {
+            writeln!(
+                stdout,
+                "job {}: profiles per GPU pool (model: roofline of published peaks, not measured; \
+                 precedence probed > measured > model)\n",
+                job.manifest.metadata.name
+            )?;
+            let mut t = Table::new(&[
+                "pool",
+                "gpu",
+                "work",
+                "shape",
+                "FLOP/byte>",
+                "ridge>",
+                "bound",
+                "seconds>",
+                "USD>",
+                "share of peak>",
+                "source",
+            ]);
+            for r in &rows {
+                t.row(vec![
+                    r.pool.clone(),
+                    r.gpu.clone(),
+                    r.kind.name().into(),
+                    r.shape.clone(),
+                    if r.intensity.is_finite() {
+                        format!("{:.1}", r.intensity)
+                    } else {
+                        "-".into()
+                    },
+                    format!("{:.0}", r.ridge),
+                    r.bound.into(),
+                    format!("{:.4}", r.seconds),
+                    format!("{:.6}", r.cost_usd),
+                    match r.spread {
+                        Some(s) => format!("{:.2} +- {s:.2}", r.share_of_peak),
+                        None => format!("{:.2}", r.share_of_peak),
+                    },
+                    format!("{:?}", r.source).to_lowercase(),
+                ]);
+            }
+            t.write(stdout)?;
+        }
+        _ => write_structured(format, &rows, stdout)?,
+    }
+    Ok(exit::OK)
+}

@@ -1,0 +1,303 @@
+//! Profiles from three sources, merged with a stated precedence: **probed** on the node beats
+//! **measured** online, which beats the **model** (the roofline at assumed efficiencies).
+//!
+//! What a profile records is an achieved share of a GPU product's peak: of its FLOP/s for
+//! compute-bound work (prefill, training), of its HBM bandwidth for bandwidth-bound work (decode).
+//! That is the one number the roofline needs per (work kind, hardware) to turn FLOPs and bytes
+//! into seconds, and it carries over between shapes of the same work.
+//!
+//! - **Measured**: every report of a stage (its FLOPs, bytes and seconds on a pool) becomes a
+//!   sample `roofline time at peak / seconds`; each (work kind, pool) keeps the last
+//!   [`WINDOW`] samples and answers with their median and median absolute deviation (robust to
+//!   the odd stalled or preempted stage), and is used instead of the model once it has
+//!   [`MIN_SAMPLES`].
+//! - **Probed**: a GEMM and a device-to-device copy on the node (`rollfleet-gpu`), giving a
+//!   product's achieved FLOP/s and bandwidth; on a machine without a GPU there is no probe and no
+//!   number.
+//!
+//! A [`ProfileStore`] is plain data (serde), saved and loaded as JSON by `rollfleet profile
+//! export|import`, so measurements survive restarts and can be shared. Deterministic: windows are
+//! `VecDeque`s in arrival order, maps are `BTreeMap`s.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::roofline::{Efficiency, WorkKind};
+
+/// Samples a measured estimate keeps (the most recent).
+pub const WINDOW: usize = 256;
+
+/// Samples a measured estimate needs before it replaces the model.
+pub const MIN_SAMPLES: usize = 20;
+
+/// Where a figure comes from, in increasing precedence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Source {
+    /// The roofline at the planner's assumed efficiencies.
+    Model,
+    /// Robust running estimate of stage reports.
+    Measured,
+    /// Probed on the node.
+    Probed,
+}
+
+/// A robust running estimate of an achieved share of peak.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Estimate {
+    /// The most recent samples, oldest first.
+    pub samples: VecDeque<f64>,
+    /// Samples ever added (including those that left the window).
+    pub total: u64,
+}
+
+impl Estimate {
+    /// Adds a sample; non-finite or non-positive ones are ignored.
+    pub fn add(&mut self, value: f64) {
+        if !(value.is_finite() && value > 0.0) {
+            return;
+        }
+        if self.samples.len() == WINDOW {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(value);
+        self.total += 1;
+    }
+
+    /// The median of the window.
+    pub fn median(&self) -> Option<f64> {
+        median(self.samples.iter().copied().collect())
+    }
+
+    /// The median absolute deviation from the median (the spread).
+    pub fn mad(&self) -> Option<f64> {
+        let m = self.median()?;
+        median(self.samples.iter().map(|v| (v - m).abs()).collect())
+    }
+
+    /// Whether there are enough samples to trust it.
+    pub fn ready(&self) -> bool {
+        self.samples.len() >= MIN_SAMPLES
+    }
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+/// What a probe measured for a GPU product.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Probed {
+    /// Achieved dense BF16 GEMM FLOP/s per GPU.
+    pub gemm_flops: f64,
+    /// Achieved device-memory bytes/s per GPU.
+    pub memory_bandwidth_bytes_per_s: f64,
+}
+
+/// Measured and probed profiles.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ProfileStore {
+    /// Measured shares of peak, per work kind and pool name.
+    #[serde(default)]
+    pub measured: BTreeMap<WorkKind, BTreeMap<String, Estimate>>,
+    /// Probed rates, per GPU product (catalogue name).
+    #[serde(default)]
+    pub probed: BTreeMap<String, Probed>,
+}
+
+/// One effective figure and its source.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Effective {
+    /// The achieved share of peak.
+    pub share: f64,
+    /// Where it comes from.
+    pub source: Source,
+    /// Its spread (median absolute deviation), for a measured figure.
+    pub spread: Option<f64>,
+    /// Samples behind it, for a measured figure.
+    pub samples: usize,
+}
+
+impl ProfileStore {
+    /// Records a stage that did `flops` and moved `bytes` on pool `pool` (of a GPU product with
+    /// the given peaks, per replica) in `seconds`.
+    pub fn record(
+        &mut self,
+        kind: WorkKind,
+        pool: &str,
+        work: crate::roofline::Work,
+        peak_flops: f64,
+        peak_bandwidth: f64,
+        seconds: f64,
+    ) {
+        if !(seconds.is_finite() && seconds > 0.0) {
+            return;
+        }
+        let at_peak = work.seconds(peak_flops, peak_bandwidth);
+        self.measured
+            .entry(kind)
+            .or_default()
+            .entry(pool.to_owned())
+            .or_default()
+            .add(at_peak / seconds);
+    }
+
+    /// The share of peak to use for `kind` on `pool` (a `gpu` product with the given peaks):
+    /// probed, else measured once ready, else the model.
+    pub fn effective(
+        &self,
+        kind: WorkKind,
+        pool: &str,
+        gpu: &str,
+        peak_flops: f64,
+        peak_bandwidth: f64,
+        model: &Efficiency,
+    ) -> Effective {
+        let compute = matches!(kind, WorkKind::Prefill | WorkKind::Train);
+        if let Some(p) = self.probed.get(gpu) {
+            let share = if compute {
+                p.gemm_flops / peak_flops.max(1e-30)
+            } else {
+                p.memory_bandwidth_bytes_per_s / peak_bandwidth.max(1e-30)
+            };
+            if share.is_finite() && share > 0.0 {
+                return Effective {
+                    share,
+                    source: Source::Probed,
+                    spread: None,
+                    samples: 0,
+                };
+            }
+        }
+        if let Some(e) = self.measured.get(&kind).and_then(|m| m.get(pool))
+            && e.ready()
+            && let Some(share) = e.median()
+        {
+            return Effective {
+                share,
+                source: Source::Measured,
+                spread: e.mad(),
+                samples: e.samples.len(),
+            };
+        }
+        Effective {
+            share: if compute {
+                model.compute
+            } else {
+                model.bandwidth
+            },
+            source: Source::Model,
+            spread: None,
+            samples: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::roofline::Work;
+
+    #[test]
+    fn the_estimate_is_the_median_and_ignores_an_outlier() {
+        let mut e = Estimate::default();
+        for v in [0.5, 0.52, 0.48, 0.51, 0.49] {
+            e.add(v);
+        }
+        // A stage stalled by preemption: 100x slower.
+        e.add(0.005);
+        // Sorted: 0.005 0.48 0.49 0.5 0.51 0.52 -> median (0.49 + 0.5) / 2 = 0.495.
+        assert!((e.median().unwrap() - 0.495).abs() < 1e-12);
+        // Deviations: 0.49 0.015 0.005 0.005 0.015 0.025 -> sorted 0.005 0.005 0.015 0.015
+        // 0.025 0.49 -> MAD 0.015.
+        assert!((e.mad().unwrap() - 0.015).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_window_keeps_only_the_latest_samples() {
+        let mut e = Estimate::default();
+        for i in 0..(WINDOW + 10) {
+            e.add(if i < 10 { 100.0 } else { 1.0 });
+        }
+        assert_eq!(e.samples.len(), WINDOW);
+        assert_eq!(e.total, (WINDOW + 10) as u64);
+        assert_eq!(e.median(), Some(1.0));
+    }
+
+    #[test]
+    fn probed_beats_measured_which_beats_the_model_once_it_has_enough_samples() {
+        let model = Efficiency::default();
+        let mut store = ProfileStore::default();
+        // Decode of 1 GB at 1 TB/s peak takes 1 ms at peak; measured 1.25 ms: 80% of peak.
+        let work = Work {
+            flops: 0.0,
+            bytes: 1e9,
+        };
+        for _ in 0..(MIN_SAMPLES - 1) {
+            store.record(WorkKind::Decode, "h20", work, 1e15, 1e12, 1.25e-3 / 0.9);
+        }
+        let e = store.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
+        assert_eq!(e.source, Source::Model);
+        assert_eq!(e.share, model.bandwidth);
+        store.record(WorkKind::Decode, "h20", work, 1e15, 1e12, 1.25e-3 / 0.9);
+        let e = store.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
+        assert_eq!(e.source, Source::Measured);
+        assert!((e.share - 0.72).abs() < 1e-9, "{}", e.share);
+        store.probed.insert(
+            "H20".into(),
+            Probed {
+                gemm_flops: 0.5e15,
+                memory_bandwidth_bytes_per_s: 0.9e12,
+            },
+        );
+        let e = store.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
+        assert_eq!(e.source, Source::Probed);
+        assert!((e.share - 0.9).abs() < 1e-12);
+        let e = store.effective(WorkKind::Prefill, "h20", "H20", 1e15, 1e12, &model);
+        assert!((e.share - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_store_survives_a_round_trip_through_json() {
+        let mut store = ProfileStore::default();
+        let work = Work {
+            flops: 1e12,
+            bytes: 1e9,
+        };
+        for i in 0..30 {
+            store.record(
+                WorkKind::Prefill,
+                "h800",
+                work,
+                1e15,
+                1e12,
+                2e-3 + i as f64 * 1e-5,
+            );
+        }
+        let json = serde_json::to_string(&store).unwrap();
+        let back: ProfileStore = serde_json::from_str(&json).unwrap();
+        // JSON keeps 17 significant digits; the last bit of a sample may differ.
+        let (a, b) = (
+            &store.measured[&WorkKind::Prefill]["h800"],
+            &back.measured[&WorkKind::Prefill]["h800"],
+        );
+        assert_eq!(a.total, b.total);
+        assert_eq!(a.samples.len(), b.samples.len());
+        for (x, y) in a.samples.iter().zip(&b.samples) {
+            assert!((x - y).abs() <= 1e-15 * x.abs(), "{x} {y}");
+        }
+        assert_eq!(back.probed, store.probed);
+    }
+}

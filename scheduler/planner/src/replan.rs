@@ -1,0 +1,264 @@
+//! Re-planning: when to plan again, and how to move from one placement to the next without
+//! stopping rollout.
+//!
+//! - [`drift`]: the pools whose measured (or probed) share of peak has moved from the one the plan
+//!   was made with by more than a relative margin;
+//! - [`after_loss`]: the placement that remains when a pool loses GPUs (replicas on lost GPUs are
+//!   gone, the trainer shrinks to whole surviving nodes), which is what runs until the new plan
+//!   is in place, and the new plan for the smaller inventory;
+//! - [`migration`]: the waves that turn one placement into another, each changing at most a given
+//!   number of serving replicas, adding before removing, so that serving capacity never drops by
+//!   more than one wave's worth and rollout never stops as a whole.
+//!
+//! Pure functions; the scheduler core (or the simulator) applies the waves. Not yet wired into
+//! either: see `docs/planner.md`.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::predict::{Candidate, Group, Problem, Role};
+use crate::profile::ProfileStore;
+use crate::roofline::{Efficiency, WorkKind};
+use crate::search;
+
+/// A share of peak that moved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Drift {
+    /// The pool.
+    pub pool: String,
+    /// The work.
+    pub kind: WorkKind,
+    /// Share of peak the plan assumed.
+    pub planned: f64,
+    /// Share of peak in effect now.
+    pub now: f64,
+}
+
+/// Pools whose share of peak (prefill: FLOP/s, decode: bandwidth) in `profiles` differs from the
+/// one `planned` was built with by more than `margin` (relative).
+pub fn drift(planned: &Problem, profiles: &ProfileStore, margin: f64) -> Vec<Drift> {
+    let mut out = Vec::new();
+    let model = Efficiency::default();
+    for pool in &planned.gpu_pools {
+        for kind in [WorkKind::Prefill, WorkKind::Decode] {
+            let (was, peak_flops, peak_bw) = match kind {
+                WorkKind::Prefill => (
+                    pool.rates.flops / pool.peak_flops.max(1e-30),
+                    pool.peak_flops,
+                    pool.peak_bandwidth,
+                ),
+                _ => (
+                    pool.rates.bandwidth / pool.peak_bandwidth.max(1e-30),
+                    pool.peak_flops,
+                    pool.peak_bandwidth,
+                ),
+            };
+            let now = profiles
+                .effective(
+                    kind,
+                    &pool.name,
+                    &pool.rates.gpu,
+                    peak_flops,
+                    peak_bw,
+                    &model,
+                )
+                .share;
+            if (now - was).abs() > margin * was.abs() {
+                out.push(Drift {
+                    pool: pool.name.clone(),
+                    kind,
+                    planned: was,
+                    now,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// What remains of `c` when pool `pool` of `p` loses `lost` GPUs: the problem with the smaller
+/// pool, and the placement that survives (replicas dropped from the end of the pool's groups,
+/// the trainer cut to whole surviving nodes, or moved off if none survive; `None` if nothing can
+/// train).
+pub fn after_loss(
+    p: &Problem,
+    c: &Candidate,
+    pool: usize,
+    lost: u32,
+) -> (Problem, Option<Candidate>) {
+    let mut smaller = p.clone();
+    let Some(gp) = smaller.gpu_pools.get_mut(pool) else {
+        return (smaller, Some(c.clone()));
+    };
+    gp.count = gp.count.saturating_sub(lost);
+    let left = gp.count;
+    let per_node = gp.per_node.max(1);
+    let mut survivor = c.clone();
+    // GPUs in use on that pool: the trainer's, then each group's.
+    let mut budget = left;
+    if survivor.trainer_pool == pool {
+        let keep = survivor.trainer_gpus.min(budget);
+        let keep = if keep >= per_node {
+            keep / per_node * per_node
+        } else {
+            keep
+        };
+        if keep < crate::predict::min_train_gpus(&smaller, &smaller.gpu_pools[pool]) {
+            return (smaller, None);
+        }
+        survivor.trainer_gpus = keep;
+        budget -= keep;
+    }
+    for g in survivor.groups.iter_mut().filter(|g| g.pool == pool) {
+        let fit = budget / g.tp.max(1);
+        g.replicas = g.replicas.min(fit);
+        budget -= g.replicas * g.tp;
+    }
+    survivor.groups.retain(|g| g.replicas > 0);
+    (smaller, Some(survivor))
+}
+
+/// One wave of a migration: replicas to start and to stop, per (pool, role, degree).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Wave {
+    /// Replicas started.
+    pub start: Vec<Group>,
+    /// Replicas stopped (drained first by the core: no new work, finish what runs).
+    pub stop: Vec<Group>,
+    /// The trainer's GPUs after the wave.
+    pub trainer_gpus: u32,
+}
+
+fn counts(c: &Candidate) -> BTreeMap<(usize, Role, u32), u32> {
+    let mut m = BTreeMap::new();
+    for g in &c.groups {
+        *m.entry((g.pool, g.role, g.tp)).or_insert(0) += g.replicas;
+    }
+    m
+}
+
+fn gpus_in_use(
+    p: &Problem,
+    c: &BTreeMap<(usize, Role, u32), u32>,
+    trainer: (usize, u32),
+) -> Vec<u32> {
+    let mut used = vec![0u32; p.gpu_pools.len()];
+    for (&(pool, _, tp), &n) in c {
+        if let Some(u) = used.get_mut(pool) {
+            *u += n * tp;
+        }
+    }
+    if let Some(u) = used.get_mut(trainer.0) {
+        *u += trainer.1;
+    }
+    used
+}
+
+/// The waves from `from` to `to` (both placements on `p`, the same trainer pool), changing at
+/// most `per_wave` serving replicas each: every wave first starts what fits on free GPUs, then
+/// stops replicas that are not wanted, at most `per_wave` of them, so the serving replicas
+/// running never fall more than `per_wave` below the smaller of the two placements.
+pub fn migration(p: &Problem, from: &Candidate, to: &Candidate, per_wave: u32) -> Vec<Wave> {
+    let per_wave = per_wave.max(1);
+    let mut now = counts(from);
+    let want = counts(to);
+    let mut trainer = (from.trainer_pool, from.trainer_gpus);
+    let mut waves = Vec::new();
+    for _ in 0..100_000 {
+        if now == want && trainer == (to.trainer_pool, to.trainer_gpus) {
+            break;
+        }
+        let mut wave = Wave {
+            start: Vec::new(),
+            stop: Vec::new(),
+            trainer_gpus: trainer.1,
+        };
+        let mut changed = 0;
+        // Start what is missing, where GPUs are free.
+        let mut used = gpus_in_use(p, &now, trainer);
+        for (&(pool, role, tp), &n) in &want {
+            let have = now.get(&(pool, role, tp)).copied().unwrap_or(0);
+            let free = p.gpu_pools.get(pool).map_or(0, |g| g.count)
+                - used[pool].min(p.gpu_pools.get(pool).map_or(0, |g| g.count));
+            let add = n
+                .saturating_sub(have)
+                .min(free / tp.max(1))
+                .min(per_wave - changed);
+            if add > 0 {
+                *now.entry((pool, role, tp)).or_insert(0) += add;
+                used[pool] += add * tp;
+                wave.start.push(Group {
+                    pool,
+                    role,
+                    tp,
+                    replicas: add,
+                });
+                changed += add;
+            }
+        }
+        // Stop what is not wanted.
+        let mut stop_budget = per_wave;
+        let keys: Vec<(usize, Role, u32)> = now.keys().copied().collect();
+        for key in keys {
+            let have = now.get(&key).copied().unwrap_or(0);
+            let n = want.get(&key).copied().unwrap_or(0);
+            let cut = have.saturating_sub(n).min(stop_budget);
+            if cut > 0 {
+                if let Some(h) = now.get_mut(&key) {
+                    *h -= cut;
+                }
+                stop_budget -= cut;
+                wave.stop.push(Group {
+                    pool: key.0,
+                    role: key.1,
+                    tp: key.2,
+                    replicas: cut,
+                });
+            }
+        }
+        now.retain(|_, n| *n > 0);
+        // The trainer moves to its new size once its GPUs are free.
+        let target = (to.trainer_pool, to.trainer_gpus);
+        if trainer != target {
+            let used = gpus_in_use(p, &now, (target.0, 0));
+            let count = p.gpu_pools.get(target.0).map_or(0, |g| g.count);
+            let free = count.saturating_sub(used.get(target.0).copied().unwrap_or(0));
+            if target.1 <= free || target.1 < trainer.1 {
+                trainer = target;
+            }
+        }
+        wave.trainer_gpus = trainer.1;
+        if wave.start.is_empty()
+            && wave.stop.is_empty()
+            && wave.trainer_gpus
+                == waves
+                    .last()
+                    .map_or(from.trainer_gpus, |w: &Wave| w.trainer_gpus)
+        {
+            break;
+        }
+        waves.push(wave);
+    }
+    waves
+}
+
+/// Plans again after pool `pool` loses `lost` GPUs: the surviving placement, the new plan on the
+/// smaller inventory, and the waves between them.
+pub fn replan_after_loss(
+    p: &Problem,
+    c: &Candidate,
+    pool: usize,
+    lost: u32,
+    per_wave: u32,
+) -> Option<(Problem, Candidate, search::Found, Vec<Wave>)> {
+    let (smaller, survivor) = after_loss(p, c, pool, lost);
+    let survivor = survivor?;
+    let found = search::solve(&smaller)?;
+    let waves = if found.candidate.trainer_pool == survivor.trainer_pool {
+        migration(&smaller, &survivor, &found.candidate, per_wave)
+    } else {
+        Vec::new()
+    };
+    Some((smaller, survivor, found, waves))
+}

@@ -1,0 +1,258 @@
+//! The exact search: the placement with the shortest predicted step, by branch and bound.
+//!
+//! The decision space, per job:
+//! - a **mode**: disaggregated (prefill replicas for first turns, decode replicas that keep each
+//!   trajectory's KV cache and prefill its later observations) or colocated generation;
+//! - the **trainer**: one pool and a number of its GPUs (whole nodes, at least enough to hold the
+//!   training state);
+//! - for every GPU pool, what its remaining GPUs serve (one role of the mode, or nothing) and at
+//!   which tensor-parallel degree (a power of two within a node whose replica holds the weights
+//!   and one longest context).
+//!
+//! Roles are given per pool, as hardware affinity suggests (RollArt maps whole pools to the work
+//! they suit); only the trainer's pool is split, between training and one serving role.
+//!
+//! The search walks the pools depth first. At every node it bounds all completions from below
+//! with [`predict::relaxed`] (undecided pools serve every role at every degree at once) and
+//! drops the branch when the bound is no better than the best complete placement found so far
+//! (less a relative gap: 0 for [`solve_within`]`(p, 0.0)`, which is exact, and [`DEFAULT_GAP`]
+//! for [`solve`], i.e. exact too); whole trainer choices are dropped the same way before their first branch,
+//! and are tried best bound first. Because the predictor never gets slower when capacity is
+//! added, the bound is valid; [`brute_force`] enumerates the same space without pruning, and
+//! the tests check that the exact search agrees with it (gap 0) and the default one stays
+//! within its gap.
+
+use crate::predict::{self, Candidate, Group, Problem, Role};
+
+/// The result of a search.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Found {
+    /// The best candidate.
+    pub candidate: Candidate,
+    /// Its predicted step time, seconds.
+    pub step_s: f64,
+    /// Search nodes whose bound was computed.
+    pub nodes: u64,
+}
+
+/// One pool's serving option.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Option_ {
+    role: Option<Role>,
+    tp: u32,
+}
+
+fn options(
+    p: &Problem,
+    pool: usize,
+    gpus: u32,
+    disaggregated: bool,
+    with_none: bool,
+) -> Vec<Option_> {
+    let mut out = Vec::new();
+    let Some(gp) = p.gpu_pools.get(pool) else {
+        return out;
+    };
+    let roles: &[Role] = if disaggregated {
+        &[Role::Decode, Role::Prefill]
+    } else {
+        &[Role::Generate]
+    };
+    for &role in roles {
+        if !gp.serve_roles.contains(&role) {
+            continue;
+        }
+        for &tp in gp.tps.iter().filter(|&&t| t <= gpus) {
+            out.push(Option_ {
+                role: Some(role),
+                tp,
+            });
+        }
+    }
+    if with_none || out.is_empty() {
+        out.push(Option_ { role: None, tp: 1 });
+    }
+    out
+}
+
+/// Trainer sizes a pool allows: whole nodes, at least the memory minimum.
+pub fn trainer_sizes(p: &Problem, pool: usize) -> Vec<u32> {
+    let Some(gp) = p.gpu_pools.get(pool) else {
+        return Vec::new();
+    };
+    if !gp.may_train || gp.count == 0 {
+        return Vec::new();
+    }
+    let min = predict::min_train_gpus(p, gp);
+    let node = gp.per_node.max(1);
+    let mut sizes: Vec<u32> = if gp.count < node {
+        vec![gp.count]
+    } else {
+        (1..=gp.count / node).map(|k| k * node).collect()
+    };
+    sizes.retain(|&g| g >= min && g <= gp.count);
+    sizes
+}
+
+struct Search<'a> {
+    p: &'a Problem,
+    order: Vec<usize>,
+    best: Option<(f64, Candidate)>,
+    nodes: u64,
+    prune: bool,
+    gap: f64,
+}
+
+impl Search<'_> {
+    fn incumbent(&self) -> f64 {
+        self.best.as_ref().map_or(f64::INFINITY, |(t, _)| *t)
+    }
+
+    /// A branch is worth exploring only if its bound beats the incumbent by more than the gap.
+    fn worth(&self, bound: f64) -> bool {
+        bound < self.incumbent() * (1.0 - self.gap)
+    }
+
+    fn run(&mut self, disaggregated: bool, trainer_pool: usize, trainer_gpus: u32) {
+        let avail: Vec<u32> = (0..self.p.gpu_pools.len())
+            .map(|i| {
+                let count = self.p.gpu_pools[i].count;
+                if i == trainer_pool {
+                    count - trainer_gpus
+                } else {
+                    count
+                }
+            })
+            .collect();
+        let mut partial = Candidate {
+            groups: Vec::new(),
+            trainer_pool,
+            trainer_gpus,
+        };
+        self.dfs(0, &avail, &mut partial, disaggregated);
+    }
+
+    fn dfs(&mut self, depth: usize, avail: &[u32], partial: &mut Candidate, disaggregated: bool) {
+        let free: Vec<(usize, u32)> = self.order[depth..].iter().map(|&i| (i, avail[i])).collect();
+        self.nodes += 1;
+        if depth == self.order.len() {
+            if let Some(t) = predict::step_time(self.p, partial)
+                && t < self.incumbent()
+            {
+                self.best = Some((t, partial.clone()));
+            }
+            return;
+        }
+        if self.prune {
+            match predict::relaxed(self.p, partial, &free, disaggregated) {
+                Some(bound) if self.worth(bound) => {}
+                _ => return,
+            }
+        }
+        let pool = self.order[depth];
+        for opt in options(self.p, pool, avail[pool], disaggregated, !self.prune) {
+            let pushed = match opt.role {
+                Some(role) => {
+                    partial.groups.push(Group {
+                        pool,
+                        role,
+                        tp: opt.tp,
+                        replicas: avail[pool] / opt.tp,
+                    });
+                    true
+                }
+                None => false,
+            };
+            self.dfs(depth + 1, avail, partial, disaggregated);
+            if pushed {
+                partial.groups.pop();
+            }
+        }
+    }
+}
+
+fn search(p: &Problem, prune: bool, gap: f64) -> Option<Found> {
+    // Big pools first: deciding them moves the bound most.
+    let mut order: Vec<usize> = (0..p.gpu_pools.len()).collect();
+    order.sort_by(|&a, &b| {
+        p.gpu_pools[b]
+            .count
+            .cmp(&p.gpu_pools[a].count)
+            .then(a.cmp(&b))
+    });
+    let mut s = Search {
+        p,
+        order,
+        best: None,
+        nodes: 0,
+        prune,
+        gap: gap.clamp(0.0, 0.5),
+    };
+    // Every (mode, trainer pool, trainer size) with the bound of its root; best first, so that
+    // a good incumbent comes early and the rest are dropped on their root bound alone.
+    let mut runs: Vec<(f64, bool, usize, u32)> = Vec::new();
+    for disaggregated in [true, false] {
+        for trainer_pool in 0..p.gpu_pools.len() {
+            for g in trainer_sizes(p, trainer_pool) {
+                let bound = if prune {
+                    let free: Vec<(usize, u32)> = (0..p.gpu_pools.len())
+                        .map(|i| {
+                            let count = p.gpu_pools[i].count;
+                            (i, if i == trainer_pool { count - g } else { count })
+                        })
+                        .collect();
+                    let root = Candidate {
+                        groups: Vec::new(),
+                        trainer_pool,
+                        trainer_gpus: g,
+                    };
+                    s.nodes += 1;
+                    match predict::relaxed(p, &root, &free, disaggregated) {
+                        Some(b) => b,
+                        None => continue,
+                    }
+                } else {
+                    0.0
+                };
+                runs.push((bound, disaggregated, trainer_pool, g));
+            }
+        }
+    }
+    // A stable sort on the bound keeps the enumeration order among equals: deterministic.
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for (bound, disaggregated, trainer_pool, g) in runs {
+        if prune && !s.worth(bound) {
+            break;
+        }
+        s.run(disaggregated, trainer_pool, g);
+    }
+    let nodes = s.nodes;
+    s.best.map(|(step_s, candidate)| Found {
+        candidate,
+        step_s,
+        nodes,
+    })
+}
+
+/// The relative optimality gap [`solve`] allows: none, it is exact. (With tensor-parallel
+/// degrees searched too, [`crate::plan::problem_with`], large inventories make the predicted
+/// step nearly flat across many placements, and a gap such as `1e-2` is what keeps such a search
+/// short; [`solve_within`] takes one.)
+pub const DEFAULT_GAP: f64 = 0.0;
+
+/// The optimum of the predictor over the decision space within [`DEFAULT_GAP`], by branch and
+/// bound.
+pub fn solve(p: &Problem) -> Option<Found> {
+    search(p, true, DEFAULT_GAP)
+}
+
+/// The optimum within a relative gap (0: exact).
+pub fn solve_within(p: &Problem, gap: f64) -> Option<Found> {
+    search(p, true, gap)
+}
+
+/// Every placement of the decision space (including pools left idle), without pruning. For
+/// tests on small instances.
+pub fn brute_force(p: &Problem) -> Option<Found> {
+    search(p, false, 0.0)
+}

@@ -1,0 +1,457 @@
+//! The planner end to end on job specs: where each role goes, exactness against brute force,
+//! infeasible inputs, determinism.
+
+use rollfleet_planner::plan::{self, PlanError};
+use rollfleet_planner::predict::{self, Role};
+use rollfleet_planner::roofline::Efficiency;
+use rollfleet_planner::search;
+use rollfleet_spec::{Distribution, JobSpec, ValidatedJob, parse_job};
+
+fn mean(d: &Distribution) -> f64 {
+    d.mean().unwrap_or(0.0)
+}
+
+/// A RollArt-like job (the example's task mix without trace columns), on the given pools.
+fn job(model: &str, pools: &str) -> ValidatedJob {
+    let yaml = format!(
+        r#"
+apiVersion: rollfleet.dev/v1alpha1
+kind: RLJob
+metadata: {{ name: planner-test }}
+spec:
+  model: {model}
+  rl: {{ groupSize: 8, rolloutBatchSize: 1024, trainBatchSize: 256, maxStaleness: 2, overProvisioning: 0.25, steps: 5 }}
+  tasks:
+    - name: swe
+      environment: swe-sandbox
+      share: 0.5
+      maxTurns: 30
+      turns: {{ distribution: uniform, min: 8, max: 30 }}
+      promptTokens: {{ distribution: lognormal, median: 3000, p99: 9000, max: 12000 }}
+      actionTokens: {{ distribution: lognormal, median: 300, p99: 2000, max: 4096 }}
+      observationTokens: {{ distribution: lognormal, median: 600, p99: 4000, max: 8000 }}
+      contextLimit: 65536
+      envStepMs: {{ distribution: lognormal, median: 2500, p99: 30000, max: 120000 }}
+      envCpus: 2
+      reward: unit-tests
+    - name: sokoban
+      environment: sokoban
+      share: 0.5
+      maxTurns: 20
+      promptTokens: 400
+      actionTokens: {{ distribution: lognormal, median: 200, p99: 1500, max: 2048 }}
+      observationTokens: 150
+      contextLimit: 16384
+      envStepMs: {{ distribution: uniform, min: 2, max: 20 }}
+      reward: env-score
+  rewards:
+    - {{ name: unit-tests, runsOn: serverless, pool: lambda, function: code_tests, latencyMs: 4000, memoryMb: 2048 }}
+    - {{ name: env-score, runsOn: environment, latencyMs: 0 }}
+  network: {{ crossPoolGBps: 50 }}
+  pools:
+{pools}
+    - {{ name: env-nodes, cpu: c7i.16xlarge, count: 48 }}
+    - {{ name: lambda, serverless: aws-lambda, concurrency: 800 }}
+"#
+    );
+    parse_job(yaml.as_bytes(), "test").unwrap_or_else(|e| panic!("{e}"))
+}
+
+const QWEN_32B: &str = "{ name: Qwen3-32B, parameters: 32.8e9, layers: 64, hiddenSize: 5120, kvHeads: 8, headDim: 128 }";
+const QWEN_7B: &str = "{ name: Qwen2.5-7B, parameters: 7.61e9, layers: 28, hiddenSize: 3584, kvHeads: 4, headDim: 128 }";
+
+fn spec(job: &ValidatedJob) -> &JobSpec {
+    job.spec()
+}
+
+#[test]
+fn training_goes_to_the_compute_rich_pool_and_the_bandwidth_rich_pool_serves() {
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 192 }\n    - { name: h20, gpu: H20, count: 320 }",
+    );
+    let plan = plan::plan(spec(&job), &job.catalog, &mean).unwrap();
+    let c = &plan.candidate;
+    // Pool 0 is the H800s, pool 1 the H20s.
+    assert_eq!(c.trainer_pool, 0, "{plan:#?}");
+    assert!(
+        c.groups
+            .iter()
+            .any(|g| g.pool == 1 && g.role != Role::Prefill && g.replicas > 0),
+        "{:#?}",
+        c.groups
+    );
+    let serving = plan.roles.iter().find(|r| r.pool == "h20").unwrap();
+    assert!(serving.why.contains("bandwidth-bound"), "{}", serving.why);
+    let train = plan.roles.iter().find(|r| r.role == "train").unwrap();
+    assert!(train.why.contains("compute-bound"), "{}", train.why);
+    // Every replica holds the weights plus a longest context in its GPUs.
+    for r in &plan.placement.replicas {
+        assert!(r.kv_capacity_tokens >= 65_536, "{r:?}");
+    }
+}
+
+/// Small inventories: two or three pools of a few GPUs each, different products and node sizes.
+fn small_inventories() -> Vec<(&'static str, String)> {
+    let cases = [
+        ("H800 8 + H20 8", "H800", 8, "H20", 8, None),
+        ("H800 16 + H20 8", "H800", 16, "H20", 8, None),
+        ("H100 8 + L20 16", "H100", 8, "L20", 16, None),
+        (
+            "B200 8 + H20 16 + A100 8",
+            "B200",
+            8,
+            "H20",
+            16,
+            Some(("A100-80G", 8)),
+        ),
+        (
+            "H200 4 + H20 4 + L40S 8",
+            "H200",
+            4,
+            "H20",
+            4,
+            Some(("L40S", 8)),
+        ),
+    ];
+    cases
+        .into_iter()
+        .map(|(name, a, na, b, nb, c)| {
+            let mut pools = format!(
+                "    - {{ name: a, gpu: {a}, count: {na}, gpusPerNode: 4 }}\n    - {{ name: b, gpu: {b}, count: {nb}, gpusPerNode: 4 }}"
+            );
+            if let Some((g, n)) = c {
+                pools.push_str(&format!(
+                    "\n    - {{ name: c, gpu: {g}, count: {n}, gpusPerNode: 4 }}"
+                ));
+            }
+            (name, pools)
+        })
+        .collect()
+}
+
+#[test]
+fn branch_and_bound_finds_the_brute_force_optimum_on_small_instances() {
+    let mut checked = 0;
+    for model in [QWEN_7B, QWEN_32B] {
+        for (name, pools) in small_inventories() {
+            let job = job(model, &pools);
+            // Tensor-parallel degrees searched too: the larger space.
+            let Ok(p) = plan::problem_with(
+                spec(&job),
+                &job.catalog,
+                &mean,
+                &Efficiency::default(),
+                true,
+                &Default::default(),
+            ) else {
+                continue;
+            };
+            let exact = search::solve_within(&p, 0.0);
+            let brute = search::brute_force(&p);
+            let default = search::solve(&p);
+            if let (Some(d), Some(b)) = (&default, &brute) {
+                assert!(d.step_s <= b.step_s * (1.0 + search::DEFAULT_GAP) + 1e-12);
+            }
+            match (exact, brute) {
+                (Some(e), Some(b)) => {
+                    let gap = (e.step_s - b.step_s) / b.step_s;
+                    println!(
+                        "{name}: branch and bound {:.6} s ({} nodes), brute force {:.6} s ({} nodes), gap {gap:.2e}",
+                        e.step_s, e.nodes, b.step_s, b.nodes
+                    );
+                    assert!(gap.abs() < 1e-9, "{name}: gap {gap}");
+                    assert!(e.nodes <= b.nodes, "{name}: pruning explored more");
+                    // The reported optimum is the predictor's figure for that candidate.
+                    let again = predict::step_time(&p, &e.candidate).unwrap();
+                    assert_eq!(again, e.step_s);
+                    checked += 1;
+                }
+                (None, None) => {}
+                (e, b) => panic!("{name}: one search found a plan, the other not: {e:?} {b:?}"),
+            }
+        }
+    }
+    assert!(checked >= 6, "only {checked} instances were feasible");
+}
+
+#[test]
+fn a_model_that_fits_nowhere_is_an_error_naming_the_pool_and_the_bytes_short() {
+    // 300B parameters in BF16: 600 GB of weights; one node of 8 L20 has 8 x 48 x 0.9 = 345.6 GB.
+    // (Spec validation rejects this too; the planner must also say it for an `--inventory`.)
+    let job = job(
+        QWEN_7B,
+        "    - { name: l20s, gpu: L20, count: 64 }\n    - { name: l40s, gpu: L40S, count: 16, gpusPerNode: 4 }",
+    );
+    let mut huge = spec(&job).clone();
+    huge.model.parameters = 300e9;
+    huge.model.layers = 96;
+    huge.model.hidden_size = 16384;
+    huge.model.kv_heads = 8;
+    let err = plan::plan(&huge, &job.catalog, &mean).unwrap_err();
+    let PlanError::DoesNotFit {
+        ref pool,
+        usable_gb,
+        short_gb,
+        needed_gb,
+        ..
+    } = err
+    else {
+        panic!("{err}");
+    };
+    assert_eq!(pool, "l20s");
+    assert!((usable_gb - 345.6).abs() < 1e-9, "{usable_gb}");
+    // 600 GB + 2 x 96 x 8 x 128 x 2 bytes x 65,536 tokens = 600 + 25.77 GB.
+    assert!((needed_gb - (600.0 + 393_216.0 * 65_536.0 / 1e9)).abs() < 1e-6);
+    assert!((short_gb - (needed_gb - 345.6)).abs() < 1e-9);
+    let message = err.to_string();
+    assert!(
+        message.contains("pool \"l20s\"") && message.contains("GB short"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_pool_too_small_to_hold_the_training_state_is_named() {
+    // 32.8B x 16 bytes = 524.8 GB to train; 4 H20s hold 4 x 96 x 0.9 = 345.6 GB.
+    let job = job(
+        QWEN_32B,
+        "    - { name: tiny, gpu: H20, count: 4, gpusPerNode: 4 }",
+    );
+    let err = plan::plan(spec(&job), &job.catalog, &mean).unwrap_err();
+    match err {
+        PlanError::NoTrainer {
+            ref pool, short_gb, ..
+        } => {
+            assert_eq!(pool, "tiny");
+            assert!((short_gb - (524.8 - 345.6)).abs() < 1e-9, "{short_gb}");
+        }
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn a_measured_profile_slower_than_the_model_slows_the_prediction() {
+    use rollfleet_planner::profile::{MIN_SAMPLES, ProfileStore};
+    use rollfleet_planner::roofline::{WorkKind, decode_step};
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let model = plan::plan(spec(&job), &job.catalog, &mean).unwrap();
+    // H20 decode measured at 40% of peak bandwidth instead of the model's 80%.
+    let mut store = ProfileStore::default();
+    let work = decode_step(&spec(&job).model, 8.0, 4096.0);
+    let h20 = job.catalog.gpu("H20").unwrap();
+    let at_peak = work.seconds(h20.peak_flops(), h20.memory_bandwidth_bytes_per_s());
+    for _ in 0..MIN_SAMPLES {
+        store.record(
+            WorkKind::Decode,
+            "h20",
+            work,
+            h20.peak_flops(),
+            h20.memory_bandwidth_bytes_per_s(),
+            at_peak / 0.4,
+        );
+    }
+    let p = plan::problem_profiled(
+        spec(&job),
+        &job.catalog,
+        &mean,
+        &Efficiency::default(),
+        &store,
+    )
+    .unwrap();
+    let h20_pool = p.gpu_pools.iter().find(|g| g.name == "h20").unwrap();
+    assert!((h20_pool.rates.bandwidth - 0.4 * 4000e9).abs() < 1e-3);
+    let slower = search::solve(&p).unwrap();
+    assert!(
+        slower.step_s > model.prediction.step_s,
+        "{} vs {}",
+        slower.step_s,
+        model.prediction.step_s
+    );
+}
+
+#[test]
+fn a_measured_share_beyond_the_margin_is_drift_and_one_within_it_is_not() {
+    use rollfleet_planner::profile::{Estimate, ProfileStore};
+    use rollfleet_planner::replan::drift;
+    use rollfleet_planner::roofline::WorkKind;
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let store_at = |share: f64| {
+        let mut e = Estimate::default();
+        for _ in 0..30 {
+            e.add(share);
+        }
+        let mut s = ProfileStore::default();
+        s.measured
+            .entry(WorkKind::Decode)
+            .or_default()
+            .insert("h20".into(), e);
+        s
+    };
+    // Planned at 80% of peak bandwidth; 78% is within a 10% margin, 40% is not.
+    assert!(drift(&p, &store_at(0.78), 0.1).is_empty());
+    let moved = drift(&p, &store_at(0.4), 0.1);
+    assert_eq!(moved.len(), 1, "{moved:?}");
+    assert_eq!(moved[0].pool, "h20");
+    assert_eq!(moved[0].kind, WorkKind::Decode);
+    assert!((moved[0].planned - 0.8).abs() < 1e-12 && (moved[0].now - 0.4).abs() < 1e-12);
+}
+
+#[test]
+fn after_losing_a_third_of_the_decode_pool_the_new_plan_is_reached_in_waves_without_stopping() {
+    use rollfleet_planner::replan::replan_after_loss;
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 192 }\n    - { name: h20, gpu: H20, count: 320 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let before = search::solve(&p).unwrap();
+    let lost = 320 / 3;
+    let per_wave = 4;
+    let (smaller, survivor, after, waves) =
+        replan_after_loss(&p, &before.candidate, 1, lost, per_wave).unwrap();
+    assert_eq!(smaller.gpu_pools[1].count, 320 - lost);
+    // Re-planning is never worse than running on what survived.
+    let kept = predict::step_time(&smaller, &survivor).unwrap();
+    assert!(
+        after.step_s <= kept * (1.0 + 1e-12),
+        "{} > {kept}",
+        after.step_s
+    );
+    println!(
+        "before {:.1} s, survivors {:.1} s, re-planned {:.1} s, {} waves",
+        before.step_s,
+        kept,
+        after.step_s,
+        waves.len()
+    );
+    // Replay the waves: never more GPUs than the pools have, never fewer serving replicas than
+    // the smaller of the two placements less one wave, and the new plan at the end.
+    use std::collections::BTreeMap;
+    let count = |c: &predict::Candidate| {
+        let mut m: BTreeMap<(usize, Role, u32), u32> = BTreeMap::new();
+        for g in &c.groups {
+            *m.entry((g.pool, g.role, g.tp)).or_insert(0) += g.replicas;
+        }
+        m
+    };
+    let mut now = count(&survivor);
+    let floor = now
+        .values()
+        .sum::<u32>()
+        .min(count(&after.candidate).values().sum::<u32>());
+    let mut trainer = survivor.trainer_gpus;
+    for w in &waves {
+        for g in &w.start {
+            *now.entry((g.pool, g.role, g.tp)).or_insert(0) += g.replicas;
+        }
+        let mut used = vec![0u32; smaller.gpu_pools.len()];
+        for (&(pool, _, tp), &n) in &now {
+            used[pool] += n * tp;
+        }
+        used[survivor.trainer_pool] += trainer;
+        for (i, u) in used.iter().enumerate() {
+            assert!(
+                *u <= smaller.gpu_pools[i].count,
+                "pool {i}: {u} GPUs in use"
+            );
+        }
+        for g in &w.stop {
+            let e = now.entry((g.pool, g.role, g.tp)).or_insert(0);
+            assert!(*e >= g.replicas);
+            *e -= g.replicas;
+        }
+        now.retain(|_, n| *n > 0);
+        trainer = w.trainer_gpus;
+        let serving: u32 = now.values().sum();
+        assert!(
+            serving + per_wave >= floor,
+            "{serving} serving, floor {floor}"
+        );
+        assert!(serving > 0, "rollout stopped");
+    }
+    if after.candidate.trainer_pool == survivor.trainer_pool {
+        assert_eq!(now, count(&after.candidate));
+        assert_eq!(trainer, after.candidate.trainer_gpus);
+    }
+}
+
+#[test]
+fn the_same_job_gives_the_same_plan_byte_for_byte() {
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let a = serde_json::to_string(&plan::plan(spec(&job), &job.catalog, &mean).unwrap()).unwrap();
+    let b = serde_json::to_string(&plan::plan(spec(&job), &job.catalog, &mean).unwrap()).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn more_replicas_never_make_the_predicted_step_slower() {
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let base = predict::Candidate {
+        groups: vec![
+            predict::Group {
+                pool: 0,
+                role: Role::Prefill,
+                tp: 2,
+                replicas: 8,
+            },
+            predict::Group {
+                pool: 1,
+                role: Role::Decode,
+                tp: 2,
+                replicas: 20,
+            },
+        ],
+        trainer_pool: 0,
+        trainer_gpus: 32,
+    };
+    let t0 = predict::step_time(&p, &base).unwrap();
+    for (i, extra) in [
+        predict::Group {
+            pool: 1,
+            role: Role::Decode,
+            tp: 2,
+            replicas: 8,
+        },
+        predict::Group {
+            pool: 0,
+            role: Role::Decode,
+            tp: 1,
+            replicas: 4,
+        },
+        predict::Group {
+            pool: 0,
+            role: Role::Prefill,
+            tp: 4,
+            replicas: 2,
+        },
+        predict::Group {
+            pool: 1,
+            role: Role::Prefill,
+            tp: 2,
+            replicas: 8,
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut c = base.clone();
+        c.groups.push(extra);
+        let t = predict::step_time(&p, &c).unwrap();
+        assert!(t <= t0 * (1.0 + 1e-9), "case {i}: {t} > {t0}");
+    }
+}
