@@ -2,6 +2,7 @@
 
 pub mod catalog;
 pub mod gpus;
+pub mod runtime;
 pub mod serverless;
 pub mod sim;
 pub mod validate;
