@@ -76,6 +76,8 @@ pub enum Event {
         worker: u64,
         /// What it said.
         message: WorkerMessage,
+        /// When the stream reader took it off the wire.
+        received: Instant,
     },
     /// A stream ended or broke.
     Detach {
@@ -87,6 +89,9 @@ pub enum Event {
     /// `JobService.Cancel`.
     Cancel,
 }
+
+/// Dispatch latencies kept for the report, at most.
+const MAX_LATENCY_SAMPLES: usize = 4_000_000;
 
 /// Settings of the actor.
 #[derive(Debug, Clone)]
@@ -140,6 +145,11 @@ pub struct Report {
     pub trained_twice: Vec<u64>,
     /// Stages completed over gRPC.
     pub stages_completed: u64,
+    /// Median time from a worker's message coming off the wire to the scheduler having handed
+    /// every command it caused to the workers' outboxes, microseconds.
+    pub dispatch_p50_us: u32,
+    /// The same, 99th percentile.
+    pub dispatch_p99_us: u32,
     /// Stages retried after a failure or a lost worker (the core's count).
     pub stage_retries: u64,
     /// Turns regenerated to keep the staleness bound.
@@ -229,6 +239,7 @@ pub struct Actor {
     last_busy: BTreeMap<u32, (f64, Time)>,
     recent_busy: BTreeMap<u32, f64>,
     stages_completed: u64,
+    latencies_us: Vec<u32>,
     lost: Vec<String>,
     status: watch::Sender<JobStatus>,
     metrics: Arc<Metrics>,
@@ -292,6 +303,7 @@ impl Actor {
             last_busy: BTreeMap::new(),
             recent_busy: BTreeMap::new(),
             stages_completed: 0,
+            latencies_us: Vec::new(),
             lost: Vec::new(),
             status,
             metrics,
@@ -368,9 +380,18 @@ impl Actor {
                     self.pump();
                 }
             }
-            Event::Message { worker, message } => {
+            Event::Message {
+                worker,
+                message,
+                received,
+            } => {
                 self.message(worker, message);
                 self.pump();
+                // From off the wire to every command it caused handed to the outboxes.
+                if self.latencies_us.len() < MAX_LATENCY_SAMPLES {
+                    let us = received.elapsed().as_micros().min(u32::MAX as u128) as u32;
+                    self.latencies_us.push(us);
+                }
             }
             Event::Detach { worker, reason } => {
                 if self.ended.is_some() {
@@ -1142,14 +1163,12 @@ impl Actor {
         }
         *self.completed_by_pool.entry(a.pool).or_default() += 1;
         self.unbook(&a);
-        let Some(outcome) = result.outcome else {
-            self.assignments.insert(id, a);
-            self.cut_off(worker, &format!("result of assignment {id} has no outcome"));
-            return;
-        };
-        let output = match outcome {
-            work_result::Outcome::Output(o) => Some(o),
-            work_result::Outcome::Failure(f) => {
+        // A result without an outcome is a protocol violation: the work counts as failed (and is
+        // redone), then the worker is cut off.
+        let mut violation = None;
+        let output = match result.outcome {
+            Some(work_result::Outcome::Output(o)) => Some(o),
+            Some(work_result::Outcome::Failure(f)) => {
                 eprintln!(
                     "scheduler: assignment {id} failed on w{worker} ({:?}): {}",
                     f.cause(),
@@ -1157,7 +1176,25 @@ impl Actor {
                 );
                 None
             }
+            None => {
+                violation = Some(format!("result of assignment {id} has no outcome"));
+                None
+            }
         };
+        self.settle(worker, id, a, output);
+        if let Some(reason) = violation {
+            self.cut_off(worker, &reason);
+        }
+    }
+
+    /// Turns a finished or failed assignment into the core's input (or a redo).
+    fn settle(
+        &mut self,
+        worker: u64,
+        id: u64,
+        a: Assignment,
+        output: Option<rollfleet_proto::v1::StageOutput>,
+    ) {
         match a.what {
             What::Stage {
                 stage,
@@ -1450,6 +1487,13 @@ impl Actor {
             })
             .collect();
         let stats = self.core.stats();
+        let mut lat = self.latencies_us.clone();
+        lat.sort_unstable();
+        let pct = |q: f64| {
+            lat.get(((lat.len() as f64 - 1.0) * q).round().max(0.0) as usize)
+                .copied()
+                .unwrap_or(0)
+        };
         Report {
             job: self.plan.name().to_owned(),
             phase: format!("{phase:?}"),
@@ -1461,6 +1505,8 @@ impl Actor {
             trained: self.trained.clone(),
             trained_twice: self.trained_twice.clone(),
             stages_completed: self.stages_completed,
+            dispatch_p50_us: pct(0.5),
+            dispatch_p99_us: pct(0.99),
             stage_retries: stats.stage_retries,
             regenerated_turns: stats.regenerated_turns,
             workers_lost: self.lost.clone(),

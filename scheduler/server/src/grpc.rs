@@ -105,7 +105,13 @@ impl WorkerService for Workers {
             let reason = loop {
                 match incoming.next().await {
                     Some(Ok(message)) => {
-                        if inbox.send(Event::Message { worker, message }).is_err() {
+                        let received = tokio::time::Instant::now();
+                        let event = Event::Message {
+                            worker,
+                            message,
+                            received,
+                        };
+                        if inbox.send(event).is_err() {
                             return;
                         }
                     }

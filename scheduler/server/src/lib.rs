@@ -67,6 +67,8 @@ pub struct ServerOptions {
     pub lease_ttl: Duration,
     /// Workers to wait for before starting.
     pub expect_workers: usize,
+    /// A stage unanswered this long (wall time) is presumed lost and redone elsewhere.
+    pub stage_timeout: Duration,
     /// Where to write the final report (JSON).
     pub report: Option<PathBuf>,
     /// Where to serve Prometheus metrics.
@@ -75,7 +77,11 @@ pub struct ServerOptions {
 
 /// Serves the job on `listener` until it ends (or is cancelled); returns its report.
 pub async fn serve(listener: TcpListener, opts: ServerOptions) -> Result<Report, ServerError> {
-    let plan = Arc::new(JobPlan::from_yaml(&opts.job_yaml, &opts.origin, opts.seed)?);
+    let mut plan = JobPlan::from_yaml(&opts.job_yaml, &opts.origin, opts.seed)?;
+    // A stage unanswered this long is presumed lost (a worker that heartbeats but never answers).
+    plan.config.stage_timeout =
+        rollfleet_core::Span::from_secs_f64(opts.stage_timeout.as_secs_f64());
+    let plan = Arc::new(plan);
     let metrics = Arc::new(metrics::Metrics::new()?);
     if let Some(addr) = opts.metrics_addr {
         let l = metrics::bind_metrics(addr)
