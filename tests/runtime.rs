@@ -409,3 +409,102 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
         }
     });
 }
+
+/// Reads the feed until `count` trajectories came; returns their (sequence, trajectory id).
+async fn read_feed(
+    feed: &mut tonic::Streaming<rollfleet_proto::v1::TrainerFeedItem>,
+    count: usize,
+) -> Vec<(u64, u64)> {
+    let mut got = Vec::new();
+    while got.len() < count {
+        let item = tokio::time::timeout(DEADLINE, feed.message())
+            .await
+            .expect("the feed went quiet")
+            .unwrap()
+            .expect("the feed ended early");
+        if let Some(rollfleet_proto::v1::trainer_feed_item::Item::Trajectory(t)) = item.item {
+            got.push((t.sequence, t.trajectory.unwrap().id));
+        }
+    }
+    got
+}
+
+fn subscribe(resume_from: u64, window: u32) -> rollfleet_proto::v1::TrainerFeedRequest {
+    use rollfleet_proto::v1::{FeedSubscribe, TrainerFeedRequest, trainer_feed_request};
+    TrainerFeedRequest {
+        message: Some(trainer_feed_request::Message::Subscribe(FeedSubscribe {
+            job: "quickstart".into(),
+            resume_from,
+            window,
+        })),
+    }
+}
+
+fn ack(through: u64) -> rollfleet_proto::v1::TrainerFeedRequest {
+    use rollfleet_proto::v1::{TrainerFeedRequest, trainer_feed_request};
+    TrainerFeedRequest {
+        message: Some(trainer_feed_request::Message::AckThrough(through)),
+    }
+}
+
+#[test]
+fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
+    use rollfleet_proto::v1::trainer_feed_client::TrainerFeedClient;
+    let dir = temp_dir("feed");
+    let job = job_file(&dir, 2);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let (first, second) = rt().block_on(async {
+        let mut client = TrainerFeedClient::connect(url.clone()).await.unwrap();
+        // First connection: a window of 8, read 10 (acking 5 opens the window), then leave.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(subscribe(1, 8)).unwrap();
+        let mut feed = client
+            .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut first = read_feed(&mut feed, 8).await;
+        tx.send(ack(5)).unwrap();
+        first.extend(read_feed(&mut feed, 2).await);
+        drop(tx);
+        drop(feed);
+
+        // Reconnect: everything from 6 comes again, then the rest, acknowledged as it comes.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(subscribe(6, 8)).unwrap();
+        let mut feed = client
+            .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut second = Vec::new();
+        while second.len() < 64 - 5 {
+            let got = read_feed(&mut feed, 1).await;
+            tx.send(ack(got[0].0)).unwrap();
+            second.extend(got);
+        }
+        (first, second)
+    });
+    let seqs: Vec<u64> = first.iter().map(|x| x.0).collect();
+    assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
+    let seqs: Vec<u64> = second.iter().map(|x| x.0).collect();
+    assert_eq!(seqs, (6..=64).collect::<Vec<_>>(), "gap-free from the resume point");
+    // What was resent is what was sent before.
+    assert_eq!(&first[5..10], &second[..5]);
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success());
+    let report = check_report(&report, 2, 0);
+    let trained: Vec<u64> = report["trained"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let fed: Vec<u64> = first[..5].iter().chain(&second).map(|x| x.1).collect();
+    assert_eq!(fed, trained, "the feed carries every trained trajectory once, in order");
+}

@@ -24,10 +24,11 @@ use rollfleet_core::{
     TrajId,
 };
 use rollfleet_proto::v1::{
-    EnvStepWork, GenerationWork, HardwareInventory, HeartbeatResponse, JobPhase, JobStatus, Lease,
-    PoolStatus, RegisterResponse, RewardWork, SchedulerMessage, StageKind, TrainWork, TrajectoryId,
-    WeightSyncWork, WorkAssignment, WorkResult, WorkerMessage, hardware_inventory::Device,
-    scheduler_message, work_assignment, work_result, worker_message,
+    CompletedTrajectory, EnvStepWork, GenerationWork, HardwareInventory, HeartbeatResponse,
+    JobPhase, JobStatus, Lease, PoolStatus, RegisterResponse, RewardWork, SchedulerMessage,
+    StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult,
+    WorkerMessage, hardware_inventory::Device, scheduler_message, work_assignment, work_result,
+    worker_message,
 };
 use rollfleet_sim::hardware::Meter;
 use serde::{Deserialize, Serialize};
@@ -35,6 +36,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tonic::Status;
 
+use crate::feed::FeedLog;
 use crate::metrics::Metrics;
 use crate::plan::{JobPlan, PoolRole, episode_seed};
 
@@ -89,6 +91,9 @@ pub enum Event {
     /// `JobService.Cancel`.
     Cancel,
 }
+
+/// How long a subscribed trainer has after the end to acknowledge the rest of the feed.
+const FEED_GRACE: Duration = Duration::from_secs(30);
 
 /// Dispatch latencies kept for the report, at most.
 const MAX_LATENCY_SAMPLES: usize = 4_000_000;
@@ -204,8 +209,13 @@ struct Worker {
 #[derive(Default)]
 struct TrajInfo {
     attempt: u32,
+    group: u64,
+    task: u32,
     actions: Vec<String>,
     env_worker: Option<u64>,
+    /// Policy version of each turn's generation.
+    versions: BTreeMap<u32, u64>,
+    reward: f64,
 }
 
 /// The actor.
@@ -243,6 +253,7 @@ pub struct Actor {
     lost: Vec<String>,
     status: watch::Sender<JobStatus>,
     metrics: Arc<Metrics>,
+    feed: Arc<FeedLog>,
 }
 
 impl Actor {
@@ -252,6 +263,7 @@ impl Actor {
         opts: ActorOptions,
         status: watch::Sender<JobStatus>,
         metrics: Arc<Metrics>,
+        feed: Arc<FeedLog>,
     ) -> Actor {
         let core = Core::new(plan.config.clone());
         let replicas = plan.placement.replicas.len();
@@ -307,6 +319,7 @@ impl Actor {
             lost: Vec::new(),
             status,
             metrics,
+            feed,
             plan,
             opts,
         }
@@ -331,8 +344,10 @@ impl Actor {
                 }
                 _ = tick.tick() => self.on_tick(),
             }
+            // After the end, a subscribed trainer gets a while to acknowledge the whole feed.
             if let Some((at, _)) = self.ended
                 && at.elapsed() > Duration::from_millis(500)
+                && (self.feed.drained() || at.elapsed() > FEED_GRACE)
             {
                 break;
             }
@@ -709,11 +724,41 @@ impl Actor {
                 trajectories,
                 tokens,
             } => {
-                for t in &trajectories {
+                for (i, t) in trajectories.iter().enumerate() {
                     if !self.trained_set.insert(t.0) {
                         self.trained_twice.push(t.0);
                     }
                     self.trained.push(t.0);
+                    let info = self.trajs.remove(t).unwrap_or_default();
+                    let last_of_group = trajectories
+                        .get(i + 1)
+                        .and_then(|n| self.trajs.get(n))
+                        .is_none_or(|n| n.group != info.group);
+                    let task = self.plan.spec().tasks.get(info.task as usize);
+                    let completed = CompletedTrajectory {
+                        sequence: 0,
+                        trajectory: Some(TrajectoryId {
+                            job: self.plan.name().to_owned(),
+                            group: info.group,
+                            index: (t.0 % u64::from(self.plan.config.group_size.max(1))) as u32,
+                            id: t.0,
+                            attempt: info.attempt,
+                        }),
+                        turns: info
+                            .versions
+                            .iter()
+                            .map(|(&index, &policy_version)| Turn {
+                                index,
+                                policy_version,
+                                ..Default::default()
+                            })
+                            .collect(),
+                        reward: info.reward,
+                        oldest_policy_version: info.versions.values().min().copied().unwrap_or(0),
+                        task: task.map_or_else(String::new, |t| t.name.clone()),
+                    };
+                    self.feed
+                        .append(completed, last_of_group.then_some(info.group));
                 }
                 self.metrics
                     .trajectories_trained
@@ -758,6 +803,11 @@ impl Actor {
                 attempt: cmd.attempt,
                 ..TrajInfo::default()
             };
+        }
+        info.group = cmd.group.0;
+        info.task = cmd.task;
+        if matches!(cmd.work, StageWork::Generate { .. }) {
+            info.versions.insert(cmd.turn, cmd.version);
         }
         let trajectory = Some(TrajectoryId {
             job: plan.name().to_owned(),
@@ -1215,6 +1265,9 @@ impl Actor {
                     StageKindOf::Env { .. } => {
                         if !reset && let Some(t) = self.trajs.get_mut(&traj) {
                             t.actions.push(o.text.clone());
+                            if o.done {
+                                t.reward = o.reward;
+                            }
                         }
                         StageOutcome::Observed {
                             tokens: o.token_count,
@@ -1237,10 +1290,10 @@ impl Actor {
                         StageOutcome::Rewarded { score: o.reward }
                     }
                 };
-                if matches!(outcome, StageOutcome::Observed { done: true, .. }) {
-                    // Later stages of this trajectory are not environment steps.
-                } else if let StageOutcome::Rewarded { .. } = outcome {
-                    self.trajs.remove(&traj);
+                if let StageOutcome::Rewarded { score } = outcome
+                    && let Some(t) = self.trajs.get_mut(&traj)
+                {
+                    t.reward = score;
                 }
                 self.deferred
                     .push_back(Input::StageFinished { stage, outcome });

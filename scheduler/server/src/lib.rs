@@ -5,12 +5,12 @@
 //! - [`actor`]: the single task that owns the core, the workers' leases and every assignment;
 //! - [`grpc`]: `WorkerService` (register, heartbeat, the bidirectional work stream) and
 //!   `JobService` (submit, status, cancel, watch) in front of the actor;
+//! - [`feed`]: the trainer feed (`TrainerFeed`): trajectories handed to training, sequenced,
+//!   resent until acknowledged;
 //! - [`metrics`]: Prometheus metrics and their HTTP endpoint.
-//!
-//! The trainer feed (`TrainerFeed`) is not served yet: training runs on a trainer worker that
-//! receives whole batches as `TrainWork` assignments.
 
 pub mod actor;
+pub mod feed;
 pub mod grpc;
 pub mod metrics;
 pub mod plan;
@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rollfleet_proto::v1::job_service_server::JobServiceServer;
+use rollfleet_proto::v1::trainer_feed_server::TrainerFeedServer;
 use rollfleet_proto::v1::worker_service_server::WorkerServiceServer;
 use rollfleet_proto::v1::{JobPhase, JobStatus};
 use tokio::net::TcpListener;
@@ -102,6 +103,7 @@ pub async fn serve(listener: TcpListener, opts: ServerOptions) -> Result<Report,
         ..Default::default()
     });
     let (inbox, events) = mpsc::unbounded_channel();
+    let feed_log = Arc::new(feed::FeedLog::default());
     let actor = actor::Actor::new(
         plan.clone(),
         actor::ActorOptions {
@@ -112,6 +114,7 @@ pub async fn serve(listener: TcpListener, opts: ServerOptions) -> Result<Report,
         },
         status_tx,
         metrics,
+        feed_log.clone(),
     );
     let actor = tokio::spawn(actor.run(events));
     let workers = WorkerServiceServer::new(grpc::Workers {
@@ -122,12 +125,17 @@ pub async fn serve(listener: TcpListener, opts: ServerOptions) -> Result<Report,
         status: status_rx,
         job_yaml: opts.job_yaml.clone(),
     });
+    let trainer_feed = TrainerFeedServer::new(feed::Feed {
+        log: feed_log,
+        job: plan.name().to_owned(),
+    });
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Report>();
     let mut actor = actor;
     let server = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(workers)
         .add_service(jobs)
+        .add_service(trainer_feed)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
             let report = (&mut actor).await;
             if let Ok(report) = report {
