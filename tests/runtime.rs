@@ -493,7 +493,11 @@ fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
     let seqs: Vec<u64> = first.iter().map(|x| x.0).collect();
     assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
     let seqs: Vec<u64> = second.iter().map(|x| x.0).collect();
-    assert_eq!(seqs, (6..=64).collect::<Vec<_>>(), "gap-free from the resume point");
+    assert_eq!(
+        seqs,
+        (6..=64).collect::<Vec<_>>(),
+        "gap-free from the resume point"
+    );
     // What was resent is what was sent before.
     assert_eq!(&first[5..10], &second[..5]);
     let status = wait_exit(&mut procs.0[0], DEADLINE);
@@ -506,5 +510,8 @@ fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
         .map(|v| v.as_u64().unwrap())
         .collect();
     let fed: Vec<u64> = first[..5].iter().chain(&second).map(|x| x.1).collect();
-    assert_eq!(fed, trained, "the feed carries every trained trajectory once, in order");
+    assert_eq!(
+        fed, trained,
+        "the feed carries every trained trajectory once, in order"
+    );
 }
