@@ -515,3 +515,47 @@ fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
         "the feed carries every trained trajectory once, in order"
     );
 }
+
+#[test]
+fn rollfleet_run_trains_every_step_and_says_the_gpus_are_emulated() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = Command::new(BIN)
+        .args(["run", "examples/jobs/quickstart.yaml", "--time-scale", "1"])
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("Succeeded - 5 of 5 RL steps"), "{stdout}");
+    assert!(stdout.contains("GPU figures are EMULATED"), "{stdout}");
+    assert!(stdout.contains("trajectories trained: 160 (0 twice)"), "{stdout}");
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        assert!(stdout.lines().any(|l| l.starts_with(pool)), "{pool}: {stdout}");
+    }
+    assert!(stderr.contains("GPUs are emulated"), "{stderr}");
+}
+
+#[test]
+fn rollfleet_run_can_model_the_environments_as_the_simulator_does() {
+    let dir = temp_dir("model");
+    let job = job_file(&dir, 2);
+    let out = Command::new(BIN)
+        .arg("run")
+        .arg(&job)
+        .args(["--time-scale", "1", "--model-environments", "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["phase"], "Succeeded");
+    assert_eq!(report["trained"].as_array().unwrap().len(), 64);
+    assert_eq!(report["emulated_gpus"], true);
+    let envs = report["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pool"] == "envs")
+        .unwrap();
+    assert!(envs["assignments_done"].as_u64().unwrap() > 64, "{envs}");
+}

@@ -1049,8 +1049,9 @@ impl Actor {
             Some(PoolRole::Gpu) => {
                 let mut gpus = 0.0;
                 for (r, rc) in self.plan.placement.replicas.iter().enumerate() {
-                    if rc.pool == pool && (self.replica_running[r] > 0 || self.replica_updating[r])
-                    {
+                    // As in the simulator, a replica is busy while it runs stages; loading weights
+                    // is accounted apart (it is not utilisation).
+                    if rc.pool == pool && self.replica_running[r] > 0 {
                         gpus += rc.gpus as f64;
                     }
                 }

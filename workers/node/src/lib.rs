@@ -71,6 +71,9 @@ pub struct WorkerOptions {
     pub env_slots: usize,
     /// How long to keep trying to reach the scheduler at start.
     pub connect_timeout: Duration,
+    /// Model environment steps and rewards from the job spec (durations, token counts, episode
+    /// lengths drawn from its distributions, as the simulator does) instead of running them.
+    pub model_environments: bool,
 }
 
 /// How a worker ended without error.
@@ -91,6 +94,7 @@ struct Node {
     episodes: Mutex<BTreeMap<(u64, u32), (EpisodeId, usize)>>,
     slots: usize,
     rewards: rollfleet_rewards::Handler,
+    model_environments: bool,
 }
 
 async fn connect(opts: &WorkerOptions) -> Result<WorkerServiceClient<Channel>, NodeError> {
@@ -158,6 +162,7 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
         episodes: Mutex::new(BTreeMap::new()),
         slots: opts.env_slots.max(1),
         rewards: rollfleet_rewards::Handler::default(),
+        model_environments: opts.model_environments,
     });
 
     // Heartbeats on their own task; losing the lease ends the worker.
@@ -318,6 +323,11 @@ impl Node {
     }
 
     async fn execute(&self, a: &WorkAssignment) -> work_result::Outcome {
+        if self.model_environments
+            && let Some(output) = self.modelled(a).await
+        {
+            return work_result::Outcome::Output(output);
+        }
         match self.try_execute(a).await {
             Ok(output) => work_result::Outcome::Output(output),
             Err(outcome) => outcome,
@@ -505,6 +515,62 @@ impl Node {
                 })
             }
         }
+    }
+
+    /// An environment step or reward drawn from the job spec's distributions (what the
+    /// simulator does), taking the drawn time on the scaled clock; `None` for other work.
+    async fn modelled(&self, a: &WorkAssignment) -> Option<StageOutput> {
+        use rollfleet_sim::workload::sample;
+        let traj = a.trajectory.clone().unwrap_or_default();
+        let task = self.plan.spec().tasks.get(a.task as usize)?;
+        let seed = self.plan.config.seed;
+        let keyed =
+            |k: u64| SplitMix64::keyed(seed, &[k, traj.id, traj.attempt as u64, a.turn as u64]);
+        let output = match a.work.as_ref()? {
+            Work::EnvStep(e) => {
+                let ms = sample(&task.env_step_ms, &mut keyed(1));
+                tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0 * self.time_scale)).await;
+                if e.reset {
+                    let tokens = sample(&task.prompt_tokens, &mut keyed(2)).round().max(1.0);
+                    StageOutput {
+                        token_count: tokens as u64,
+                        observation: "[modelled environment]".into(),
+                        ..Default::default()
+                    }
+                } else {
+                    let max = task.max_turns.max(1) as f64;
+                    let mut turns_rng = SplitMix64::keyed(seed, &[3, traj.id, traj.attempt as u64]);
+                    let wanted = task
+                        .turns
+                        .as_ref()
+                        .map_or(max, |d| sample(d, &mut turns_rng).round())
+                        .clamp(1.0, max) as u32;
+                    let tokens = sample(&task.observation_tokens, &mut keyed(4))
+                        .round()
+                        .max(0.0);
+                    StageOutput {
+                        token_count: tokens as u64,
+                        done: a.turn >= wanted,
+                        observation: "[modelled environment]".into(),
+                        text: "[modelled action]".into(),
+                        ..Default::default()
+                    }
+                }
+            }
+            Work::Reward(_) => {
+                let reward = self
+                    .plan
+                    .spec()
+                    .rewards
+                    .iter()
+                    .find(|r| r.name == task.reward)?;
+                let ms = sample(&reward.latency_ms, &mut keyed(5));
+                tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0 * self.time_scale)).await;
+                StageOutput::default()
+            }
+            _ => return None,
+        };
+        Some(output)
     }
 
     fn remember(&self, key: (u64, u32), episode: EpisodeId, applied: usize) {

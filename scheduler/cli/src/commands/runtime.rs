@@ -69,6 +69,10 @@ pub struct WorkerArgs {
     /// Environment instances this node runs at once.
     #[arg(long, default_value_t = 1024)]
     pub env_slots: usize,
+    /// Model environment steps and rewards from the job spec's distributions (as the simulator
+    /// does) instead of running the real environments and reward functions.
+    #[arg(long)]
+    pub model_environments: bool,
 }
 
 /// `rollfleet run`.
@@ -91,6 +95,11 @@ pub struct RunArgs {
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
+    /// Model environment steps and rewards from the job spec's distributions (as the simulator
+    /// does) instead of running the real environments and reward functions: the same scenario as
+    /// `rollfleet sim`, for comparing the two.
+    #[arg(long)]
+    pub model_environments: bool,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -167,6 +176,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         lease_ms: 3000,
         env_slots: args.env_slots,
         connect_timeout: Duration::from_secs(30),
+        model_environments: args.model_environments,
     };
     let rt = runtime()?;
     match rt.block_on(rollfleet_node::run(opts)) {
@@ -259,8 +269,13 @@ pub fn run(
     for &p in &pools {
         for i in 0..per_pool {
             let pool = plan.pool_name(p).to_owned();
-            let child = Command::new(&exe)
-                .arg("worker")
+            let mut worker = Command::new(&exe);
+            if args.model_environments {
+                worker.arg("worker").arg("--model-environments");
+            } else {
+                worker.arg("worker");
+            }
+            let child = worker
                 .args(["--scheduler", &url])
                 .args(["--pool", &pool])
                 .args(["--name", &format!("{pool}-{i}")])
