@@ -529,9 +529,15 @@ fn rollfleet_run_trains_every_step_and_says_the_gpus_are_emulated() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("Succeeded - 5 of 5 RL steps"), "{stdout}");
     assert!(stdout.contains("GPU figures are EMULATED"), "{stdout}");
-    assert!(stdout.contains("trajectories trained: 160 (0 twice)"), "{stdout}");
+    assert!(
+        stdout.contains("trajectories trained: 160 (0 twice)"),
+        "{stdout}"
+    );
     for pool in ["prefill", "decode", "train", "envs", "rewards"] {
-        assert!(stdout.lines().any(|l| l.starts_with(pool)), "{pool}: {stdout}");
+        assert!(
+            stdout.lines().any(|l| l.starts_with(pool)),
+            "{pool}: {stdout}"
+        );
     }
     assert!(stderr.contains("GPUs are emulated"), "{stderr}");
 }
@@ -546,7 +552,11 @@ fn rollfleet_run_can_model_the_environments_as_the_simulator_does() {
         .args(["--time-scale", "1", "--model-environments", "-o", "json"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["phase"], "Succeeded");
     assert_eq!(report["trained"].as_array().unwrap().len(), 64);
@@ -558,4 +568,29 @@ fn rollfleet_run_can_model_the_environments_as_the_simulator_does() {
         .find(|p| p["pool"] == "envs")
         .unwrap();
     assert!(envs["assignments_done"].as_u64().unwrap() > 64, "{envs}");
+}
+
+#[test]
+fn a_scheduler_told_to_stop_cancels_the_job_and_drains_its_workers() {
+    let dir = temp_dir("term");
+    let job = job_file(&dir, 50);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    wait_status(&url, "trajectories in flight", |s| s.trajectories_in_flight > 0);
+    let pid = procs.0[0].id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success());
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert_eq!(status.code(), Some(1), "a cancelled job is not a success");
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Cancelled", "{report:#}");
+    // Every worker was drained and left on its own, successfully.
+    for w in &mut procs.0[1..] {
+        let status = wait_exit(w, DEADLINE);
+        assert!(status.success(), "a drained worker failed: {status:?}");
+    }
 }

@@ -241,7 +241,9 @@ pub struct Actor {
     meters: BTreeMap<u32, Meter>,
     capacity: BTreeMap<u32, f64>,
     replica_running: Vec<u32>,
-    replica_updating: Vec<bool>,
+    /// GPUs of replicas running at least one stage, per pool (kept incrementally: a job may have
+    /// hundreds of replicas).
+    gpus_busy: BTreeMap<u32, u64>,
     trainer_busy: u32,
     cpu_in_use: BTreeMap<u32, u64>,
     serverless_running: BTreeMap<u32, u64>,
@@ -307,7 +309,7 @@ impl Actor {
             meters: capacity.keys().map(|&p| (p, Meter::default())).collect(),
             capacity,
             replica_running: vec![0; replicas],
-            replica_updating: vec![false; replicas],
+            gpus_busy: BTreeMap::new(),
             trainer_busy: 0,
             cpu_in_use: BTreeMap::new(),
             serverless_running: BTreeMap::new(),
@@ -709,8 +711,6 @@ impl Actor {
                     ..Default::default()
                 };
                 let id = self.new_assignment(pool, What::Weights { replica, version }, message);
-                self.replica_updating[r] = true;
-                self.level_changed(pool);
                 self.send_to(id, owner);
             }
             // The emulated engine keeps no KV between stages (the core keeps those books); a real
@@ -969,6 +969,10 @@ impl Actor {
             Some(owner) => {
                 let id = self.new_assignment(pool, what, message);
                 self.replica_running[r] += 1;
+                if self.replica_running[r] == 1 {
+                    *self.gpus_busy.entry(pool).or_default() +=
+                        u64::from(self.plan.placement.replicas[r].gpus);
+                }
                 self.level_changed(pool);
                 self.send_to(id, owner);
             }
@@ -1047,14 +1051,8 @@ impl Actor {
     fn level_changed(&mut self, pool: u32) {
         let level = match self.plan.pool_role(pool) {
             Some(PoolRole::Gpu) => {
-                let mut gpus = 0.0;
-                for (r, rc) in self.plan.placement.replicas.iter().enumerate() {
-                    // As in the simulator, a replica is busy while it runs stages; loading weights
-                    // is accounted apart (it is not utilisation).
-                    if rc.pool == pool && self.replica_running[r] > 0 {
-                        gpus += rc.gpus as f64;
-                    }
-                }
+                // As in the simulator, a replica is busy while it runs stages.
+                let mut gpus = self.gpus_busy.get(&pool).copied().unwrap_or(0) as f64;
                 if self.plan.placement.trainer.pool == pool && self.trainer_busy > 0 {
                     gpus += self.plan.placement.trainer.gpus as f64;
                 }
@@ -1162,13 +1160,15 @@ impl Actor {
                 ..
             } => {
                 let r = r.0 as usize;
+                if self.replica_running[r] == 1 {
+                    let busy = self.gpus_busy.entry(a.pool).or_default();
+                    *busy = busy.saturating_sub(u64::from(self.plan.placement.replicas[r].gpus));
+                }
                 self.replica_running[r] = self.replica_running[r].saturating_sub(1);
                 self.level_changed(a.pool);
             }
-            What::Weights { replica, .. } => {
-                self.replica_updating[replica.0 as usize] = false;
-                self.level_changed(a.pool);
-            }
+            // As in the simulator, loading weights is accounted apart from utilisation.
+            What::Weights { .. } => {}
             _ => {
                 if a.worker.is_some() {
                     self.book_units(a.pool, &a.what, -1);

@@ -78,6 +78,15 @@ pub struct ServerOptions {
 
 /// Serves the job on `listener` until it ends (or is cancelled); returns its report.
 pub async fn serve(listener: TcpListener, opts: ServerOptions) -> Result<Report, ServerError> {
+    serve_until(listener, opts, std::future::pending::<()>()).await
+}
+
+/// Like [`serve`], and cancels the job (draining the workers) when `cancel` completes.
+pub async fn serve_until(
+    listener: TcpListener,
+    opts: ServerOptions,
+    cancel: impl std::future::Future + Send + 'static,
+) -> Result<Report, ServerError> {
     let mut plan = JobPlan::from_yaml(&opts.job_yaml, &opts.origin, opts.seed)?;
     // A stage unanswered this long is presumed lost (a worker that heartbeats but never answers).
     plan.config.stage_timeout =
@@ -117,6 +126,11 @@ pub async fn serve(listener: TcpListener, opts: ServerOptions) -> Result<Report,
         feed_log.clone(),
     );
     let actor = tokio::spawn(actor.run(events));
+    let canceller = inbox.clone();
+    tokio::spawn(async move {
+        cancel.await;
+        let _ = canceller.send(actor::Event::Cancel);
+    });
     let workers = WorkerServiceServer::new(grpc::Workers {
         inbox: inbox.clone(),
     });

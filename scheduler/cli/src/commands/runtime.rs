@@ -147,7 +147,13 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             report: args.report.clone(),
             metrics_addr: args.metrics_addr,
         };
-        anyhow::Ok(rollfleet_server::serve(listener, opts).await?)
+        let (cancel, cancelled) = tokio::sync::oneshot::channel();
+        // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = cancel.send(());
+        });
+        anyhow::Ok(rollfleet_server::serve_until(listener, opts, cancelled).await?)
     })?;
     writeln!(
         stderr,
@@ -159,6 +165,17 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
     } else {
         exit::FAILED
     })
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(t) => t,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
 
 /// Runs `rollfleet worker`.
