@@ -580,7 +580,9 @@ fn a_scheduler_told_to_stop_cancels_the_job_and_drains_its_workers() {
     for pool in ["prefill", "decode", "train", "envs", "rewards"] {
         procs.0.push(worker(&url, pool, &format!("{pool}-0")));
     }
-    wait_status(&url, "trajectories in flight", |s| s.trajectories_in_flight > 0);
+    wait_status(&url, "trajectories in flight", |s| {
+        s.trajectories_in_flight > 0
+    });
     let pid = procs.0[0].id().to_string();
     let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(sent.success());
@@ -593,4 +595,55 @@ fn a_scheduler_told_to_stop_cancels_the_job_and_drains_its_workers() {
         let status = wait_exit(w, DEADLINE);
         assert!(status.success(), "a drained worker failed: {status:?}");
     }
+}
+
+#[test]
+fn an_environment_served_by_a_remote_python_server_runs_in_a_job() {
+    let dir = temp_dir("remote");
+    let job = job_file(&dir, 2);
+    let yaml = std::fs::read_to_string(&job)
+        .unwrap()
+        .replace("environment: frozenlake", "environment: guess");
+    std::fs::write(&job, yaml).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut python = Command::new("python3")
+        .arg(root.join("examples/remote-env/server.py"))
+        .args(["--port", "0", "--slots", "1024"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 must be installed");
+    let mut line = String::new();
+    BufReader::new(python.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_owned();
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched, python]);
+    for pool in ["prefill", "decode", "train", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let remote = format!("guess=http://127.0.0.1:{port}");
+    procs.0.push(
+        Command::new(BIN)
+            .args([
+                "worker",
+                "--scheduler",
+                &url,
+                "--pool",
+                "envs",
+                "--remote-env",
+                &remote,
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    check_report(&report, 2, 0);
 }

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use rollfleet_core::rng::SplitMix64;
 use rollfleet_engine::emulated::{EmulatedConfig, EmulatedEngine};
-use rollfleet_envhost::{EnvHost, EpisodeId, HostConfig};
+use rollfleet_envhost::{EnvHost, EpisodeId, Factory, HostConfig};
 use rollfleet_proto::v1::{
     HardwareInventory, HeartbeatRequest, RegisterRequest, SchedulerMessage, StageFailure,
     StageOutput, WorkAssignment, WorkResult, WorkerHello, WorkerMessage, scheduler_message,
@@ -74,6 +74,8 @@ pub struct WorkerOptions {
     /// Model environment steps and rewards from the job spec (durations, token counts, episode
     /// lengths drawn from its distributions, as the simulator does) instead of running them.
     pub model_environments: bool,
+    /// Environment kinds served by remote environment servers: `(kind, base URL)`.
+    pub remote_envs: Vec<(String, String)>,
 }
 
 /// How a worker ended without error.
@@ -155,10 +157,7 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
         pool,
         time_scale,
         engines: Mutex::new(BTreeMap::new()),
-        host: EnvHost::with_builtins(HostConfig {
-            slots: opts.env_slots.max(1),
-            step_timeout: Duration::from_secs(30),
-        }),
+        host: env_host(&opts),
         episodes: Mutex::new(BTreeMap::new()),
         slots: opts.env_slots.max(1),
         rewards: rollfleet_rewards::Handler::default(),
@@ -260,6 +259,37 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
     result
 }
 
+/// The environment host: the built-in environments plus every remote kind asked for (a remote
+/// environment is used exactly like a built-in one, see `agents/remote`).
+fn env_host(opts: &WorkerOptions) -> EnvHost {
+    let mut factories: BTreeMap<String, Factory> = BTreeMap::new();
+    for kind in rollfleet_environments::BUILTIN_KINDS {
+        let factory: Factory = Arc::new(move || {
+            rollfleet_environments::builtin(kind)
+                .unwrap_or_else(|| unreachable!("{kind} is listed as built in"))
+        });
+        factories.insert((*kind).to_owned(), factory);
+    }
+    for (kind, url) in &opts.remote_envs {
+        let (kind2, url) = (kind.clone(), url.clone());
+        let factory: Factory = Arc::new(move || {
+            Box::new(rollfleet_remote_env::RemoteEnvironment::new(
+                &url,
+                &kind2,
+                Duration::from_secs(30),
+            ))
+        });
+        factories.insert(kind.clone(), factory);
+    }
+    EnvHost::new(
+        HostConfig {
+            slots: opts.env_slots.max(1),
+            step_timeout: Duration::from_secs(30),
+        },
+        factories,
+    )
+}
+
 fn failure(cause: Cause, message: impl Into<String>) -> work_result::Outcome {
     work_result::Outcome::Failure(StageFailure {
         cause: cause as i32,
@@ -273,7 +303,9 @@ fn tokens_of(text: &str) -> u64 {
 }
 
 /// The emulated policy's action: a random legal move of the environment, seeded per episode and
-/// turn (the synthetic tokens of the emulated engine carry no text to parse).
+/// turn (the synthetic tokens of the emulated engine carry no text to parse). Grid games get a
+/// direction, the calculator task a `calc:` call or an `answer:`; any other (remote) kind gets a
+/// number from 1 to 100, the action format of the reference remote server's game.
 pub fn emulated_action(environment: &str, seed: u64, turn: u32) -> String {
     let mut rng = SplitMix64::keyed(seed, &[0x6163_7469_6f6e, turn as u64]);
     match environment {
@@ -284,7 +316,10 @@ pub fn emulated_action(environment: &str, seed: u64, turn: u32) -> String {
                 format!("calc: {} * {}", rng.below(100), rng.below(100))
             }
         }
-        _ => ["up", "down", "left", "right"][rng.below(4) as usize].to_owned(),
+        "sokoban" | "frozenlake" => {
+            ["up", "down", "left", "right"][rng.below(4) as usize].to_owned()
+        }
+        _ => (1 + rng.below(100)).to_string(),
     }
 }
 

@@ -73,6 +73,19 @@ pub struct WorkerArgs {
     /// does) instead of running the real environments and reward functions.
     #[arg(long)]
     pub model_environments: bool,
+    /// An environment kind served by a remote environment server, as KIND=URL (repeatable), e.g.
+    /// `guess=http://127.0.0.1:8765` (protocol: docs/remote-environments.md).
+    #[arg(long = "remote-env", value_parser = parse_remote_env)]
+    pub remote_envs: Vec<(String, String)>,
+}
+
+fn parse_remote_env(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((kind, url)) if !kind.is_empty() && url.starts_with("http://") => {
+            Ok((kind.to_owned(), url.to_owned()))
+        }
+        _ => Err(format!("expected KIND=http://HOST:PORT, got {s:?}")),
+    }
 }
 
 /// `rollfleet run`.
@@ -194,6 +207,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         env_slots: args.env_slots,
         connect_timeout: Duration::from_secs(30),
         model_environments: args.model_environments,
+        remote_envs: args.remote_envs.clone(),
     };
     let rt = runtime()?;
     match rt.block_on(rollfleet_node::run(opts)) {
