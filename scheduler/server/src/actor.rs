@@ -512,6 +512,16 @@ impl Actor {
     fn heartbeat(&mut self, worker_id: &str, epoch: u64) -> Result<HeartbeatResponse, Status> {
         let ttl = self.opts.lease_ttl;
         let id = self.worker_number(worker_id);
+        // A lease that ran out is not renewed, even if the periodic check has not seen it yet.
+        if let Some(id) = id
+            && self
+                .workers
+                .get(&id)
+                .is_some_and(|w| w.alive && w.lease_until < Instant::now())
+        {
+            self.cut_off(id, &format!("lease expired: no heartbeat within {ttl:?}"));
+            self.pump();
+        }
         match id.and_then(|id| self.workers.get_mut(&id).map(|w| (id, w))) {
             Some((id, w)) if w.alive && epoch == 1 => {
                 w.lease_until = Instant::now() + ttl;
