@@ -253,6 +253,14 @@ pub fn run(
             .map_err(|e| anyhow!("{e}"))?;
     let name = job.manifest.metadata.name.clone();
     let exe = std::env::current_exe().context("finding the rollfleet binary")?;
+    // The processes' own logs go to one file, so they do not scribble over the progress bars.
+    let log_path = std::env::temp_dir().join(format!(
+        "rollfleet-run-{}-{}.log",
+        job.manifest.metadata.name,
+        std::process::id()
+    ));
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating the log {}", log_path.display()))?;
     let report_path = std::env::temp_dir().join(format!(
         "rollfleet-run-{}-{}.json",
         name,
@@ -273,7 +281,7 @@ pub fn run(
         .arg("--report")
         .arg(&report_path)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        .stderr(log.try_clone()?);
     if let Some(m) = args.metrics_addr {
         scheduler.args(["--metrics-addr", &m.to_string()]);
     }
@@ -311,12 +319,17 @@ pub fn run(
                 .args(["--pool", &pool])
                 .args(["--name", &format!("{pool}-{i}")])
                 .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
+                .stderr(log.try_clone()?)
                 .spawn()
                 .with_context(|| format!("starting a worker for pool {pool}"))?;
             children.0.push((format!("worker {pool}-{i}"), child));
         }
     }
+    writeln!(
+        stderr,
+        "rollfleet run: processes log to {}",
+        log_path.display()
+    )?;
     writeln!(
         stderr,
         "rollfleet run: {} worker processes for pools {}",
@@ -344,6 +357,21 @@ pub fn run(
         }
         std::thread::sleep(Duration::from_millis(50));
     };
+    if let Err(e) = watched.as_ref() {
+        writeln!(stderr, "rollfleet run: {e}")?;
+    }
+    if watched.is_err() || status.is_none_or(|s| !s.success()) {
+        writeln!(
+            stderr,
+            "rollfleet run: the last lines of {}:",
+            log_path.display()
+        )?;
+        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        for line in &lines[lines.len().saturating_sub(20)..] {
+            writeln!(stderr, "  {line}")?;
+        }
+    }
     watched?;
     if status.is_none() {
         bail!(
