@@ -26,8 +26,8 @@ use rollfleet_engine::emulated::{EmulatedConfig, EmulatedEngine};
 use rollfleet_envhost::{EnvHost, EpisodeId, Factory, HostConfig};
 use rollfleet_proto::v1::{
     HardwareInventory, HeartbeatRequest, RegisterRequest, SchedulerMessage, StageFailure,
-    StageOutput, WorkAssignment, WorkResult, WorkerHello, WorkerMessage, scheduler_message,
-    stage_failure::Cause, work_assignment::Work, work_result, worker_message,
+    StageOutput, WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage,
+    scheduler_message, stage_failure::Cause, work_assignment::Work, work_result, worker_message,
     worker_service_client::WorkerServiceClient,
 };
 use rollfleet_server::plan::{JobPlan, PoolRole};
@@ -170,14 +170,16 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
     let hb_id = lease.worker_id.clone();
     let epoch = lease.epoch;
     let interval = Duration::from_millis(lease.heartbeat_interval_ms.max(50));
+    let hb_node = node.clone();
     let heartbeat = tokio::spawn(async move {
         loop {
             tokio::time::sleep(interval).await;
+            let load = hb_node.load().await;
             let r = hb_client
                 .heartbeat(HeartbeatRequest {
                     worker_id: hb_id.clone(),
                     epoch,
-                    load: None,
+                    load: Some(load),
                 })
                 .await;
             if let Err(status) = r {
@@ -324,6 +326,30 @@ pub fn emulated_action(environment: &str, seed: u64, turn: u32) -> String {
 }
 
 impl Node {
+    /// What the node carries now: its emulated replicas' queues, batches and KV caches, and its
+    /// environment slots in use. GPU telemetry is absent (no GPU runs anything here), not zero.
+    async fn load(&self) -> WorkerLoad {
+        let engines: Vec<Arc<EmulatedEngine>> = self
+            .engines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let kv_bytes = self.plan.costs.kv_bytes_per_token;
+        let mut load = WorkerLoad::default();
+        for engine in engines {
+            let l = engine.load().await;
+            load.queued_stages += l.queued;
+            load.running_stages += l.running;
+            load.batch_size += l.running;
+            load.kv_cache_used_bytes += (l.kv_used_tokens as f64 * kv_bytes) as u64;
+            load.kv_cache_capacity_bytes += (engine.kv_capacity() as f64 * kv_bytes) as u64;
+        }
+        load.running_stages += self.host.busy() as u32;
+        load
+    }
+
     fn engine(&self, replica: u64) -> Result<Arc<EmulatedEngine>, String> {
         let mut engines = self.engines.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = engines.get(&replica) {
