@@ -476,6 +476,20 @@ fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
             tx.send(ack(got[0].0)).unwrap();
             second.extend(got);
         }
+        // Everything is acknowledged: the scheduler ends the feed when it leaves.
+        let rest = tokio::time::timeout(DEADLINE, async {
+            let mut extra = 0;
+            while let Ok(Some(item)) = feed.message().await {
+                if let Some(rollfleet_proto::v1::trainer_feed_item::Item::Trajectory(_)) = item.item
+                {
+                    extra += 1;
+                }
+            }
+            extra
+        })
+        .await
+        .expect("the feed did not end after the job");
+        assert_eq!(rest, 0, "nothing beyond the job's trajectories");
         (first, second)
     });
     let seqs: Vec<u64> = first.iter().map(|x| x.0).collect();

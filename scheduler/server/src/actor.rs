@@ -354,6 +354,7 @@ impl Actor {
                 break;
             }
         }
+        self.feed.close();
         self.report()
     }
 

@@ -38,6 +38,7 @@ struct Log {
     next_sequence: u64,
     acked: u64,
     subscribed: bool,
+    closed: bool,
 }
 
 /// The feed's items, shared by the actor (which appends) and the feed streams (which read).
@@ -54,6 +55,7 @@ impl Default for FeedLog {
                 next_sequence: 1,
                 acked: 0,
                 subscribed: false,
+                closed: false,
             }),
             last: watch::Sender::new(0),
         }
@@ -88,6 +90,12 @@ impl FeedLog {
     pub fn drained(&self) -> bool {
         let log = self.lock();
         !log.subscribed || log.acked + 1 >= log.next_sequence
+    }
+
+    /// Ends every feed stream: the scheduler is going away.
+    pub fn close(&self) {
+        self.lock().closed = true;
+        self.last.send_modify(|_| {});
     }
 
     /// Whether a trainer ever subscribed.
@@ -187,6 +195,9 @@ impl TrainerFeed for Feed {
             let mut last = log.last.subscribe();
             let mut next = resume.max(log.acked() + 1);
             loop {
+                if log.lock().closed {
+                    return;
+                }
                 let appended = *last.borrow_and_update();
                 let until = appended.min(log.acked() + window);
                 if next <= until {
