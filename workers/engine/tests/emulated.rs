@@ -98,7 +98,9 @@ async fn an_aborted_request_frees_its_kv_for_the_next_one_at_once() {
     tokio::pin!(second);
     let start = Instant::now();
     // Abort the first after 0.1 s by dropping it; the second is then admitted and takes 1 s.
+    // Biased: the first request is submitted (on its first poll) before the second.
     tokio::select! {
+        biased;
         _ = first => panic!("the first request cannot finish in 0.1 s"),
         _ = &mut second => panic!("the second request cannot run while the first holds the KV"),
         _ = tokio::time::sleep(Duration::from_millis(100)) => {}
