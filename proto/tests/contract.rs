@@ -21,6 +21,7 @@ fn assignment() -> WorkAssignment {
             job: "quickstart".into(),
             group: 7,
             index: 3,
+            ..Default::default()
         }),
         turn: 2,
         policy_version: 5,
@@ -33,6 +34,7 @@ fn assignment() -> WorkAssignment {
             ..Default::default()
         })),
         deadline_ms: 60_000,
+        ..Default::default()
     }
 }
 
@@ -86,6 +88,7 @@ impl WorkerService for LeaseGranter {
                 heartbeat_interval_ms: 2_000,
                 epoch: 1,
             }),
+            ..Default::default()
         }))
     }
 

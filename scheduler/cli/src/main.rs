@@ -66,12 +66,27 @@ enum Command {
     Serverless(commands::serverless::ServerlessCommand),
     /// List this node's GPUs (NVML) and optionally probe their real speed (CUDA, cuBLAS).
     Gpus(commands::gpus::GpusArgs),
+    /// Run a job on this machine: a scheduler and one worker per pool as child processes on
+    /// loopback, GPUs emulated (time-scaled), live progress, a summary at the end.
+    #[command(after_help = "Examples:\n  \
+        rollfleet run examples/jobs/quickstart.yaml\n  \
+        rollfleet run examples/jobs/quickstart.yaml --workers-per-pool 2 --metrics-addr 127.0.0.1:9464\n\n\
+        GPU figures are emulated (the simulator's roofline on the real clock), never measured.")]
+    Run(commands::runtime::RunArgs),
+    /// Serve one job as the scheduler (gRPC: workers, jobs).
+    Scheduler(commands::runtime::SchedulerArgs),
+    /// The node daemon: register with a scheduler and run what it assigns.
+    #[command(after_help = "Examples:\n  \
+        rollfleet worker --scheduler http://127.0.0.1:7070 --pool decode")]
+    Worker(commands::runtime::WorkerArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let mut stdout = std::io::stdout().lock();
-    let mut stderr = std::io::stderr().lock();
+    // Unlocked handles: the runtime commands log from worker threads, which a lock held here
+    // for the whole run would block forever.
+    let mut stdout = std::io::stdout();
+    let mut stderr = std::io::stderr();
     let result = match &cli.command {
         Command::Validate(args) => {
             commands::validate::run(args, cli.output, &mut stdout, &mut stderr)
@@ -84,6 +99,9 @@ fn main() -> ExitCode {
         }
         Command::Serverless(command) => commands::serverless::run(command, &mut stderr),
         Command::Gpus(args) => commands::gpus::run(args, cli.output, &mut stdout, &mut stderr),
+        Command::Run(args) => commands::runtime::run(args, cli.output, &mut stdout, &mut stderr),
+        Command::Scheduler(args) => commands::runtime::scheduler(args, &mut stderr),
+        Command::Worker(args) => commands::runtime::worker(args, &mut stderr),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -8,9 +8,10 @@
 //! Backends:
 //! - [`openai::OpenAiEngine`]: a real engine behind the OpenAI completions API (vLLM, SGLang),
 //!   streamed over HTTP;
-//! - the emulated engine for machines without GPUs comes with the node worker (issue #5); it
-//!   implements this same trait and marks every output `emulated`.
+//! - [`emulated::EmulatedEngine`]: for machines without GPUs, the simulator's roofline run
+//!   against the (scaled) real clock; every output is marked `emulated`.
 
+pub mod emulated;
 pub mod openai;
 mod sse;
 

@@ -4,6 +4,7 @@ pub mod catalog;
 pub mod gpus;
 pub mod plan;
 pub mod profile;
+pub mod runtime;
 pub mod serverless;
 pub mod sim;
 pub mod validate;

@@ -1,0 +1,544 @@
+//! `rollfleet scheduler`, `rollfleet worker` and `rollfleet run`: the distributed runtime.
+//!
+//! `scheduler` serves one job over gRPC; `worker` is the node daemon; `run` starts both as real
+//! child processes on loopback (one scheduler, one worker per pool, or more), shows live
+//! progress, and prints a summary when the job ends. GPU work runs on emulated engines (the
+//! simulator's roofline on the real clock, time-scaled), so `run` needs no GPU.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rollfleet_proto::v1::job_service_client::JobServiceClient;
+use rollfleet_proto::v1::{JobPhase, JobRef};
+use rollfleet_server::{Report, ServerOptions};
+
+use crate::output::{OutputFormat, Table, exit, write_structured};
+
+/// Wall seconds per modelled second that `run` uses unless told otherwise.
+pub const DEFAULT_TIME_SCALE: f64 = 4.0;
+
+/// `rollfleet scheduler`.
+#[derive(Debug, clap::Args)]
+pub struct SchedulerArgs {
+    /// The job file.
+    pub job: PathBuf,
+    /// Address to serve gRPC on (port 0: any free port; the address is printed on stdout as
+    /// `listening on ADDR`).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// Wall seconds per modelled second of the emulated hardware.
+    #[arg(long, default_value_t = DEFAULT_TIME_SCALE)]
+    pub time_scale: f64,
+    /// Seed of the core's decisions and of the environment episodes.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Workers to wait for before the job starts (at least one per pool it needs).
+    #[arg(long, default_value_t = 0)]
+    pub expect_workers: usize,
+    /// Worker lease, milliseconds: a worker silent this long is declared lost.
+    #[arg(long, default_value_t = 3000)]
+    pub lease_ms: u64,
+    /// Seconds of wall time after which an unanswered stage is presumed lost and redone.
+    #[arg(long = "stage-timeout", default_value_t = 120)]
+    pub stage_timeout_s: u64,
+    /// Write the final report (JSON) here.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// `rollfleet worker`.
+#[derive(Debug, clap::Args)]
+pub struct WorkerArgs {
+    /// The scheduler's URL.
+    #[arg(long, default_value = "http://127.0.0.1:7070")]
+    pub scheduler: String,
+    /// The pool to join, as named in the job.
+    #[arg(long)]
+    pub pool: String,
+    /// This node's name (default: the host name and process id).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Environment instances this node runs at once.
+    #[arg(long, default_value_t = 1024)]
+    pub env_slots: usize,
+    /// Model environment steps and rewards from the job spec's distributions (as the simulator
+    /// does) instead of running the real environments and reward functions.
+    #[arg(long)]
+    pub model_environments: bool,
+    /// An environment kind served by a remote environment server, as KIND=URL (repeatable), e.g.
+    /// `guess=http://127.0.0.1:8765` (protocol: docs/remote-environments.md).
+    #[arg(long = "remote-env", value_parser = parse_remote_env)]
+    pub remote_envs: Vec<(String, String)>,
+}
+
+fn parse_remote_env(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((kind, url)) if !kind.is_empty() && url.starts_with("http://") => {
+            Ok((kind.to_owned(), url.to_owned()))
+        }
+        _ => Err(format!("expected KIND=http://HOST:PORT, got {s:?}")),
+    }
+}
+
+/// `rollfleet run`.
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// The job file.
+    pub job: PathBuf,
+    /// Wall seconds per modelled second of the emulated hardware.
+    #[arg(long, default_value_t = DEFAULT_TIME_SCALE)]
+    pub time_scale: f64,
+    /// Worker processes per pool.
+    #[arg(long, default_value_t = 1)]
+    pub workers_per_pool: usize,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Serve the scheduler's Prometheus metrics here (e.g. 127.0.0.1:9464).
+    #[arg(long)]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    /// Model environment steps and rewards from the job spec's distributions (as the simulator
+    /// does) instead of running the real environments and reward functions: the same scenario as
+    /// `rollfleet sim`, for comparing the two.
+    #[arg(long)]
+    pub model_environments: bool,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// Runs `rollfleet scheduler`.
+pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
+    if !(args.time_scale.is_finite() && args.time_scale > 0.0) {
+        writeln!(stderr, "error: --time-scale must be a positive number")?;
+        return Ok(exit::INVALID_INPUT);
+    }
+    let yaml = match std::fs::read_to_string(&args.job) {
+        Ok(y) => y,
+        Err(e) => {
+            writeln!(stderr, "error: {}: {e}", args.job.display())?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    };
+    let origin = args.job.display().to_string();
+    if let Err(e) = rollfleet_server::JobPlan::from_yaml(&yaml, &origin, args.seed) {
+        writeln!(stderr, "error: {e}")?;
+        return Ok(exit::INVALID_INPUT);
+    }
+    let rt = runtime()?;
+    let report = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("--listen {}", args.listen))?;
+        let addr = listener.local_addr()?;
+        // The parent of `rollfleet run` reads this line to find the port.
+        println!("listening on {addr}");
+        std::io::stdout().flush()?;
+        let opts = ServerOptions {
+            job_yaml: yaml,
+            origin,
+            seed: args.seed,
+            time_scale: args.time_scale,
+            lease_ttl: Duration::from_millis(args.lease_ms.max(100)),
+            expect_workers: args.expect_workers,
+            stage_timeout: Duration::from_secs(args.stage_timeout_s.max(1)),
+            report: args.report.clone(),
+            metrics_addr: args.metrics_addr,
+        };
+        let (cancel, cancelled) = tokio::sync::oneshot::channel();
+        // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = cancel.send(());
+        });
+        anyhow::Ok(rollfleet_server::serve_until(listener, opts, cancelled).await?)
+    })?;
+    writeln!(
+        stderr,
+        "scheduler: {} {} at version {}/{} in {:.1} s",
+        report.job, report.phase, report.policy_version, report.steps, report.wall_s
+    )?;
+    Ok(if report.phase == "Succeeded" {
+        exit::OK
+    } else {
+        exit::FAILED
+    })
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(t) => t,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// Runs `rollfleet worker`.
+pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
+    let name = args.name.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_else(|_| "node".into());
+        format!("{host}-{}", std::process::id())
+    });
+    let opts = rollfleet_node::WorkerOptions {
+        scheduler: args.scheduler.clone(),
+        pool: args.pool.clone(),
+        hostname: name,
+        lease_ms: 3000,
+        env_slots: args.env_slots,
+        connect_timeout: Duration::from_secs(30),
+        model_environments: args.model_environments,
+        remote_envs: args.remote_envs.clone(),
+    };
+    let rt = runtime()?;
+    match rt.block_on(rollfleet_node::run(opts)) {
+        Ok(_) => Ok(exit::OK),
+        Err(e) => {
+            writeln!(stderr, "worker: {e}")?;
+            Ok(exit::FAILED)
+        }
+    }
+}
+
+/// Child processes that are killed when dropped.
+struct Children(Vec<(String, Child)>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.0 {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Runs `rollfleet run`.
+pub fn run(
+    args: &RunArgs,
+    output: OutputFormat,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<u8> {
+    let job = match rollfleet_spec::load_job_file(&args.job) {
+        Ok(job) => job,
+        Err(e) => {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    };
+    let yaml = std::fs::read_to_string(&args.job)?;
+    let plan =
+        rollfleet_server::JobPlan::from_yaml(&yaml, &args.job.display().to_string(), args.seed)
+            .map_err(|e| anyhow!("{e}"))?;
+    let name = job.manifest.metadata.name.clone();
+    let exe = std::env::current_exe().context("finding the rollfleet binary")?;
+    // The processes' own logs go to one file, so they do not scribble over the progress bars.
+    let log_path = std::env::temp_dir().join(format!(
+        "rollfleet-run-{}-{}.log",
+        job.manifest.metadata.name,
+        std::process::id()
+    ));
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating the log {}", log_path.display()))?;
+    let report_path = std::env::temp_dir().join(format!(
+        "rollfleet-run-{}-{}.json",
+        name,
+        std::process::id()
+    ));
+    let pools = plan.pools_needed();
+    let per_pool = args.workers_per_pool.max(1);
+    let mut children = Children(Vec::new());
+
+    let mut scheduler = Command::new(&exe);
+    scheduler
+        .arg("scheduler")
+        .arg(&args.job)
+        .args(["--listen", "127.0.0.1:0"])
+        .args(["--time-scale", &args.time_scale.to_string()])
+        .args(["--seed", &args.seed.to_string()])
+        .args(["--expect-workers", &(pools.len() * per_pool).to_string()])
+        .arg("--report")
+        .arg(&report_path)
+        .stdout(Stdio::piped())
+        .stderr(log.try_clone()?);
+    if let Some(m) = args.metrics_addr {
+        scheduler.args(["--metrics-addr", &m.to_string()]);
+    }
+    let mut child = scheduler.spawn().context("starting the scheduler")?;
+    let out = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow!("no scheduler stdout"))?;
+    children.0.push(("scheduler".into(), child));
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line)?;
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .ok_or_else(|| anyhow!("the scheduler did not say where it listens (got {line:?})"))?
+        .to_owned();
+    let url = format!("http://{addr}");
+    writeln!(
+        stderr,
+        "rollfleet run: scheduler on {url}; GPUs are emulated (roofline model), time scale {} \
+         (one modelled second takes {} wall seconds)",
+        args.time_scale, args.time_scale
+    )?;
+    for &p in &pools {
+        for i in 0..per_pool {
+            let pool = plan.pool_name(p).to_owned();
+            let mut worker = Command::new(&exe);
+            if args.model_environments {
+                worker.arg("worker").arg("--model-environments");
+            } else {
+                worker.arg("worker");
+            }
+            let child = worker
+                .args(["--scheduler", &url])
+                .args(["--pool", &pool])
+                .args(["--name", &format!("{pool}-{i}")])
+                .stdout(Stdio::null())
+                .stderr(log.try_clone()?)
+                .spawn()
+                .with_context(|| format!("starting a worker for pool {pool}"))?;
+            children.0.push((format!("worker {pool}-{i}"), child));
+        }
+    }
+    writeln!(
+        stderr,
+        "rollfleet run: processes log to {}",
+        log_path.display()
+    )?;
+    writeln!(
+        stderr,
+        "rollfleet run: {} worker processes for pools {}",
+        pools.len() * per_pool,
+        pools
+            .iter()
+            .map(|&p| plan.pool_name(p))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )?;
+
+    let rt = runtime()?;
+    let deadline = Instant::now() + Duration::from_secs(args.timeout);
+    let steps = plan.config.steps;
+    let trajectories = steps * u64::from(plan.config.rollout_batch_size);
+    let watched = rt.block_on(watch(&url, &name, steps, trajectories, deadline));
+    // The scheduler writes its report and exits once the job ends.
+    let (_, sched) = &mut children.0[0];
+    let status = loop {
+        if let Some(s) = sched.try_wait()? {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if let Err(e) = watched.as_ref() {
+        writeln!(stderr, "rollfleet run: {e}")?;
+    }
+    if watched.is_err() || status.is_none_or(|s| !s.success()) {
+        writeln!(
+            stderr,
+            "rollfleet run: the last lines of {}:",
+            log_path.display()
+        )?;
+        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        for line in &lines[lines.len().saturating_sub(20)..] {
+            writeln!(stderr, "  {line}")?;
+        }
+    }
+    watched?;
+    if status.is_none() {
+        bail!(
+            "the scheduler did not finish within --timeout {} s",
+            args.timeout
+        );
+    }
+    let report: Report = {
+        let bytes = std::fs::read(&report_path)
+            .with_context(|| format!("reading the report {}", report_path.display()))?;
+        let _ = std::fs::remove_file(&report_path);
+        serde_json::from_slice::<Report>(&bytes).context("parsing the scheduler's report")?
+    };
+    match output {
+        OutputFormat::Table => write_summary(&report, stdout)?,
+        other => write_structured(other, &report, stdout)?,
+    }
+    Ok(
+        if report.phase == "Succeeded" && report.trained_twice.is_empty() {
+            exit::OK
+        } else {
+            exit::FAILED
+        },
+    )
+}
+
+async fn watch(
+    url: &str,
+    job: &str,
+    steps: u64,
+    trajectories: u64,
+    deadline: Instant,
+) -> Result<()> {
+    let mut client = loop {
+        match JobServiceClient::connect(url.to_owned()).await {
+            Ok(c) => break c,
+            Err(e) if Instant::now() > deadline => bail!("cannot reach the scheduler: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    let mut stream = client
+        .watch(JobRef {
+            job: job.to_owned(),
+        })
+        .await?
+        .into_inner();
+    let multi = MultiProgress::with_draw_target(ProgressDrawTarget::stderr_with_hz(4));
+    let bar_style = ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    let step_bar = multi.add(ProgressBar::new(steps));
+    step_bar.set_style(bar_style.clone());
+    step_bar.set_prefix("RL step");
+    let traj_bar = multi.add(ProgressBar::new(trajectories));
+    traj_bar.set_style(bar_style.clone());
+    traj_bar.set_prefix("trajectories");
+    let mut pool_bars: Vec<ProgressBar> = Vec::new();
+    let hidden = multi.is_hidden();
+    let mut last_print = Instant::now();
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let next = tokio::time::timeout(remaining, stream.message()).await;
+        let status = match next {
+            Err(_) => bail!("the job did not finish in time"),
+            Ok(Err(e)) => bail!("watching the job: {}", e.message()),
+            Ok(Ok(None)) => break,
+            Ok(Ok(Some(s))) => s,
+        };
+        step_bar.set_position(status.rl_step);
+        traj_bar.set_position(status.trajectories_trained);
+        traj_bar.set_message(format!(
+            "trained, {} in flight",
+            status.trajectories_in_flight
+        ));
+        while pool_bars.len() < status.pools.len() {
+            let b = multi.add(ProgressBar::new(100));
+            b.set_style(
+                ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos:>3}% busy {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            );
+            pool_bars.push(b);
+        }
+        for (bar, pool) in pool_bars.iter().zip(&status.pools) {
+            bar.set_prefix(pool.pool.clone());
+            bar.set_position((pool.busy * 100.0).round() as u64);
+            bar.set_message(format!("({} workers)", pool.workers));
+        }
+        // Without a terminal the bars are hidden: print a plain line every few seconds instead.
+        if hidden && last_print.elapsed() > Duration::from_secs(5) {
+            last_print = Instant::now();
+            let busy: Vec<String> = status
+                .pools
+                .iter()
+                .map(|p| format!("{} {:.0}%", p.pool, p.busy * 100.0))
+                .collect();
+            eprintln!(
+                "step {}/{} trajectories trained {}/{} busy: {}",
+                status.rl_step,
+                steps,
+                status.trajectories_trained,
+                trajectories,
+                busy.join(", ")
+            );
+        }
+        if matches!(
+            status.phase(),
+            JobPhase::Succeeded | JobPhase::Failed | JobPhase::Cancelled
+        ) {
+            break;
+        }
+    }
+    step_bar.finish();
+    traj_bar.finish();
+    for b in pool_bars {
+        b.finish();
+    }
+    Ok(())
+}
+
+fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> {
+    writeln!(
+        out,
+        "job {}: {} - {} of {} RL steps in {:.1} s of wall time",
+        report.job, report.phase, report.policy_version, report.steps, report.wall_s
+    )?;
+    writeln!(
+        out,
+        "GPU figures are EMULATED (roofline model, time scale {}: one modelled second took {} wall seconds)",
+        report.time_scale, report.time_scale
+    )?;
+    let mut t = Table::new(&[
+        "pool",
+        "kind",
+        "workers>",
+        "assignments done>",
+        "busy share>",
+    ]);
+    for p in &report.pools {
+        t.row(vec![
+            p.pool.clone(),
+            p.kind.clone(),
+            p.workers.to_string(),
+            p.assignments_done.to_string(),
+            format!("{:.0}%", p.busy_share * 100.0),
+        ]);
+    }
+    t.write(out)?;
+    writeln!(
+        out,
+        "trajectories trained: {} ({} twice); stages completed: {}; retried: {}; turns regenerated \
+         for staleness: {}; workers lost: {}",
+        report.trained.len(),
+        report.trained_twice.len(),
+        report.stages_completed,
+        report.stage_retries,
+        report.regenerated_turns,
+        report.workers_lost.len()
+    )?;
+    let secs = report.wall_s.max(1e-9);
+    writeln!(
+        out,
+        "scheduler: {:.0} stage completions/s over gRPC; dispatch latency (message off the wire to \
+         commands handed to the outboxes) p50 {} us, p99 {} us",
+        report.stages_completed as f64 / secs,
+        report.dispatch_p50_us,
+        report.dispatch_p99_us
+    )?;
+    Ok(())
+}

@@ -1,0 +1,180 @@
+//! Dispatch benchmark: the scheduler server under a load of instant workers over gRPC on loopback.
+//!
+//! The server runs the quick-start job stretched to many RL steps; one in-process client per pool
+//! registers, opens its work stream and answers every assignment at once with a plausible outcome
+//! (tokens generated, an observation, episodes of six turns, a reward), so the only limit is the
+//! scheduler: the core, the actor, tonic and the loopback. Server and clients share the machine's
+//! cores. Prints stage completions per second and the server's dispatch latency (a worker message
+//! off the wire to every command it caused handed to the outboxes), per run and the median of
+//! three runs.
+
+use std::time::{Duration, Instant};
+
+use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
+use rollfleet_proto::v1::{
+    HardwareInventory, HeartbeatRequest, RegisterRequest, StageOutput, WorkResult, WorkerHello,
+    WorkerMessage, scheduler_message, work_assignment::Work, work_result, worker_message,
+};
+use rollfleet_server::{Report, ServerOptions, serve};
+
+const STEPS: u32 = 150;
+
+async fn instant_worker(url: String, pool: &'static str) {
+    let mut client = WorkerServiceClient::connect(url).await.expect("connect");
+    let lease = client
+        .register(RegisterRequest {
+            inventory: Some(HardwareInventory {
+                hostname: format!("bench-{pool}"),
+                pool: pool.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .expect("register")
+        .into_inner()
+        .lease
+        .expect("lease");
+    let mut hb = client.clone();
+    let id = lease.worker_id.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let beat = HeartbeatRequest {
+                worker_id: id.clone(),
+                epoch: 1,
+                load: None,
+            };
+            if hb.heartbeat(beat).await.is_err() {
+                return;
+            }
+        }
+    });
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let hello = WorkerHello {
+        worker_id: lease.worker_id,
+        epoch: lease.epoch,
+    };
+    let _ = tx.send(WorkerMessage {
+        message: Some(worker_message::Message::Hello(hello)),
+    });
+    let mut inbound = client
+        .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .expect("work stream")
+        .into_inner();
+    while let Ok(Some(m)) = inbound.message().await {
+        let a = match m.message {
+            Some(scheduler_message::Message::Assign(a)) => a,
+            Some(scheduler_message::Message::Drain(_)) => return,
+            _ => continue,
+        };
+        let output = match &a.work {
+            Some(Work::Generation(g)) => StageOutput {
+                token_count: u64::from(g.max_new_tokens.clamp(1, 48)),
+                emulated: true,
+                ..Default::default()
+            },
+            Some(Work::EnvStep(e)) => StageOutput {
+                token_count: if e.reset { 200 } else { 60 },
+                done: !e.reset && a.turn >= 5,
+                text: "up".into(),
+                ..Default::default()
+            },
+            Some(Work::Reward(_)) => StageOutput {
+                reward: 1.0,
+                ..Default::default()
+            },
+            _ => StageOutput::default(),
+        };
+        let result = WorkResult {
+            assignment_id: a.assignment_id,
+            outcome: Some(work_result::Outcome::Output(output)),
+            duration_us: 0,
+        };
+        if tx
+            .send(WorkerMessage {
+                message: Some(worker_message::Message::Result(result)),
+            })
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+fn run_once() -> (f64, Report) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let root = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/jobs/quickstart.yaml"
+    );
+    let yaml = std::fs::read_to_string(root)
+        .expect("quickstart.yaml")
+        .replace("steps: 5", &format!("steps: {STEPS}"));
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let pools = ["prefill", "decode", "train", "envs", "rewards"];
+        let opts = ServerOptions {
+            job_yaml: yaml,
+            origin: "bench".into(),
+            seed: 0,
+            time_scale: 1.0,
+            lease_ttl: Duration::from_secs(10),
+            expect_workers: pools.len(),
+            stage_timeout: Duration::from_secs(120),
+            report: None,
+            metrics_addr: None,
+        };
+        let server = tokio::spawn(serve(listener, opts));
+        for pool in pools {
+            tokio::spawn(instant_worker(url.clone(), pool));
+        }
+        let started = Instant::now();
+        let report = server.await.expect("server task").expect("server");
+        let _ = started;
+        let rate = report.stages_completed as f64 / report.wall_s.max(1e-9);
+        (rate, report)
+    })
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a plain `cargo test --benches` run does one short pass.
+    let runs = if std::env::args().any(|a| a == "--bench") {
+        3
+    } else {
+        1
+    };
+    let mut rates = Vec::new();
+    let mut p99s = Vec::new();
+    for i in 0..runs {
+        let (rate, r) = run_once();
+        println!(
+            "run {}: {} stages in {:.2} s = {:.0} stage completions/s over gRPC; dispatch latency p50 {} us, p99 {} us; {} trajectories trained ({} twice)",
+            i + 1,
+            r.stages_completed,
+            r.wall_s,
+            rate,
+            r.dispatch_p50_us,
+            r.dispatch_p99_us,
+            r.trained.len(),
+            r.trained_twice.len()
+        );
+        rates.push(rate);
+        p99s.push(r.dispatch_p99_us);
+    }
+    rates.sort_by(f64::total_cmp);
+    p99s.sort_unstable();
+    println!(
+        "median of {runs}: {:.0} stage completions/s, dispatch p99 {} us",
+        rates[rates.len() / 2],
+        p99s[p99s.len() / 2]
+    );
+}

@@ -1,0 +1,1588 @@
+//! The scheduler actor: the one task that owns the sans-IO core and every book about workers.
+//!
+//! gRPC handlers never touch the core; they send an [`Event`] to the actor's inbox and, where
+//! they need an answer, wait on a oneshot. The actor feeds facts to the core with the wall clock
+//! (nanoseconds since the job started), turns the core's commands into `WorkAssignment`s on the
+//! right worker's stream, wakes the core when `poll_timeout` says, and expires leases.
+//!
+//! What keeps "no trajectory lost, none delivered twice" across worker failures:
+//! - every assignment is booked on exactly one worker; a worker reports only against its own
+//!   bookings (anything else cuts it off);
+//! - a worker that is lost (stream gone, lease expired, cut off) has every booking undone: its
+//!   replicas are reported lost to the core (which re-dispatches their stages) and handed to
+//!   another worker of the pool, its CPU and serverless stages are reported failed (retried,
+//!   never scored), and a training batch it held goes to another trainer;
+//! - the core itself ignores reports about stages it no longer expects.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rollfleet_core::{
+    BatchId, Command, Core, Input, ReplicaId, StageCommand, StageId, StageOutcome, StageWork, Time,
+    TrajId,
+};
+use rollfleet_proto::v1::{
+    CompletedTrajectory, EnvStepWork, GenerationWork, HardwareInventory, HeartbeatResponse,
+    JobPhase, JobStatus, Lease, PoolStatus, RegisterResponse, RewardWork, SchedulerMessage,
+    StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult,
+    WorkerMessage, hardware_inventory::Device, scheduler_message, work_assignment, work_result,
+    worker_message,
+};
+use rollfleet_sim::hardware::Meter;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tonic::Status;
+
+use crate::feed::FeedLog;
+use crate::metrics::Metrics;
+use crate::plan::{JobPlan, PoolRole, episode_seed};
+
+/// The sending half of a worker's work stream.
+pub type Outbox = mpsc::UnboundedSender<Result<SchedulerMessage, Status>>;
+
+/// What the gRPC handlers tell the actor.
+pub enum Event {
+    /// `WorkerService.Register`.
+    Register {
+        /// What the node offers.
+        inventory: HardwareInventory,
+        /// The answer.
+        reply: oneshot::Sender<Result<RegisterResponse, Status>>,
+    },
+    /// `WorkerService.Heartbeat`.
+    Heartbeat {
+        /// Who.
+        worker_id: String,
+        /// Its lease epoch.
+        epoch: u64,
+        /// The answer.
+        reply: oneshot::Sender<Result<HeartbeatResponse, Status>>,
+    },
+    /// A work stream opened with a `WorkerHello`.
+    Attach {
+        /// Who.
+        worker_id: String,
+        /// Its lease epoch.
+        epoch: u64,
+        /// Where its assignments go.
+        outbox: Outbox,
+        /// The worker's number, for the reader task's later events.
+        reply: oneshot::Sender<Result<u64, Status>>,
+    },
+    /// A message on an attached stream.
+    Message {
+        /// The worker's number.
+        worker: u64,
+        /// What it said.
+        message: WorkerMessage,
+        /// When the stream reader took it off the wire.
+        received: Instant,
+    },
+    /// A stream ended or broke.
+    Detach {
+        /// The worker's number.
+        worker: u64,
+        /// Why.
+        reason: String,
+    },
+    /// `JobService.Cancel`.
+    Cancel,
+}
+
+/// How long a subscribed trainer has after the end to acknowledge the rest of the feed.
+const FEED_GRACE: Duration = Duration::from_secs(30);
+
+/// Dispatch latencies kept for the report, at most.
+const MAX_LATENCY_SAMPLES: usize = 4_000_000;
+
+/// Settings of the actor.
+#[derive(Debug, Clone)]
+pub struct ActorOptions {
+    /// Wall seconds per modelled second, passed to emulated workers.
+    pub time_scale: f64,
+    /// Lease length.
+    pub lease_ttl: Duration,
+    /// Workers to wait for before the job starts (at least one per pool it needs).
+    pub expect_workers: usize,
+    /// Where to write the final report (JSON).
+    pub report: Option<PathBuf>,
+}
+
+/// One line of the final report per pool.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PoolSummary {
+    /// Pool name.
+    pub pool: String,
+    /// `gpu`, `cpu` or `serverless`.
+    pub kind: String,
+    /// Workers that served it (alive at the end).
+    pub workers: u32,
+    /// Assignments it finished (stages, weight updates, training batches), failed ones included.
+    pub assignments_done: u64,
+    /// Share of its capacity in use over the run, 0..1 (GPUs for GPU pools, vCPUs for CPU pools,
+    /// concurrency for serverless pools).
+    pub busy_share: f64,
+}
+
+/// What the job did, written at the end.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    /// Job name.
+    pub job: String,
+    /// Final phase.
+    pub phase: String,
+    /// Wall seconds from start to end.
+    pub wall_s: f64,
+    /// Wall seconds per modelled second of emulated hardware.
+    pub time_scale: f64,
+    /// True: every GPU figure came from the emulated engine.
+    pub emulated_gpus: bool,
+    /// Policy version reached (= RL steps trained).
+    pub policy_version: u64,
+    /// RL steps asked for.
+    pub steps: u64,
+    /// Trajectories handed to the trainer, in order.
+    pub trained: Vec<u64>,
+    /// Trajectories handed to the trainer more than once (must be empty).
+    pub trained_twice: Vec<u64>,
+    /// Stages completed over gRPC.
+    pub stages_completed: u64,
+    /// Median time from a worker's message coming off the wire to the scheduler having handed
+    /// every command it caused to the workers' outboxes, microseconds.
+    pub dispatch_p50_us: u32,
+    /// The same, 99th percentile.
+    pub dispatch_p99_us: u32,
+    /// Stages retried after a failure or a lost worker (the core's count).
+    pub stage_retries: u64,
+    /// Turns regenerated to keep the staleness bound.
+    pub regenerated_turns: u64,
+    /// Workers lost or cut off, with the reason.
+    pub workers_lost: Vec<String>,
+    /// Per pool.
+    pub pools: Vec<PoolSummary>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StageKindOf {
+    Env { millicpus: u64 },
+    Prefill(ReplicaId),
+    Generate(ReplicaId),
+    Reward { serverless: bool, millicpus: u64 },
+}
+
+#[derive(Debug, Clone)]
+enum What {
+    Stage {
+        stage: StageId,
+        traj: TrajId,
+        kind: StageKindOf,
+        reset: bool,
+    },
+    Train(BatchId),
+    Weights {
+        replica: ReplicaId,
+        version: u64,
+    },
+}
+
+struct Assignment {
+    worker: Option<u64>,
+    pool: u32,
+    what: What,
+    message: WorkAssignment,
+}
+
+struct Worker {
+    name: String,
+    pool: u32,
+    lease_until: Instant,
+    outbox: Option<Outbox>,
+    alive: bool,
+    assignments: BTreeSet<u64>,
+    cancelled: BTreeSet<u64>,
+    replicas: BTreeSet<u64>,
+}
+
+#[derive(Default)]
+struct TrajInfo {
+    attempt: u32,
+    group: u64,
+    task: u32,
+    actions: Vec<String>,
+    env_worker: Option<u64>,
+    /// Policy version of each turn's generation.
+    versions: BTreeMap<u32, u64>,
+    reward: f64,
+}
+
+/// The actor.
+pub struct Actor {
+    plan: Arc<JobPlan>,
+    opts: ActorOptions,
+    core: Core,
+    started: Option<Instant>,
+    ended: Option<(Instant, JobPhase)>,
+    workers: BTreeMap<u64, Worker>,
+    next_worker: u64,
+    owner: Vec<Option<u64>>,
+    assignments: BTreeMap<u64, Assignment>,
+    next_assignment: u64,
+    by_stage: BTreeMap<StageId, u64>,
+    pending: BTreeMap<u32, VecDeque<u64>>,
+    deferred: VecDeque<Input>,
+    trajs: BTreeMap<TrajId, TrajInfo>,
+    trained: Vec<u64>,
+    trained_set: BTreeSet<u64>,
+    trained_twice: Vec<u64>,
+    // Busy accounting, per pool: a meter of units in use and the capacity it is divided by.
+    meters: BTreeMap<u32, Meter>,
+    capacity: BTreeMap<u32, f64>,
+    replica_running: Vec<u32>,
+    /// GPUs of replicas running at least one stage, per pool (kept incrementally: a job may have
+    /// hundreds of replicas).
+    gpus_busy: BTreeMap<u32, u64>,
+    trainer_busy: u32,
+    cpu_in_use: BTreeMap<u32, u64>,
+    serverless_running: BTreeMap<u32, u64>,
+    completed_by_pool: BTreeMap<u32, u64>,
+    last_busy: BTreeMap<u32, (f64, Time)>,
+    recent_busy: BTreeMap<u32, f64>,
+    stages_completed: u64,
+    latencies_us: Vec<u32>,
+    lost: Vec<String>,
+    status: watch::Sender<JobStatus>,
+    metrics: Arc<Metrics>,
+    feed: Arc<FeedLog>,
+}
+
+impl Actor {
+    /// A new actor for a planned job.
+    pub fn new(
+        plan: Arc<JobPlan>,
+        opts: ActorOptions,
+        status: watch::Sender<JobStatus>,
+        metrics: Arc<Metrics>,
+        feed: Arc<FeedLog>,
+    ) -> Actor {
+        let core = Core::new(plan.config.clone());
+        let replicas = plan.placement.replicas.len();
+        let mut capacity = BTreeMap::new();
+        for (i, pool) in plan.spec().pools.iter().enumerate() {
+            let i = i as u32;
+            let cap = match plan.pool_role(i) {
+                Some(PoolRole::Gpu) => pool.count.unwrap_or(0).max(0) as f64,
+                Some(PoolRole::Cpu) => plan
+                    .config
+                    .cpu_pools
+                    .iter()
+                    .find(|c| c.pool == i)
+                    .map_or(0.0, |c| c.millicpus as f64 / 1000.0),
+                Some(PoolRole::Serverless) => plan
+                    .config
+                    .serverless_pools
+                    .iter()
+                    .find(|s| s.pool == i)
+                    .map_or(1.0, |s| s.concurrency as f64),
+                None => 0.0,
+            };
+            capacity.insert(i, cap.max(1e-9));
+        }
+        Actor {
+            core,
+            started: None,
+            ended: None,
+            workers: BTreeMap::new(),
+            next_worker: 1,
+            owner: vec![None; replicas],
+            assignments: BTreeMap::new(),
+            next_assignment: 1,
+            by_stage: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            deferred: VecDeque::new(),
+            trajs: BTreeMap::new(),
+            trained: Vec::new(),
+            trained_set: BTreeSet::new(),
+            trained_twice: Vec::new(),
+            meters: capacity.keys().map(|&p| (p, Meter::default())).collect(),
+            capacity,
+            replica_running: vec![0; replicas],
+            gpus_busy: BTreeMap::new(),
+            trainer_busy: 0,
+            cpu_in_use: BTreeMap::new(),
+            serverless_running: BTreeMap::new(),
+            completed_by_pool: BTreeMap::new(),
+            last_busy: BTreeMap::new(),
+            recent_busy: BTreeMap::new(),
+            stages_completed: 0,
+            latencies_us: Vec::new(),
+            lost: Vec::new(),
+            status,
+            metrics,
+            feed,
+            plan,
+            opts,
+        }
+    }
+
+    /// Runs until the job ends and its end has been announced; returns the final report.
+    pub async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Event>) -> Report {
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        self.publish();
+        loop {
+            let wake = self.core_wake();
+            tokio::select! {
+                event = inbox.recv() => match event {
+                    Some(event) => self.handle(event),
+                    None => break,
+                },
+                _ = sleep_until_opt(wake) => {
+                    let now = self.now();
+                    self.core.handle_timeout(now);
+                    self.pump();
+                }
+                _ = tick.tick() => self.on_tick(),
+            }
+            // After the end, a subscribed trainer gets a while to acknowledge the whole feed.
+            if let Some((at, _)) = self.ended
+                && at.elapsed() > Duration::from_millis(500)
+                && (self.feed.drained() || at.elapsed() > FEED_GRACE)
+            {
+                break;
+            }
+        }
+        self.feed.close();
+        self.report()
+    }
+
+    fn now(&self) -> Time {
+        self.started
+            .map_or(Time::ZERO, |s| Time(s.elapsed().as_nanos() as u64))
+    }
+
+    fn core_wake(&self) -> Option<Instant> {
+        let start = self.started?;
+        if self.ended.is_some() {
+            return None;
+        }
+        let t = self.core.poll_timeout()?;
+        Some(start + Duration::from_nanos(t.0.min(u64::MAX / 2)))
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Register { inventory, reply } => {
+                let _ = reply.send(self.register(inventory));
+            }
+            Event::Heartbeat {
+                worker_id,
+                epoch,
+                reply,
+            } => {
+                let _ = reply.send(self.heartbeat(&worker_id, epoch));
+            }
+            Event::Attach {
+                worker_id,
+                epoch,
+                outbox,
+                reply,
+            } => {
+                let result = self.attach(&worker_id, epoch, outbox);
+                let ok = result.is_ok();
+                let _ = reply.send(result);
+                if ok {
+                    self.maybe_start();
+                    self.pump();
+                }
+            }
+            Event::Message {
+                worker,
+                message,
+                received,
+            } => {
+                self.message(worker, message);
+                self.pump();
+                // From off the wire to every command it caused handed to the outboxes.
+                if self.latencies_us.len() < MAX_LATENCY_SAMPLES {
+                    let us = received.elapsed().as_micros().min(u32::MAX as u128) as u32;
+                    self.latencies_us.push(us);
+                }
+            }
+            Event::Detach { worker, reason } => {
+                if self.ended.is_some() {
+                    // After the drain, workers leave: that is no failure.
+                    if let Some(w) = self.workers.get_mut(&worker) {
+                        w.alive = false;
+                        w.outbox = None;
+                    }
+                } else {
+                    self.cut_off(worker, &reason);
+                    self.pump();
+                }
+            }
+            Event::Cancel => {
+                if self.ended.is_none() {
+                    self.finish(JobPhase::Cancelled);
+                }
+            }
+        }
+    }
+
+    fn worker_number(&self, worker_id: &str) -> Option<u64> {
+        worker_id.strip_prefix('w')?.parse().ok()
+    }
+
+    fn register(&mut self, inventory: HardwareInventory) -> Result<RegisterResponse, Status> {
+        let pools: Vec<&str> = self
+            .plan
+            .spec()
+            .pools
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect();
+        let pool = self.plan.pool_index(&inventory.pool).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "inventory.pool: job {} has no pool {:?} (pools: {})",
+                self.plan.name(),
+                inventory.pool,
+                pools.join(", ")
+            ))
+        })?;
+        let role = self.plan.pool_role(pool);
+        // A worker with no device of its own registers to emulate whatever the pool needs.
+        let matches = matches!(
+            (&inventory.device, role),
+            (None, Some(_))
+                | (Some(Device::Gpu(_)), Some(PoolRole::Gpu))
+                | (Some(Device::Cpu(_)), Some(PoolRole::Cpu))
+                | (Some(Device::Serverless(_)), Some(PoolRole::Serverless))
+        );
+        if !matches {
+            return Err(Status::invalid_argument(format!(
+                "inventory.device: pool {:?} is a {:?} pool; the worker offers {}",
+                inventory.pool,
+                role,
+                match inventory.device {
+                    Some(Device::Gpu(_)) => "GPUs",
+                    Some(Device::Cpu(_)) => "CPUs",
+                    Some(Device::Serverless(_)) => "a serverless platform",
+                    None => "nothing",
+                }
+            )));
+        }
+        if self.ended.is_some() {
+            return Err(Status::failed_precondition("the job has ended"));
+        }
+        let id = self.next_worker;
+        self.next_worker += 1;
+        let ttl = self.opts.lease_ttl;
+        self.workers.insert(
+            id,
+            Worker {
+                name: format!("w{id} ({}@{})", inventory.pool, inventory.hostname),
+                pool,
+                lease_until: Instant::now() + ttl,
+                outbox: None,
+                alive: true,
+                assignments: BTreeSet::new(),
+                cancelled: BTreeSet::new(),
+                replicas: BTreeSet::new(),
+            },
+        );
+        self.metrics.workers_registered.inc();
+        Ok(RegisterResponse {
+            lease: Some(self.lease(id)),
+            job_yaml: self.plan.yaml.clone(),
+            time_scale: self.opts.time_scale,
+        })
+    }
+
+    fn lease(&self, id: u64) -> Lease {
+        let ttl = self.opts.lease_ttl.as_millis() as u64;
+        Lease {
+            worker_id: format!("w{id}"),
+            ttl_ms: ttl,
+            heartbeat_interval_ms: (ttl / 4).max(1),
+            epoch: 1,
+        }
+    }
+
+    fn heartbeat(&mut self, worker_id: &str, epoch: u64) -> Result<HeartbeatResponse, Status> {
+        let ttl = self.opts.lease_ttl;
+        let id = self.worker_number(worker_id);
+        // A lease that ran out is not renewed, even if the periodic check has not seen it yet.
+        if let Some(id) = id
+            && self
+                .workers
+                .get(&id)
+                .is_some_and(|w| w.alive && w.lease_until < Instant::now())
+        {
+            self.cut_off(id, &format!("lease expired: no heartbeat within {ttl:?}"));
+            self.pump();
+        }
+        match id.and_then(|id| self.workers.get_mut(&id).map(|w| (id, w))) {
+            Some((id, w)) if w.alive && epoch == 1 => {
+                w.lease_until = Instant::now() + ttl;
+                Ok(HeartbeatResponse {
+                    lease: Some(self.lease(id)),
+                    drain: self.ended.is_some(),
+                })
+            }
+            _ => Err(Status::not_found(format!(
+                "worker_id: {worker_id:?} (epoch {epoch}) holds no lease (expired, cut off, or never \
+                 registered); register again"
+            ))),
+        }
+    }
+
+    fn attach(&mut self, worker_id: &str, epoch: u64, outbox: Outbox) -> Result<u64, Status> {
+        let id = self
+            .worker_number(worker_id)
+            .filter(|id| self.workers.get(id).is_some_and(|w| w.alive))
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "hello.worker_id: {worker_id:?} holds no lease; register first"
+                ))
+            })?;
+        if epoch != 1 {
+            return Err(Status::failed_precondition(format!(
+                "hello.epoch: {epoch} is not the lease's epoch 1"
+            )));
+        }
+        let Some(w) = self.workers.get_mut(&id) else {
+            return Err(Status::internal("worker vanished"));
+        };
+        if w.outbox.is_some() {
+            return Err(Status::already_exists(format!(
+                "worker {worker_id} already has a work stream"
+            )));
+        }
+        w.outbox = Some(outbox);
+        let pool = w.pool;
+        eprintln!("scheduler: worker {} attached its work stream", w.name);
+        self.update_worker_gauges();
+        if self.started.is_some() {
+            self.adopt_orphans(pool);
+            self.flush_pending(pool);
+        }
+        Ok(id)
+    }
+
+    fn attached(&self, pool: u32) -> impl Iterator<Item = (u64, &Worker)> {
+        self.workers
+            .iter()
+            .filter(move |(_, w)| w.alive && w.outbox.is_some() && w.pool == pool)
+            .map(|(&id, w)| (id, w))
+    }
+
+    fn maybe_start(&mut self) {
+        if self.started.is_some() || self.ended.is_some() {
+            return;
+        }
+        let attached = self
+            .workers
+            .values()
+            .filter(|w| w.alive && w.outbox.is_some())
+            .count();
+        if attached < self.opts.expect_workers {
+            return;
+        }
+        let missing: Vec<&str> = self
+            .plan
+            .pools_needed()
+            .into_iter()
+            .filter(|&p| self.attached(p).next().is_none())
+            .map(|p| self.plan.pool_name(p))
+            .collect();
+        if !missing.is_empty() {
+            eprintln!(
+                "scheduler: {attached} workers attached; waiting for pools {}",
+                missing.join(", ")
+            );
+            return;
+        }
+        // Replicas go round-robin over the workers of their pool.
+        let mut cursor: BTreeMap<u32, usize> = BTreeMap::new();
+        for r in 0..self.owner.len() {
+            let pool = self.plan.placement.replicas[r].pool;
+            let candidates: Vec<u64> = self.attached(pool).map(|(id, _)| id).collect();
+            let k = cursor.entry(pool).or_default();
+            let id = candidates[*k % candidates.len()];
+            *k += 1;
+            self.owner[r] = Some(id);
+            if let Some(w) = self.workers.get_mut(&id) {
+                w.replicas.insert(r as u64);
+            }
+        }
+        let now = Instant::now();
+        self.started = Some(now);
+        eprintln!(
+            "scheduler: job {} starts with {attached} workers ({} replicas, time scale {})",
+            self.plan.name(),
+            self.owner.len(),
+            self.opts.time_scale
+        );
+        self.core.handle_timeout(Time::ZERO);
+    }
+
+    fn adopt_orphans(&mut self, pool: u32) {
+        for r in 0..self.owner.len() {
+            if self.owner[r].is_some() || self.plan.placement.replicas[r].pool != pool {
+                continue;
+            }
+            let Some(id) = self
+                .attached(pool)
+                .min_by_key(|(id, w)| (w.replicas.len(), *id))
+                .map(|(id, _)| id)
+            else {
+                return;
+            };
+            self.owner[r] = Some(id);
+            if let Some(w) = self.workers.get_mut(&id) {
+                w.replicas.insert(r as u64);
+            }
+            eprintln!("scheduler: replica {r} moves to worker w{id}");
+            self.deferred.push_back(Input::ReplicaRecovered {
+                replica: ReplicaId(r as u64),
+            });
+        }
+    }
+
+    /// Drains the core's commands and the inputs queued while executing them.
+    fn pump(&mut self) {
+        if self.started.is_none() {
+            return;
+        }
+        loop {
+            while let Some(command) = self.core.poll_command() {
+                self.execute(command);
+            }
+            match self.deferred.pop_front() {
+                Some(input) => {
+                    let now = self.now();
+                    self.core.handle_input(now, input);
+                }
+                None => break,
+            }
+        }
+        if self.ended.is_none() && self.core.finished() {
+            self.finish(JobPhase::Succeeded);
+        }
+    }
+
+    fn new_assignment(&mut self, pool: u32, what: What, mut message: WorkAssignment) -> u64 {
+        let id = self.next_assignment;
+        self.next_assignment += 1;
+        message.assignment_id = id;
+        if let What::Stage { stage, .. } = &what {
+            self.by_stage.insert(*stage, id);
+        }
+        self.assignments.insert(
+            id,
+            Assignment {
+                worker: None,
+                pool,
+                what,
+                message,
+            },
+        );
+        id
+    }
+
+    fn execute(&mut self, command: Command) {
+        if self.ended.is_some() {
+            return;
+        }
+        match command {
+            Command::Run(cmd) => self.run_stage(cmd),
+            Command::UpdateWeights {
+                replica,
+                version,
+                bytes,
+                ..
+            } => {
+                let r = replica.0 as usize;
+                let Some(Some(owner)) = self.owner.get(r).copied() else {
+                    // The replica is lost; the core was told and will update it on recovery.
+                    return;
+                };
+                let pool = self.plan.placement.replicas[r].pool;
+                let message = WorkAssignment {
+                    kind: StageKind::WeightSync as i32,
+                    policy_version: version,
+                    work: Some(work_assignment::Work::WeightSync(WeightSyncWork {
+                        to_version: version,
+                        weight_bytes: bytes,
+                        source: "emulated://trainer".into(),
+                        replica: replica.0,
+                    })),
+                    ..Default::default()
+                };
+                let id = self.new_assignment(pool, What::Weights { replica, version }, message);
+                self.send_to(id, owner);
+            }
+            // The emulated engine keeps no KV between stages (the core keeps those books); a real
+            // engine's prefix cache evicts on its own.
+            Command::ReleaseKv { .. } => {}
+            Command::Cancel { stage } => self.cancel(stage),
+            Command::Train {
+                batch,
+                step,
+                publishes,
+                trajectories,
+                tokens,
+            } => {
+                for (i, t) in trajectories.iter().enumerate() {
+                    if !self.trained_set.insert(t.0) {
+                        self.trained_twice.push(t.0);
+                    }
+                    self.trained.push(t.0);
+                    let info = self.trajs.remove(t).unwrap_or_default();
+                    let last_of_group = trajectories
+                        .get(i + 1)
+                        .and_then(|n| self.trajs.get(n))
+                        .is_none_or(|n| n.group != info.group);
+                    let task = self.plan.spec().tasks.get(info.task as usize);
+                    let completed = CompletedTrajectory {
+                        sequence: 0,
+                        trajectory: Some(TrajectoryId {
+                            job: self.plan.name().to_owned(),
+                            group: info.group,
+                            index: (t.0 % u64::from(self.plan.config.group_size.max(1))) as u32,
+                            id: t.0,
+                            attempt: info.attempt,
+                        }),
+                        turns: info
+                            .versions
+                            .iter()
+                            .map(|(&index, &policy_version)| Turn {
+                                index,
+                                policy_version,
+                                ..Default::default()
+                            })
+                            .collect(),
+                        reward: info.reward,
+                        oldest_policy_version: info.versions.values().min().copied().unwrap_or(0),
+                        task: task.map_or_else(String::new, |t| t.name.clone()),
+                    };
+                    self.feed
+                        .append(completed, last_of_group.then_some(info.group));
+                }
+                self.metrics
+                    .trajectories_trained
+                    .inc_by(trajectories.len() as u64);
+                let job = self.plan.name().to_owned();
+                let batch_ids = trajectories
+                    .iter()
+                    .map(|t| TrajectoryId {
+                        job: job.clone(),
+                        id: t.0,
+                        ..Default::default()
+                    })
+                    .collect();
+                let pool = self.plan.placement.trainer.pool;
+                let message = WorkAssignment {
+                    kind: StageKind::Train as i32,
+                    policy_version: step,
+                    work: Some(work_assignment::Work::Train(TrainWork {
+                        batch: batch_ids,
+                        from_version: step,
+                        batch_id: batch.0,
+                        tokens,
+                        publishes,
+                    })),
+                    ..Default::default()
+                };
+                let id = self.new_assignment(pool, What::Train(batch), message);
+                self.dispatch_pooled(id);
+            }
+        }
+    }
+
+    fn run_stage(&mut self, cmd: StageCommand) {
+        let plan = self.plan.clone();
+        let spec = plan.spec();
+        let task = spec.tasks.get(cmd.task as usize);
+        let environment = task.map_or("", |t| t.environment.as_str()).to_owned();
+        let seed = episode_seed(plan.config.seed, cmd.traj.0, cmd.attempt);
+        let info = self.trajs.entry(cmd.traj).or_default();
+        if info.attempt != cmd.attempt {
+            *info = TrajInfo {
+                attempt: cmd.attempt,
+                ..TrajInfo::default()
+            };
+        }
+        info.group = cmd.group.0;
+        info.task = cmd.task;
+        if matches!(cmd.work, StageWork::Generate { .. }) {
+            info.versions.insert(cmd.turn, cmd.version);
+        }
+        let trajectory = Some(TrajectoryId {
+            job: plan.name().to_owned(),
+            group: cmd.group.0,
+            index: (cmd.traj.0 % u64::from(plan.config.group_size.max(1))) as u32,
+            id: cmd.traj.0,
+            attempt: cmd.attempt,
+        });
+        let session = format!("{}/{}", cmd.traj.0, cmd.attempt);
+        let base = WorkAssignment {
+            trajectory,
+            turn: cmd.turn,
+            policy_version: cmd.version,
+            task: cmd.task,
+            ..Default::default()
+        };
+        let what = |kind, reset| What::Stage {
+            stage: cmd.stage,
+            traj: cmd.traj,
+            kind,
+            reset,
+        };
+        match cmd.work {
+            StageWork::EnvReset { pool, millicpus }
+            | StageWork::EnvStep {
+                pool, millicpus, ..
+            } => {
+                let reset = matches!(cmd.work, StageWork::EnvReset { .. });
+                if reset {
+                    info.actions.clear();
+                }
+                let message = WorkAssignment {
+                    kind: StageKind::EnvStep as i32,
+                    work: Some(work_assignment::Work::EnvStep(EnvStepWork {
+                        environment,
+                        seed,
+                        action: String::new(),
+                        reset,
+                        timeout_ms: 30_000,
+                        history: if reset {
+                            Vec::new()
+                        } else {
+                            info.actions.clone()
+                        },
+                    })),
+                    ..base
+                };
+                let id =
+                    self.new_assignment(pool, what(StageKindOf::Env { millicpus }, reset), message);
+                self.dispatch_pooled(id);
+            }
+            StageWork::Prefill { replica, tokens } => {
+                let message = WorkAssignment {
+                    kind: StageKind::Prefill as i32,
+                    work: Some(work_assignment::Work::Generation(GenerationWork {
+                        session,
+                        prefill_only: true,
+                        replica: replica.0,
+                        prefill_token_count: tokens,
+                        ..Default::default()
+                    })),
+                    ..base
+                };
+                self.dispatch_replica(replica, what(StageKindOf::Prefill(replica), false), message);
+            }
+            StageWork::Generate {
+                replica,
+                cached_tokens,
+                prefill_tokens,
+                max_new_tokens,
+                kv_from,
+                kv_tokens,
+            } => {
+                let message = WorkAssignment {
+                    kind: StageKind::Decode as i32,
+                    work: Some(work_assignment::Work::Generation(GenerationWork {
+                        session,
+                        max_new_tokens: u32::try_from(max_new_tokens).unwrap_or(u32::MAX),
+                        cached_prefix_tokens: u32::try_from(cached_tokens).unwrap_or(u32::MAX),
+                        kv_source_worker: kv_from
+                            .and_then(|r| self.owner.get(r.0 as usize).copied().flatten())
+                            .map(|w| format!("w{w}"))
+                            .unwrap_or_default(),
+                        decode_only: kv_from.is_some(),
+                        replica: replica.0,
+                        prefill_token_count: prefill_tokens,
+                        kv_pull_tokens: kv_tokens,
+                        ..Default::default()
+                    })),
+                    ..base
+                };
+                self.dispatch_replica(
+                    replica,
+                    what(StageKindOf::Generate(replica), false),
+                    message,
+                );
+            }
+            StageWork::Reward {
+                pool,
+                serverless,
+                millicpus,
+            } => {
+                let reward = task.and_then(|t| spec.rewards.iter().find(|r| r.name == t.reward));
+                let function = reward
+                    .and_then(|r| r.function.clone())
+                    .unwrap_or_else(|| "exact_match".into());
+                let last = info.actions.last().cloned().unwrap_or_default();
+                let response = last
+                    .strip_prefix("answer:")
+                    .map_or(last.as_str(), str::trim)
+                    .to_owned();
+                // The calculator task knows its true answer from the episode seed; other tasks
+                // have no reference, so the function scores the response against nothing.
+                let reference = if environment == "calculator" {
+                    let task = rollfleet_environments::conversion::Task::generate(seed);
+                    format!("{:.3}", task.answer)
+                } else {
+                    String::new()
+                };
+                let key = format!("{}/{}", cmd.traj.0, cmd.attempt);
+                let payload = serde_json::json!({
+                    "response": response,
+                    "reference": reference,
+                    "idempotency_key": key,
+                });
+                let message = WorkAssignment {
+                    kind: StageKind::Reward as i32,
+                    work: Some(work_assignment::Work::Reward(RewardWork {
+                        function,
+                        payload: payload.to_string().into_bytes(),
+                        idempotency_key: key,
+                    })),
+                    ..base
+                };
+                let id = self.new_assignment(
+                    pool,
+                    what(
+                        StageKindOf::Reward {
+                            serverless,
+                            millicpus,
+                        },
+                        false,
+                    ),
+                    message,
+                );
+                self.dispatch_pooled(id);
+            }
+        }
+    }
+
+    fn dispatch_replica(&mut self, replica: ReplicaId, what: What, message: WorkAssignment) {
+        let r = replica.0 as usize;
+        let pool = self.plan.placement.replicas.get(r).map_or(0, |c| c.pool);
+        let stage = match &what {
+            What::Stage { stage, .. } => *stage,
+            _ => return,
+        };
+        match self.owner.get(r).copied().flatten() {
+            Some(owner) => {
+                let id = self.new_assignment(pool, what, message);
+                self.replica_running[r] += 1;
+                if self.replica_running[r] == 1 {
+                    *self.gpus_busy.entry(pool).or_default() +=
+                        u64::from(self.plan.placement.replicas[r].gpus);
+                }
+                self.level_changed(pool);
+                self.send_to(id, owner);
+            }
+            None => self.deferred.push_back(Input::StageFailed { stage }),
+        }
+    }
+
+    /// Sends a pool-placed assignment to the best worker of its pool, or queues it until one
+    /// attaches.
+    fn dispatch_pooled(&mut self, id: u64) {
+        let Some(a) = self.assignments.get(&id) else {
+            return;
+        };
+        let pool = a.pool;
+        let sticky = match &a.what {
+            What::Stage {
+                traj,
+                kind: StageKindOf::Env { .. },
+                ..
+            } => self.trajs.get(traj).and_then(|t| t.env_worker),
+            _ => None,
+        };
+        let target = sticky
+            .filter(|w| {
+                self.workers
+                    .get(w)
+                    .is_some_and(|w| w.alive && w.outbox.is_some() && w.pool == pool)
+            })
+            .or_else(|| {
+                self.attached(pool)
+                    .min_by_key(|(id, w)| (w.assignments.len(), *id))
+                    .map(|(id, _)| id)
+            });
+        match target {
+            Some(w) => self.send_to(id, w),
+            None => self.pending.entry(pool).or_default().push_back(id),
+        }
+    }
+
+    /// Counts a pool-placed assignment in (+1) or out (-1) of its pool's busy level.
+    fn book_units(&mut self, pool: u32, what: &What, sign: i64) {
+        match *what {
+            What::Stage {
+                kind: StageKindOf::Env { millicpus },
+                ..
+            }
+            | What::Stage {
+                kind:
+                    StageKindOf::Reward {
+                        serverless: false,
+                        millicpus,
+                    },
+                ..
+            } => {
+                let v = self.cpu_in_use.entry(pool).or_default();
+                *v = v.saturating_add_signed(sign * millicpus as i64);
+            }
+            What::Stage {
+                kind:
+                    StageKindOf::Reward {
+                        serverless: true, ..
+                    },
+                ..
+            } => {
+                let v = self.serverless_running.entry(pool).or_default();
+                *v = v.saturating_add_signed(sign);
+            }
+            What::Train(_) => {
+                self.trainer_busy = self.trainer_busy.saturating_add_signed(sign as i32);
+            }
+            _ => {}
+        }
+        self.level_changed(pool);
+    }
+
+    fn level_changed(&mut self, pool: u32) {
+        let level = match self.plan.pool_role(pool) {
+            Some(PoolRole::Gpu) => {
+                // As in the simulator, a replica is busy while it runs stages.
+                let mut gpus = self.gpus_busy.get(&pool).copied().unwrap_or(0) as f64;
+                if self.plan.placement.trainer.pool == pool && self.trainer_busy > 0 {
+                    gpus += self.plan.placement.trainer.gpus as f64;
+                }
+                gpus
+            }
+            Some(PoolRole::Cpu) => self.cpu_in_use.get(&pool).copied().unwrap_or(0) as f64 / 1000.0,
+            Some(PoolRole::Serverless) => {
+                self.serverless_running.get(&pool).copied().unwrap_or(0) as f64
+            }
+            None => 0.0,
+        };
+        let now = self.now();
+        if let Some(m) = self.meters.get_mut(&pool) {
+            m.set(now, level);
+        }
+    }
+
+    fn send_to(&mut self, id: u64, worker: u64) {
+        let Some(a) = self.assignments.get_mut(&id) else {
+            return;
+        };
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        a.worker = Some(worker);
+        w.assignments.insert(id);
+        let (pool, what) = (a.pool, a.what.clone());
+        if let What::Stage {
+            traj,
+            kind: StageKindOf::Env { .. },
+            ..
+        } = a.what
+            && let Some(t) = self.trajs.get_mut(&traj)
+        {
+            t.env_worker = Some(worker);
+        }
+        let message = SchedulerMessage {
+            message: Some(scheduler_message::Message::Assign(a.message.clone())),
+        };
+        let sent = w
+            .outbox
+            .as_ref()
+            .is_some_and(|o| o.send(Ok(message)).is_ok());
+        if !matches!(
+            what,
+            What::Weights { .. }
+                | What::Stage {
+                    kind: StageKindOf::Prefill(_) | StageKindOf::Generate(_),
+                    ..
+                }
+        ) {
+            self.book_units(pool, &what, 1);
+        }
+        if !sent {
+            self.cut_off(worker, "its work stream is closed");
+        }
+    }
+
+    fn flush_pending(&mut self, pool: u32) {
+        let queued: Vec<u64> = self
+            .pending
+            .get_mut(&pool)
+            .map(|q| q.drain(..).collect())
+            .unwrap_or_default();
+        for id in queued {
+            self.dispatch_pooled(id);
+        }
+    }
+
+    fn cancel(&mut self, stage: StageId) {
+        let Some(id) = self.by_stage.remove(&stage) else {
+            return;
+        };
+        let Some(a) = self.assignments.remove(&id) else {
+            return;
+        };
+        self.unbook(&a);
+        match a.worker {
+            Some(w) => {
+                if let Some(worker) = self.workers.get_mut(&w) {
+                    worker.assignments.remove(&id);
+                    if worker.alive {
+                        worker.cancelled.insert(id);
+                        if let Some(o) = &worker.outbox {
+                            let _ = o.send(Ok(SchedulerMessage {
+                                message: Some(scheduler_message::Message::AbortAssignmentId(id)),
+                            }));
+                        }
+                    }
+                }
+            }
+            None => {
+                if let Some(q) = self.pending.get_mut(&a.pool) {
+                    q.retain(|x| *x != id);
+                }
+            }
+        }
+    }
+
+    /// Takes a finished, failed or abandoned assignment out of the busy accounting.
+    fn unbook(&mut self, a: &Assignment) {
+        match a.what {
+            What::Stage {
+                kind: StageKindOf::Prefill(r) | StageKindOf::Generate(r),
+                ..
+            } => {
+                let r = r.0 as usize;
+                if self.replica_running[r] == 1 {
+                    let busy = self.gpus_busy.entry(a.pool).or_default();
+                    *busy = busy.saturating_sub(u64::from(self.plan.placement.replicas[r].gpus));
+                }
+                self.replica_running[r] = self.replica_running[r].saturating_sub(1);
+                self.level_changed(a.pool);
+            }
+            // As in the simulator, loading weights is accounted apart from utilisation.
+            What::Weights { .. } => {}
+            _ => {
+                if a.worker.is_some() {
+                    self.book_units(a.pool, &a.what, -1);
+                }
+            }
+        }
+    }
+
+    fn message(&mut self, worker: u64, message: WorkerMessage) {
+        match message.message {
+            Some(worker_message::Message::Result(result)) => self.result(worker, result),
+            Some(worker_message::Message::Load(_)) => {}
+            Some(worker_message::Message::Hello(_)) => {
+                self.cut_off(worker, "sent a second hello on its work stream")
+            }
+            None => self.cut_off(worker, "sent an empty message (no field of the oneof set)"),
+        }
+    }
+
+    fn result(&mut self, worker: u64, result: WorkResult) {
+        let id = result.assignment_id;
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        if !w.alive {
+            return;
+        }
+        if !w.assignments.remove(&id) {
+            if w.cancelled.remove(&id) {
+                return;
+            }
+            self.cut_off(
+                worker,
+                &format!("reported assignment {id}, which it was never given"),
+            );
+            return;
+        }
+        let Some(a) = self.assignments.remove(&id) else {
+            return;
+        };
+        if let What::Stage { stage, .. } = a.what {
+            self.by_stage.remove(&stage);
+        }
+        *self.completed_by_pool.entry(a.pool).or_default() += 1;
+        self.unbook(&a);
+        // A result without an outcome is a protocol violation: the work counts as failed (and is
+        // redone), then the worker is cut off.
+        let mut violation = None;
+        let output = match result.outcome {
+            Some(work_result::Outcome::Output(o)) => Some(o),
+            Some(work_result::Outcome::Failure(f)) => {
+                eprintln!(
+                    "scheduler: assignment {id} failed on w{worker} ({:?}): {}",
+                    f.cause(),
+                    f.message
+                );
+                None
+            }
+            None => {
+                violation = Some(format!("result of assignment {id} has no outcome"));
+                None
+            }
+        };
+        self.settle(worker, id, a, output);
+        if let Some(reason) = violation {
+            self.cut_off(worker, &reason);
+        }
+    }
+
+    /// Turns a finished or failed assignment into the core's input (or a redo).
+    fn settle(
+        &mut self,
+        worker: u64,
+        id: u64,
+        a: Assignment,
+        output: Option<rollfleet_proto::v1::StageOutput>,
+    ) {
+        match a.what {
+            What::Stage {
+                stage,
+                traj,
+                kind,
+                reset,
+            } => {
+                let Some(o) = output else {
+                    self.deferred.push_back(Input::StageFailed { stage });
+                    return;
+                };
+                self.stages_completed += 1;
+                self.metrics
+                    .stage_completions
+                    .with_label_values(&[self.plan.pool_name(a.pool)])
+                    .inc();
+                let outcome = match kind {
+                    StageKindOf::Env { .. } => {
+                        if !reset && let Some(t) = self.trajs.get_mut(&traj) {
+                            t.actions.push(o.text.clone());
+                            if o.done {
+                                t.reward = o.reward;
+                            }
+                        }
+                        StageOutcome::Observed {
+                            tokens: o.token_count,
+                            done: o.done,
+                        }
+                    }
+                    StageKindOf::Prefill(_) => StageOutcome::Prefilled,
+                    StageKindOf::Generate(_) => StageOutcome::Generated {
+                        tokens: o.token_count.max(1),
+                    },
+                    StageKindOf::Reward { .. } => {
+                        if !o.reward.is_finite() {
+                            self.cut_off(
+                                worker,
+                                &format!("assignment {id}: reward is not a number"),
+                            );
+                            self.deferred.push_back(Input::StageFailed { stage });
+                            return;
+                        }
+                        StageOutcome::Rewarded { score: o.reward }
+                    }
+                };
+                if let StageOutcome::Rewarded { score } = outcome
+                    && let Some(t) = self.trajs.get_mut(&traj)
+                {
+                    t.reward = score;
+                }
+                self.deferred
+                    .push_back(Input::StageFinished { stage, outcome });
+            }
+            What::Weights { replica, version } => match output {
+                Some(_) => self
+                    .deferred
+                    .push_back(Input::WeightsUpdated { replica, version }),
+                None => {
+                    // The core has no "update failed" fact: treat the replica as lost and back,
+                    // which makes it load the current weights again.
+                    self.deferred.push_back(Input::ReplicaLost { replica });
+                    self.deferred.push_back(Input::ReplicaRecovered { replica });
+                }
+            },
+            What::Train(batch) => match output {
+                Some(_) => self.deferred.push_back(Input::TrainFinished { batch }),
+                None => {
+                    let id = self.new_assignment(a.pool, What::Train(batch), a.message);
+                    self.dispatch_pooled(id);
+                }
+            },
+        }
+    }
+
+    /// Cuts a worker off: closes its stream with the reason, and undoes every booking it held.
+    fn cut_off(&mut self, worker: u64, reason: &str) {
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        if !w.alive {
+            return;
+        }
+        w.alive = false;
+        let name = w.name.clone();
+        eprintln!("scheduler: worker {name} is cut off: {reason}");
+        self.lost.push(format!("{name}: {reason}"));
+        self.metrics.workers_lost.inc();
+        if let Some(outbox) = w.outbox.take() {
+            let _ = outbox.send(Err(Status::aborted(format!("cut off: {reason}"))));
+        }
+        let pool = w.pool;
+        let held: Vec<u64> = std::mem::take(&mut w.assignments).into_iter().collect();
+        let replicas: Vec<u64> = std::mem::take(&mut w.replicas).into_iter().collect();
+        w.cancelled.clear();
+        self.update_worker_gauges();
+        for id in held {
+            let Some(a) = self.assignments.remove(&id) else {
+                continue;
+            };
+            self.unbook(&a);
+            match a.what {
+                What::Stage { stage, kind, .. } => {
+                    self.by_stage.remove(&stage);
+                    if !matches!(kind, StageKindOf::Prefill(_) | StageKindOf::Generate(_)) {
+                        self.deferred.push_back(Input::StageFailed { stage });
+                    }
+                }
+                What::Train(batch) => {
+                    let id = self.new_assignment(a.pool, What::Train(batch), a.message);
+                    self.dispatch_pooled(id);
+                }
+                What::Weights { .. } => {}
+            }
+        }
+        for r in replicas {
+            if self.owner.get(r as usize).copied().flatten() == Some(worker) {
+                self.owner[r as usize] = None;
+                self.deferred.push_back(Input::ReplicaLost {
+                    replica: ReplicaId(r),
+                });
+            }
+        }
+        if self.started.is_some() {
+            self.adopt_orphans(pool);
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let now = Instant::now();
+        let expired: Vec<(u64, Duration)> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.alive && w.lease_until < now)
+            .map(|(&id, _)| (id, self.opts.lease_ttl))
+            .collect();
+        for (id, ttl) in expired {
+            self.cut_off(id, &format!("lease expired: no heartbeat within {ttl:?}"));
+        }
+        self.pump();
+        let t = self.now();
+        for (&pool, m) in &mut self.meters {
+            m.flush(t);
+            let (total, at) = self
+                .last_busy
+                .get(&pool)
+                .copied()
+                .unwrap_or((0.0, Time::ZERO));
+            let span = t.since(at).as_secs_f64();
+            if span >= 0.9 {
+                let cap = self.capacity.get(&pool).copied().unwrap_or(1.0);
+                let share = ((m.total - total) / span / cap).clamp(0.0, 1.0);
+                self.recent_busy.insert(pool, share);
+                self.last_busy.insert(pool, (m.total, t));
+            }
+        }
+        self.publish();
+    }
+
+    fn update_worker_gauges(&self) {
+        for i in 0..self.plan.spec().pools.len() as u32 {
+            let n = self.attached(i).count();
+            self.metrics
+                .workers
+                .with_label_values(&[self.plan.pool_name(i)])
+                .set(n as i64);
+        }
+    }
+
+    fn publish(&mut self) {
+        let (in_flight, complete, consumed) = self.core.trajectory_counts();
+        let phase = match (self.started, self.ended) {
+            (_, Some((_, phase))) => phase,
+            (Some(_), None) => JobPhase::Running,
+            (None, None) => JobPhase::Pending,
+        };
+        let pools = (0..self.plan.spec().pools.len() as u32)
+            .map(|p| {
+                let busy = self.recent_busy.get(&p).copied().unwrap_or(0.0);
+                self.metrics
+                    .pool_busy
+                    .with_label_values(&[self.plan.pool_name(p)])
+                    .set(busy);
+                PoolStatus {
+                    pool: self.plan.pool_name(p).to_owned(),
+                    workers: self.attached(p).count() as u32,
+                    busy,
+                    queued_stages: self.pending.get(&p).map_or(0, |q| q.len() as u32),
+                }
+            })
+            .collect();
+        self.metrics.policy_version.set(self.core.version() as i64);
+        let message = match phase {
+            JobPhase::Pending => format!(
+                "waiting for workers: {} attached, {} expected",
+                self.workers
+                    .values()
+                    .filter(|w| w.alive && w.outbox.is_some())
+                    .count(),
+                self.opts.expect_workers
+            ),
+            _ => format!(
+                "{} stages completed, {} workers lost; GPU figures are emulated (time scale {})",
+                self.stages_completed,
+                self.lost.len(),
+                self.opts.time_scale
+            ),
+        };
+        let status = JobStatus {
+            job: self.plan.name().to_owned(),
+            phase: phase as i32,
+            policy_version: self.core.version(),
+            rl_step: self.core.version(),
+            rl_steps_total: self.plan.config.steps,
+            trajectories_in_flight: in_flight,
+            trajectories_completed: complete + consumed,
+            trajectories_trained: self.trained.len() as u64,
+            pools,
+            message,
+        };
+        self.status.send_replace(status);
+    }
+
+    fn finish(&mut self, phase: JobPhase) {
+        self.ended = Some((Instant::now(), phase));
+        eprintln!(
+            "scheduler: job {} ends: {phase:?} at version {}",
+            self.plan.name(),
+            self.core.version()
+        );
+        for w in self.workers.values() {
+            if let Some(o) = &w.outbox {
+                let _ = o.send(Ok(SchedulerMessage {
+                    message: Some(scheduler_message::Message::Drain(true)),
+                }));
+            }
+        }
+        self.on_tick_meters();
+        self.publish();
+        let report = self.report();
+        if let Some(path) = &self.opts.report {
+            match serde_json::to_vec_pretty(&report) {
+                Ok(bytes) => {
+                    if let Err(e) = std::fs::write(path, bytes) {
+                        eprintln!("scheduler: cannot write {}: {e}", path.display());
+                    }
+                }
+                Err(e) => eprintln!("scheduler: cannot encode the report: {e}"),
+            }
+        }
+    }
+
+    fn on_tick_meters(&mut self) {
+        let t = self.now();
+        for m in self.meters.values_mut() {
+            m.flush(t);
+        }
+    }
+
+    fn report(&self) -> Report {
+        let wall = match (self.started, self.ended) {
+            (Some(s), Some((e, _))) => e.duration_since(s).as_secs_f64(),
+            (Some(s), None) => s.elapsed().as_secs_f64(),
+            _ => 0.0,
+        };
+        let phase = self.ended.map_or(JobPhase::Running, |(_, p)| p);
+        let pools = self
+            .plan
+            .spec()
+            .pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let i = i as u32;
+                let cap = self.capacity.get(&i).copied().unwrap_or(1.0);
+                let total = self.meters.get(&i).map_or(0.0, |m| m.total);
+                PoolSummary {
+                    pool: p.name.clone(),
+                    kind: match self.plan.pool_role(i) {
+                        Some(PoolRole::Gpu) => "gpu (emulated)",
+                        Some(PoolRole::Cpu) => "cpu",
+                        Some(PoolRole::Serverless) => "serverless (local)",
+                        None => "?",
+                    }
+                    .into(),
+                    workers: self.attached(i).count() as u32,
+                    assignments_done: self.completed_by_pool.get(&i).copied().unwrap_or(0),
+                    busy_share: if wall > 0.0 {
+                        (total / wall / cap).clamp(0.0, 1.0)
+                    } else {
+                        0.0
+                    },
+                }
+            })
+            .collect();
+        let stats = self.core.stats();
+        let mut lat = self.latencies_us.clone();
+        lat.sort_unstable();
+        let pct = |q: f64| {
+            lat.get(((lat.len() as f64 - 1.0) * q).round().max(0.0) as usize)
+                .copied()
+                .unwrap_or(0)
+        };
+        Report {
+            job: self.plan.name().to_owned(),
+            phase: format!("{phase:?}"),
+            wall_s: wall,
+            time_scale: self.opts.time_scale,
+            emulated_gpus: true,
+            policy_version: self.core.version(),
+            steps: self.plan.config.steps,
+            trained: self.trained.clone(),
+            trained_twice: self.trained_twice.clone(),
+            stages_completed: self.stages_completed,
+            dispatch_p50_us: pct(0.5),
+            dispatch_p99_us: pct(0.99),
+            stage_retries: stats.stage_retries,
+            regenerated_turns: stats.regenerated_turns,
+            workers_lost: self.lost.clone(),
+            pools,
+        }
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

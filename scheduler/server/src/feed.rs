@@ -1,0 +1,255 @@
+//! The trainer feed (`TrainerFeed.Feed`): trajectories handed to training, in order, each with a
+//! gap-free sequence number, kept until the trainer acknowledges them and sent again to a trainer
+//! that reconnects.
+//!
+//! The actor appends to the [`FeedLog`] when the core hands a batch to the trainer; feed streams
+//! read from it on their own tasks (the log is behind a mutex, and a `watch` channel says how far
+//! it goes), so a slow trainer never holds up scheduling. A trainer subscribes with the first
+//! sequence it has not durably consumed; everything from there is (re)sent, at most `window`
+//! items ahead of its acknowledgements. Acknowledging a sequence that was never sent is a
+//! protocol violation and ends the stream with the reason.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use futures_util::Stream;
+use rollfleet_proto::v1::{
+    CompletedTrajectory, TrainerFeedItem, TrainerFeedRequest, trainer_feed_item,
+    trainer_feed_request, trainer_feed_server::TrainerFeed,
+};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Items sent ahead of acknowledgements when the trainer asks for no window.
+pub const DEFAULT_WINDOW: u32 = 256;
+
+struct Entry {
+    sequence: u64,
+    trajectory: CompletedTrajectory,
+    /// The group this trajectory completes, if it is the group's last.
+    completes_group: Option<u64>,
+}
+
+struct Log {
+    entries: VecDeque<Entry>,
+    next_sequence: u64,
+    acked: u64,
+    subscribed: bool,
+    closed: bool,
+}
+
+/// The feed's items, shared by the actor (which appends) and the feed streams (which read).
+pub struct FeedLog {
+    log: Mutex<Log>,
+    last: watch::Sender<u64>,
+}
+
+impl Default for FeedLog {
+    fn default() -> Self {
+        FeedLog {
+            log: Mutex::new(Log {
+                entries: VecDeque::new(),
+                next_sequence: 1,
+                acked: 0,
+                subscribed: false,
+                closed: false,
+            }),
+            last: watch::Sender::new(0),
+        }
+    }
+}
+
+impl FeedLog {
+    fn lock(&self) -> MutexGuard<'_, Log> {
+        // Every update is a push, a pop or a counter: a poisoned lock is still consistent.
+        self.log.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends a trajectory (with its sequence filled in); `completes_group` when it is the last
+    /// of its group in this batch.
+    pub fn append(&self, mut trajectory: CompletedTrajectory, completes_group: Option<u64>) {
+        let sequence = {
+            let mut log = self.lock();
+            let sequence = log.next_sequence;
+            log.next_sequence += 1;
+            trajectory.sequence = sequence;
+            log.entries.push_back(Entry {
+                sequence,
+                trajectory,
+                completes_group,
+            });
+            sequence
+        };
+        self.last.send_replace(sequence);
+    }
+
+    /// Whether a trainer ever subscribed and has acknowledged everything appended.
+    pub fn drained(&self) -> bool {
+        let log = self.lock();
+        !log.subscribed || log.acked + 1 >= log.next_sequence
+    }
+
+    /// Ends every feed stream: the scheduler is going away.
+    pub fn close(&self) {
+        self.lock().closed = true;
+        self.last.send_modify(|_| {});
+    }
+
+    /// Whether a trainer ever subscribed.
+    pub fn subscribed(&self) -> bool {
+        self.lock().subscribed
+    }
+
+    /// Sequences acknowledged so far.
+    pub fn acked(&self) -> u64 {
+        self.lock().acked
+    }
+
+    fn ack(&self, through: u64) {
+        let mut log = self.lock();
+        if through > log.acked {
+            log.acked = through;
+        }
+        while log.entries.front().is_some_and(|e| e.sequence <= through) {
+            log.entries.pop_front();
+        }
+    }
+
+    /// Items from `from` up to `until` (inclusive), as they go on the wire.
+    fn items(&self, from: u64, until: u64) -> Vec<TrainerFeedItem> {
+        let log = self.lock();
+        let mut items = Vec::new();
+        for e in log
+            .entries
+            .iter()
+            .filter(|e| e.sequence >= from && e.sequence <= until)
+        {
+            items.push(TrainerFeedItem {
+                item: Some(trainer_feed_item::Item::Trajectory(e.trajectory.clone())),
+            });
+            if let Some(group) = e.completes_group {
+                items.push(TrainerFeedItem {
+                    item: Some(trainer_feed_item::Item::GroupComplete(group)),
+                });
+            }
+        }
+        items
+    }
+}
+
+/// The TrainerFeed service.
+pub struct Feed {
+    /// The log.
+    pub log: Arc<FeedLog>,
+    /// The job's name.
+    pub job: String,
+}
+
+type FeedStream = Pin<Box<dyn Stream<Item = Result<TrainerFeedItem, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl TrainerFeed for Feed {
+    type FeedStream = FeedStream;
+
+    async fn feed(
+        &self,
+        request: Request<Streaming<TrainerFeedRequest>>,
+    ) -> Result<Response<Self::FeedStream>, Status> {
+        let mut incoming = request.into_inner();
+        let first = tokio::time::timeout(std::time::Duration::from_secs(10), incoming.next())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no subscribe within 10 s"))?;
+        let subscribe = match first {
+            Some(Ok(TrainerFeedRequest {
+                message: Some(trainer_feed_request::Message::Subscribe(s)),
+            })) => s,
+            Some(Ok(_)) => {
+                return Err(Status::invalid_argument(
+                    "the first message on the feed must be a FeedSubscribe",
+                ));
+            }
+            Some(Err(status)) => return Err(status),
+            None => return Err(Status::cancelled("the feed ended before its subscribe")),
+        };
+        if subscribe.job != self.job {
+            return Err(Status::not_found(format!(
+                "subscribe.job: {:?} is not known here; this scheduler runs {:?}",
+                subscribe.job, self.job
+            )));
+        }
+        let log = self.log.clone();
+        // Everything before `resume_from` is durably consumed by the trainer's own account.
+        let resume = subscribe.resume_from.max(1);
+        log.ack(resume - 1);
+        log.lock().subscribed = true;
+        let window = u64::from(if subscribe.window == 0 {
+            DEFAULT_WINDOW
+        } else {
+            subscribe.window
+        });
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut last = log.last.subscribe();
+            let mut next = resume.max(log.acked() + 1);
+            loop {
+                if log.lock().closed {
+                    return;
+                }
+                let appended = *last.borrow_and_update();
+                let until = appended.min(log.acked() + window);
+                if next <= until {
+                    for item in log.items(next, until) {
+                        if tx.send(Ok(item)).await.is_err() {
+                            return;
+                        }
+                    }
+                    next = until + 1;
+                }
+                tokio::select! {
+                    changed = last.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                    }
+                    message = incoming.next() => match message {
+                        Some(Ok(TrainerFeedRequest { message: Some(m) })) => match m {
+                            trainer_feed_request::Message::AckThrough(n) => {
+                                if n >= next {
+                                    let _ = tx
+                                        .send(Err(Status::invalid_argument(format!(
+                                            "ack_through: {n} was never sent (sent through {})",
+                                            next - 1
+                                        ))))
+                                        .await;
+                                    return;
+                                }
+                                log.ack(n);
+                            }
+                            trainer_feed_request::Message::PublishedVersion(_) => {}
+                            trainer_feed_request::Message::Subscribe(_) => {
+                                let _ = tx
+                                    .send(Err(Status::invalid_argument(
+                                        "a second FeedSubscribe on the same feed",
+                                    )))
+                                    .await;
+                                return;
+                            }
+                        },
+                        Some(Ok(_)) => {
+                            let _ = tx
+                                .send(Err(Status::invalid_argument("an empty feed message")))
+                                .await;
+                            return;
+                        }
+                        // The trainer left; unacknowledged items wait for its return.
+                        Some(Err(_)) | None => return,
+                    },
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}

@@ -1,0 +1,212 @@
+//! The gRPC services (`rollfleet.v1` WorkerService and JobService) in front of the actor.
+//!
+//! Handlers hold no state of their own: they validate what the wire can get wrong, forward an
+//! [`Event`] to the actor, and relay its answer. Job status comes from a `watch` channel the
+//! actor publishes to, so `Status` and `Watch` never wait on the actor.
+
+use std::pin::Pin;
+
+use futures_util::Stream;
+use rollfleet_proto::v1::{
+    CancelJobResponse, HeartbeatRequest, HeartbeatResponse, JobPhase, JobRef, JobStatus,
+    RegisterRequest, RegisterResponse, SchedulerMessage, SubmitJobRequest, SubmitJobResponse,
+    WorkerMessage, job_service_server::JobService, worker_message,
+    worker_service_server::WorkerService,
+};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::{UnboundedReceiverStream, WatchStream};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::actor::Event;
+
+/// The WorkerService.
+pub struct Workers {
+    /// The actor's inbox.
+    pub inbox: mpsc::UnboundedSender<Event>,
+}
+
+fn actor_gone() -> Status {
+    Status::unavailable("the scheduler is shutting down")
+}
+
+async fn ask<T>(
+    inbox: &mpsc::UnboundedSender<Event>,
+    make: impl FnOnce(oneshot::Sender<Result<T, Status>>) -> Event,
+) -> Result<T, Status> {
+    let (tx, rx) = oneshot::channel();
+    inbox.send(make(tx)).map_err(|_| actor_gone())?;
+    rx.await.map_err(|_| actor_gone())?
+}
+
+type WorkStream = Pin<Box<dyn Stream<Item = Result<SchedulerMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl WorkerService for Workers {
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterResponse>, Status> {
+        let inventory = request
+            .into_inner()
+            .inventory
+            .ok_or_else(|| Status::invalid_argument("inventory: required"))?;
+        ask(&self.inbox, |reply| Event::Register { inventory, reply })
+            .await
+            .map(Response::new)
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<HeartbeatRequest>,
+    ) -> Result<Response<HeartbeatResponse>, Status> {
+        let r = request.into_inner();
+        ask(&self.inbox, |reply| Event::Heartbeat {
+            worker_id: r.worker_id,
+            epoch: r.epoch,
+            reply,
+        })
+        .await
+        .map(Response::new)
+    }
+
+    type WorkStream = WorkStream;
+
+    async fn work(
+        &self,
+        request: Request<Streaming<WorkerMessage>>,
+    ) -> Result<Response<Self::WorkStream>, Status> {
+        let mut incoming = request.into_inner();
+        let first = tokio::time::timeout(std::time::Duration::from_secs(10), incoming.next())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no hello within 10 s"))?;
+        let hello = match first {
+            Some(Ok(WorkerMessage {
+                message: Some(worker_message::Message::Hello(hello)),
+            })) => hello,
+            Some(Ok(_)) => {
+                return Err(Status::invalid_argument(
+                    "the first message on a work stream must be a WorkerHello",
+                ));
+            }
+            Some(Err(status)) => return Err(status),
+            None => return Err(Status::cancelled("the stream ended before its hello")),
+        };
+        let (outbox, rx) = mpsc::unbounded_channel();
+        let worker = ask(&self.inbox, |reply| Event::Attach {
+            worker_id: hello.worker_id,
+            epoch: hello.epoch,
+            outbox,
+            reply,
+        })
+        .await?;
+        let inbox = self.inbox.clone();
+        tokio::spawn(async move {
+            let reason = loop {
+                match incoming.next().await {
+                    Some(Ok(message)) => {
+                        let received = tokio::time::Instant::now();
+                        let event = Event::Message {
+                            worker,
+                            message,
+                            received,
+                        };
+                        if inbox.send(event).is_err() {
+                            return;
+                        }
+                    }
+                    Some(Err(status)) => {
+                        break format!("its work stream broke: {}", status.message());
+                    }
+                    None => break "it closed its work stream".to_owned(),
+                }
+            };
+            let _ = inbox.send(Event::Detach { worker, reason });
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+}
+
+/// The JobService of a scheduler that runs one job, given when it started.
+pub struct Jobs {
+    /// The actor's inbox.
+    pub inbox: mpsc::UnboundedSender<Event>,
+    /// The job's status, as the actor last published it.
+    pub status: watch::Receiver<JobStatus>,
+    /// The job's YAML, to recognise a resubmission of the same job.
+    pub job_yaml: String,
+}
+
+impl Jobs {
+    fn check(&self, job: &str) -> Result<(), Status> {
+        let name = self.status.borrow().job.clone();
+        if job != name {
+            return Err(Status::not_found(format!(
+                "job: {job:?} is not known here; this scheduler runs {name:?}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+type WatchResponse = Pin<Box<dyn Stream<Item = Result<JobStatus, Status>> + Send>>;
+
+fn terminal(status: &JobStatus) -> bool {
+    matches!(
+        status.phase(),
+        JobPhase::Succeeded | JobPhase::Failed | JobPhase::Cancelled
+    )
+}
+
+#[tonic::async_trait]
+impl JobService for Jobs {
+    async fn submit(
+        &self,
+        request: Request<SubmitJobRequest>,
+    ) -> Result<Response<SubmitJobResponse>, Status> {
+        let r = request.into_inner();
+        if r.job_yaml.trim() != self.job_yaml.trim() {
+            return Err(Status::failed_precondition(
+                "job_yaml: this scheduler runs the one job it was started with; start another \
+                 scheduler for another job",
+            ));
+        }
+        Ok(Response::new(SubmitJobResponse {
+            job: self.status.borrow().job.clone(),
+        }))
+    }
+
+    async fn status(&self, request: Request<JobRef>) -> Result<Response<JobStatus>, Status> {
+        self.check(&request.into_inner().job)?;
+        Ok(Response::new(self.status.borrow().clone()))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<JobRef>,
+    ) -> Result<Response<CancelJobResponse>, Status> {
+        self.check(&request.into_inner().job)?;
+        self.inbox.send(Event::Cancel).map_err(|_| actor_gone())?;
+        Ok(Response::new(CancelJobResponse {
+            status: Some(self.status.borrow().clone()),
+        }))
+    }
+
+    type WatchStream = WatchResponse;
+
+    async fn watch(&self, request: Request<JobRef>) -> Result<Response<Self::WatchStream>, Status> {
+        self.check(&request.into_inner().job)?;
+        let mut done = false;
+        // Every change, starting with the current status, up to and including a terminal one.
+        let stream = WatchStream::new(self.status.clone())
+            .take_while(move |s| {
+                if done {
+                    return false;
+                }
+                done = terminal(s);
+                true
+            })
+            .map(Ok);
+        Ok(Response::new(Box::pin(stream)))
+    }
+}

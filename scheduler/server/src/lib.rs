@@ -1,0 +1,164 @@
+//! The rollfleet scheduler server: the sans-IO core driven on the wall clock, behind gRPC.
+//!
+//! - [`plan`]: the job as the scheduler and the workers both see it (placement, core config,
+//!   modelled hardware figures);
+//! - [`actor`]: the single task that owns the core, the workers' leases and every assignment;
+//! - [`grpc`]: `WorkerService` (register, heartbeat, the bidirectional work stream) and
+//!   `JobService` (submit, status, cancel, watch) in front of the actor;
+//! - [`feed`]: the trainer feed (`TrainerFeed`): trajectories handed to training, sequenced,
+//!   resent until acknowledged;
+//! - [`metrics`]: Prometheus metrics and their HTTP endpoint.
+
+pub mod actor;
+pub mod feed;
+pub mod grpc;
+pub mod metrics;
+pub mod plan;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rollfleet_proto::v1::job_service_server::JobServiceServer;
+use rollfleet_proto::v1::trainer_feed_server::TrainerFeedServer;
+use rollfleet_proto::v1::worker_service_server::WorkerServiceServer;
+use rollfleet_proto::v1::{JobPhase, JobStatus};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::TcpListenerStream;
+
+pub use actor::Report;
+pub use plan::{JobPlan, PlanError};
+
+/// Why the server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The job could not be planned.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The metrics could not be set up.
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// A socket failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Settings of a scheduler server.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// The job, as YAML.
+    pub job_yaml: String,
+    /// Where the YAML came from (for error messages).
+    pub origin: String,
+    /// Seed of the core's decisions and of the environment episodes.
+    pub seed: u64,
+    /// Wall seconds per modelled second of emulated hardware.
+    pub time_scale: f64,
+    /// Worker lease length.
+    pub lease_ttl: Duration,
+    /// Workers to wait for before starting.
+    pub expect_workers: usize,
+    /// A stage unanswered this long (wall time) is presumed lost and redone elsewhere.
+    pub stage_timeout: Duration,
+    /// Where to write the final report (JSON).
+    pub report: Option<PathBuf>,
+    /// Where to serve Prometheus metrics.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// Serves the job on `listener` until it ends (or is cancelled); returns its report.
+pub async fn serve(listener: TcpListener, opts: ServerOptions) -> Result<Report, ServerError> {
+    serve_until(listener, opts, std::future::pending::<()>()).await
+}
+
+/// Like [`serve`], and cancels the job (draining the workers) when `cancel` completes.
+pub async fn serve_until(
+    listener: TcpListener,
+    opts: ServerOptions,
+    cancel: impl std::future::Future + Send + 'static,
+) -> Result<Report, ServerError> {
+    let mut plan = JobPlan::from_yaml(&opts.job_yaml, &opts.origin, opts.seed)?;
+    // A stage unanswered this long is presumed lost (a worker that heartbeats but never answers).
+    plan.config.stage_timeout =
+        rollfleet_core::Span::from_secs_f64(opts.stage_timeout.as_secs_f64());
+    let plan = Arc::new(plan);
+    let metrics = Arc::new(metrics::Metrics::new()?);
+    if let Some(addr) = opts.metrics_addr {
+        let l = metrics::bind_metrics(addr)
+            .await
+            .map_err(|source| ServerError::Io {
+                what: format!("metrics address {addr}"),
+                source,
+            })?;
+        eprintln!(
+            "scheduler: Prometheus metrics on http://{}/metrics",
+            l.local_addr().unwrap_or(addr)
+        );
+        tokio::spawn(metrics::serve_metrics(l, metrics.clone()));
+    }
+    let (status_tx, status_rx) = watch::channel(JobStatus {
+        job: plan.name().to_owned(),
+        phase: JobPhase::Pending as i32,
+        ..Default::default()
+    });
+    let (inbox, events) = mpsc::unbounded_channel();
+    let feed_log = Arc::new(feed::FeedLog::default());
+    let actor = actor::Actor::new(
+        plan.clone(),
+        actor::ActorOptions {
+            time_scale: opts.time_scale,
+            lease_ttl: opts.lease_ttl,
+            expect_workers: opts.expect_workers,
+            report: opts.report.clone(),
+        },
+        status_tx,
+        metrics,
+        feed_log.clone(),
+    );
+    let actor = tokio::spawn(actor.run(events));
+    let canceller = inbox.clone();
+    tokio::spawn(async move {
+        cancel.await;
+        let _ = canceller.send(actor::Event::Cancel);
+    });
+    let workers = WorkerServiceServer::new(grpc::Workers {
+        inbox: inbox.clone(),
+    });
+    let jobs = JobServiceServer::new(grpc::Jobs {
+        inbox,
+        status: status_rx,
+        job_yaml: opts.job_yaml.clone(),
+    });
+    let trainer_feed = TrainerFeedServer::new(feed::Feed {
+        log: feed_log,
+        job: plan.name().to_owned(),
+    });
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Report>();
+    let mut actor = actor;
+    let server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(workers)
+        .add_service(jobs)
+        .add_service(trainer_feed)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            let report = (&mut actor).await;
+            if let Ok(report) = report {
+                let _ = done_tx.send(report);
+            }
+        });
+    server.await?;
+    done_rx.await.map_err(|_| ServerError::Io {
+        what: "scheduler actor".into(),
+        source: std::io::Error::other("the actor stopped without a report"),
+    })
+}

@@ -1,0 +1,121 @@
+//! Prometheus metrics of the scheduler, and the small HTTP endpoint that serves them.
+//!
+//! The endpoint answers every request on its address with the text exposition format; it is a
+//! few lines over a `TcpListener` rather than an HTTP framework, because scraping is its only job.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// The scheduler's metrics.
+pub struct Metrics {
+    /// Where they are registered.
+    pub registry: Registry,
+    /// Stages completed, per pool.
+    pub stage_completions: IntCounterVec,
+    /// Trajectories handed to the trainer.
+    pub trajectories_trained: IntCounter,
+    /// Workers that registered.
+    pub workers_registered: IntCounter,
+    /// Workers lost or cut off.
+    pub workers_lost: IntCounter,
+    /// Workers with an open work stream, per pool.
+    pub workers: IntGaugeVec,
+    /// Share of the pool's capacity in use over the last second, per pool.
+    pub pool_busy: GaugeVec,
+    /// The policy version (= RL steps trained).
+    pub policy_version: IntGauge,
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Result<Metrics, prometheus::Error> {
+        let registry = Registry::new_custom(Some("rollfleet".into()), None)?;
+        let stage_completions = IntCounterVec::new(
+            Opts::new("stage_completions_total", "Stages completed, per pool."),
+            &["pool"],
+        )?;
+        let trajectories_trained = IntCounter::new(
+            "trajectories_trained_total",
+            "Trajectories handed to the trainer.",
+        )?;
+        let workers_registered =
+            IntCounter::new("workers_registered_total", "Workers that registered.")?;
+        let workers_lost = IntCounter::new(
+            "workers_lost_total",
+            "Workers lost (stream closed, lease expired) or cut off (protocol violation).",
+        )?;
+        let workers = IntGaugeVec::new(
+            Opts::new("workers", "Workers with an open work stream, per pool."),
+            &["pool"],
+        )?;
+        let pool_busy = GaugeVec::new(
+            Opts::new(
+                "pool_busy_ratio",
+                "Share of the pool's capacity in use over the last second (GPU figures are \
+                 emulated).",
+            ),
+            &["pool"],
+        )?;
+        let policy_version = IntGauge::new("policy_version", "Policy version (RL steps trained).")?;
+        registry.register(Box::new(stage_completions.clone()))?;
+        registry.register(Box::new(trajectories_trained.clone()))?;
+        registry.register(Box::new(workers_registered.clone()))?;
+        registry.register(Box::new(workers_lost.clone()))?;
+        registry.register(Box::new(workers.clone()))?;
+        registry.register(Box::new(pool_busy.clone()))?;
+        registry.register(Box::new(policy_version.clone()))?;
+        Ok(Metrics {
+            registry,
+            stage_completions,
+            trajectories_trained,
+            workers_registered,
+            workers_lost,
+            workers,
+            pool_busy,
+            policy_version,
+        })
+    }
+
+    /// The metrics in the text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let encoder = prometheus::TextEncoder::new();
+        if let Err(e) = encoder.encode_utf8(&self.registry.gather(), &mut out) {
+            out = format!("# encoding failed: {e}\n");
+        }
+        out
+    }
+}
+
+/// Serves the metrics over HTTP on `listener` until the task is dropped.
+pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
+    loop {
+        let Ok((mut socket, _)) = listener.accept().await else {
+            continue;
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            // Read the request head (its content does not matter: every path gets the metrics).
+            let mut buf = [0u8; 2048];
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), socket.read(&mut buf))
+                .await;
+            let body = metrics.render();
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = socket.write_all(head.as_bytes()).await;
+            let _ = socket.write_all(body.as_bytes()).await;
+            let _ = socket.shutdown().await;
+        });
+    }
+}
+
+/// Binds the metrics endpoint.
+pub async fn bind_metrics(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}

@@ -1,0 +1,192 @@
+//! The job as both ends of the wire see it: the core's configuration, where the replicas and the
+//! trainer sit, and the figures an emulated worker needs to model its hardware.
+//!
+//! The scheduler and every node worker build this from the same job YAML (the scheduler sends it
+//! in `RegisterResponse.job_yaml`) with the same pure functions as `rollfleet sim`, so an
+//! emulated replica holds the KV capacity the core plans with and a trainer takes the time the
+//! simulator would charge.
+
+use rollfleet_catalog::Catalog;
+use rollfleet_core::{Config, Placement, Policy, ReplicaConfig};
+use rollfleet_sim::Baseline;
+use rollfleet_sim::hardware::{HardwareModel, ModelCosts};
+use rollfleet_sim::sim::{model_costs, workload_means};
+use rollfleet_spec::{JobSpec, PoolKind, ValidatedJob};
+
+/// Why a job could not be planned.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The YAML is not a valid job.
+    #[error("job: {0}")]
+    Spec(#[from] rollfleet_spec::SpecError),
+    /// No placement fits.
+    #[error("placement: {0}")]
+    Placement(#[from] rollfleet_core::PlacementError),
+    /// The core refused the configuration.
+    #[error("configuration: {0}")]
+    Config(#[from] rollfleet_core::ConfigError),
+}
+
+/// What a pool is, as the runtime cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolRole {
+    /// GPUs: serving replicas and/or the trainer.
+    Gpu,
+    /// CPU nodes: environments (and local rewards).
+    Cpu,
+    /// Serverless functions: rewards.
+    Serverless,
+}
+
+/// A planned job.
+#[derive(Debug, Clone)]
+pub struct JobPlan {
+    /// The job's YAML as given (sent to workers as is).
+    pub yaml: String,
+    /// The validated job.
+    pub job: ValidatedJob,
+    /// Where everything runs.
+    pub placement: Placement,
+    /// The core's configuration (rollfleet's own policy).
+    pub config: Config,
+    /// The model's per-token costs.
+    pub costs: ModelCosts,
+    /// The modelled hardware's achieved fractions of peak.
+    pub hardware: HardwareModel,
+}
+
+impl JobPlan {
+    /// Plans a job from its YAML text, with the core seeded by `seed`.
+    pub fn from_yaml(yaml: &str, origin: &str, seed: u64) -> Result<JobPlan, PlanError> {
+        let job = rollfleet_spec::parse_job(yaml.as_bytes(), origin)?;
+        let spec = job.spec();
+        let means = workload_means(spec);
+        let (placement, policy) = Baseline::Rollfleet.setup(spec, &job.catalog, &means)?;
+        let config = Config::new(spec, &job.catalog, &placement, policy, seed)?;
+        let costs = model_costs(spec);
+        Ok(JobPlan {
+            yaml: yaml.to_owned(),
+            job,
+            placement,
+            config,
+            costs,
+            hardware: HardwareModel::default(),
+        })
+    }
+
+    /// The job spec.
+    pub fn spec(&self) -> &JobSpec {
+        self.job.spec()
+    }
+
+    /// The catalogue.
+    pub fn catalog(&self) -> &Catalog {
+        &self.job.catalog
+    }
+
+    /// The job's name.
+    pub fn name(&self) -> &str {
+        &self.job.manifest.metadata.name
+    }
+
+    /// The scheduling policy.
+    pub fn policy(&self) -> &Policy {
+        &self.config.policy
+    }
+
+    /// A pool's index by name.
+    pub fn pool_index(&self, name: &str) -> Option<u32> {
+        self.spec()
+            .pools
+            .iter()
+            .position(|p| p.name == name)
+            .map(|i| i as u32)
+    }
+
+    /// A pool's name.
+    pub fn pool_name(&self, pool: u32) -> &str {
+        self.spec()
+            .pools
+            .get(pool as usize)
+            .map_or("?", |p| p.name.as_str())
+    }
+
+    /// What a pool is.
+    pub fn pool_role(&self, pool: u32) -> Option<PoolRole> {
+        match self.spec().pools.get(pool as usize)?.kind()? {
+            PoolKind::Gpu => Some(PoolRole::Gpu),
+            PoolKind::Cpu => Some(PoolRole::Cpu),
+            PoolKind::Serverless => Some(PoolRole::Serverless),
+        }
+    }
+
+    /// Replica `r`'s configuration.
+    pub fn replica(&self, r: u64) -> Option<&ReplicaConfig> {
+        self.placement.replicas.get(r as usize)
+    }
+
+    /// Peak FLOP/s and HBM bytes/s of one GPU of a pool (a neutral default if the pool has none).
+    pub fn gpu_peaks(&self, pool: u32) -> (f64, f64) {
+        self.spec()
+            .pools
+            .get(pool as usize)
+            .and_then(|p| p.gpu.as_deref())
+            .and_then(|g| self.catalog().gpu(g).ok())
+            .map_or((1e15, 1e12), |g| {
+                (g.peak_flops(), g.memory_bandwidth_bytes_per_s())
+            })
+    }
+
+    /// Bytes/s a bulk transfer between pools achieves (weights, KV caches).
+    pub fn link_bytes_per_s(&self) -> f64 {
+        (self.spec().network.cross_pool_gbps * 1e9 * self.hardware.link_efficiency).max(1.0)
+    }
+
+    /// Modelled seconds the trainer takes for a batch of `tokens` (the simulator's formula:
+    /// `6 x active parameters x tokens` at the train MFU of the trainer's GPUs).
+    pub fn train_seconds(&self, tokens: u64) -> f64 {
+        let spec = self.spec();
+        let (peak, _) = self.gpu_peaks(self.placement.trainer.pool);
+        let gpus = self.placement.trainer.gpus.max(1) as f64;
+        let mfu = spec.rl.train_mfu.clamp(0.01, 1.0);
+        6.0 * spec.model.active() * tokens as f64 / (gpus * peak * mfu)
+    }
+
+    /// Every pool the job needs a worker in before it can start.
+    pub fn pools_needed(&self) -> Vec<u32> {
+        let mut pools: Vec<u32> = self.placement.replicas.iter().map(|r| r.pool).collect();
+        pools.push(self.placement.trainer.pool);
+        pools.extend(
+            self.config
+                .cpu_pools
+                .iter()
+                .filter(|p| p.environments && p.millicpus > 0)
+                .map(|p| p.pool),
+        );
+        for task in &self.config.tasks {
+            match task.reward {
+                rollfleet_core::RewardRoute::Serverless(s) => {
+                    if let Some(p) = self.config.serverless_pools.get(s as usize) {
+                        pools.push(p.pool);
+                    }
+                }
+                rollfleet_core::RewardRoute::Local(c) => {
+                    if let Some(p) = self.config.cpu_pools.get(c as usize) {
+                        pools.push(p.pool);
+                    }
+                }
+                rollfleet_core::RewardRoute::Environment => {}
+            }
+        }
+        pools.sort_unstable();
+        pools.dedup();
+        pools
+    }
+}
+
+/// The seed of a trajectory's environment episode: a pure function of the job seed, the
+/// trajectory and its attempt, so any worker rebuilds the same episode.
+pub fn episode_seed(job_seed: u64, traj: u64, attempt: u32) -> u64 {
+    rollfleet_core::rng::SplitMix64::keyed(job_seed, &[0x656e_7673, traj, attempt as u64])
+        .next_u64()
+}

@@ -1,0 +1,651 @@
+//! The distributed runtime across real processes on loopback: a `rollfleet scheduler` and
+//! several `rollfleet worker`s (emulated GPUs), with workers killed and peers misbehaving.
+//!
+//! Every wait is bounded by a generous deadline and polls a real condition (a status over gRPC,
+//! a process exit), so the tests hold on a loaded two-core machine.
+
+#![allow(clippy::unwrap_used)] // test helpers may fail loudly
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rollfleet_proto::v1::job_service_client::JobServiceClient;
+use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
+use rollfleet_proto::v1::{
+    HardwareInventory, HeartbeatRequest, JobRef, RegisterRequest, StageOutput, WorkResult,
+    WorkerHello, WorkerMessage, scheduler_message, work_result, worker_message,
+};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rollfleet");
+const DEADLINE: Duration = Duration::from_secs(240);
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rollfleet-rt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The quick-start job cut to `steps` RL steps.
+fn job_file(dir: &Path, steps: u32) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let yaml = std::fs::read_to_string(root.join("examples/jobs/quickstart.yaml")).unwrap();
+    assert!(yaml.contains("steps: 5"));
+    let yaml = yaml.replace("steps: 5", &format!("steps: {steps}"));
+    let path = dir.join("job.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+/// Starts a scheduler on a free port; returns it and its URL.
+fn scheduler(job: &Path, report: &Path, expect: usize, extra: &[&str]) -> (Child, String) {
+    let mut child = Command::new(BIN)
+        .arg("scheduler")
+        .arg(job)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--time-scale",
+            "1",
+            "--lease-ms",
+            "2000",
+        ])
+        .args(["--expect-workers", &expect.to_string()])
+        .arg("--report")
+        .arg(report)
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_owned();
+    (child, format!("http://{addr}"))
+}
+
+fn worker(url: &str, pool: &str, name: &str) -> Child {
+    Command::new(BIN)
+        .args(["worker", "--scheduler", url, "--pool", pool, "--name", name])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "the process did not exit within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Polls the job's status until `done` says so.
+fn wait_status(url: &str, what: &str, done: impl Fn(&rollfleet_proto::v1::JobStatus) -> bool) {
+    rt().block_on(async {
+        let start = Instant::now();
+        let mut client = loop {
+            match JobServiceClient::connect(url.to_owned()).await {
+                Ok(c) => break c,
+                Err(_) if start.elapsed() < DEADLINE => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                Err(e) => panic!("cannot reach {url}: {e}"),
+            }
+        };
+        loop {
+            let status = client
+                .status(JobRef {
+                    job: "quickstart".into(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            if done(&status) {
+                return;
+            }
+            assert!(start.elapsed() < DEADLINE, "never saw {what}: {status:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+/// Checks that every trajectory of every step was trained exactly once.
+fn check_report(report: &Path, steps: u64, min_lost: usize) -> Value {
+    let report: Value = serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Succeeded", "{report:#}");
+    assert_eq!(report["policy_version"], steps);
+    let trained: Vec<u64> = report["trained"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    // rolloutBatchSize 32 per step.
+    assert_eq!(trained.len() as u64, 32 * steps, "{report:#}");
+    let mut unique = trained.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        trained.len(),
+        "a trajectory was trained twice"
+    );
+    assert_eq!(report["trained_twice"].as_array().unwrap().len(), 0);
+    let lost = report["workers_lost"].as_array().unwrap();
+    assert!(lost.len() >= min_lost, "{report:#}");
+    report
+}
+
+#[test]
+fn a_job_completes_with_every_trajectory_once_after_workers_are_killed_mid_run() {
+    let dir = temp_dir("kill");
+    let job = job_file(&dir, 3);
+    let report = dir.join("report.json");
+    let pools = [
+        ("prefill", 1),
+        ("decode", 2),
+        ("train", 1),
+        ("envs", 2),
+        ("rewards", 1),
+    ];
+    let expect: usize = pools.iter().map(|(_, n)| n).sum();
+    let (sched, url) = scheduler(&job, &report, expect, &[]);
+    let mut procs = Procs(vec![sched]);
+    let mut victims = Vec::new();
+    for (pool, n) in pools {
+        for i in 0..n {
+            let child = worker(&url, pool, &format!("{pool}-{i}"));
+            if i == 0 && (pool == "decode" || pool == "envs") {
+                victims.push(procs.0.len());
+            }
+            procs.0.push(child);
+        }
+    }
+    // Mid-run: trajectories are in flight and the first step is not trained yet or just was.
+    wait_status(&url, "trajectories in flight", |s| {
+        s.trajectories_in_flight > 0 && s.trajectories_completed > 0
+    });
+    for v in victims {
+        // SIGKILL: no goodbye; the scheduler learns from the broken stream or the lease.
+        procs.0[v].kill().unwrap();
+    }
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    let report = check_report(&report, 3, 2);
+    let retries = report["stage_retries"].as_u64().unwrap();
+    assert!(
+        retries > 0,
+        "killing workers mid-run retried nothing: {report:#}"
+    );
+}
+
+#[test]
+fn a_worker_that_reports_a_stage_it_was_never_given_is_cut_off_and_its_work_redone() {
+    let dir = temp_dir("rogue");
+    let job = job_file(&dir, 2);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 6, &[]);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    // The sixth worker is a rogue in the environment pool: it takes assignments, then reports
+    // one it was never given.
+    let reason = rt().block_on(async {
+        let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
+
+        // Bad registrations are refused with the field named.
+        let bad = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    pool: "no-such-pool".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert!(bad.message().contains("inventory.pool"), "{bad:?}");
+
+        let lease = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    hostname: "rogue".into(),
+                    pool: "envs".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease
+            .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(WorkerMessage {
+            message: Some(worker_message::Message::Hello(WorkerHello {
+                worker_id: lease.worker_id.clone(),
+                epoch: lease.epoch,
+            })),
+        })
+        .unwrap();
+        let mut inbound = client
+            .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        // Keep the lease while waiting for work.
+        let mut hb = client.clone();
+        let id = lease.worker_id.clone();
+        let beat = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let _ = hb
+                    .heartbeat(HeartbeatRequest {
+                        worker_id: id.clone(),
+                        epoch: 1,
+                        load: None,
+                    })
+                    .await;
+            }
+        });
+        let mut given = Vec::new();
+        let first = tokio::time::timeout(DEADLINE, async {
+            loop {
+                let m = inbound.message().await.unwrap().unwrap();
+                if let Some(scheduler_message::Message::Assign(a)) = m.message {
+                    given.push(a.assignment_id);
+                    return a.assignment_id;
+                }
+            }
+        })
+        .await
+        .unwrap();
+        // It holds `first` (accepted work) and now lies about another assignment.
+        tx.send(WorkerMessage {
+            message: Some(worker_message::Message::Result(WorkResult {
+                assignment_id: first + 1_000_000,
+                outcome: Some(work_result::Outcome::Output(StageOutput::default())),
+                duration_us: 1,
+            })),
+        })
+        .unwrap();
+        let end = tokio::time::timeout(DEADLINE, async {
+            loop {
+                match inbound.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return "closed without a reason".to_owned(),
+                    Err(status) => return status.message().to_owned(),
+                }
+            }
+        })
+        .await
+        .unwrap();
+        beat.abort();
+        // Its lease is gone too.
+        let hb = client
+            .heartbeat(HeartbeatRequest {
+                worker_id: lease.worker_id.clone(),
+                epoch: 1,
+                load: None,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(hb.code(), tonic::Code::NotFound);
+        end
+    });
+    assert!(reason.contains("never given"), "{reason}");
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    let report = check_report(&report, 2, 1);
+    let lost = report["workers_lost"].to_string();
+    assert!(
+        lost.contains("rogue") && lost.contains("never given"),
+        "{lost}"
+    );
+}
+
+#[test]
+fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
+    let dir = temp_dir("silent");
+    let job = job_file(&dir, 1);
+    let report = dir.join("report.json");
+    // The job never starts (it waits for 100 workers): only the peers' treatment is tested.
+    let (sched, url) = scheduler(&job, &report, 100, &[]);
+    let _procs = Procs(vec![sched]);
+    let addr = url.trim_start_matches("http://").to_owned();
+    // Garbage bytes where HTTP/2 is expected.
+    {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.write_all(b"\x00\xffthis is not HTTP/2 at all\r\n\r\n\x16\x03\x01")
+            .unwrap();
+    }
+    rt().block_on(async {
+        let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
+        let lease = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    hostname: "silent".into(),
+                    pool: "envs".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease
+            .unwrap();
+        assert_eq!(lease.ttl_ms, 2000);
+        // A first message that is not a hello is refused.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(WorkerMessage {
+            message: Some(worker_message::Message::Load(Default::default())),
+        })
+        .unwrap();
+        let refused = client
+            .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap_err();
+        assert!(refused.message().contains("WorkerHello"), "{refused:?}");
+        // A heartbeat within the lease renews it.
+        let beat = || HeartbeatRequest {
+            worker_id: lease.worker_id.clone(),
+            epoch: 1,
+            load: None,
+        };
+        client.heartbeat(beat()).await.unwrap();
+        // Then silence, twice the lease: the worker is declared lost, and the lease is gone.
+        tokio::time::sleep(Duration::from_millis(2 * lease.ttl_ms)).await;
+        let late = client.heartbeat(beat()).await.unwrap_err();
+        assert_eq!(late.code(), tonic::Code::NotFound, "{late:?}");
+    });
+}
+
+/// Reads the feed until `count` trajectories came; returns their (sequence, trajectory id).
+async fn read_feed(
+    feed: &mut tonic::Streaming<rollfleet_proto::v1::TrainerFeedItem>,
+    count: usize,
+) -> Vec<(u64, u64)> {
+    let mut got = Vec::new();
+    while got.len() < count {
+        let item = tokio::time::timeout(DEADLINE, feed.message())
+            .await
+            .expect("the feed went quiet")
+            .unwrap()
+            .expect("the feed ended early");
+        if let Some(rollfleet_proto::v1::trainer_feed_item::Item::Trajectory(t)) = item.item {
+            got.push((t.sequence, t.trajectory.unwrap().id));
+        }
+    }
+    got
+}
+
+fn subscribe(resume_from: u64, window: u32) -> rollfleet_proto::v1::TrainerFeedRequest {
+    use rollfleet_proto::v1::{FeedSubscribe, TrainerFeedRequest, trainer_feed_request};
+    TrainerFeedRequest {
+        message: Some(trainer_feed_request::Message::Subscribe(FeedSubscribe {
+            job: "quickstart".into(),
+            resume_from,
+            window,
+        })),
+    }
+}
+
+fn ack(through: u64) -> rollfleet_proto::v1::TrainerFeedRequest {
+    use rollfleet_proto::v1::{TrainerFeedRequest, trainer_feed_request};
+    TrainerFeedRequest {
+        message: Some(trainer_feed_request::Message::AckThrough(through)),
+    }
+}
+
+#[test]
+fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
+    use rollfleet_proto::v1::trainer_feed_client::TrainerFeedClient;
+    let dir = temp_dir("feed");
+    let job = job_file(&dir, 2);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let (first, second) = rt().block_on(async {
+        let mut client = TrainerFeedClient::connect(url.clone()).await.unwrap();
+        // First connection: a window of 8, read 10 (acking 5 opens the window), then leave.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(subscribe(1, 8)).unwrap();
+        let mut feed = client
+            .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut first = read_feed(&mut feed, 8).await;
+        tx.send(ack(5)).unwrap();
+        first.extend(read_feed(&mut feed, 2).await);
+        drop(tx);
+        drop(feed);
+
+        // Reconnect: everything from 6 comes again, then the rest, acknowledged as it comes.
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(subscribe(6, 8)).unwrap();
+        let mut feed = client
+            .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut second = Vec::new();
+        while second.len() < 64 - 5 {
+            let got = read_feed(&mut feed, 1).await;
+            tx.send(ack(got[0].0)).unwrap();
+            second.extend(got);
+        }
+        // Everything is acknowledged: the scheduler ends the feed when it leaves.
+        let rest = tokio::time::timeout(DEADLINE, async {
+            let mut extra = 0;
+            while let Ok(Some(item)) = feed.message().await {
+                if let Some(rollfleet_proto::v1::trainer_feed_item::Item::Trajectory(_)) = item.item
+                {
+                    extra += 1;
+                }
+            }
+            extra
+        })
+        .await
+        .expect("the feed did not end after the job");
+        assert_eq!(rest, 0, "nothing beyond the job's trajectories");
+        (first, second)
+    });
+    let seqs: Vec<u64> = first.iter().map(|x| x.0).collect();
+    assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
+    let seqs: Vec<u64> = second.iter().map(|x| x.0).collect();
+    assert_eq!(
+        seqs,
+        (6..=64).collect::<Vec<_>>(),
+        "gap-free from the resume point"
+    );
+    // What was resent is what was sent before.
+    assert_eq!(&first[5..10], &second[..5]);
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success());
+    let report = check_report(&report, 2, 0);
+    let trained: Vec<u64> = report["trained"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let fed: Vec<u64> = first[..5].iter().chain(&second).map(|x| x.1).collect();
+    assert_eq!(
+        fed, trained,
+        "the feed carries every trained trajectory once, in order"
+    );
+}
+
+#[test]
+fn rollfleet_run_trains_every_step_and_says_the_gpus_are_emulated() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = Command::new(BIN)
+        .args(["run", "examples/jobs/quickstart.yaml", "--time-scale", "1"])
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("Succeeded - 5 of 5 RL steps"), "{stdout}");
+    assert!(stdout.contains("GPU figures are EMULATED"), "{stdout}");
+    assert!(
+        stdout.contains("trajectories trained: 160 (0 twice)"),
+        "{stdout}"
+    );
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(pool)),
+            "{pool}: {stdout}"
+        );
+    }
+    assert!(stderr.contains("GPUs are emulated"), "{stderr}");
+}
+
+#[test]
+fn rollfleet_run_can_model_the_environments_as_the_simulator_does() {
+    let dir = temp_dir("model");
+    let job = job_file(&dir, 2);
+    let out = Command::new(BIN)
+        .arg("run")
+        .arg(&job)
+        .args(["--time-scale", "1", "--model-environments", "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["phase"], "Succeeded");
+    assert_eq!(report["trained"].as_array().unwrap().len(), 64);
+    assert_eq!(report["emulated_gpus"], true);
+    let envs = report["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pool"] == "envs")
+        .unwrap();
+    assert!(envs["assignments_done"].as_u64().unwrap() > 64, "{envs}");
+}
+
+#[test]
+fn a_scheduler_told_to_stop_cancels_the_job_and_drains_its_workers() {
+    let dir = temp_dir("term");
+    let job = job_file(&dir, 50);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    wait_status(&url, "trajectories in flight", |s| {
+        s.trajectories_in_flight > 0
+    });
+    let pid = procs.0[0].id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success());
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert_eq!(status.code(), Some(1), "a cancelled job is not a success");
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Cancelled", "{report:#}");
+    // Every worker was drained and left on its own, successfully.
+    for w in &mut procs.0[1..] {
+        let status = wait_exit(w, DEADLINE);
+        assert!(status.success(), "a drained worker failed: {status:?}");
+    }
+}
+
+#[test]
+fn an_environment_served_by_a_remote_python_server_runs_in_a_job() {
+    let dir = temp_dir("remote");
+    let job = job_file(&dir, 2);
+    let yaml = std::fs::read_to_string(&job)
+        .unwrap()
+        .replace("environment: frozenlake", "environment: guess");
+    std::fs::write(&job, yaml).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut python = Command::new("python3")
+        .arg(root.join("examples/remote-env/server.py"))
+        .args(["--port", "0", "--slots", "1024"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 must be installed");
+    let mut line = String::new();
+    BufReader::new(python.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_owned();
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched, python]);
+    for pool in ["prefill", "decode", "train", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let remote = format!("guess=http://127.0.0.1:{port}");
+    procs.0.push(
+        Command::new(BIN)
+            .args([
+                "worker",
+                "--scheduler",
+                &url,
+                "--pool",
+                "envs",
+                "--remote-env",
+                &remote,
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    check_report(&report, 2, 0);
+}

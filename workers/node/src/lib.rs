@@ -1,0 +1,666 @@
+//! The node worker: one daemon per node that registers with the scheduler, holds its lease with
+//! heartbeats, and runs the assignments that arrive on its work stream.
+//!
+//! What it runs depends on its pool, as the job (sent back on registration) defines it:
+//! - **GPU pools**: each inference replica the scheduler places on this node is an
+//!   [`EmulatedEngine`] (the simulator's roofline on the scaled real clock; no GPU is used and
+//!   every output says `emulated`), and the trainer is emulated the same way: a batch takes the
+//!   simulator's training time. Generated tokens are synthetic; how many is drawn from the task's
+//!   `actionTokens` distribution, seeded per trajectory and turn, as the simulator draws it.
+//! - **CPU pools**: real environments from `agents/` on the [`EnvHost`] (slots, deadlines, crash
+//!   isolation). Because the emulated policy writes no meaningful text, the action applied is a
+//!   random legal move of that environment, seeded per trajectory and turn, and returned to the
+//!   scheduler so that any worker can rebuild the episode by replay.
+//! - **Serverless pools**: the reward functions of `serverless/rewards`, called in process (the
+//!   code AWS Lambda would run through the custom runtime).
+//!
+//! An abort from the scheduler aborts the task running the assignment, which drops the engine
+//! request (freeing its KV) or the environment call.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rollfleet_core::rng::SplitMix64;
+use rollfleet_engine::emulated::{EmulatedConfig, EmulatedEngine};
+use rollfleet_envhost::{EnvHost, EpisodeId, Factory, HostConfig};
+use rollfleet_proto::v1::{
+    HardwareInventory, HeartbeatRequest, RegisterRequest, SchedulerMessage, StageFailure,
+    StageOutput, WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage,
+    scheduler_message, stage_failure::Cause, work_assignment::Work, work_result, worker_message,
+    worker_service_client::WorkerServiceClient,
+};
+use rollfleet_server::plan::{JobPlan, PoolRole};
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::Channel;
+
+/// Why a worker stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The scheduler could not be reached.
+    #[error("scheduler {url}: {reason}")]
+    Connect {
+        /// Its address.
+        url: String,
+        /// What happened.
+        reason: String,
+    },
+    /// The scheduler refused or broke the conversation.
+    #[error("scheduler refused: {0}")]
+    Refused(String),
+    /// The job the scheduler sent could not be planned.
+    #[error("the scheduler's job: {0}")]
+    Plan(#[from] rollfleet_server::PlanError),
+}
+
+/// Settings of a worker.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// The scheduler's URL, e.g. `http://127.0.0.1:7070`.
+    pub scheduler: String,
+    /// The pool to join.
+    pub pool: String,
+    /// This node's name.
+    pub hostname: String,
+    /// Lease asked for.
+    pub lease_ms: u64,
+    /// Environment instances this node runs at once.
+    pub env_slots: usize,
+    /// How long to keep trying to reach the scheduler at start.
+    pub connect_timeout: Duration,
+    /// Model environment steps and rewards from the job spec (durations, token counts, episode
+    /// lengths drawn from its distributions, as the simulator does) instead of running them.
+    pub model_environments: bool,
+    /// Environment kinds served by remote environment servers: `(kind, base URL)`.
+    pub remote_envs: Vec<(String, String)>,
+}
+
+/// How a worker ended without error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerExit {
+    /// The scheduler said the job is over (drain).
+    Drained,
+    /// The scheduler closed the stream.
+    Closed,
+}
+
+struct Node {
+    plan: JobPlan,
+    pool: u32,
+    time_scale: f64,
+    engines: Mutex<BTreeMap<u64, Arc<EmulatedEngine>>>,
+    host: EnvHost,
+    episodes: Mutex<BTreeMap<(u64, u32), (EpisodeId, usize)>>,
+    slots: usize,
+    rewards: rollfleet_rewards::Handler,
+    model_environments: bool,
+}
+
+async fn connect(opts: &WorkerOptions) -> Result<WorkerServiceClient<Channel>, NodeError> {
+    let deadline = tokio::time::Instant::now() + opts.connect_timeout;
+    loop {
+        match WorkerServiceClient::connect(opts.scheduler.clone()).await {
+            Ok(c) => return Ok(c),
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(NodeError::Connect {
+                    url: opts.scheduler.clone(),
+                    reason: e.to_string(),
+                });
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// Registers, then serves assignments until the job ends or the scheduler cuts the worker off.
+pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
+    let mut client = connect(&opts).await?;
+    let response = client
+        .register(RegisterRequest {
+            inventory: Some(HardwareInventory {
+                hostname: opts.hostname.clone(),
+                pool: opts.pool.clone(),
+                device: None,
+                backend: "emulated".into(),
+                backend_version: env!("CARGO_PKG_VERSION").into(),
+            }),
+            requested_lease_ms: opts.lease_ms,
+            previous_worker_id: String::new(),
+        })
+        .await
+        .map_err(|s| NodeError::Refused(s.message().to_owned()))?
+        .into_inner();
+    let lease = response
+        .lease
+        .ok_or_else(|| NodeError::Refused("the registration answer has no lease".into()))?;
+    let plan = JobPlan::from_yaml(&response.job_yaml, "the scheduler's job", 0)?;
+    let pool = plan
+        .pool_index(&opts.pool)
+        .ok_or_else(|| NodeError::Refused(format!("the job has no pool {:?}", opts.pool)))?;
+    let time_scale = if response.time_scale > 0.0 {
+        response.time_scale
+    } else {
+        1.0
+    };
+    eprintln!(
+        "worker {} ({}): registered for pool {} ({:?}); emulated hardware at time scale {time_scale}",
+        lease.worker_id,
+        opts.hostname,
+        opts.pool,
+        plan.pool_role(pool)
+    );
+    let node = Arc::new(Node {
+        plan,
+        pool,
+        time_scale,
+        engines: Mutex::new(BTreeMap::new()),
+        host: env_host(&opts),
+        episodes: Mutex::new(BTreeMap::new()),
+        slots: opts.env_slots.max(1),
+        rewards: rollfleet_rewards::Handler::default(),
+        model_environments: opts.model_environments,
+    });
+
+    // Heartbeats on their own task; losing the lease ends the worker.
+    let (lost_tx, mut lost_rx) = mpsc::unbounded_channel::<String>();
+    let mut hb_client = client.clone();
+    let hb_id = lease.worker_id.clone();
+    let epoch = lease.epoch;
+    let interval = Duration::from_millis(lease.heartbeat_interval_ms.max(50));
+    let hb_node = node.clone();
+    let heartbeat = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(interval).await;
+            let load = hb_node.load().await;
+            let r = hb_client
+                .heartbeat(HeartbeatRequest {
+                    worker_id: hb_id.clone(),
+                    epoch,
+                    load: Some(load),
+                })
+                .await;
+            if let Err(status) = r {
+                let _ = lost_tx.send(status.message().to_owned());
+                return;
+            }
+        }
+    });
+
+    let (out, out_rx) = mpsc::unbounded_channel();
+    let _ = out.send(WorkerMessage {
+        message: Some(worker_message::Message::Hello(WorkerHello {
+            worker_id: lease.worker_id.clone(),
+            epoch,
+        })),
+    });
+    let mut inbound = client
+        .work(UnboundedReceiverStream::new(out_rx))
+        .await
+        .map_err(|s| NodeError::Refused(s.message().to_owned()))?
+        .into_inner();
+    let running: Arc<Mutex<BTreeMap<u64, AbortHandle>>> = Arc::new(Mutex::new(BTreeMap::new()));
+    let result = loop {
+        let message = tokio::select! {
+            m = inbound.next() => m,
+            reason = lost_rx.recv() => {
+                break Err(NodeError::Refused(format!("heartbeat refused: {}", reason.unwrap_or_default())));
+            }
+        };
+        match message {
+            None => break Ok(WorkerExit::Closed),
+            Some(Err(status)) => break Err(NodeError::Refused(status.message().to_owned())),
+            Some(Ok(SchedulerMessage { message: None })) => {}
+            Some(Ok(SchedulerMessage {
+                message: Some(m), ..
+            })) => match m {
+                scheduler_message::Message::Assign(a) => {
+                    let id = a.assignment_id;
+                    let node = node.clone();
+                    let out = out.clone();
+                    let running2 = running.clone();
+                    let task = tokio::spawn(async move {
+                        let started = tokio::time::Instant::now();
+                        let outcome = node.execute(&a).await;
+                        running2
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .remove(&id);
+                        let _ = out.send(WorkerMessage {
+                            message: Some(worker_message::Message::Result(WorkResult {
+                                assignment_id: id,
+                                outcome: Some(outcome),
+                                duration_us: started.elapsed().as_micros() as u64,
+                            })),
+                        });
+                    });
+                    running
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(id, task.abort_handle());
+                }
+                scheduler_message::Message::AbortAssignmentId(id) => {
+                    if let Some(h) = running
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&id)
+                    {
+                        h.abort();
+                    }
+                }
+                scheduler_message::Message::Drain(_) => break Ok(WorkerExit::Drained),
+            },
+        }
+    };
+    heartbeat.abort();
+    for (_, h) in std::mem::take(&mut *running.lock().unwrap_or_else(|p| p.into_inner())) {
+        h.abort();
+    }
+    result
+}
+
+/// The environment host: the built-in environments plus every remote kind asked for (a remote
+/// environment is used exactly like a built-in one, see `agents/remote`).
+fn env_host(opts: &WorkerOptions) -> EnvHost {
+    let mut factories: BTreeMap<String, Factory> = BTreeMap::new();
+    for kind in rollfleet_environments::BUILTIN_KINDS {
+        let factory: Factory = Arc::new(move || {
+            rollfleet_environments::builtin(kind)
+                .unwrap_or_else(|| unreachable!("{kind} is listed as built in"))
+        });
+        factories.insert((*kind).to_owned(), factory);
+    }
+    for (kind, url) in &opts.remote_envs {
+        let (kind2, url) = (kind.clone(), url.clone());
+        let factory: Factory = Arc::new(move || {
+            Box::new(rollfleet_remote_env::RemoteEnvironment::new(
+                &url,
+                &kind2,
+                Duration::from_secs(30),
+            ))
+        });
+        factories.insert(kind.clone(), factory);
+    }
+    EnvHost::new(
+        HostConfig {
+            slots: opts.env_slots.max(1),
+            step_timeout: Duration::from_secs(30),
+        },
+        factories,
+    )
+}
+
+fn failure(cause: Cause, message: impl Into<String>) -> work_result::Outcome {
+    work_result::Outcome::Failure(StageFailure {
+        cause: cause as i32,
+        message: message.into(),
+    })
+}
+
+fn tokens_of(text: &str) -> u64 {
+    // About four bytes a token, as `agents`' default counter assumes.
+    (text.len() as u64).div_ceil(4).max(1)
+}
+
+/// The emulated policy's action: a random legal move of the environment, seeded per episode and
+/// turn (the synthetic tokens of the emulated engine carry no text to parse). Grid games get a
+/// direction, the calculator task a `calc:` call or an `answer:`; any other (remote) kind gets a
+/// number from 1 to 100, the action format of the reference remote server's game.
+pub fn emulated_action(environment: &str, seed: u64, turn: u32) -> String {
+    let mut rng = SplitMix64::keyed(seed, &[0x6163_7469_6f6e, turn as u64]);
+    match environment {
+        "calculator" => {
+            if rng.below(3) == 0 {
+                format!("answer: {:.3}", rng.next_f64() * 100.0)
+            } else {
+                format!("calc: {} * {}", rng.below(100), rng.below(100))
+            }
+        }
+        "sokoban" | "frozenlake" => {
+            ["up", "down", "left", "right"][rng.below(4) as usize].to_owned()
+        }
+        _ => (1 + rng.below(100)).to_string(),
+    }
+}
+
+impl Node {
+    /// What the node carries now: its emulated replicas' queues, batches and KV caches, and its
+    /// environment slots in use. GPU telemetry is absent (no GPU runs anything here), not zero.
+    async fn load(&self) -> WorkerLoad {
+        let engines: Vec<Arc<EmulatedEngine>> = self
+            .engines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let kv_bytes = self.plan.costs.kv_bytes_per_token;
+        let mut load = WorkerLoad::default();
+        for engine in engines {
+            let l = engine.load().await;
+            load.queued_stages += l.queued;
+            load.running_stages += l.running;
+            load.batch_size += l.running;
+            load.kv_cache_used_bytes += (l.kv_used_tokens as f64 * kv_bytes) as u64;
+            load.kv_cache_capacity_bytes += (engine.kv_capacity() as f64 * kv_bytes) as u64;
+        }
+        load.running_stages += self.host.busy() as u32;
+        load
+    }
+
+    fn engine(&self, replica: u64) -> Result<Arc<EmulatedEngine>, String> {
+        let mut engines = self.engines.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = engines.get(&replica) {
+            return Ok(e.clone());
+        }
+        let rc = self
+            .plan
+            .replica(replica)
+            .ok_or_else(|| format!("generation.replica: no replica {replica} in the placement"))?;
+        if rc.pool != self.pool {
+            return Err(format!(
+                "generation.replica: replica {replica} belongs to pool {}, not this worker's {}",
+                self.plan.pool_name(rc.pool),
+                self.plan.pool_name(self.pool)
+            ));
+        }
+        let (peak, bw) = self.plan.gpu_peaks(rc.pool);
+        let engine = Arc::new(EmulatedEngine::start(EmulatedConfig {
+            gpus: rc.gpus,
+            peak_flops: peak,
+            bandwidth: bw,
+            hardware: self.plan.hardware,
+            costs: self.plan.costs,
+            kv_capacity_tokens: rc.kv_capacity_tokens,
+            max_seqs: rc.max_seqs,
+            link_bytes_per_s: self.plan.link_bytes_per_s(),
+            weight_bytes: self.plan.config.weight_bytes,
+            time_scale: self.time_scale,
+        }));
+        engines.insert(replica, engine.clone());
+        Ok(engine)
+    }
+
+    async fn execute(&self, a: &WorkAssignment) -> work_result::Outcome {
+        if self.model_environments
+            && let Some(output) = self.modelled(a).await
+        {
+            return work_result::Outcome::Output(output);
+        }
+        match self.try_execute(a).await {
+            Ok(output) => work_result::Outcome::Output(output),
+            Err(outcome) => outcome,
+        }
+    }
+
+    async fn try_execute(&self, a: &WorkAssignment) -> Result<StageOutput, work_result::Outcome> {
+        let invalid = |m: String| failure(Cause::Invalid, m);
+        let infra = |m: String| failure(Cause::Infrastructure, m);
+        let role = self.plan.pool_role(self.pool);
+        let work = a
+            .work
+            .as_ref()
+            .ok_or_else(|| invalid("work: not set".into()))?;
+        let traj = a.trajectory.clone().unwrap_or_default();
+        match work {
+            Work::Generation(g) => {
+                if role != Some(PoolRole::Gpu) {
+                    return Err(invalid("generation work sent to a non-GPU pool".into()));
+                }
+                let engine = self.engine(g.replica).map_err(invalid)?;
+                if g.prefill_only {
+                    let out = engine
+                        .run(0, g.prefill_token_count, None)
+                        .await
+                        .map_err(|e| infra(e.to_string()))?;
+                    return Ok(StageOutput {
+                        policy_version: out.policy_version,
+                        emulated: true,
+                        text: "[emulated prefill]".into(),
+                        ..Default::default()
+                    });
+                }
+                if g.kv_pull_tokens > 0 {
+                    let secs = g.kv_pull_tokens as f64 * self.plan.costs.kv_bytes_per_token
+                        / self.plan.link_bytes_per_s();
+                    tokio::time::sleep(Duration::from_secs_f64(secs * self.time_scale)).await;
+                }
+                let task = self.plan.spec().tasks.get(a.task as usize);
+                let mut rng = SplitMix64::keyed(
+                    self.plan.config.seed,
+                    &[
+                        0x6465_636f_6465,
+                        traj.id,
+                        traj.attempt as u64,
+                        a.turn as u64,
+                    ],
+                );
+                let drawn = task.map_or(64.0, |t| {
+                    rollfleet_sim::workload::sample(&t.action_tokens, &mut rng)
+                });
+                let n = (drawn.round().max(1.0) as u64).min(u64::from(g.max_new_tokens.max(1)));
+                let cached = u64::from(g.cached_prefix_tokens) + g.kv_pull_tokens;
+                let out = engine
+                    .run(cached, g.prefill_token_count, Some(n))
+                    .await
+                    .map_err(|e| infra(e.to_string()))?;
+                Ok(StageOutput {
+                    policy_version: out.policy_version,
+                    emulated: true,
+                    token_count: out.tokens,
+                    text: format!("[emulated: {} synthetic tokens]", out.tokens),
+                    ..Default::default()
+                })
+            }
+            Work::WeightSync(w) => {
+                let engine = self.engine(w.replica).map_err(invalid)?;
+                engine
+                    .load_weights(w.to_version, w.weight_bytes)
+                    .await
+                    .map_err(|e| infra(e.to_string()))?;
+                Ok(StageOutput {
+                    policy_version: w.to_version,
+                    emulated: true,
+                    ..Default::default()
+                })
+            }
+            Work::Train(t) => {
+                if role != Some(PoolRole::Gpu) {
+                    return Err(invalid("training sent to a non-GPU pool".into()));
+                }
+                let secs = self.plan.train_seconds(t.tokens) * self.time_scale;
+                tokio::time::sleep(Duration::from_secs_f64(secs.min(3600.0))).await;
+                Ok(StageOutput {
+                    policy_version: t.from_version + u64::from(t.publishes),
+                    emulated: true,
+                    text: format!(
+                        "[emulated training: {} trajectories, {} tokens]",
+                        t.batch.len(),
+                        t.tokens
+                    ),
+                    ..Default::default()
+                })
+            }
+            Work::EnvStep(e) => {
+                if role != Some(PoolRole::Cpu) {
+                    return Err(invalid("an environment step sent to a non-CPU pool".into()));
+                }
+                let key = (traj.id, traj.attempt);
+                if e.reset {
+                    self.forget(key);
+                    self.make_room();
+                    let (episode, observation) = self
+                        .host
+                        .start(&e.environment, e.seed)
+                        .await
+                        .map_err(|err| infra(err.to_string()))?;
+                    self.remember(key, episode, 0);
+                    return Ok(StageOutput {
+                        token_count: tokens_of(&observation),
+                        observation,
+                        ..Default::default()
+                    });
+                }
+                let held = self
+                    .episodes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&key)
+                    .copied();
+                let episode = match held {
+                    Some((episode, applied)) if applied == e.history.len() => episode,
+                    _ => {
+                        // Not here (it ran elsewhere, or was lost): rebuild it by replay.
+                        self.forget(key);
+                        self.make_room();
+                        let (episode, _) = self
+                            .host
+                            .restore(&e.environment, e.seed, &e.history)
+                            .await
+                            .map_err(|err| infra(err.to_string()))?;
+                        episode
+                    }
+                };
+                let action = emulated_action(&e.environment, e.seed, a.turn);
+                let step = self.host.step(episode, &action).await.map_err(|err| {
+                    self.episodes
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&key);
+                    infra(err.to_string())
+                })?;
+                if step.done {
+                    self.episodes
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&key);
+                } else {
+                    self.remember(key, episode, e.history.len() + 1);
+                }
+                Ok(StageOutput {
+                    token_count: tokens_of(&step.observation),
+                    observation: step.observation,
+                    done: step.done,
+                    reward: step.reward,
+                    text: action,
+                    ..Default::default()
+                })
+            }
+            Work::Reward(r) => {
+                let function = rollfleet_rewards::RewardFunction::from_name(&r.function)
+                    .ok_or_else(|| invalid(format!("reward.function: unknown {:?}", r.function)))?;
+                let handler = self.rewards.clone();
+                let payload = r.payload.clone();
+                let result =
+                    tokio::task::spawn_blocking(move || handler.invoke(function, &payload))
+                        .await
+                        .map_err(|e| infra(format!("reward task: {e}")))?;
+                let bytes = result.map_err(|e| {
+                    if e.error_type == rollfleet_rewards::FunctionError::INVALID_PAYLOAD {
+                        invalid(e.to_string())
+                    } else {
+                        infra(e.to_string())
+                    }
+                })?;
+                let value: serde_json::Value = serde_json::from_slice(&bytes)
+                    .map_err(|e| infra(format!("reward result is not JSON: {e}")))?;
+                let reward = value
+                    .get("reward")
+                    .and_then(serde_json::Value::as_f64)
+                    .ok_or_else(|| infra("reward result has no number \"reward\"".into()))?;
+                Ok(StageOutput {
+                    reward,
+                    ..Default::default()
+                })
+            }
+        }
+    }
+
+    /// An environment step or reward drawn from the job spec's distributions (what the
+    /// simulator does), taking the drawn time on the scaled clock; `None` for other work.
+    async fn modelled(&self, a: &WorkAssignment) -> Option<StageOutput> {
+        use rollfleet_sim::workload::sample;
+        let traj = a.trajectory.clone().unwrap_or_default();
+        let task = self.plan.spec().tasks.get(a.task as usize)?;
+        let seed = self.plan.config.seed;
+        let keyed =
+            |k: u64| SplitMix64::keyed(seed, &[k, traj.id, traj.attempt as u64, a.turn as u64]);
+        let output = match a.work.as_ref()? {
+            Work::EnvStep(e) => {
+                let ms = sample(&task.env_step_ms, &mut keyed(1));
+                tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0 * self.time_scale)).await;
+                if e.reset {
+                    let tokens = sample(&task.prompt_tokens, &mut keyed(2)).round().max(1.0);
+                    StageOutput {
+                        token_count: tokens as u64,
+                        observation: "[modelled environment]".into(),
+                        ..Default::default()
+                    }
+                } else {
+                    let max = task.max_turns.max(1) as f64;
+                    let mut turns_rng = SplitMix64::keyed(seed, &[3, traj.id, traj.attempt as u64]);
+                    let wanted = task
+                        .turns
+                        .as_ref()
+                        .map_or(max, |d| sample(d, &mut turns_rng).round())
+                        .clamp(1.0, max) as u32;
+                    let tokens = sample(&task.observation_tokens, &mut keyed(4))
+                        .round()
+                        .max(0.0);
+                    StageOutput {
+                        token_count: tokens as u64,
+                        done: a.turn >= wanted,
+                        observation: "[modelled environment]".into(),
+                        text: "[modelled action]".into(),
+                        ..Default::default()
+                    }
+                }
+            }
+            Work::Reward(_) => {
+                let reward = self
+                    .plan
+                    .spec()
+                    .rewards
+                    .iter()
+                    .find(|r| r.name == task.reward)?;
+                let ms = sample(&reward.latency_ms, &mut keyed(5));
+                tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0 * self.time_scale)).await;
+                StageOutput::default()
+            }
+            _ => return None,
+        };
+        Some(output)
+    }
+
+    fn remember(&self, key: (u64, u32), episode: EpisodeId, applied: usize) {
+        self.episodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, (episode, applied));
+    }
+
+    fn forget(&self, key: (u64, u32)) {
+        if let Some((episode, _)) = self
+            .episodes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key)
+        {
+            self.host.end(episode);
+        }
+    }
+
+    /// Episodes abandoned by the scheduler (regenerated trajectories) would fill the slots:
+    /// end the oldest ones when the host is nearly full.
+    fn make_room(&self) {
+        let mut episodes = self.episodes.lock().unwrap_or_else(|p| p.into_inner());
+        while episodes.len() + 1 >= self.slots {
+            let Some((_, (episode, _))) = episodes.pop_first() else {
+                break;
+            };
+            self.host.end(episode);
+        }
+    }
+}
