@@ -104,7 +104,7 @@ const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
         "missing field",
         "    layers: 28\n",
         "",
-        "spec.model: missing field `layers` at line 11 column 5",
+        "spec.model: missing field `layers` at line 12 column 5",
     ),
     (
         "wrong type",
