@@ -4,13 +4,15 @@
 //! The scheduler and every node worker build this from the same job YAML (the scheduler sends it
 //! in `RegisterResponse.job_yaml`) with the same pure functions as `rollfleet sim`, so an
 //! emulated replica holds the KV capacity the core plans with and a trainer takes the time the
-//! simulator would charge.
+//! simulator would charge. The placement is the planner's, as it is by default in `rollfleet sim`,
+//! so that a run and its simulation make the same decisions for the same job and seed.
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::{Config, Placement, Policy, ReplicaConfig};
 use rollfleet_sim::Baseline;
 use rollfleet_sim::hardware::{HardwareModel, ModelCosts};
-use rollfleet_sim::sim::{model_costs, workload_means};
+use rollfleet_sim::placement::{ChoiceError, PlacementChoice, choose};
+use rollfleet_sim::sim::model_costs;
 use rollfleet_spec::{JobSpec, PoolKind, ValidatedJob};
 
 /// Why a job could not be planned.
@@ -22,6 +24,9 @@ pub enum PlanError {
     /// No placement fits.
     #[error("placement: {0}")]
     Placement(#[from] rollfleet_core::PlacementError),
+    /// The planner found no placement.
+    #[error("placement: {0}")]
+    Plan(#[from] ChoiceError),
     /// The core refused the configuration.
     #[error("configuration: {0}")]
     Config(#[from] rollfleet_core::ConfigError),
@@ -60,8 +65,8 @@ impl JobPlan {
     pub fn from_yaml(yaml: &str, origin: &str, seed: u64) -> Result<JobPlan, PlanError> {
         let job = rollfleet_spec::parse_job(yaml.as_bytes(), origin)?;
         let spec = job.spec();
-        let means = workload_means(spec);
-        let (placement, policy) = Baseline::Rollfleet.setup(spec, &job.catalog, &means)?;
+        let (planned, _) = choose(PlacementChoice::Plan, spec, &job.catalog)?;
+        let (placement, policy) = Baseline::Rollfleet.setup_with(spec, &job.catalog, planned)?;
         let config = Config::new(spec, &job.catalog, &placement, policy, seed)?;
         let costs = model_costs(spec);
         Ok(JobPlan {

@@ -110,13 +110,13 @@ const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
         "wrong type",
         "groupSize: 4 ",
         "groupSize: four ",
-        "spec.rl.groupSize: invalid type: string \"four\", expected i64 at line 18 column 16",
+        "spec.rl.groupSize: invalid type: string \"four\", expected i64 at line 19 column 16",
     ),
     (
         "misspelled field",
         "maxStaleness: 1",
         "maxStalenes: 1",
-        "spec.rl.maxStalenes: unknown field `maxStalenes`, expected one of `groupSize`, `rolloutBatchSize`, `trainBatchSize`, `maxStaleness`, `overProvisioning`, `steps`, `trainMfu` at line 21 column 5",
+        "spec.rl.maxStalenes: unknown field `maxStalenes`, expected one of `groupSize`, `rolloutBatchSize`, `trainBatchSize`, `maxStaleness`, `overProvisioning`, `steps`, `trainMfu` at line 22 column 5",
     ),
     (
         "group size that does not divide the batch",
