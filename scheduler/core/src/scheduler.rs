@@ -1078,9 +1078,11 @@ impl Core {
                 // bound, N must stay below S * B, and a group lives as long as the slowest of its
                 // members (about twice the mean), hence half of that, but at least three quarters
                 // of a batch so that a small bound still keeps the trainer fed (both measured:
-                // docs/simulator.md).
+                // docs/simulator.md), and never less than one training batch, or the trainer
+                // would wait for trajectories that are never started.
                 let window = (self.cfg.policy.max_staleness * b / 2)
                     .max(3 * b / 4)
+                    .max(self.cfg.train_batch_size as u64)
                     .max(n);
                 let budget = (self.stats.trajectories_consumed + window + extra)
                     .min(self.cfg.steps * b + extra);

@@ -382,6 +382,33 @@ fn a_trajectory_rewound_at_admission_is_dispatched_in_the_same_pass() {
     assert!(run.core.regenerated_at_admission > 0);
 }
 
+/// Regression: with no over-provisioning, the in-flight window (three quarters of a rollout
+/// batch at a small staleness bound) was smaller than one training batch, so the trainer never
+/// got a batch and the run stalled at version 0.
+#[test]
+fn a_training_batch_as_large_as_the_rollout_batch_is_always_filled() {
+    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = 3;
+    spec.rl.train_batch_size = spec.rl.rollout_batch_size;
+    spec.rl.over_provisioning = 0.0;
+    spec.rl.max_staleness = 1;
+    let (placement, policy) = Baseline::Rollfleet
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &SimOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    assert_eq!(run.trajectories, 3 * spec.rl.rollout_batch_size as u64);
+}
+
 #[test]
 fn the_command_line_takes_repeated_baselines_a_seed_and_a_timeline() {
     use clap::Parser;
