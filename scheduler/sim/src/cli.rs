@@ -52,6 +52,19 @@ pub struct SimArgs {
     /// everything on the most powerful GPU (`best-gpu`).
     #[arg(long, value_enum, default_value_t = PlacementChoice::Plan, value_name = "NAME")]
     pub placement: PlacementChoice,
+    /// Write the `rollfleet` policy's measured profiles (every simulated prefill batch and
+    /// decode iteration, as shares of peak per work kind and pool) here, as a profile store
+    /// (`rollfleet plan --profiles`, `rollfleet profile show|import` read it).
+    #[arg(long, value_name = "FILE")]
+    pub profiles_out: Option<PathBuf>,
+    /// Share of peak FLOP/s the simulated GPUs achieve (default 0.6, as the planner assumes);
+    /// set it apart from the planner's assumption to see a measured profile correct the plan.
+    #[arg(long, value_name = "SHARE")]
+    pub sim_compute_efficiency: Option<f64>,
+    /// Share of peak memory bandwidth the simulated GPUs achieve (default 0.8, as the planner
+    /// assumes).
+    #[arg(long, value_name = "SHARE")]
+    pub sim_bandwidth_efficiency: Option<f64>,
 }
 
 /// Why `rollfleet sim` failed.
@@ -141,12 +154,40 @@ pub fn run(
         b.dedup();
         b
     };
+    if args.profiles_out.is_some() && !baselines.contains(&Baseline::Rollfleet) {
+        return Err(SimError::Argument(
+            "--profiles-out writes the rollfleet policy's profiles: add --baseline rollfleet"
+                .into(),
+        ));
+    }
+    let mut hw = HardwareModel::default();
+    for (flag, value, field) in [
+        (
+            "--sim-compute-efficiency",
+            args.sim_compute_efficiency,
+            &mut hw.compute_efficiency,
+        ),
+        (
+            "--sim-bandwidth-efficiency",
+            args.sim_bandwidth_efficiency,
+            &mut hw.bandwidth_efficiency,
+        ),
+    ] {
+        if let Some(v) = value {
+            if !(v.is_finite() && v > 0.0 && v <= 1.0) {
+                return Err(SimError::Argument(format!(
+                    "{flag} must be a share of peak in (0, 1], got {v}"
+                )));
+            }
+            *field = v;
+        }
+    }
     let opts = SimOptions {
         seed: args.seed,
         failure_mtbf_s: args.failure_mtbf,
+        hardware: hw,
         ..SimOptions::default()
     };
-    let hw = HardwareModel::default();
     let (chosen, predicted) =
         choose(args.placement, &spec, &job.catalog).map_err(|source| SimError::Choice {
             choice: args.placement.name(),
@@ -223,6 +264,18 @@ pub fn run(
             path,
             crate::svg::timeline(&names, &refs, attribution.as_deref()),
         )?;
+    }
+    if let Some(path) = &args.profiles_out
+        && let Some((_, r)) = runs.iter().find(|(n, _)| n == Baseline::Rollfleet.name())
+    {
+        let mut text = serde_json::to_string_pretty(&r.profiles)?;
+        text.push('\n');
+        std::fs::write(path, text)?;
+        let _ = writeln!(
+            stderr,
+            "wrote the simulated rollfleet run's measured profiles to {}",
+            path.display()
+        );
     }
     match output {
         OutputFormat::Table => stdout.write_all(render_table(&report).as_bytes())?,

@@ -20,6 +20,7 @@ use rollfleet_core::{
     BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaId, Span, StageCommand,
     StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
 };
+use rollfleet_planner::profile::ProfileStore;
 use rollfleet_spec::{JobSpec, PoolKind};
 
 use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
@@ -262,6 +263,9 @@ pub struct RunResult {
     pub lifecycle: (u64, u64, u64),
     /// The staleness bound the policy kept (versions).
     pub max_staleness: u64,
+    /// Every prefill batch and decode iteration the simulated replicas ran, as measured
+    /// profile samples per (work kind, pool): what workers would report.
+    pub profiles: ProfileStore,
 }
 
 /// Average tokens per trajectory of a job, for the placement.
@@ -344,6 +348,7 @@ struct Sim<'a> {
     failure_rng: SplitMix64,
     rates: LatencyRates,
     traces: Vec<TurnTrace>,
+    profiles: ProfileStore,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -387,7 +392,31 @@ impl<'a> Sim<'a> {
         self.core.handle_input(self.now, input);
     }
 
+    /// Moves the engine's measured durations into the profile store, under its pool's name.
+    fn drain_samples(&mut self, r: usize) {
+        let e = &mut self.engines[r];
+        if e.measured.is_empty() {
+            return;
+        }
+        let pool = self
+            .spec
+            .pools
+            .get(self.engine_pool[r] as usize)
+            .map_or("", |p| p.name.as_str());
+        for m in e.measured.drain(..) {
+            self.profiles.record(
+                m.kind,
+                pool,
+                m.work,
+                e.peak_flops,
+                e.peak_bandwidth,
+                m.seconds,
+            );
+        }
+    }
+
     fn refresh_engine(&mut self, r: usize) {
+        self.drain_samples(r);
         let busy = self.engines[r].busy();
         if busy != self.engine_busy[r] {
             self.engine_busy[r] = busy;
@@ -1254,6 +1283,7 @@ pub fn simulate(
         cold_start_s,
         rates: latency_rates(spec, catalog, &opts.hardware),
         traces: Vec::new(),
+        profiles: ProfileStore::default(),
     };
     sim.schedule_failure();
     sim.scheduler_events += 1;
@@ -1317,6 +1347,9 @@ pub fn simulate(
         }
     }
     let end = sim.now;
+    for r in 0..sim.engines.len() {
+        sim.drain_samples(r);
+    }
     for m in sim.meters.values_mut() {
         m.flush(end);
     }
@@ -1353,5 +1386,6 @@ pub fn simulate(
         placement,
         lifecycle: (started, in_flight, complete),
         max_staleness,
+        profiles: sim.profiles,
     })
 }
