@@ -65,6 +65,11 @@ pub struct SimArgs {
     /// assumes).
     #[arg(long, value_name = "SHARE")]
     pub sim_bandwidth_efficiency: Option<f64>,
+    /// Lose part of a GPU pool for good as a step is published, e.g. `h20:0.333@10`: the
+    /// pool's serving replicas covering that share of its GPUs go (highest-numbered first), and
+    /// the report compares the steps after with the smaller cluster run on its own plan.
+    #[arg(long, value_name = "POOL:FRACTION@STEP")]
+    pub lose: Option<String>,
 }
 
 /// Why `rollfleet sim` failed.
@@ -120,6 +125,61 @@ fn uses_trace(spec: &rollfleet_spec::JobSpec) -> bool {
         .chain(t.turns.as_ref())
         .any(|d| matches!(**d, Distribution::Trace { .. }))
     })
+}
+
+/// Simulates the smaller cluster on its own plan and compares the run that lost part of a pool
+/// with it.
+fn recover(
+    spec: &rollfleet_spec::JobSpec,
+    catalog: &rollfleet_catalog::Catalog,
+    loss: &crate::sim::PoolLoss,
+    run: &crate::sim::RunResult,
+    opts: &SimOptions,
+    stderr: &mut dyn Write,
+) -> Result<Option<crate::loss::Recovery>, SimError> {
+    let Some(lost) = &run.loss else {
+        return Ok(None);
+    };
+    let smaller = crate::loss::smaller_spec(spec, loss, lost.gpus);
+    let (placement, _) =
+        choose(PlacementChoice::Plan, &smaller, catalog).map_err(|source| SimError::Choice {
+            choice: "plan (of the smaller cluster)",
+            source,
+        })?;
+    let (placement, policy) = Baseline::Rollfleet
+        .setup_with(&smaller, catalog, placement)
+        .map_err(|source| SimError::Placement {
+            policy: "rollfleet (smaller cluster)".into(),
+            source,
+        })?;
+    let reference_opts = SimOptions {
+        pool_loss: None,
+        ..opts.clone()
+    };
+    let _ = writeln!(
+        stderr,
+        "simulating the smaller cluster ({} GPUs fewer) on its own plan, for reference",
+        lost.gpus
+    );
+    let reference = simulate(
+        &smaller,
+        catalog,
+        placement,
+        policy,
+        &reference_opts,
+        &mut |_, _| {},
+    )
+    .map_err(|source| SimError::Run {
+        policy: "rollfleet (smaller cluster)".into(),
+        source,
+    })?;
+    let bound = policy_report("rollfleet", &smaller, catalog, &opts.hardware, &reference)
+        .bound
+        .step_s;
+    let replan = crate::loss::replan(spec, catalog, loss, lost.gpus);
+    Ok(crate::loss::recovery(
+        spec, loss, run, &reference, bound, replan,
+    ))
 }
 
 /// Runs the simulation the arguments describe and prints its report.
@@ -182,10 +242,15 @@ pub fn run(
             *field = v;
         }
     }
+    let pool_loss = match &args.lose {
+        Some(arg) => Some(crate::loss::parse(arg, &spec).map_err(SimError::Argument)?),
+        None => None,
+    };
     let opts = SimOptions {
         seed: args.seed,
         failure_mtbf_s: args.failure_mtbf,
         hardware: hw,
+        pool_loss,
         ..SimOptions::default()
     };
     let (chosen, predicted) =
@@ -246,6 +311,10 @@ pub fn run(
             p.speedup_vs_sync = Some(sync / p.step_time_s.max(1e-12));
         }
     }
+    let loss_recovery = match (&pool_loss, runs.iter().find(|(n, _)| n == "rollfleet")) {
+        (Some(loss), Some((_, run))) => recover(&spec, &job.catalog, loss, run, &opts, stderr)?,
+        _ => None,
+    };
     let attribution = uses_trace(&spec).then(|| AZURE_ATTRIBUTION.to_owned());
     let report = SimReport {
         job: job.manifest.metadata.name.clone(),
@@ -255,6 +324,7 @@ pub fn run(
         hardware: hw,
         data_attribution: attribution.clone(),
         policies,
+        loss_recovery,
     };
     if let Some(path) = &args.timeline {
         let names: Vec<String> = spec.pools.iter().map(|p| p.name.clone()).collect();

@@ -167,6 +167,7 @@ fn json(seed: u64) -> Vec<u8> {
         profiles_out: None,
         sim_compute_efficiency: None,
         sim_bandwidth_efficiency: None,
+        lose: None,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
@@ -194,6 +195,7 @@ fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
         profiles_out: None,
         sim_compute_efficiency: None,
         sim_bandwidth_efficiency: None,
+        lose: None,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
@@ -221,6 +223,7 @@ fn a_missing_job_file_is_an_error_not_a_panic() {
         profiles_out: None,
         sim_compute_efficiency: None,
         sim_bandwidth_efficiency: None,
+        lose: None,
     };
     let err = rollfleet_sim::run(&args, OutputFormat::Table, &mut Vec::new(), &mut Vec::new());
     assert!(err.is_err());
