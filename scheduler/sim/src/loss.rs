@@ -23,6 +23,9 @@ use crate::workload::mean;
 /// Share of the reference's throughput that counts as recovered.
 pub const RECOVERED: f64 = 0.9;
 
+/// Steps over which throughput is compared to call it recovered.
+pub const WINDOW: usize = 3;
+
 /// Serving replicas the re-plan changes per wave.
 pub const PER_WAVE: u32 = 4;
 
@@ -81,7 +84,7 @@ pub struct Replan {
     pub survivor_step_s: Option<f64>,
     /// Predicted seconds per step of the new plan for the smaller cluster.
     pub new_plan_step_s: f64,
-    /// Whether the new plan differs from the survivors.
+    /// Whether the new plan differs from the survivors (a replica or the trainer changes).
     pub changes: bool,
     /// Waves of at most [`PER_WAVE`] serving replicas from the survivors to the new plan.
     pub waves: usize,
@@ -106,7 +109,11 @@ pub fn replan(
         before_step_s: found.step_s,
         survivor_step_s: rollfleet_planner::predict::step_time(&smaller, &survivor),
         new_plan_step_s: new.step_s,
-        changes: new.candidate != survivor,
+        // The candidates may list the same replicas in another order (or with empty groups):
+        // what counts is whether any replica or the trainer has to change.
+        changes: !waves.is_empty()
+            || (new.candidate.trainer_pool, new.candidate.trainer_gpus)
+                != (survivor.trainer_pool, survivor.trainer_gpus),
         waves: waves.len(),
     })
 }
@@ -138,9 +145,14 @@ pub struct Recovery {
     pub share_of_reference: f64,
     /// Throughput after the loss over the smaller cluster's lower bound.
     pub share_of_bound: f64,
-    /// Seconds from the loss to the end of the first step from which every step runs at
-    /// [`RECOVERED`] of the reference's throughput (`None`: never within the run).
+    /// Seconds from the loss to the end of the first step from which the throughput over every
+    /// window of [`WINDOW`] steps is at least [`RECOVERED`] of the reference's over the same
+    /// steps (`None`: never within the run).
     pub recovered_after_s: Option<f64>,
+    /// Seconds of each step after the loss.
+    pub steps_after_s: Vec<f64>,
+    /// Seconds of the same steps in the smaller cluster's own run.
+    pub reference_steps_after_s: Vec<f64>,
     /// The planner's re-plan.
     pub replan: Option<Replan>,
 }
@@ -199,14 +211,23 @@ fn recovery_of(
     let reference_steps = durations(reference_publish_times_s);
     let after = steps.get(at..)?;
     let reference_after = reference_steps.get(at..)?;
+    // Both runs train the job's steps; a shorter reference cannot be compared step for step.
+    if after.is_empty() || reference_after.len() < after.len() {
+        return None;
+    }
     let step_s_after = mean_of(after);
     let reference_step_s = mean_of(reference_after);
-    // Step k (0-based index into `after`) recovers if it and every later step take at most the
-    // reference's own time for that step over RECOVERED.
-    let ok: Vec<bool> = after
-        .iter()
-        .zip(reference_after)
-        .map(|(d, r)| *d <= r / RECOVERED)
+    // Step k (0-based index into `after`) is at speed if the run's throughput over the last
+    // WINDOW steps up to it is at least RECOVERED of the reference's over the same steps: a
+    // window, because the two runs' step-to-step noise is independent, and the same steps,
+    // because the last step of either run is long (nothing is left to overlap it with).
+    let ok: Vec<bool> = (0..after.len())
+        .map(|k| {
+            let from = k.saturating_sub(WINDOW - 1);
+            let run: f64 = after[from..=k].iter().sum();
+            let reference: f64 = reference_after[from..=k].iter().sum();
+            reference >= RECOVERED * run
+        })
         .collect();
     let first = (0..ok.len()).find(|&k| ok[k..].iter().all(|&b| b));
     let recovered_after_s = first
@@ -229,6 +250,8 @@ fn recovery_of(
         share_of_reference: reference_step_s / step_s_after.max(1e-12),
         share_of_bound: reference_bound_s / step_s_after.max(1e-12),
         recovered_after_s,
+        steps_after_s: after.to_vec(),
+        reference_steps_after_s: reference_after.to_vec(),
         replan,
     })
 }
@@ -258,9 +281,10 @@ mod tests {
         let spec_text = include_str!("../../../examples/jobs/quickstart.yaml");
         let job = rollfleet_spec::parse_job(spec_text.as_bytes(), "quickstart.yaml").unwrap();
         let r = recovery_of(job.spec(), &loss, &lost, &publish, &reference, 8.0, None).unwrap();
-        // 20 s > 10 / 0.9; 12 s > 11.1 s; 10.5 s <= 11.1 s and 10 s too: recovered at the end of
-        // the fifth step, 62.5 - 20 = 42.5 s after the loss.
-        assert_eq!(r.recovered_after_s, Some(42.5));
+        // Windows of up to 3 steps after the loss, reference over run: 10 / 20, 20 / 32, 30 /
+        // 42.5 (0.71), then 30 / 32.5 (0.92 >= 0.9): recovered at the end of the sixth step,
+        // 72.5 - 20 = 52.5 s after the loss.
+        assert_eq!(r.recovered_after_s, Some(52.5));
         assert!((r.step_s_after - 52.5 / 4.0).abs() < 1e-12);
         assert!((r.share_of_reference - 10.0 / (52.5 / 4.0)).abs() < 1e-12);
         assert!((r.share_of_bound - 8.0 / (52.5 / 4.0)).abs() < 1e-12);
