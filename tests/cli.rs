@@ -354,6 +354,24 @@ fn sim_writes_measured_profiles_that_plan_uses_and_names_as_measured() {
     );
 }
 
+#[test]
+fn sim_refuses_a_malformed_pool_loss_naming_the_flag_and_the_problem() {
+    for (arg, why) in [
+        ("decode", "no ':'"),
+        ("nowhere:0.3@2", "no pool \"nowhere\""),
+        ("envs:0.3@2", "not a GPU pool"),
+        ("decode:0.3@5", "step 5 is not in 1..5"),
+    ] {
+        let out = rollfleet(&["sim", "examples/jobs/quickstart.yaml", "--lose", arg]);
+        assert_ne!(out.status.code(), Some(0), "{arg}");
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains(&format!("--lose {arg}")) && stderr.contains(why),
+            "{arg}: {stderr}"
+        );
+    }
+}
+
 /// Whether this machine has an NVIDIA driver (then a probe may add real figures).
 fn rollfleet_gpus_present() -> bool {
     Path::new("/proc/driver/nvidia").exists()
