@@ -284,6 +284,94 @@ fn profiles_show_the_roofline_export_without_fake_probes_and_import_measured_sam
     );
 }
 
+#[test]
+fn sim_writes_measured_profiles_that_plan_uses_and_names_as_measured() {
+    let profiles = scratch("sim-profiles.json", "");
+    let out = rollfleet(&[
+        "sim",
+        "examples/jobs/quickstart.yaml",
+        "--baseline",
+        "rollfleet",
+        "--sim-bandwidth-efficiency",
+        "0.6",
+        "--profiles-out",
+        profiles.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let store: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&profiles).unwrap()).unwrap();
+    assert!(
+        store["measured"]["decode"]["decode"]["samples"]
+            .as_array()
+            .is_some_and(|s| s.len() >= 20),
+        "{store}"
+    );
+    let out = rollfleet(&[
+        "plan",
+        "examples/jobs/quickstart.yaml",
+        "--profiles",
+        profiles.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("decode") && l.contains("of peak bandwidth"))
+        .unwrap();
+    assert!(
+        line.contains("60.0%") && line.contains("measured"),
+        "{line}"
+    );
+    // A pool the run never served on keeps the model's figure, and says so.
+    assert!(stdout.contains("model assumption"), "{stdout}");
+
+    // Without the rollfleet policy there is nothing to write: a clear error, not an empty file.
+    let out = rollfleet(&[
+        "sim",
+        "examples/jobs/quickstart.yaml",
+        "--baseline",
+        "sync",
+        "--profiles-out",
+        profiles.to_str().unwrap(),
+    ]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        text(&out.stderr).contains("--profiles-out"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = rollfleet(&[
+        "sim",
+        "examples/jobs/quickstart.yaml",
+        "--sim-compute-efficiency",
+        "1.5",
+    ]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        text(&out.stderr).contains("--sim-compute-efficiency"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn sim_refuses_a_malformed_pool_loss_naming_the_flag_and_the_problem() {
+    for (arg, why) in [
+        ("decode", "no ':'"),
+        ("nowhere:0.3@2", "no pool \"nowhere\""),
+        ("envs:0.3@2", "not a GPU pool"),
+        ("decode:0.3@5", "step 5 is not in 1..5"),
+    ] {
+        let out = rollfleet(&["sim", "examples/jobs/quickstart.yaml", "--lose", arg]);
+        assert_ne!(out.status.code(), Some(0), "{arg}");
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains(&format!("--lose {arg}")) && stderr.contains(why),
+            "{arg}: {stderr}"
+        );
+    }
+}
+
 /// Whether this machine has an NVIDIA driver (then a probe may add real figures).
 fn rollfleet_gpus_present() -> bool {
     Path::new("/proc/driver/nvidia").exists()

@@ -143,6 +143,25 @@ pub struct Plan {
     pub pools: Vec<PoolPlan>,
     /// Search nodes whose bound was computed.
     pub search_nodes: u64,
+    /// The shares of peak the prediction used per GPU pool and work kind, and their sources.
+    pub profiles: Vec<ProfileFigure>,
+}
+
+/// One share of peak the prediction used, and where it came from.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProfileFigure {
+    /// The GPU pool.
+    pub pool: String,
+    /// `prefill` (share of peak FLOP/s) or `decode` (share of peak memory bandwidth).
+    pub kind: WorkKind,
+    /// The share.
+    pub share: f64,
+    /// `model`, `measured` or `probed`.
+    pub source: crate::profile::Source,
+    /// Samples behind a measured figure (0 otherwise).
+    pub samples: usize,
+    /// Median absolute deviation of a measured figure.
+    pub spread: Option<f64>,
 }
 
 fn longest_context(spec: &JobSpec) -> u64 {
@@ -245,20 +264,19 @@ pub fn problem_with(
                 let count = u32::try_from(pool.count.unwrap_or(0).max(0)).unwrap_or(u32::MAX);
                 let per_node = u32::try_from(pool.gpus_per_node().max(1)).unwrap_or(8);
                 let share = |kind| {
-                    profiles
-                        .effective(
-                            kind,
-                            &pool.name,
-                            &gpu.name,
-                            gpu.peak_flops(),
-                            gpu.memory_bandwidth_bytes_per_s(),
-                            eff,
-                        )
-                        .share
+                    profiles.effective(
+                        kind,
+                        &pool.name,
+                        &gpu.name,
+                        gpu.peak_flops(),
+                        gpu.memory_bandwidth_bytes_per_s(),
+                        eff,
+                    )
                 };
+                let profile = [share(WorkKind::Prefill), share(WorkKind::Decode)];
                 let pool_eff = Efficiency {
-                    compute: share(WorkKind::Prefill),
-                    bandwidth: share(WorkKind::Decode),
+                    compute: profile[0].share,
+                    bandwidth: profile[1].share,
                     link: eff.link,
                 };
                 let rates = GpuRates::of(gpu, &pool_eff);
@@ -313,6 +331,7 @@ pub fn problem_with(
                     } else {
                         pinned.is_empty()
                     },
+                    profile,
                 });
             }
             Some(PoolKind::Cpu) => {
@@ -600,6 +619,33 @@ pub fn describe(
                 )
             }
         };
+        let source = |i: usize, what: &str| {
+            let e = pool.profile[i];
+            match e.source {
+                crate::profile::Source::Measured => format!(
+                    "{what} at {:.0}% of peak (measured: median of {} samples, spread {:.1} points)",
+                    e.share * 100.0,
+                    e.samples,
+                    e.spread.unwrap_or(0.0) * 100.0
+                ),
+                crate::profile::Source::Probed => {
+                    format!("{what} at {:.0}% of peak (probed)", e.share * 100.0)
+                }
+                crate::profile::Source::Model => {
+                    format!(
+                        "{what} at {:.0}% of peak (model assumption)",
+                        e.share * 100.0
+                    )
+                }
+            }
+        };
+        let figures = match g.role {
+            Role::Prefill => source(0, "prefill"),
+            Role::Decode | Role::Generate => {
+                format!("{}, {}", source(1, "decode"), source(0, "prefill"))
+            }
+        };
+        let why = format!("{why}; on {}: {figures}", pool.name);
         roles.push(RolePlan {
             role: g.role.name().into(),
             pool: pool.name.clone(),
@@ -682,6 +728,23 @@ pub fn describe(
             None => {}
         }
     }
+    let profiles = p
+        .gpu_pools
+        .iter()
+        .flat_map(|g| {
+            [WorkKind::Prefill, WorkKind::Decode]
+                .into_iter()
+                .zip(g.profile)
+                .map(|(kind, e)| ProfileFigure {
+                    pool: g.name.clone(),
+                    kind,
+                    share: e.share,
+                    source: e.source,
+                    samples: e.samples,
+                    spread: e.spread,
+                })
+        })
+        .collect();
     Ok(Plan {
         placement: placement(p, c),
         candidate: c.clone(),
@@ -689,5 +752,6 @@ pub fn describe(
         roles,
         pools,
         search_nodes,
+        profiles,
     })
 }

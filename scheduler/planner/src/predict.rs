@@ -98,6 +98,9 @@ pub struct GpuPool {
     pub serve_roles: Vec<Role>,
     /// Whether it may train.
     pub may_train: bool,
+    /// The shares of peak behind `rates` for prefill (compute) and decode (bandwidth), and
+    /// where each comes from (model, measured or probed).
+    pub profile: [crate::profile::Effective; 2],
 }
 
 /// A serverless pool.

@@ -52,6 +52,24 @@ pub struct SimArgs {
     /// everything on the most powerful GPU (`best-gpu`).
     #[arg(long, value_enum, default_value_t = PlacementChoice::Plan, value_name = "NAME")]
     pub placement: PlacementChoice,
+    /// Write the `rollfleet` policy's measured profiles (every simulated prefill batch and
+    /// decode iteration, as shares of peak per work kind and pool) here, as a profile store
+    /// (`rollfleet plan --profiles`, `rollfleet profile show|import` read it).
+    #[arg(long, value_name = "FILE")]
+    pub profiles_out: Option<PathBuf>,
+    /// Share of peak FLOP/s the simulated GPUs achieve (default 0.6, as the planner assumes);
+    /// set it apart from the planner's assumption to see a measured profile correct the plan.
+    #[arg(long, value_name = "SHARE")]
+    pub sim_compute_efficiency: Option<f64>,
+    /// Share of peak memory bandwidth the simulated GPUs achieve (default 0.8, as the planner
+    /// assumes).
+    #[arg(long, value_name = "SHARE")]
+    pub sim_bandwidth_efficiency: Option<f64>,
+    /// Lose part of a GPU pool for good as a step is published, e.g. `h20:0.333@10`: the
+    /// pool's serving replicas covering that share of its GPUs go (highest-numbered first), and
+    /// the report compares the steps after with the smaller cluster run on its own plan.
+    #[arg(long, value_name = "POOL:FRACTION@STEP")]
+    pub lose: Option<String>,
 }
 
 /// Why `rollfleet sim` failed.
@@ -109,6 +127,61 @@ fn uses_trace(spec: &rollfleet_spec::JobSpec) -> bool {
     })
 }
 
+/// Simulates the smaller cluster on its own plan and compares the run that lost part of a pool
+/// with it.
+fn recover(
+    spec: &rollfleet_spec::JobSpec,
+    catalog: &rollfleet_catalog::Catalog,
+    loss: &crate::sim::PoolLoss,
+    run: &crate::sim::RunResult,
+    opts: &SimOptions,
+    stderr: &mut dyn Write,
+) -> Result<Option<crate::loss::Recovery>, SimError> {
+    let Some(lost) = &run.loss else {
+        return Ok(None);
+    };
+    let smaller = crate::loss::smaller_spec(spec, loss, lost.gpus);
+    let (placement, _) =
+        choose(PlacementChoice::Plan, &smaller, catalog).map_err(|source| SimError::Choice {
+            choice: "plan (of the smaller cluster)",
+            source,
+        })?;
+    let (placement, policy) = Baseline::Rollfleet
+        .setup_with(&smaller, catalog, placement)
+        .map_err(|source| SimError::Placement {
+            policy: "rollfleet (smaller cluster)".into(),
+            source,
+        })?;
+    let reference_opts = SimOptions {
+        pool_loss: None,
+        ..opts.clone()
+    };
+    let _ = writeln!(
+        stderr,
+        "simulating the smaller cluster ({} GPUs fewer) on its own plan, for reference",
+        lost.gpus
+    );
+    let reference = simulate(
+        &smaller,
+        catalog,
+        placement,
+        policy,
+        &reference_opts,
+        &mut |_, _| {},
+    )
+    .map_err(|source| SimError::Run {
+        policy: "rollfleet (smaller cluster)".into(),
+        source,
+    })?;
+    let bound = policy_report("rollfleet", &smaller, catalog, &opts.hardware, &reference)
+        .bound
+        .step_s;
+    let replan = crate::loss::replan(spec, catalog, loss, lost.gpus);
+    Ok(crate::loss::recovery(
+        spec, loss, run, &reference, bound, replan,
+    ))
+}
+
 /// Runs the simulation the arguments describe and prints its report.
 pub fn run(
     args: &SimArgs,
@@ -141,12 +214,45 @@ pub fn run(
         b.dedup();
         b
     };
+    if args.profiles_out.is_some() && !baselines.contains(&Baseline::Rollfleet) {
+        return Err(SimError::Argument(
+            "--profiles-out writes the rollfleet policy's profiles: add --baseline rollfleet"
+                .into(),
+        ));
+    }
+    let mut hw = HardwareModel::default();
+    for (flag, value, field) in [
+        (
+            "--sim-compute-efficiency",
+            args.sim_compute_efficiency,
+            &mut hw.compute_efficiency,
+        ),
+        (
+            "--sim-bandwidth-efficiency",
+            args.sim_bandwidth_efficiency,
+            &mut hw.bandwidth_efficiency,
+        ),
+    ] {
+        if let Some(v) = value {
+            if !(v.is_finite() && v > 0.0 && v <= 1.0) {
+                return Err(SimError::Argument(format!(
+                    "{flag} must be a share of peak in (0, 1], got {v}"
+                )));
+            }
+            *field = v;
+        }
+    }
+    let pool_loss = match &args.lose {
+        Some(arg) => Some(crate::loss::parse(arg, &spec).map_err(SimError::Argument)?),
+        None => None,
+    };
     let opts = SimOptions {
         seed: args.seed,
         failure_mtbf_s: args.failure_mtbf,
+        hardware: hw,
+        pool_loss,
         ..SimOptions::default()
     };
-    let hw = HardwareModel::default();
     let (chosen, predicted) =
         choose(args.placement, &spec, &job.catalog).map_err(|source| SimError::Choice {
             choice: args.placement.name(),
@@ -205,6 +311,10 @@ pub fn run(
             p.speedup_vs_sync = Some(sync / p.step_time_s.max(1e-12));
         }
     }
+    let loss_recovery = match (&pool_loss, runs.iter().find(|(n, _)| n == "rollfleet")) {
+        (Some(loss), Some((_, run))) => recover(&spec, &job.catalog, loss, run, &opts, stderr)?,
+        _ => None,
+    };
     let attribution = uses_trace(&spec).then(|| AZURE_ATTRIBUTION.to_owned());
     let report = SimReport {
         job: job.manifest.metadata.name.clone(),
@@ -214,6 +324,7 @@ pub fn run(
         hardware: hw,
         data_attribution: attribution.clone(),
         policies,
+        loss_recovery,
     };
     if let Some(path) = &args.timeline {
         let names: Vec<String> = spec.pools.iter().map(|p| p.name.clone()).collect();
@@ -223,6 +334,18 @@ pub fn run(
             path,
             crate::svg::timeline(&names, &refs, attribution.as_deref()),
         )?;
+    }
+    if let Some(path) = &args.profiles_out
+        && let Some((_, r)) = runs.iter().find(|(n, _)| n == Baseline::Rollfleet.name())
+    {
+        let mut text = serde_json::to_string_pretty(&r.profiles)?;
+        text.push('\n');
+        std::fs::write(path, text)?;
+        let _ = writeln!(
+            stderr,
+            "wrote the simulated rollfleet run's measured profiles to {}",
+            path.display()
+        );
     }
     match output {
         OutputFormat::Table => stdout.write_all(render_table(&report).as_bytes())?,

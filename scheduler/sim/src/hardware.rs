@@ -20,6 +20,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use rollfleet_core::{StageId, Time, TrajId};
+use rollfleet_planner::roofline::{Work as RooflineWork, WorkKind};
 
 /// Tokens one prefill batch takes at most.
 pub const PREFILL_BATCH_TOKENS: u64 = 16_384;
@@ -93,6 +94,17 @@ pub enum EngineDone {
     Generated(StageId, u64),
 }
 
+/// A duration the engine measured: what a worker would report for a stage of work.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Measured {
+    /// Prefill (one batch) or decode (one iteration of the running batch).
+    pub kind: WorkKind,
+    /// Its FLOPs and bytes.
+    pub work: RooflineWork,
+    /// How long it took on this replica, seconds.
+    pub seconds: f64,
+}
+
 /// One inference replica.
 #[derive(Debug, Clone)]
 pub struct Engine {
@@ -100,6 +112,14 @@ pub struct Engine {
     pub gpus: u32,
     flops: f64,
     bandwidth: f64,
+    /// Peak FLOP/s of the replica (all its GPUs), for profile samples.
+    pub peak_flops: f64,
+    /// Peak memory bytes/s of the replica (all its GPUs), for profile samples.
+    pub peak_bandwidth: f64,
+    /// Durations measured since the owner last drained them (profile samples).
+    pub measured: Vec<Measured>,
+    batch_work: Option<Measured>,
+    iter_work: RooflineWork,
     costs: ModelCosts,
     /// KV tokens it can hold.
     pub kv_capacity: u64,
@@ -140,6 +160,14 @@ impl Engine {
             gpus,
             flops: gpus as f64 * peak_flops * hw.compute_efficiency,
             bandwidth: gpus as f64 * bandwidth * hw.bandwidth_efficiency,
+            peak_flops: gpus as f64 * peak_flops,
+            peak_bandwidth: gpus as f64 * bandwidth,
+            measured: Vec::new(),
+            batch_work: None,
+            iter_work: RooflineWork {
+                flops: 0.0,
+                bytes: 0.0,
+            },
             costs,
             kv_capacity,
             kv_held: BTreeMap::new(),
@@ -185,6 +213,7 @@ impl Engine {
         self.kv_used = 0;
         self.queue.clear();
         self.batch = None;
+        self.batch_work = None;
         self.seqs.clear();
         self.finish.clear();
         self.progress = 0.0;
@@ -196,7 +225,16 @@ impl Engine {
 
     fn advance(&mut self, now: Time) {
         if !self.seqs.is_empty() && self.t_iter > 0.0 {
-            self.progress += now.since(self.last).as_secs_f64() / self.t_iter;
+            let dt = now.since(self.last).as_secs_f64();
+            self.progress += dt / self.t_iter;
+            // One sample per stretch at a constant batch: the iteration time the batch ran at.
+            if dt > 0.0 {
+                self.measured.push(Measured {
+                    kind: WorkKind::Decode,
+                    work: self.iter_work,
+                    seconds: self.t_iter,
+                });
+            }
         }
         self.last = now;
     }
@@ -211,6 +249,7 @@ impl Engine {
         let flops = n * self.costs.flops_per_token + self.costs.attention_flops_per_context * ctx;
         let bytes = self.costs.active_weight_bytes + self.costs.kv_bytes_per_token * ctx;
         self.t_iter = (flops / self.flops).max(bytes / self.bandwidth).max(1e-9);
+        self.iter_work = RooflineWork { flops, bytes };
     }
 
     /// Share of compute decode uses right now.
@@ -283,6 +322,11 @@ impl Engine {
         let compute = self.flops * (1.0 - self.decode_compute_share());
         let secs = (flops / compute).max(bytes / self.bandwidth);
         self.batch = Some((now.plus(rollfleet_core::Span::from_secs_f64(secs)), jobs));
+        self.batch_work = Some(Measured {
+            kind: WorkKind::Prefill,
+            work: RooflineWork { flops, bytes },
+            seconds: secs,
+        });
     }
 
     /// When it next finishes something.
@@ -307,6 +351,9 @@ impl Engine {
             && *end <= now
             && let Some((_, jobs)) = self.batch.take()
         {
+            if let Some(m) = self.batch_work.take() {
+                self.measured.push(m);
+            }
             for job in jobs {
                 self.tokens_prefilled += job.tokens;
                 match job.decode {

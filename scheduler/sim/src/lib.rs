@@ -12,6 +12,7 @@ pub mod baseline;
 pub mod bound;
 pub mod cli;
 pub mod hardware;
+pub mod loss;
 pub mod placement;
 pub mod report;
 pub mod sim;

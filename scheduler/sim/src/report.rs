@@ -262,6 +262,10 @@ pub struct SimReport {
     pub data_attribution: Option<String>,
     /// One report per policy.
     pub policies: Vec<PolicyReport>,
+    /// With `--lose`: how rollfleet's throughput after the loss compares with the smaller
+    /// cluster run on its own plan.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_recovery: Option<crate::loss::Recovery>,
 }
 
 fn describe_use(spec: &JobSpec, placement: &Placement, pool: u32) -> String {
@@ -437,6 +441,58 @@ pub fn render_table(report: &SimReport) -> String {
         line.push_str(&format!("  {}", hist.join(" ")));
         out.push_str(&line);
         out.push('\n');
+    }
+    if let Some(r) = &report.loss_recovery {
+        out.push_str(&format!(
+            "\npool loss (simulated): {} lost {} replicas ({} GPUs, asked {:.1}%) after step {} at \
+             {:.0} s; rollfleet ran {:.1} s per step before, {:.1} s after; the smaller cluster on \
+             its own plan {:.1} s over the same steps (bound {:.1} s): {:.0}% of it ({:.0}% of its \
+             bound); ",
+            r.pool,
+            r.replicas_lost,
+            r.gpus_lost,
+            r.fraction * 100.0,
+            r.at_step,
+            r.at_s,
+            r.step_s_before,
+            r.step_s_after,
+            r.reference_step_s,
+            r.reference_bound_s,
+            r.share_of_reference * 100.0,
+            r.share_of_bound * 100.0
+        ));
+        match r.recovered_after_s {
+            Some(t) => out.push_str(&format!(
+                ">= {:.0}% of it from {t:.0} s after the loss on\n",
+                crate::loss::RECOVERED * 100.0
+            )),
+            None => out.push_str(&format!(
+                "never >= {:.0}% of it for good within the run\n",
+                crate::loss::RECOVERED * 100.0
+            )),
+        }
+        if let Some(p) = &r.replan {
+            out.push_str(&format!(
+                "  re-plan (planner's model): {:.1} s per step before the loss, {} survivors, new \
+                 plan for the smaller cluster {:.1} s{}; the waves are NOT applied (the core \
+                 cannot start replicas mid-run): the survivors keep running\n",
+                p.before_step_s,
+                p.survivor_step_s
+                    .map_or("no prediction for the".into(), |s| format!(
+                        "{s:.1} s for the"
+                    )),
+                p.new_plan_step_s,
+                if p.changes {
+                    format!(
+                        ", {} waves of at most {} replicas away",
+                        p.waves,
+                        crate::loss::PER_WAVE
+                    )
+                } else {
+                    ", the same placement".into()
+                }
+            ));
+        }
     }
     out.push_str("\nplacement and checks:\n");
     for p in &report.policies {

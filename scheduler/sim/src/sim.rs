@@ -20,6 +20,7 @@ use rollfleet_core::{
     BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaId, Span, StageCommand,
     StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
 };
+use rollfleet_planner::profile::ProfileStore;
 use rollfleet_spec::{JobSpec, PoolKind};
 
 use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
@@ -40,6 +41,30 @@ pub struct SimOptions {
     pub repair_s: f64,
     /// Give up after this much virtual time, seconds.
     pub max_virtual_s: f64,
+    /// Lose part of a pool for good mid-run (`None`: no such loss).
+    pub pool_loss: Option<PoolLoss>,
+}
+
+/// A deterministic, permanent loss of part of a GPU pool's serving replicas.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct PoolLoss {
+    /// The pool (index in the spec).
+    pub pool: u32,
+    /// Share of the pool's GPUs lost, in (0, 1).
+    pub fraction: f64,
+    /// The loss happens as this version is published (after this many steps).
+    pub at_step: u64,
+}
+
+/// What a [`PoolLoss`] took away.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct LossReport {
+    /// Virtual seconds at which it happened.
+    pub at_s: f64,
+    /// Replicas lost (highest-numbered serving replicas of the pool first).
+    pub replicas: Vec<u32>,
+    /// GPUs those replicas had.
+    pub gpus: u32,
 }
 
 impl Default for SimOptions {
@@ -50,6 +75,7 @@ impl Default for SimOptions {
             failure_mtbf_s: None,
             repair_s: 60.0,
             max_virtual_s: 30.0 * 86_400.0,
+            pool_loss: None,
         }
     }
 }
@@ -120,6 +146,8 @@ enum Event {
     WeightsDone(u32, u64, u64),
     Fail,
     Recover(u32),
+    LosePool,
+    LoseReplica(u32),
 }
 
 #[derive(Debug, Clone)]
@@ -262,6 +290,11 @@ pub struct RunResult {
     pub lifecycle: (u64, u64, u64),
     /// The staleness bound the policy kept (versions).
     pub max_staleness: u64,
+    /// Every prefill batch and decode iteration the simulated replicas ran, as measured
+    /// profile samples per (work kind, pool): what workers would report.
+    pub profiles: ProfileStore,
+    /// The pool loss, if one was asked for and happened.
+    pub loss: Option<LossReport>,
 }
 
 /// Average tokens per trajectory of a job, for the placement.
@@ -344,6 +377,8 @@ struct Sim<'a> {
     failure_rng: SplitMix64,
     rates: LatencyRates,
     traces: Vec<TurnTrace>,
+    profiles: ProfileStore,
+    loss: Option<LossReport>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -387,7 +422,31 @@ impl<'a> Sim<'a> {
         self.core.handle_input(self.now, input);
     }
 
+    /// Moves the engine's measured durations into the profile store, under its pool's name.
+    fn drain_samples(&mut self, r: usize) {
+        let e = &mut self.engines[r];
+        if e.measured.is_empty() {
+            return;
+        }
+        let pool = self
+            .spec
+            .pools
+            .get(self.engine_pool[r] as usize)
+            .map_or("", |p| p.name.as_str());
+        for m in e.measured.drain(..) {
+            self.profiles.record(
+                m.kind,
+                pool,
+                m.work,
+                e.peak_flops,
+                e.peak_bandwidth,
+                m.seconds,
+            );
+        }
+    }
+
     fn refresh_engine(&mut self, r: usize) {
+        self.drain_samples(r);
         let busy = self.engines[r].busy();
         if busy != self.engine_busy[r] {
             self.engine_busy[r] = busy;
@@ -1047,6 +1106,16 @@ impl<'a> Sim<'a> {
                     self.publish_times.push(now.as_secs_f64());
                 }
                 self.input(Input::TrainFinished { batch });
+                // Its own event, so that the core's answer to the publication is carried out
+                // before it hears of the loss, as with any other failure.
+                if publishes
+                    && self
+                        .opts
+                        .pool_loss
+                        .is_some_and(|l| l.at_step == self.version)
+                {
+                    self.push(now, Event::LosePool);
+                }
             }
             Event::WeightsDone(r, version, epoch) => {
                 let ri = r as usize;
@@ -1066,29 +1135,17 @@ impl<'a> Sim<'a> {
                 if alive.len() > 1 {
                     let r = alive[self.failure_rng.below(alive.len() as u64) as usize];
                     let now = self.now;
-                    self.engine_alive[r] = false;
-                    self.engines[r].wipe(now);
-                    self.engine_scheduled[r] = None;
-                    self.engines[r].version = None;
-                    self.engine_running[r] = 0;
-                    let lost: Vec<StageId> = self
-                        .stage_loc
-                        .iter()
-                        .filter(|(_, l)| matches!(l, Loc::Engine(x) | Loc::Transfer(x) if *x as usize == r))
-                        .map(|(s, _)| StageId(s))
-                        .collect();
-                    for s in lost {
-                        self.stage_loc.remove(s.0);
-                        self.stage_info.remove(s.0);
-                    }
-                    self.refresh_engine(r);
-                    self.input(Input::ReplicaLost {
-                        replica: ReplicaId(r as u64),
-                    });
+                    self.lose_replica(r);
                     let back = now.plus(Span::from_secs_f64(self.opts.repair_s));
                     self.push(back, Event::Recover(r as u32));
                 }
                 self.schedule_failure();
+            }
+            Event::LosePool => self.maybe_lose_pool(),
+            Event::LoseReplica(r) => {
+                if self.engine_alive[r as usize] {
+                    self.lose_replica(r as usize);
+                }
             }
             Event::Recover(r) => {
                 self.engine_alive[r as usize] = true;
@@ -1097,6 +1154,73 @@ impl<'a> Sim<'a> {
                 });
             }
         }
+    }
+
+    /// Takes replica `r` away: its engine forgets everything, its stages are gone, and the core
+    /// is told (it reschedules the work).
+    fn lose_replica(&mut self, r: usize) {
+        let now = self.now;
+        self.engine_alive[r] = false;
+        self.engines[r].wipe(now);
+        self.engine_scheduled[r] = None;
+        self.engines[r].version = None;
+        self.engine_running[r] = 0;
+        let lost: Vec<StageId> = self
+            .stage_loc
+            .iter()
+            .filter(|(_, l)| matches!(l, Loc::Engine(x) | Loc::Transfer(x) if *x as usize == r))
+            .map(|(s, _)| StageId(s))
+            .collect();
+        for s in lost {
+            self.stage_loc.remove(s.0);
+            self.stage_info.remove(s.0);
+        }
+        self.refresh_engine(r);
+        self.input(Input::ReplicaLost {
+            replica: ReplicaId(r as u64),
+        });
+    }
+
+    /// The pool loss of the options, if this publication is its step: the pool's serving
+    /// replicas from the highest-numbered down, until they cover the lost share of its GPUs (a
+    /// replica with any lost GPU is lost whole). They never come back (a replica down from an
+    /// injected failure at that moment is skipped and does come back).
+    fn maybe_lose_pool(&mut self) {
+        let Some(loss) = self.opts.pool_loss else {
+            return;
+        };
+        if self.version != loss.at_step || self.loss.is_some() {
+            return;
+        }
+        let count = self
+            .spec
+            .pools
+            .get(loss.pool as usize)
+            .and_then(|p| p.count)
+            .unwrap_or(0)
+            .max(0) as f64;
+        let to_lose = (loss.fraction * count).floor() as u32;
+        let mut gpus = 0;
+        let mut replicas = Vec::new();
+        for r in (0..self.engines.len()).rev() {
+            if gpus >= to_lose {
+                break;
+            }
+            if self.engine_pool[r] != loss.pool || !self.engine_alive[r] {
+                continue;
+            }
+            gpus += self.engines[r].gpus;
+            replicas.push(r as u32);
+            // One event each: the core's answer to one loss (work moved to the survivors) is
+            // carried out before it hears of the next, as a real driver's would be.
+            let now = self.now;
+            self.push(now, Event::LoseReplica(r as u32));
+        }
+        self.loss = Some(LossReport {
+            at_s: self.now.as_secs_f64(),
+            replicas,
+            gpus,
+        });
     }
 
     fn release_loc(&mut self, loc: Loc) {
@@ -1254,6 +1378,8 @@ pub fn simulate(
         cold_start_s,
         rates: latency_rates(spec, catalog, &opts.hardware),
         traces: Vec::new(),
+        profiles: ProfileStore::default(),
+        loss: None,
     };
     sim.schedule_failure();
     sim.scheduler_events += 1;
@@ -1317,6 +1443,9 @@ pub fn simulate(
         }
     }
     let end = sim.now;
+    for r in 0..sim.engines.len() {
+        sim.drain_samples(r);
+    }
     for m in sim.meters.values_mut() {
         m.flush(end);
     }
@@ -1353,5 +1482,7 @@ pub fn simulate(
         placement,
         lifecycle: (started, in_flight, complete),
         max_staleness,
+        profiles: sim.profiles,
+        loss: sim.loss,
     })
 }

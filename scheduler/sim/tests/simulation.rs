@@ -164,6 +164,10 @@ fn json(seed: u64) -> Vec<u8> {
         steps: Some(3),
         failure_mtbf: None,
         placement: rollfleet_sim::PlacementChoice::Plan,
+        profiles_out: None,
+        sim_compute_efficiency: None,
+        sim_bandwidth_efficiency: None,
+        lose: None,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
@@ -188,6 +192,10 @@ fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
         steps: Some(2),
         failure_mtbf: None,
         placement: rollfleet_sim::PlacementChoice::Plan,
+        profiles_out: None,
+        sim_compute_efficiency: None,
+        sim_bandwidth_efficiency: None,
+        lose: None,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
@@ -212,6 +220,10 @@ fn a_missing_job_file_is_an_error_not_a_panic() {
         steps: None,
         failure_mtbf: None,
         placement: rollfleet_sim::PlacementChoice::Plan,
+        profiles_out: None,
+        sim_compute_efficiency: None,
+        sim_bandwidth_efficiency: None,
+        lose: None,
     };
     let err = rollfleet_sim::run(&args, OutputFormat::Table, &mut Vec::new(), &mut Vec::new());
     assert!(err.is_err());

@@ -148,12 +148,26 @@ pub fn run(
 fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
     let p = o.plan;
     let pr = &p.prediction;
-    writeln!(
-        out,
-        "job {}: planned placement (predicted by the planner's roofline model of published peaks, \
-         not measured)\n",
-        o.job
-    )?;
+    let measured = p
+        .profiles
+        .iter()
+        .any(|f| f.source != rollfleet_planner::profile::Source::Model);
+    if measured {
+        writeln!(
+            out,
+            "job {}: planned placement (predicted by the planner's roofline model, with the \
+             measured or probed shares of peak listed under \"profiles\" in place of its \
+             assumptions)\n",
+            o.job
+        )?;
+    } else {
+        writeln!(
+            out,
+            "job {}: planned placement (predicted by the planner's roofline model of published \
+             peaks, not measured)\n",
+            o.job
+        )?;
+    }
     let mut roles = Table::new(&["role", "pool", "gpu", "replicas>", "GPUs each>"]);
     for r in &p.roles {
         roles.row(vec![
@@ -201,6 +215,32 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
         t.latency_s,
         t.staleness_s
     )?;
+    writeln!(
+        out,
+        "\nprofiles (share of peak each GPU pool's prediction used):"
+    )?;
+    for f in &p.profiles {
+        let what = match f.kind {
+            rollfleet_planner::roofline::WorkKind::Prefill => "prefill (of peak FLOP/s)",
+            _ => "decode (of peak bandwidth)",
+        };
+        let source = match f.source {
+            rollfleet_planner::profile::Source::Model => "model assumption".to_owned(),
+            rollfleet_planner::profile::Source::Probed => "probed".to_owned(),
+            rollfleet_planner::profile::Source::Measured => format!(
+                "measured: median of {} samples, spread {:.1} points",
+                f.samples,
+                f.spread.unwrap_or(0.0) * 100.0
+            ),
+        };
+        writeln!(
+            out,
+            "  {:<10} {:<26} {:>5.1}%  {source}",
+            f.pool,
+            what,
+            f.share * 100.0
+        )?;
+    }
     writeln!(out, "\nwhy:")?;
     for r in &p.roles {
         writeln!(out, "  {} on {}: {}", r.role, r.pool, r.why)?;
