@@ -881,6 +881,37 @@ impl Core {
         r.kv_reserved = 0;
         r.in_flight = 0;
         r.version = None;
+        self.forget_unsent_commands_to(id);
+    }
+
+    /// Drops the commands not yet polled that address a replica just lost. Their stages were
+    /// failed and re-queued above, so sending them would start work the core has already given
+    /// up on (on a replica that is gone); a `Cancel` for such a stage would name one never sent.
+    fn forget_unsent_commands_to(&mut self, id: ReplicaId) {
+        let mut unsent = BTreeSet::new();
+        self.commands.retain(|c| match c {
+            Command::Run(s) => {
+                let addressed = match s.work {
+                    StageWork::Prefill { replica, .. } => replica == id,
+                    StageWork::Generate {
+                        replica, kv_from, ..
+                    } => replica == id || kv_from == Some(id),
+                    _ => false,
+                };
+                if addressed {
+                    unsent.insert(s.stage);
+                }
+                !addressed
+            }
+            Command::UpdateWeights { replica, .. } | Command::ReleaseKv { replica, .. } => {
+                *replica != id
+            }
+            Command::Cancel { .. } | Command::Train { .. } => true,
+        });
+        if !unsent.is_empty() {
+            self.commands
+                .retain(|c| !matches!(c, Command::Cancel { stage } if unsent.contains(stage)));
+        }
     }
 
     fn replica_recovered(&mut self, id: ReplicaId) {

@@ -364,6 +364,58 @@ fn a_lost_replica_loses_no_trajectory_and_its_late_report_is_ignored() {
 }
 
 #[test]
+fn a_replica_lost_before_its_commands_were_polled_is_sent_none_of_them() {
+    let cfg = config(
+        vec![
+            replica(ServeRole::Generate, 10_000),
+            replica(ServeRole::Generate, 10_000),
+        ],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        1,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let reset = runs(&drain(&mut core));
+    // The environment answers and, before the driver polls the generation it caused, the
+    // replica that generation went to is reported lost (two facts handled in one event).
+    core.handle_input(
+        Time(1),
+        Input::StageFinished {
+            stage: reset[0].stage,
+            outcome: observed(100, false),
+        },
+    );
+    let mut probe = core.clone();
+    let Some(StageWork::Generate { replica: lost, .. }) =
+        runs(&drain(&mut probe)).first().map(|s| s.work.clone())
+    else {
+        panic!("no generation was dispatched")
+    };
+    core.handle_input(Time(2), Input::ReplicaLost { replica: lost });
+    let sent = drain(&mut core);
+    for command in &sent {
+        match command {
+            Command::Run(s) => match s.work {
+                StageWork::Generate {
+                    replica, kv_from, ..
+                } => assert!(replica != lost && kv_from != Some(lost), "{sent:?}"),
+                StageWork::Prefill { replica, .. } => assert_ne!(replica, lost, "{sent:?}"),
+                _ => {}
+            },
+            Command::UpdateWeights { replica, .. } | Command::ReleaseKv { replica, .. } => {
+                assert_ne!(*replica, lost, "{sent:?}")
+            }
+            Command::Cancel { .. } => panic!("a cancel for a stage never sent: {sent:?}"),
+            Command::Train { .. } => {}
+        }
+    }
+    // The trajectory is not lost: its generation went to the other replica instead.
+    assert_eq!(runs(&sent).len(), 1, "{sent:?}");
+}
+
+#[test]
 fn a_stage_without_an_answer_times_out_and_is_cancelled_and_retried() {
     let mut cfg = config(
         vec![replica(ServeRole::Generate, 10_000)],
