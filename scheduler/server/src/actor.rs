@@ -140,6 +140,10 @@ pub struct Report {
     pub time_scale: f64,
     /// True: every GPU figure came from the emulated engine.
     pub emulated_gpus: bool,
+    /// Generation stages answered by a real (OpenAI-compatible) engine; 0 when every one was
+    /// emulated. Training is emulated either way.
+    #[serde(default)]
+    pub engine_generations: u64,
     /// Policy version reached (= RL steps trained).
     pub policy_version: u64,
     /// RL steps asked for.
@@ -161,6 +165,9 @@ pub struct Report {
     pub regenerated_turns: u64,
     /// Workers lost or cut off, with the reason.
     pub workers_lost: Vec<String>,
+    /// Inference replicas handed to another worker of their pool after theirs was lost.
+    #[serde(default)]
+    pub replicas_moved: u64,
     /// Per pool.
     pub pools: Vec<PoolSummary>,
 }
@@ -198,6 +205,9 @@ struct Assignment {
 struct Worker {
     name: String,
     pool: u32,
+    /// Its engine takes text (an OpenAI-compatible engine): generation assignments carry the
+    /// rendered context, and its output text goes to the environment step.
+    text_policy: bool,
     lease_until: Instant,
     outbox: Option<Outbox>,
     alive: bool,
@@ -211,7 +221,14 @@ struct TrajInfo {
     attempt: u32,
     group: u64,
     task: u32,
+    /// The environment's task and first observation (its reset).
+    prompt: String,
+    /// The action applied at each step, in order (what a replay needs).
     actions: Vec<String>,
+    /// The observation after each step, in order.
+    observations: Vec<String>,
+    /// The text a real engine generated, per turn (none for emulated generations).
+    outputs: BTreeMap<u32, String>,
     env_worker: Option<u64>,
     /// Policy version of each turn's generation.
     versions: BTreeMap<u32, u64>,
@@ -251,6 +268,10 @@ pub struct Actor {
     last_busy: BTreeMap<u32, (f64, Time)>,
     recent_busy: BTreeMap<u32, f64>,
     stages_completed: u64,
+    /// Generations answered by a real engine (`StageOutput.emulated` false).
+    engine_generations: u64,
+    /// Replicas handed to another worker after theirs was lost.
+    replicas_moved: u64,
     latencies_us: Vec<u32>,
     lost: Vec<String>,
     status: watch::Sender<JobStatus>,
@@ -317,6 +338,8 @@ impl Actor {
             last_busy: BTreeMap::new(),
             recent_busy: BTreeMap::new(),
             stages_completed: 0,
+            engine_generations: 0,
+            replicas_moved: 0,
             latencies_us: Vec::new(),
             lost: Vec::new(),
             status,
@@ -484,6 +507,7 @@ impl Actor {
             Worker {
                 name: format!("w{id} ({}@{})", inventory.pool, inventory.hostname),
                 pool,
+                text_policy: matches!(inventory.backend.as_str(), "openai" | "vllm" | "sglang"),
                 lease_until: Instant::now() + ttl,
                 outbox: None,
                 alive: true,
@@ -645,6 +669,7 @@ impl Actor {
                 w.replicas.insert(r as u64);
             }
             eprintln!("scheduler: replica {r} moves to worker w{id}");
+            self.replicas_moved += 1;
             self.deferred.push_back(Input::ReplicaRecovered {
                 replica: ReplicaId(r as u64),
             });
@@ -807,13 +832,29 @@ impl Actor {
         let spec = plan.spec();
         let task = spec.tasks.get(cmd.task as usize);
         let environment = task.map_or("", |t| t.environment.as_str()).to_owned();
-        let seed = episode_seed(plan.config.seed, cmd.traj.0, cmd.attempt);
+        let seed = episode_seed(plan.config.seed, cmd.traj.0);
+        // Whether the stage goes to a replica whose engine takes text (it then needs the context).
+        let text_policy = match cmd.work {
+            StageWork::Generate { replica, .. } => self
+                .owner
+                .get(replica.0 as usize)
+                .copied()
+                .flatten()
+                .and_then(|w| self.workers.get(&w))
+                .is_some_and(|w| w.text_policy),
+            _ => false,
+        };
         let info = self.trajs.entry(cmd.traj).or_default();
         if info.attempt != cmd.attempt {
-            *info = TrajInfo {
-                attempt: cmd.attempt,
-                ..TrajInfo::default()
-            };
+            // Regenerated from turn `cmd.turn`: the turns before it stand (same episode, replayed
+            // up to there); everything from it on is redone.
+            let keep = cmd.turn as usize;
+            info.attempt = cmd.attempt;
+            info.actions.truncate(keep);
+            info.observations.truncate(keep);
+            info.outputs.retain(|&turn, _| turn < cmd.turn);
+            info.versions.retain(|&turn, _| turn < cmd.turn);
+            info.reward = 0.0;
         }
         info.group = cmd.group.0;
         info.task = cmd.task;
@@ -849,7 +890,18 @@ impl Actor {
                 let reset = matches!(cmd.work, StageWork::EnvReset { .. });
                 if reset {
                     info.actions.clear();
+                    info.observations.clear();
+                    info.outputs.clear();
                 }
+                // A step applies the turn just generated (turn - 1); a real engine's text is
+                // relayed, an emulated generation has none.
+                let policy_output = if reset {
+                    None
+                } else {
+                    cmd.turn
+                        .checked_sub(1)
+                        .and_then(|t| info.outputs.get(&t).cloned())
+                };
                 let message = WorkAssignment {
                     kind: StageKind::EnvStep as i32,
                     work: Some(work_assignment::Work::EnvStep(EnvStepWork {
@@ -863,6 +915,7 @@ impl Actor {
                         } else {
                             info.actions.clone()
                         },
+                        policy_output,
                     })),
                     ..base
                 };
@@ -892,9 +945,15 @@ impl Actor {
                 kv_from,
                 kv_tokens,
             } => {
+                let prompt_text = if text_policy {
+                    render_context(info)
+                } else {
+                    String::new()
+                };
                 let message = WorkAssignment {
                     kind: StageKind::Decode as i32,
                     work: Some(work_assignment::Work::Generation(GenerationWork {
+                        prompt_text,
                         session,
                         max_new_tokens: u32::try_from(max_new_tokens).unwrap_or(u32::MAX),
                         cached_prefix_tokens: u32::try_from(cached_tokens).unwrap_or(u32::MAX),
@@ -1275,10 +1334,15 @@ impl Actor {
                     .inc();
                 let outcome = match kind {
                     StageKindOf::Env { .. } => {
-                        if !reset && let Some(t) = self.trajs.get_mut(&traj) {
-                            t.actions.push(o.text.clone());
-                            if o.done {
-                                t.reward = o.reward;
+                        if let Some(t) = self.trajs.get_mut(&traj) {
+                            if reset {
+                                t.prompt = o.observation.clone();
+                            } else {
+                                t.actions.push(o.text.clone());
+                                t.observations.push(o.observation.clone());
+                                if o.done {
+                                    t.reward = o.reward;
+                                }
                             }
                         }
                         StageOutcome::Observed {
@@ -1287,9 +1351,18 @@ impl Actor {
                         }
                     }
                     StageKindOf::Prefill(_) => StageOutcome::Prefilled,
-                    StageKindOf::Generate(_) => StageOutcome::Generated {
-                        tokens: o.token_count.max(1),
-                    },
+                    StageKindOf::Generate(_) => {
+                        if !o.emulated {
+                            // A real engine's text: the environment step of this turn applies it.
+                            self.engine_generations += 1;
+                            if let Some(t) = self.trajs.get_mut(&traj) {
+                                t.outputs.insert(a.message.turn, o.text.clone());
+                            }
+                        }
+                        StageOutcome::Generated {
+                            tokens: o.token_count.max(1),
+                        }
+                    }
                     StageKindOf::Reward { .. } => {
                         if !o.reward.is_finite() {
                             self.cut_off(
@@ -1457,6 +1530,14 @@ impl Actor {
                     .count(),
                 self.opts.expect_workers
             ),
+            _ if self.engine_generations > 0 => format!(
+                "{} stages completed, {} workers lost; {} generations by an OpenAI-compatible \
+                 engine, other GPU figures emulated (time scale {})",
+                self.stages_completed,
+                self.lost.len(),
+                self.engine_generations,
+                self.opts.time_scale
+            ),
             _ => format!(
                 "{} stages completed, {} workers lost; GPU figures are emulated (time scale {})",
                 self.stages_completed,
@@ -1535,6 +1616,11 @@ impl Actor {
                 PoolSummary {
                     pool: p.name.clone(),
                     kind: match self.plan.pool_role(i) {
+                        Some(PoolRole::Gpu)
+                            if self.workers.values().any(|w| w.pool == i && w.text_policy) =>
+                        {
+                            "gpu (openai engine; training emulated)"
+                        }
                         Some(PoolRole::Gpu) => "gpu (emulated)",
                         Some(PoolRole::Cpu) => "cpu",
                         Some(PoolRole::Serverless) => "serverless (local)",
@@ -1564,7 +1650,8 @@ impl Actor {
             phase: format!("{phase:?}"),
             wall_s: wall,
             time_scale: self.opts.time_scale,
-            emulated_gpus: true,
+            emulated_gpus: self.engine_generations == 0,
+            engine_generations: self.engine_generations,
             policy_version: self.core.version(),
             steps: self.plan.config.steps,
             trained: self.trained.clone(),
@@ -1575,9 +1662,41 @@ impl Actor {
             stage_retries: stats.stage_retries,
             regenerated_turns: stats.regenerated_turns,
             workers_lost: self.lost.clone(),
+            replicas_moved: self.replicas_moved,
             pools,
         }
     }
+}
+
+/// The whole context of a trajectory's next turn, as the agent's prompt template renders it: the
+/// task, then every earlier turn's output and observation. A turn generated by an emulated engine
+/// has no text; the action applied stands in for it.
+fn render_context(info: &TrajInfo) -> String {
+    use rollfleet_agent::{PromptTemplate, Transcript, Turn};
+    let turns = info
+        .actions
+        .iter()
+        .zip(&info.observations)
+        .enumerate()
+        .map(|(i, (action, observation))| Turn {
+            policy_version: info.versions.get(&(i as u32)).copied().unwrap_or(0),
+            output: info
+                .outputs
+                .get(&(i as u32))
+                .cloned()
+                .unwrap_or_else(|| format!("<action>{action}</action>")),
+            output_tokens: 0,
+            observation: observation.clone(),
+            observation_tokens: 0,
+            reward: 0.0,
+            invalid_action: false,
+        })
+        .collect();
+    PromptTemplate::default().render(&Transcript {
+        task: info.prompt.clone(),
+        task_tokens: 0,
+        turns,
+    })
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {
