@@ -902,3 +902,294 @@ fn workers_with_an_openai_engine_send_the_rendered_turns_and_the_environment_app
         "{invalid_seen} {applied_seen}"
     );
 }
+
+// ---------------------------------------------------------------- GPU telemetry
+
+/// Lines a child writes on stderr, echoed to ours and kept for the test.
+fn stderr_lines(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { return };
+            eprintln!("{line}");
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits for a line containing `needle`; returns it.
+fn wait_line(lines: &std::sync::mpsc::Receiver<String>, needle: &str) -> String {
+    let start = Instant::now();
+    loop {
+        let left = DEADLINE.saturating_sub(start.elapsed());
+        match lines.recv_timeout(left) {
+            Ok(line) if line.contains(needle) => return line,
+            Ok(_) => {}
+            Err(e) => panic!("never saw a line with {needle:?}: {e}"),
+        }
+    }
+}
+
+/// The scheduler's Prometheus exposition.
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: scheduler\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// The value of the exposition's sample `name{labels}` (labels in the encoder's order).
+fn sample(exposition: &str, series: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[test]
+fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_driver() {
+    use rollfleet_proto::v1::{GpuDevice, GpuReading, GpuTelemetryInfo, WorkerLoad};
+    let dir = temp_dir("telemetry");
+    let job = job_file(&dir, 1);
+    let report = dir.join("report.json");
+    // The job never starts (it waits for 100 workers): only registration, heartbeats and the
+    // exposition are tested.
+    let mut sched = Command::new(BIN)
+        .arg("scheduler")
+        .arg(&job)
+        .args(["--listen", "127.0.0.1:0", "--lease-ms", "2000"])
+        .args(["--expect-workers", "100", "--metrics-addr", "127.0.0.1:0"])
+        .arg("--report")
+        .arg(&report)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(sched.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = format!(
+        "http://{}",
+        line.trim().strip_prefix("listening on ").unwrap()
+    );
+    let sched_log = stderr_lines(&mut sched);
+    let metrics = wait_line(&sched_log, "Prometheus metrics on http://");
+    let metrics = metrics
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches("/metrics")
+        .to_owned();
+    let mut procs = Procs(vec![sched]);
+
+    // A real worker on this machine. With no NVIDIA driver (this project's machines) it says so
+    // once, and its heartbeats carry no GPU figure.
+    let no_driver = rollfleet_gpu::discover().err();
+    let mut real = Command::new(BIN)
+        .args(["worker", "--scheduler", &url, "--pool", "decode"])
+        .args(["--name", "real-node"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let real_log = stderr_lines(&mut real);
+    procs.0.push(real);
+    let said = wait_line(&real_log, "GPU telemetry");
+    if let Some(reason) = &no_driver {
+        assert!(said.contains("no GPU telemetry"), "{said}");
+        assert!(said.contains(&reason.0), "{said} / {reason}");
+        let told = wait_line(&sched_log, "(decode@real-node) has no GPU telemetry");
+        assert!(told.contains("NVML"), "{told}");
+    }
+
+    let lease_ms = rt().block_on(async {
+        let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
+        // A peer that reads two GPUs: it declares them, then reports them with a heartbeat.
+        let device = |index: u32| GpuDevice {
+            index,
+            name: "NVIDIA H800".into(),
+            uuid: format!("GPU-test-{index}"),
+            memory_bytes: 85_899_345_920,
+        };
+        let lease = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    hostname: "gpu-peer".into(),
+                    pool: "decode".into(),
+                    gpu_telemetry: Some(GpuTelemetryInfo {
+                        available: true,
+                        unavailable_reason: String::new(),
+                        devices: vec![device(0), device(1)],
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease
+            .unwrap();
+        let reading = |index, utilization, memory_used_bytes| GpuReading {
+            index,
+            utilization,
+            memory_used_bytes,
+        };
+        client
+            .heartbeat(HeartbeatRequest {
+                worker_id: lease.worker_id.clone(),
+                epoch: 1,
+                load: Some(WorkerLoad {
+                    gpus: vec![reading(0, 0.42, 1_234_567), reading(1, 0.9, 7_654_321)],
+                    gpu_utilization: Some(0.66),
+                    gpu_memory_used_bytes: Some(8_888_888.0),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap();
+
+        // A peer that registered without GPU telemetry and then sends readings (made up: it has
+        // no driver to read them from) is refused and cut off.
+        let liar = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    hostname: "liar".into(),
+                    pool: "decode".into(),
+                    gpu_telemetry: Some(GpuTelemetryInfo {
+                        available: false,
+                        unavailable_reason: "no driver".into(),
+                        devices: vec![],
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease
+            .unwrap();
+        let zeros = HeartbeatRequest {
+            worker_id: liar.worker_id.clone(),
+            epoch: 1,
+            load: Some(WorkerLoad {
+                gpus: vec![reading(0, 0.0, 0)],
+                ..Default::default()
+            }),
+        };
+        let refused = client.heartbeat(zeros.clone()).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(
+            refused.message().contains("without GPU telemetry"),
+            "{refused:?}"
+        );
+        let gone = client.heartbeat(zeros).await.unwrap_err();
+        assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
+        (lease.ttl_ms, lease.worker_id)
+    });
+    let (ttl_ms, peer) = lease_ms;
+
+    // Two of the real worker's heartbeats (every ttl/4) have come and gone.
+    std::thread::sleep(Duration::from_millis(ttl_ms / 2 + 300));
+    let exposition = scrape(&metrics);
+    let series = |name: &str, gpu: u32| {
+        format!(
+            "rollfleet_{name}{{gpu=\"{gpu}\",host=\"gpu-peer\",pool=\"decode\",worker=\"{peer}\"}}"
+        )
+    };
+    assert_eq!(
+        sample(&exposition, &series("gpu_utilization_ratio", 0)),
+        Some(0.42),
+        "{exposition}"
+    );
+    assert_eq!(
+        sample(&exposition, &series("gpu_utilization_ratio", 1)),
+        Some(0.9)
+    );
+    assert_eq!(
+        sample(&exposition, &series("gpu_memory_used_bytes", 0)),
+        Some(1_234_567.0)
+    );
+    assert_eq!(
+        sample(&exposition, &series("gpu_memory_used_bytes", 1)),
+        Some(7_654_321.0)
+    );
+    assert_eq!(
+        sample(&exposition, &series("gpu_memory_total_bytes", 1)),
+        Some(85_899_345_920.0)
+    );
+    assert!(exposition.contains("name=\"NVIDIA H800\""), "{exposition}");
+    // Nothing, not zeros, for the workers without a driver (the real one here, and the liar).
+    let gpu_lines: Vec<&str> = exposition
+        .lines()
+        .filter(|l| l.starts_with("rollfleet_gpu_"))
+        .collect();
+    assert!(
+        gpu_lines.iter().all(|l| l.contains("host=\"gpu-peer\"")),
+        "{gpu_lines:#?}"
+    );
+    // Per GPU: utilisation, memory used, memory total, info.
+    assert_eq!(gpu_lines.len(), 2 * 4, "{gpu_lines:#?}");
+    if no_driver.is_some() {
+        assert_eq!(
+            sample(
+                &exposition,
+                "rollfleet_workers_without_gpu_telemetry{pool=\"decode\"}"
+            ),
+            Some(1.0),
+            "the real worker (the liar is cut off): {exposition}"
+        );
+    }
+
+    // The peer goes silent: its lease runs out and its GPUs leave the exposition.
+    let start = Instant::now();
+    while scrape(&metrics).contains("host=\"gpu-peer\"") {
+        assert!(start.elapsed() < DEADLINE, "the silent peer's GPUs stayed");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // Stop: the report says what each worker said; the real worker said it once.
+    let pid = procs.0[0].id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert_eq!(status.code(), Some(1));
+    assert!(wait_exit(&mut procs.0[1], DEADLINE).success());
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let said: Vec<&Value> = report["gpu_telemetry"].as_array().unwrap().iter().collect();
+    let of = |host: &str| {
+        *said
+            .iter()
+            .find(|t| {
+                t["worker"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with(&format!("@{host})"))
+            })
+            .unwrap()
+    };
+    assert_eq!(of("gpu-peer")["gpu_telemetry"], "available");
+    assert_eq!(of("gpu-peer")["gpus"].as_array().unwrap().len(), 2);
+    assert_eq!(of("liar")["gpu_telemetry"], "unavailable");
+    if let Some(reason) = &no_driver {
+        assert_eq!(of("real-node")["gpu_telemetry"], "unavailable");
+        assert_eq!(of("real-node")["reason"], reason.0.as_str());
+        // Everything else it wrote, to its exit.
+        let lines: Vec<String> = real_log.iter().collect();
+        let again = lines.iter().filter(|l| l.contains("GPU telemetry")).count();
+        assert_eq!(again, 0, "the absence is said once: {lines:#?}");
+    }
+}

@@ -24,11 +24,11 @@ use rollfleet_core::{
     TrajId,
 };
 use rollfleet_proto::v1::{
-    CompletedTrajectory, EnvStepWork, GenerationWork, HardwareInventory, HeartbeatResponse,
-    JobPhase, JobStatus, Lease, PoolStatus, RegisterResponse, RewardWork, SchedulerMessage,
-    StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult,
-    WorkerMessage, hardware_inventory::Device, scheduler_message, work_assignment, work_result,
-    worker_message,
+    CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
+    HeartbeatResponse, JobPhase, JobStatus, Lease, PoolStatus, RegisterResponse, RewardWork,
+    SchedulerMessage, StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment,
+    WorkResult, WorkerLoad, WorkerMessage, hardware_inventory::Device, scheduler_message,
+    work_assignment, work_result, worker_message,
 };
 use rollfleet_sim::hardware::Meter;
 use serde::{Deserialize, Serialize};
@@ -58,6 +58,8 @@ pub enum Event {
         worker_id: String,
         /// Its lease epoch.
         epoch: u64,
+        /// Its load, with GPU telemetry where it has any.
+        load: Option<WorkerLoad>,
         /// The answer.
         reply: oneshot::Sender<Result<HeartbeatResponse, Status>>,
     },
@@ -127,6 +129,23 @@ pub struct PoolSummary {
     pub busy_share: f64,
 }
 
+/// What a worker said at registration about GPU telemetry.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerTelemetry {
+    /// The worker (`w3 (decode@host)`).
+    pub worker: String,
+    /// Its pool.
+    pub pool: String,
+    /// `available`, `unavailable` or `not said`.
+    pub gpu_telemetry: String,
+    /// Why not, when unavailable.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    /// The GPUs it reads, as the driver names them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<String>,
+}
+
 /// What the job did, written at the end.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
@@ -168,6 +187,9 @@ pub struct Report {
     /// Inference replicas handed to another worker of their pool after theirs was lost.
     #[serde(default)]
     pub replicas_moved: u64,
+    /// What each worker said at registration about GPU telemetry.
+    #[serde(default)]
+    pub gpu_telemetry: Vec<WorkerTelemetry>,
     /// Per pool.
     pub pools: Vec<PoolSummary>,
 }
@@ -204,7 +226,12 @@ struct Assignment {
 
 struct Worker {
     name: String,
+    host: String,
     pool: u32,
+    /// What it said about GPU telemetry at registration (`None`: nothing).
+    telemetry: Option<GpuTelemetryInfo>,
+    /// GPUs whose readings are exported now.
+    gpu_series: BTreeSet<u32>,
     /// Its engine takes text (an OpenAI-compatible engine): generation assignments carry the
     /// rendered context, and its output text goes to the environment step.
     text_policy: bool,
@@ -403,9 +430,10 @@ impl Actor {
             Event::Heartbeat {
                 worker_id,
                 epoch,
+                load,
                 reply,
             } => {
-                let _ = reply.send(self.heartbeat(&worker_id, epoch));
+                let _ = reply.send(self.heartbeat(&worker_id, epoch, load));
             }
             Event::Attach {
                 worker_id,
@@ -441,6 +469,8 @@ impl Actor {
                         w.alive = false;
                         w.outbox = None;
                     }
+                    self.forget_gpus(worker);
+                    self.update_worker_gauges();
                 } else {
                     self.cut_off(worker, &reason);
                     self.pump();
@@ -506,7 +536,10 @@ impl Actor {
             id,
             Worker {
                 name: format!("w{id} ({}@{})", inventory.pool, inventory.hostname),
+                host: inventory.hostname.clone(),
                 pool,
+                telemetry: inventory.gpu_telemetry.clone(),
+                gpu_series: BTreeSet::new(),
                 text_policy: matches!(inventory.backend.as_str(), "openai" | "vllm" | "sglang"),
                 lease_until: Instant::now() + ttl,
                 outbox: None,
@@ -517,6 +550,36 @@ impl Actor {
             },
         );
         self.metrics.workers_registered.inc();
+        match &inventory.gpu_telemetry {
+            Some(t) if t.available => {
+                for d in &t.devices {
+                    let gpu = d.index.to_string();
+                    let worker = format!("w{id}");
+                    let labels = [
+                        self.plan.pool_name(pool),
+                        &worker,
+                        &inventory.hostname,
+                        &gpu,
+                    ];
+                    self.metrics
+                        .gpu_memory_total
+                        .with_label_values(&labels)
+                        .set(d.memory_bytes as f64);
+                    self.metrics
+                        .gpu_info
+                        .with_label_values(&[
+                            labels[0], labels[1], labels[2], labels[3], &d.name, &d.uuid,
+                        ])
+                        .set(1.0);
+                }
+            }
+            Some(t) if role == Some(PoolRole::Gpu) => eprintln!(
+                "scheduler: worker w{id} ({}@{}) has no GPU telemetry: {}",
+                inventory.pool, inventory.hostname, t.unavailable_reason
+            ),
+            _ => {}
+        }
+        self.update_worker_gauges();
         Ok(RegisterResponse {
             lease: Some(self.lease(id)),
             job_yaml: self.plan.yaml.clone(),
@@ -534,7 +597,12 @@ impl Actor {
         }
     }
 
-    fn heartbeat(&mut self, worker_id: &str, epoch: u64) -> Result<HeartbeatResponse, Status> {
+    fn heartbeat(
+        &mut self,
+        worker_id: &str,
+        epoch: u64,
+        load: Option<WorkerLoad>,
+    ) -> Result<HeartbeatResponse, Status> {
         let ttl = self.opts.lease_ttl;
         let id = self.worker_number(worker_id);
         // A lease that ran out is not renewed, even if the periodic check has not seen it yet.
@@ -550,6 +618,13 @@ impl Actor {
         match id.and_then(|id| self.workers.get_mut(&id).map(|w| (id, w))) {
             Some((id, w)) if w.alive && epoch == 1 => {
                 w.lease_until = Instant::now() + ttl;
+                if let Some(load) = load
+                    && let Err(reason) = self.gpu_readings(id, &load)
+                {
+                    self.cut_off(id, &reason);
+                    self.pump();
+                    return Err(Status::invalid_argument(reason));
+                }
                 Ok(HeartbeatResponse {
                     lease: Some(self.lease(id)),
                     drain: self.ended.is_some(),
@@ -1250,7 +1325,11 @@ impl Actor {
     fn message(&mut self, worker: u64, message: WorkerMessage) {
         match message.message {
             Some(worker_message::Message::Result(result)) => self.result(worker, result),
-            Some(worker_message::Message::Load(_)) => {}
+            Some(worker_message::Message::Load(load)) => {
+                if let Err(reason) = self.gpu_readings(worker, &load) {
+                    self.cut_off(worker, &reason);
+                }
+            }
             Some(worker_message::Message::Hello(_)) => {
                 self.cut_off(worker, "sent a second hello on its work stream")
             }
@@ -1404,6 +1483,99 @@ impl Actor {
         }
     }
 
+    /// Exports a worker's GPU readings. Readings from a worker that registered without GPU
+    /// telemetry (they could only be made up), for a GPU it did not declare, or with a
+    /// utilisation outside 0..1 are a protocol violation: the reason is returned.
+    fn gpu_readings(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
+        let Some(w) = self.workers.get(&worker) else {
+            return Ok(());
+        };
+        let any = !load.gpus.is_empty()
+            || load.gpu_utilization.is_some()
+            || load.gpu_memory_used_bytes.is_some();
+        if !any && w.gpu_series.is_empty() {
+            return Ok(());
+        }
+        let declared: Option<BTreeSet<u32>> = match &w.telemetry {
+            Some(t) if !t.available && any => {
+                return Err(format!(
+                    "load.gpus: sent GPU readings after registering without GPU telemetry ({})",
+                    t.unavailable_reason
+                ));
+            }
+            Some(t) => Some(t.devices.iter().map(|d| d.index).collect()),
+            None => None,
+        };
+        for (i, r) in load.gpus.iter().enumerate() {
+            if !(r.utilization.is_finite() && (0.0..=1.0).contains(&r.utilization)) {
+                return Err(format!(
+                    "load.gpus[{i}].utilization: {} is not a share between 0 and 1",
+                    r.utilization
+                ));
+            }
+            if declared.as_ref().is_some_and(|d| !d.contains(&r.index)) {
+                return Err(format!(
+                    "load.gpus[{i}].index: GPU {} was not declared at registration",
+                    r.index
+                ));
+            }
+        }
+        let pool = self.plan.pool_name(w.pool).to_owned();
+        let id = format!("w{worker}");
+        let host = w.host.clone();
+        let now: BTreeSet<u32> = load.gpus.iter().map(|r| r.index).collect();
+        // A GPU left out of this reading (its reading failed) is not kept at its old value.
+        for gone in w.gpu_series.difference(&now) {
+            let gpu = gone.to_string();
+            let labels = [pool.as_str(), &id, &host, &gpu];
+            let _ = self.metrics.gpu_utilization.remove_label_values(&labels);
+            let _ = self.metrics.gpu_memory_used.remove_label_values(&labels);
+        }
+        for r in &load.gpus {
+            let gpu = r.index.to_string();
+            let labels = [pool.as_str(), &id, &host, &gpu];
+            self.metrics
+                .gpu_utilization
+                .with_label_values(&labels)
+                .set(r.utilization);
+            self.metrics
+                .gpu_memory_used
+                .with_label_values(&labels)
+                .set(r.memory_used_bytes as f64);
+        }
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.gpu_series = now;
+        }
+        Ok(())
+    }
+
+    /// Takes a gone worker's GPU series out of the exposition.
+    fn forget_gpus(&mut self, worker: u64) {
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        let pool = self.plan.pool_name(w.pool).to_owned();
+        let id = format!("w{worker}");
+        let mut gpus = std::mem::take(&mut w.gpu_series);
+        if let Some(t) = w.telemetry.as_ref().filter(|t| t.available) {
+            for d in &t.devices {
+                gpus.insert(d.index);
+                let gpu = d.index.to_string();
+                let _ = self
+                    .metrics
+                    .gpu_info
+                    .remove_label_values(&[&pool, &id, &w.host, &gpu, &d.name, &d.uuid]);
+            }
+        }
+        for gpu in gpus {
+            let gpu = gpu.to_string();
+            let labels = [pool.as_str(), &id, &w.host, &gpu];
+            let _ = self.metrics.gpu_utilization.remove_label_values(&labels);
+            let _ = self.metrics.gpu_memory_used.remove_label_values(&labels);
+            let _ = self.metrics.gpu_memory_total.remove_label_values(&labels);
+        }
+    }
+
     /// Cuts a worker off: closes its stream with the reason, and undoes every booking it held.
     fn cut_off(&mut self, worker: u64, reason: &str) {
         let Some(w) = self.workers.get_mut(&worker) else {
@@ -1420,6 +1592,10 @@ impl Actor {
         if let Some(outbox) = w.outbox.take() {
             let _ = outbox.send(Err(Status::aborted(format!("cut off: {reason}"))));
         }
+        self.forget_gpus(worker);
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
         let pool = w.pool;
         let held: Vec<u64> = std::mem::take(&mut w.assignments).into_iter().collect();
         let replicas: Vec<u64> = std::mem::take(&mut w.replicas).into_iter().collect();
@@ -1495,6 +1671,17 @@ impl Actor {
                 .workers
                 .with_label_values(&[self.plan.pool_name(i)])
                 .set(n as i64);
+            let without = self
+                .workers
+                .values()
+                .filter(|w| {
+                    w.alive && w.pool == i && w.telemetry.as_ref().is_some_and(|t| !t.available)
+                })
+                .count();
+            self.metrics
+                .workers_without_gpu_telemetry
+                .with_label_values(&[self.plan.pool_name(i)])
+                .set(without as i64);
         }
     }
 
@@ -1663,6 +1850,30 @@ impl Actor {
             regenerated_turns: stats.regenerated_turns,
             workers_lost: self.lost.clone(),
             replicas_moved: self.replicas_moved,
+            gpu_telemetry: self
+                .workers
+                .values()
+                .map(|w| WorkerTelemetry {
+                    worker: w.name.clone(),
+                    pool: self.plan.pool_name(w.pool).to_owned(),
+                    gpu_telemetry: match &w.telemetry {
+                        Some(t) if t.available => "available",
+                        Some(_) => "unavailable",
+                        None => "not said",
+                    }
+                    .into(),
+                    reason: w
+                        .telemetry
+                        .as_ref()
+                        .map(|t| t.unavailable_reason.clone())
+                        .unwrap_or_default(),
+                    gpus: w
+                        .telemetry
+                        .as_ref()
+                        .map(|t| t.devices.iter().map(|d| d.name.clone()).collect())
+                        .unwrap_or_default(),
+                })
+                .collect(),
             pools,
         }
     }

@@ -25,6 +25,12 @@
 //!
 //! An abort from the scheduler aborts the task running the assignment, which drops the engine
 //! request (freeing its KV) or the environment call.
+//!
+//! **Telemetry**: at start-up the worker reads the node's GPUs through NVML
+//! ([`rollfleet_gpu`]). Where a driver exists, it says so at registration
+//! (`HardwareInventory.gpu_telemetry`, with the devices) and sends a reading per GPU with every
+//! heartbeat. Where none exists, it says why once (a log line, and the reason in the
+//! registration), and its heartbeats carry no GPU figures: absent, never zero.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -37,10 +43,10 @@ use rollfleet_engine::openai::{OpenAiConfig, OpenAiEngine, WeightUpdate};
 use rollfleet_engine::{Engine, EngineError, GenerateEvent, GenerateRequest, Prompt};
 use rollfleet_envhost::{EnvHost, EpisodeId, Factory, HostConfig};
 use rollfleet_proto::v1::{
-    GenerationWork, HardwareInventory, HeartbeatRequest, RegisterRequest, SchedulerMessage,
-    StageFailure, StageOutput, WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage,
-    scheduler_message, stage_failure::Cause, work_assignment::Work, work_result, worker_message,
-    worker_service_client::WorkerServiceClient,
+    GenerationWork, GpuDevice, GpuReading, GpuTelemetryInfo, HardwareInventory, HeartbeatRequest,
+    RegisterRequest, SchedulerMessage, StageFailure, StageOutput, WorkAssignment, WorkResult,
+    WorkerHello, WorkerLoad, WorkerMessage, scheduler_message, stage_failure::Cause,
+    work_assignment::Work, work_result, worker_message, worker_service_client::WorkerServiceClient,
 };
 use rollfleet_server::plan::{JobPlan, PoolRole};
 use tokio::sync::mpsc;
@@ -229,8 +235,63 @@ async fn openai_backend(
     })
 }
 
+/// The node's GPU telemetry, read once: what the worker says at registration, and the reader its
+/// heartbeats sample (`None` where there is no driver: a machine does not grow one while a worker
+/// runs, so it is not asked again).
+pub fn gpu_telemetry() -> (GpuTelemetryInfo, Option<rollfleet_gpu::Telemetry>) {
+    let unavailable = |reason: String| GpuTelemetryInfo {
+        available: false,
+        unavailable_reason: reason,
+        devices: Vec::new(),
+    };
+    let devices = match rollfleet_gpu::discover() {
+        Ok(devices) => devices,
+        Err(rollfleet_gpu::Unavailable(reason)) => return (unavailable(reason), None),
+    };
+    match rollfleet_gpu::Telemetry::open() {
+        Ok(telemetry) => (
+            GpuTelemetryInfo {
+                available: true,
+                unavailable_reason: String::new(),
+                devices: devices
+                    .into_iter()
+                    .map(|d| GpuDevice {
+                        index: d.index,
+                        name: d.name,
+                        uuid: d.uuid,
+                        memory_bytes: d.memory_bytes,
+                    })
+                    .collect(),
+            },
+            Some(telemetry),
+        ),
+        Err(rollfleet_gpu::Unavailable(reason)) => (unavailable(reason), None),
+    }
+}
+
+/// One reading of every GPU, into a heartbeat's load: per GPU, and the mean utilisation and
+/// summed memory in use. A GPU whose reading failed is left out; with no reading at all, every
+/// GPU field stays absent.
+fn add_gpu_readings(load: &mut WorkerLoad, samples: &[rollfleet_gpu::GpuSample]) {
+    load.gpus = samples
+        .iter()
+        .map(|s| GpuReading {
+            index: s.index,
+            utilization: s.utilization,
+            memory_used_bytes: s.memory_used_bytes,
+        })
+        .collect();
+    if !samples.is_empty() {
+        let n = samples.len() as f64;
+        load.gpu_utilization = Some(samples.iter().map(|s| s.utilization).sum::<f64>() / n);
+        load.gpu_memory_used_bytes = Some(samples.iter().map(|s| s.memory_used_bytes as f64).sum());
+    }
+}
+
 /// Registers, then serves assignments until the job ends or the scheduler cuts the worker off.
 pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
+    let (telemetry_info, telemetry) = gpu_telemetry();
+    let telemetry = telemetry.map(Arc::new);
     let openai = match &opts.engine {
         EngineChoice::Emulated => None,
         EngineChoice::OpenAi {
@@ -260,6 +321,7 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
                 device: None,
                 backend: backend.into(),
                 backend_version,
+                gpu_telemetry: Some(telemetry_info.clone()),
             }),
             requested_lease_ms: opts.lease_ms,
             previous_worker_id: String::new(),
@@ -305,6 +367,26 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
             b.engine.model()
         ),
     }
+    // Said once: the scheduler has it in the registration too.
+    if telemetry_info.available {
+        let names: Vec<&str> = telemetry_info
+            .devices
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        eprintln!(
+            "worker {} ({}): GPU telemetry (NVML) from {} GPUs ({}) with every heartbeat",
+            lease.worker_id,
+            opts.hostname,
+            names.len(),
+            names.join(", ")
+        );
+    } else {
+        eprintln!(
+            "worker {} ({}): no GPU telemetry on this node, reported once and never as zeros: {}",
+            lease.worker_id, opts.hostname, telemetry_info.unavailable_reason
+        );
+    }
     let node = Arc::new(Node {
         plan,
         pool,
@@ -328,7 +410,14 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
     let heartbeat = tokio::spawn(async move {
         loop {
             tokio::time::sleep(interval).await;
-            let load = hb_node.load().await;
+            let mut load = hb_node.load().await;
+            if let Some(t) = &telemetry {
+                let t = t.clone();
+                // NVML calls block (briefly): off the async threads.
+                if let Ok(samples) = tokio::task::spawn_blocking(move || t.sample()).await {
+                    add_gpu_readings(&mut load, &samples);
+                }
+            }
             let r = hb_client
                 .heartbeat(HeartbeatRequest {
                     worker_id: hb_id.clone(),
@@ -957,6 +1046,51 @@ impl Node {
                 break;
             };
             self.host.end(episode);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readings_fill_the_load_and_no_reading_leaves_every_gpu_field_absent() {
+        let mut load = WorkerLoad::default();
+        add_gpu_readings(&mut load, &[]);
+        assert_eq!(load, WorkerLoad::default(), "no reading: absent, not zero");
+
+        let sample = |index, utilization, memory_used_bytes| rollfleet_gpu::GpuSample {
+            index,
+            utilization,
+            memory_used_bytes,
+        };
+        add_gpu_readings(&mut load, &[sample(0, 0.5, 100), sample(3, 1.0, 300)]);
+        assert_eq!(load.gpus.len(), 2);
+        assert_eq!(
+            (load.gpus[1].index, load.gpus[1].utilization),
+            (3, 1.0),
+            "indices are the driver's"
+        );
+        assert_eq!(load.gpu_utilization, Some(0.75));
+        assert_eq!(load.gpu_memory_used_bytes, Some(400.0));
+    }
+
+    /// This project's machines have no NVIDIA driver; on one that has, the devices are listed.
+    #[test]
+    fn the_node_says_whether_it_has_gpu_telemetry_and_why_not() {
+        let (info, reader) = gpu_telemetry();
+        if info.available {
+            assert!(reader.is_some() && !info.devices.is_empty());
+            assert!(info.unavailable_reason.is_empty());
+        } else {
+            assert!(reader.is_none() && info.devices.is_empty());
+            assert!(
+                info.unavailable_reason.contains("NVML")
+                    || info.unavailable_reason.contains("no GPU"),
+                "{}",
+                info.unavailable_reason
+            );
         }
     }
 }
