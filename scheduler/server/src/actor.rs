@@ -1487,7 +1487,8 @@ impl Actor {
     /// telemetry (they could only be made up), for a GPU it did not declare, or with a
     /// utilisation outside 0..1 are a protocol violation: the reason is returned.
     fn gpu_readings(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
-        let Some(w) = self.workers.get(&worker) else {
+        // A reading still in flight from a worker already gone adds nothing back.
+        let Some(w) = self.workers.get(&worker).filter(|w| w.alive) else {
             return Ok(());
         };
         let any = !load.gpus.is_empty()
