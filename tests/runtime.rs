@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
 use rollfleet_proto::v1::{
-    HardwareInventory, HeartbeatRequest, JobRef, RegisterRequest, StageOutput, WorkResult,
-    WorkerHello, WorkerMessage, scheduler_message, work_result, worker_message,
+    HardwareInventory, HeartbeatRequest, JobPhase, JobRef, RegisterRequest, StageOutput,
+    WorkResult, WorkerHello, WorkerMessage, scheduler_message, work_result, worker_message,
 };
 use serde_json::Value;
 
@@ -174,11 +174,13 @@ fn check_report(report: &Path, steps: u64, min_lost: usize) -> Value {
 #[test]
 fn a_job_completes_with_every_trajectory_once_after_workers_are_killed_mid_run() {
     let dir = temp_dir("kill");
-    let job = job_file(&dir, 3);
+    let job = job_file(&dir, 4);
     let report = dir.join("report.json");
+    // One decode worker at the start, so it certainly holds the decode pool's replica; a spare
+    // joins once the job runs, and takes the replica over when the first is killed.
     let pools = [
         ("prefill", 1),
-        ("decode", 2),
+        ("decode", 1),
         ("train", 1),
         ("envs", 2),
         ("rewards", 1),
@@ -196,9 +198,13 @@ fn a_job_completes_with_every_trajectory_once_after_workers_are_killed_mid_run()
             procs.0.push(child);
         }
     }
-    // Mid-run: trajectories are in flight and the first step is not trained yet or just was.
-    wait_status(&url, "trajectories in flight", |s| {
-        s.trajectories_in_flight > 0 && s.trajectories_completed > 0
+    wait_status(&url, "the job running", |s| s.phase() == JobPhase::Running);
+    procs.0.push(worker(&url, "decode", "decode-1"));
+    // Mid-run: trajectories are in flight, the spare is attached, and the job is not over.
+    wait_status(&url, "trajectories in flight and the spare attached", |s| {
+        s.trajectories_in_flight > 0
+            && s.trajectories_completed > 0
+            && s.pools.iter().any(|p| p.pool == "decode" && p.workers == 2)
     });
     for v in victims {
         // SIGKILL: no goodbye; the scheduler learns from the broken stream or the lease.
@@ -206,11 +212,12 @@ fn a_job_completes_with_every_trajectory_once_after_workers_are_killed_mid_run()
     }
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success(), "the scheduler failed: {status:?}");
-    let report = check_report(&report, 3, 2);
-    let retries = report["stage_retries"].as_u64().unwrap();
+    let report = check_report(&report, 4, 2);
+    // The killed decode worker's replica went to the spare (its stages were redone there); the
+    // killed environment worker's stages, if it held any at that instant, were retried.
     assert!(
-        retries > 0,
-        "killing workers mid-run retried nothing: {report:#}"
+        report["replicas_moved"].as_u64().unwrap() >= 1,
+        "killing the decode worker moved no replica: {report:#}"
     );
 }
 
@@ -648,4 +655,541 @@ fn an_environment_served_by_a_remote_python_server_runs_in_a_job() {
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success(), "the scheduler failed: {status:?}");
     check_report(&report, 2, 0);
+}
+
+// ---------------------------------------------------------------- a real (OpenAI-compatible) engine
+
+/// What the fake engine answers at each turn (turn = assistant messages already in the prompt),
+/// and the action the agent loop extracts from it. The last one repeats.
+const ENGINE_ANSWERS: [(&str, &str); 5] = [
+    ("I'll go down. <action>down</action>", "down"),
+    ("<action>calc: 6 * 7</action>", "calc: 6 * 7"),
+    ("I am not sure.", "I am not sure."),
+    ("<action>answer: 42</action>", "answer: 42"),
+    ("Right, then. <action>right</action>", "right"),
+];
+
+const CHATML_SYSTEM: &str = "<|im_start|>system\n";
+const CHATML_ASSISTANT: &str = "<|im_start|>assistant\n";
+
+/// A deterministic engine speaking vLLM's OpenAI-compatible wire format, byte by byte, over plain
+/// TCP: `GET /v1/models`, and `POST /v1/completions` streamed as server-sent events in chunked
+/// transfer encoding (text chunks, a usage chunk, `[DONE]`). It records every completion request.
+struct FakeEngine {
+    url: String,
+    requests: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
+}
+
+fn fake_engine() -> FakeEngine {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = requests.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                // Keep-alive: answer requests on this connection until the client closes it.
+                let mut data = Vec::new();
+                let mut buf = [0u8; 8192];
+                loop {
+                    let head_end = loop {
+                        if let Some(i) = data.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match stream.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => data.extend_from_slice(&buf[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&data[..head_end]).to_string();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse().unwrap())
+                        })
+                        .unwrap_or(0);
+                    while data.len() < head_end + length {
+                        match stream.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => data.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let body: Value = serde_json::from_slice(&data[head_end..head_end + length])
+                        .unwrap_or_default();
+                    data.drain(..head_end + length);
+                    let path = head.split_whitespace().nth(1).unwrap_or("").to_owned();
+                    let answer = if path == "/v1/models" {
+                        let body = r#"{"object":"list","data":[{"id":"fake-policy","object":"model","created":1,"owned_by":"vllm","root":"fake-policy","parent":null,"max_model_len":32768}]}"#;
+                        format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        )
+                    } else if path == "/v1/completions" {
+                        let prompt = body["prompt"].as_str().unwrap_or("").to_owned();
+                        seen.lock().unwrap().push(body);
+                        let turn = prompt.matches(CHATML_ASSISTANT).count().saturating_sub(1);
+                        let text = ENGINE_ANSWERS[turn.min(ENGINE_ANSWERS.len() - 1)].0;
+                        let (a, b) = text.split_at(text.len() / 2);
+                        let chunk = |text: &str, finish: Option<&str>| {
+                            serde_json::json!({
+                                "id": "cmpl-fake", "object": "text_completion", "created": 1,
+                                "model": "fake-policy",
+                                "choices": [{"index": 0, "text": text, "logprobs": null,
+                                             "finish_reason": finish, "stop_reason": null}],
+                                "usage": null
+                            })
+                            .to_string()
+                        };
+                        let usage = serde_json::json!({
+                            "id": "cmpl-fake", "object": "text_completion", "created": 1,
+                            "model": "fake-policy", "choices": [],
+                            "usage": {"prompt_tokens": prompt.len().div_ceil(4),
+                                      "completion_tokens": text.split_whitespace().count(),
+                                      "total_tokens": 0}
+                        })
+                        .to_string();
+                        let mut out = String::from(
+                            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n",
+                        );
+                        for data in [
+                            chunk(a, None),
+                            chunk(b, Some("stop")),
+                            usage,
+                            "[DONE]".into(),
+                        ] {
+                            let event = format!("data: {data}\n\n");
+                            out.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
+                        }
+                        out.push_str("0\r\n\r\n");
+                        out
+                    } else {
+                        let body = r#"{"object":"error","message":"Not Found","type":"NotFoundError","code":404}"#;
+                        format!(
+                            "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        )
+                    };
+                    if stream.write_all(answer.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    FakeEngine { url, requests }
+}
+
+/// The environment kind whose task opens a prompt (its first user message).
+fn task_kind(task: &str) -> &'static str {
+    if task.starts_with("Convert ") {
+        "calculator"
+    } else if task.starts_with("Reach the goal") {
+        "frozenlake"
+    } else if task.starts_with("Push every box") {
+        "sokoban"
+    } else {
+        panic!("not a task of the job's environments: {task:?}")
+    }
+}
+
+#[test]
+fn workers_with_an_openai_engine_send_the_rendered_turns_and_the_environment_applies_its_text() {
+    let engine = fake_engine();
+    let dir = temp_dir("openai");
+    let job = job_file(&dir, 2);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched]);
+    // Both generation pools drive the fake engine: one names the model, one asks /v1/models.
+    for (pool, model) in [("prefill", Some("fake-policy")), ("decode", None)] {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["worker", "--scheduler", &url, "--pool", pool])
+            .args(["--name", &format!("{pool}-0")])
+            .args(["--engine", "openai", "--engine-url", &engine.url]);
+        if let Some(model) = model {
+            cmd.args(["--model", model]);
+        }
+        procs.0.push(
+            cmd.stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        );
+    }
+    for pool in ["train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    let report = check_report(&report, 2, 0);
+    let generations = report["engine_generations"].as_u64().unwrap();
+    assert!(generations >= 64, "{report:#}");
+    assert_eq!(report["emulated_gpus"], false);
+    for pool in report["pools"].as_array().unwrap() {
+        if pool["pool"] == "prefill" || pool["pool"] == "decode" {
+            assert!(pool["kind"].as_str().unwrap().contains("openai"), "{pool}");
+        }
+    }
+
+    let requests = engine.requests.lock().unwrap().clone();
+    assert!(requests.len() as u64 >= generations, "{}", requests.len());
+    let (mut invalid_seen, mut applied_seen, mut deepest) = (0, 0, 0);
+    for request in &requests {
+        assert_eq!(request["model"], "fake-policy", "{request}");
+        assert_eq!(request["stream"], true);
+        assert!(request["max_tokens"].as_u64().unwrap() > 0);
+        let prompt = request["prompt"].as_str().unwrap();
+        // The agent's ChatML template: system, the task, then each turn's output and
+        // observation, ending with the assistant marker.
+        assert!(prompt.starts_with(CHATML_SYSTEM), "{prompt}");
+        assert!(prompt.ends_with(CHATML_ASSISTANT), "{prompt}");
+        let messages: Vec<(&str, &str)> = prompt
+            .split("<|im_start|>")
+            .skip(1)
+            .map(|m| {
+                let (role, body) = m.split_once('\n').unwrap();
+                (
+                    role,
+                    body.trim_end_matches("<|im_end|>\n").trim_end_matches('\n'),
+                )
+            })
+            .collect();
+        assert_eq!(messages[0].0, "system");
+        assert_eq!(messages[1].0, "user");
+        let kind = task_kind(messages[1].1);
+        assert_eq!(messages.last().unwrap(), &("assistant", ""));
+        let turns = &messages[2..messages.len() - 1];
+        assert_eq!(turns.len() % 2, 0, "{prompt}");
+        deepest = deepest.max(turns.len() / 2);
+        for (t, pair) in turns.chunks(2).enumerate() {
+            let ((r1, output), (r2, observation)) = (pair[0], pair[1]);
+            assert_eq!((r1, r2), ("assistant", "user"), "{prompt}");
+            // The text the engine generated came back as the turn's output...
+            let (answer, action) = ENGINE_ANSWERS[t.min(ENGINE_ANSWERS.len() - 1)];
+            assert_eq!(output, answer, "turn {t} of {prompt}");
+            // ...and the environment applied the action in it: a move it understands, or an
+            // invalid action by its own rules (an observation, not a failure).
+            let valid = match kind {
+                "calculator" => action.starts_with("calc:") || action.starts_with("answer:"),
+                _ => ["up", "down", "left", "right"].contains(&action),
+            };
+            let invalid = format!("Invalid action {action:?}");
+            if valid {
+                assert!(!observation.contains("Invalid action"), "{observation}");
+                applied_seen += 1;
+                if action == "calc: 6 * 7" {
+                    assert!(observation.contains("calc: 6 * 7 = 42"), "{observation}");
+                }
+            } else {
+                assert!(observation.contains(&invalid), "{kind}: {observation}");
+                invalid_seen += 1;
+            }
+        }
+    }
+    eprintln!(
+        "fake engine: {} completion requests, {generations} generations used; turns applied: \
+         {applied_seen} understood, {invalid_seen} invalid; deepest prompt: {deepest} turns",
+        requests.len()
+    );
+    assert!(deepest >= 3, "no episode went past its third turn");
+    assert!(
+        invalid_seen > 0 && applied_seen > 0,
+        "{invalid_seen} {applied_seen}"
+    );
+}
+
+// ---------------------------------------------------------------- GPU telemetry
+
+/// Lines a child writes on stderr, echoed to ours and kept for the test.
+fn stderr_lines(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { return };
+            eprintln!("{line}");
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits for a line containing `needle`; returns it.
+fn wait_line(lines: &std::sync::mpsc::Receiver<String>, needle: &str) -> String {
+    let start = Instant::now();
+    loop {
+        let left = DEADLINE.saturating_sub(start.elapsed());
+        match lines.recv_timeout(left) {
+            Ok(line) if line.contains(needle) => return line,
+            Ok(_) => {}
+            Err(e) => panic!("never saw a line with {needle:?}: {e}"),
+        }
+    }
+}
+
+/// The scheduler's Prometheus exposition.
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: scheduler\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+/// The value of the exposition's sample `name{labels}` (labels in the encoder's order).
+fn sample(exposition: &str, series: &str) -> Option<f64> {
+    exposition
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[test]
+fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_driver() {
+    use rollfleet_proto::v1::{GpuDevice, GpuReading, GpuTelemetryInfo, WorkerLoad};
+    let dir = temp_dir("telemetry");
+    let job = job_file(&dir, 1);
+    let report = dir.join("report.json");
+    // The job never starts (it waits for 100 workers): only registration, heartbeats and the
+    // exposition are tested.
+    let mut sched = Command::new(BIN)
+        .arg("scheduler")
+        .arg(&job)
+        .args(["--listen", "127.0.0.1:0", "--lease-ms", "2000"])
+        .args(["--expect-workers", "100", "--metrics-addr", "127.0.0.1:0"])
+        .arg("--report")
+        .arg(&report)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(sched.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = format!(
+        "http://{}",
+        line.trim().strip_prefix("listening on ").unwrap()
+    );
+    let sched_log = stderr_lines(&mut sched);
+    let metrics = wait_line(&sched_log, "Prometheus metrics on http://");
+    let metrics = metrics
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches("/metrics")
+        .to_owned();
+    let mut procs = Procs(vec![sched]);
+
+    // A real worker on this machine. With no NVIDIA driver (this project's machines) it says so
+    // once, and its heartbeats carry no GPU figure.
+    let no_driver = rollfleet_gpu::discover().err();
+    let mut real = Command::new(BIN)
+        .args(["worker", "--scheduler", &url, "--pool", "decode"])
+        .args(["--name", "real-node"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let real_log = stderr_lines(&mut real);
+    procs.0.push(real);
+    let said = wait_line(&real_log, "GPU telemetry");
+    if let Some(reason) = &no_driver {
+        assert!(said.contains("no GPU telemetry"), "{said}");
+        assert!(said.contains(&reason.0), "{said} / {reason}");
+        let told = wait_line(&sched_log, "(decode@real-node) has no GPU telemetry");
+        assert!(told.contains("NVML"), "{told}");
+    }
+
+    let lease_ms = rt().block_on(async {
+        let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
+        // A peer that reads two GPUs: it declares them, then reports them with a heartbeat.
+        let device = |index: u32| GpuDevice {
+            index,
+            name: "NVIDIA H800".into(),
+            uuid: format!("GPU-test-{index}"),
+            memory_bytes: 85_899_345_920,
+        };
+        let lease = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    hostname: "gpu-peer".into(),
+                    pool: "decode".into(),
+                    gpu_telemetry: Some(GpuTelemetryInfo {
+                        available: true,
+                        unavailable_reason: String::new(),
+                        devices: vec![device(0), device(1)],
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease
+            .unwrap();
+        let reading = |index, utilization, memory_used_bytes| GpuReading {
+            index,
+            utilization,
+            memory_used_bytes,
+        };
+        client
+            .heartbeat(HeartbeatRequest {
+                worker_id: lease.worker_id.clone(),
+                epoch: 1,
+                load: Some(WorkerLoad {
+                    gpus: vec![reading(0, 0.42, 1_234_567), reading(1, 0.9, 7_654_321)],
+                    gpu_utilization: Some(0.66),
+                    gpu_memory_used_bytes: Some(8_888_888.0),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .unwrap();
+
+        // A peer that registered without GPU telemetry and then sends readings (made up: it has
+        // no driver to read them from) is refused and cut off.
+        let liar = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    hostname: "liar".into(),
+                    pool: "decode".into(),
+                    gpu_telemetry: Some(GpuTelemetryInfo {
+                        available: false,
+                        unavailable_reason: "no driver".into(),
+                        devices: vec![],
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease
+            .unwrap();
+        let zeros = HeartbeatRequest {
+            worker_id: liar.worker_id.clone(),
+            epoch: 1,
+            load: Some(WorkerLoad {
+                gpus: vec![reading(0, 0.0, 0)],
+                ..Default::default()
+            }),
+        };
+        let refused = client.heartbeat(zeros.clone()).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(
+            refused.message().contains("without GPU telemetry"),
+            "{refused:?}"
+        );
+        let gone = client.heartbeat(zeros).await.unwrap_err();
+        assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
+        (lease.ttl_ms, lease.worker_id)
+    });
+    let (ttl_ms, peer) = lease_ms;
+
+    // Two of the real worker's heartbeats (every ttl/4) have come and gone.
+    std::thread::sleep(Duration::from_millis(ttl_ms / 2 + 300));
+    let exposition = scrape(&metrics);
+    let series = |name: &str, gpu: u32| {
+        format!(
+            "rollfleet_{name}{{gpu=\"{gpu}\",host=\"gpu-peer\",pool=\"decode\",worker=\"{peer}\"}}"
+        )
+    };
+    assert_eq!(
+        sample(&exposition, &series("gpu_utilization_ratio", 0)),
+        Some(0.42),
+        "{exposition}"
+    );
+    assert_eq!(
+        sample(&exposition, &series("gpu_utilization_ratio", 1)),
+        Some(0.9)
+    );
+    assert_eq!(
+        sample(&exposition, &series("gpu_memory_used_bytes", 0)),
+        Some(1_234_567.0)
+    );
+    assert_eq!(
+        sample(&exposition, &series("gpu_memory_used_bytes", 1)),
+        Some(7_654_321.0)
+    );
+    assert_eq!(
+        sample(&exposition, &series("gpu_memory_total_bytes", 1)),
+        Some(85_899_345_920.0)
+    );
+    assert!(exposition.contains("name=\"NVIDIA H800\""), "{exposition}");
+    // Nothing, not zeros, for the workers without a driver (the real one here, and the liar).
+    let gpu_lines: Vec<&str> = exposition
+        .lines()
+        .filter(|l| l.starts_with("rollfleet_gpu_"))
+        .collect();
+    assert!(
+        gpu_lines.iter().all(|l| l.contains("host=\"gpu-peer\"")),
+        "{gpu_lines:#?}"
+    );
+    // Per GPU: utilisation, memory used, memory total, info.
+    assert_eq!(gpu_lines.len(), 2 * 4, "{gpu_lines:#?}");
+    if no_driver.is_some() {
+        assert_eq!(
+            sample(
+                &exposition,
+                "rollfleet_workers_without_gpu_telemetry{pool=\"decode\"}"
+            ),
+            Some(1.0),
+            "the real worker (the liar is cut off): {exposition}"
+        );
+    }
+
+    // The peer goes silent: its lease runs out and its GPUs leave the exposition.
+    let start = Instant::now();
+    while scrape(&metrics).contains("host=\"gpu-peer\"") {
+        assert!(start.elapsed() < DEADLINE, "the silent peer's GPUs stayed");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // Stop: the report says what each worker said; the real worker said it once.
+    let pid = procs.0[0].id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert_eq!(status.code(), Some(1));
+    assert!(wait_exit(&mut procs.0[1], DEADLINE).success());
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let said: Vec<&Value> = report["gpu_telemetry"].as_array().unwrap().iter().collect();
+    let of = |host: &str| {
+        *said
+            .iter()
+            .find(|t| {
+                t["worker"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with(&format!("@{host})"))
+            })
+            .unwrap()
+    };
+    assert_eq!(of("gpu-peer")["gpu_telemetry"], "available");
+    assert_eq!(of("gpu-peer")["gpus"].as_array().unwrap().len(), 2);
+    assert_eq!(of("liar")["gpu_telemetry"], "unavailable");
+    if let Some(reason) = &no_driver {
+        assert_eq!(of("real-node")["gpu_telemetry"], "unavailable");
+        assert_eq!(of("real-node")["reason"], reason.0.as_str());
+        // Everything else it wrote, to its exit.
+        let lines: Vec<String> = real_log.iter().collect();
+        let again = lines.iter().filter(|l| l.contains("GPU telemetry")).count();
+        assert_eq!(again, 0, "the absence is said once: {lines:#?}");
+    }
 }

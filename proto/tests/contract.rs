@@ -68,6 +68,50 @@ fn truncated_and_random_bytes_are_refused_without_panicking() {
     }
 }
 
+#[test]
+fn a_policy_output_that_is_empty_is_not_an_absent_one() {
+    use rollfleet_proto::v1::EnvStepWork;
+    // Absent: the policy is emulated (a random legal move). Present but empty: a real engine
+    // wrote nothing, which the environment judges as an (invalid) action.
+    let absent = EnvStepWork {
+        environment: "sokoban".into(),
+        ..Default::default()
+    };
+    let empty = EnvStepWork {
+        policy_output: Some(String::new()),
+        ..absent.clone()
+    };
+    assert_ne!(absent.encode_to_vec(), empty.encode_to_vec());
+    let decoded = EnvStepWork::decode(empty.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(decoded.policy_output.as_deref(), Some(""));
+    let decoded = EnvStepWork::decode(absent.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(decoded.policy_output, None);
+}
+
+#[test]
+fn a_load_without_gpu_readings_says_nothing_about_gpus() {
+    use rollfleet_proto::v1::{GpuReading, WorkerLoad};
+    let load = WorkerLoad {
+        running_stages: 3,
+        ..Default::default()
+    };
+    let decoded = WorkerLoad::decode(load.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(decoded.gpu_utilization, None, "absent, not zero");
+    assert_eq!(decoded.gpu_memory_used_bytes, None);
+    assert!(decoded.gpus.is_empty());
+    let with = WorkerLoad {
+        gpus: vec![GpuReading {
+            index: 1,
+            utilization: 0.0,
+            memory_used_bytes: 0,
+        }],
+        ..load
+    };
+    // A real reading of an idle GPU (zeros) survives as a reading.
+    let decoded = WorkerLoad::decode(with.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(decoded.gpus.len(), 1);
+}
+
 /// A server that grants every registration a lease, to check the generated plumbing.
 struct LeaseGranter;
 
@@ -137,6 +181,7 @@ async fn a_generated_client_registers_with_a_generated_server_over_loopback() {
                 })),
                 backend: "emulated".into(),
                 backend_version: String::new(),
+                gpu_telemetry: None,
             }),
             requested_lease_ms: 10_000,
             previous_worker_id: String::new(),

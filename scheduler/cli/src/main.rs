@@ -77,7 +77,8 @@ enum Command {
     Scheduler(commands::runtime::SchedulerArgs),
     /// The node daemon: register with a scheduler and run what it assigns.
     #[command(after_help = "Examples:\n  \
-        rollfleet worker --scheduler http://127.0.0.1:7070 --pool decode")]
+        rollfleet worker --scheduler http://127.0.0.1:7070 --pool decode\n  \
+        rollfleet worker --pool decode --engine openai --engine-url http://127.0.0.1:8000   # vLLM, SGLang")]
     Worker(commands::runtime::WorkerArgs),
 }
 

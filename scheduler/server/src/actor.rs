@@ -24,11 +24,11 @@ use rollfleet_core::{
     TrajId,
 };
 use rollfleet_proto::v1::{
-    CompletedTrajectory, EnvStepWork, GenerationWork, HardwareInventory, HeartbeatResponse,
-    JobPhase, JobStatus, Lease, PoolStatus, RegisterResponse, RewardWork, SchedulerMessage,
-    StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult,
-    WorkerMessage, hardware_inventory::Device, scheduler_message, work_assignment, work_result,
-    worker_message,
+    CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
+    HeartbeatResponse, JobPhase, JobStatus, Lease, PoolStatus, RegisterResponse, RewardWork,
+    SchedulerMessage, StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment,
+    WorkResult, WorkerLoad, WorkerMessage, hardware_inventory::Device, scheduler_message,
+    work_assignment, work_result, worker_message,
 };
 use rollfleet_sim::hardware::Meter;
 use serde::{Deserialize, Serialize};
@@ -58,6 +58,8 @@ pub enum Event {
         worker_id: String,
         /// Its lease epoch.
         epoch: u64,
+        /// Its load, with GPU telemetry where it has any.
+        load: Option<WorkerLoad>,
         /// The answer.
         reply: oneshot::Sender<Result<HeartbeatResponse, Status>>,
     },
@@ -127,6 +129,23 @@ pub struct PoolSummary {
     pub busy_share: f64,
 }
 
+/// What a worker said at registration about GPU telemetry.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerTelemetry {
+    /// The worker (`w3 (decode@host)`).
+    pub worker: String,
+    /// Its pool.
+    pub pool: String,
+    /// `available`, `unavailable` or `not said`.
+    pub gpu_telemetry: String,
+    /// Why not, when unavailable.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    /// The GPUs it reads, as the driver names them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<String>,
+}
+
 /// What the job did, written at the end.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
@@ -140,6 +159,10 @@ pub struct Report {
     pub time_scale: f64,
     /// True: every GPU figure came from the emulated engine.
     pub emulated_gpus: bool,
+    /// Generation stages answered by a real (OpenAI-compatible) engine; 0 when every one was
+    /// emulated. Training is emulated either way.
+    #[serde(default)]
+    pub engine_generations: u64,
     /// Policy version reached (= RL steps trained).
     pub policy_version: u64,
     /// RL steps asked for.
@@ -161,6 +184,12 @@ pub struct Report {
     pub regenerated_turns: u64,
     /// Workers lost or cut off, with the reason.
     pub workers_lost: Vec<String>,
+    /// Inference replicas handed to another worker of their pool after theirs was lost.
+    #[serde(default)]
+    pub replicas_moved: u64,
+    /// What each worker said at registration about GPU telemetry.
+    #[serde(default)]
+    pub gpu_telemetry: Vec<WorkerTelemetry>,
     /// Per pool.
     pub pools: Vec<PoolSummary>,
 }
@@ -197,7 +226,15 @@ struct Assignment {
 
 struct Worker {
     name: String,
+    host: String,
     pool: u32,
+    /// What it said about GPU telemetry at registration (`None`: nothing).
+    telemetry: Option<GpuTelemetryInfo>,
+    /// GPUs whose readings are exported now.
+    gpu_series: BTreeSet<u32>,
+    /// Its engine takes text (an OpenAI-compatible engine): generation assignments carry the
+    /// rendered context, and its output text goes to the environment step.
+    text_policy: bool,
     lease_until: Instant,
     outbox: Option<Outbox>,
     alive: bool,
@@ -211,7 +248,14 @@ struct TrajInfo {
     attempt: u32,
     group: u64,
     task: u32,
+    /// The environment's task and first observation (its reset).
+    prompt: String,
+    /// The action applied at each step, in order (what a replay needs).
     actions: Vec<String>,
+    /// The observation after each step, in order.
+    observations: Vec<String>,
+    /// The text a real engine generated, per turn (none for emulated generations).
+    outputs: BTreeMap<u32, String>,
     env_worker: Option<u64>,
     /// Policy version of each turn's generation.
     versions: BTreeMap<u32, u64>,
@@ -251,6 +295,10 @@ pub struct Actor {
     last_busy: BTreeMap<u32, (f64, Time)>,
     recent_busy: BTreeMap<u32, f64>,
     stages_completed: u64,
+    /// Generations answered by a real engine (`StageOutput.emulated` false).
+    engine_generations: u64,
+    /// Replicas handed to another worker after theirs was lost.
+    replicas_moved: u64,
     latencies_us: Vec<u32>,
     lost: Vec<String>,
     status: watch::Sender<JobStatus>,
@@ -317,6 +365,8 @@ impl Actor {
             last_busy: BTreeMap::new(),
             recent_busy: BTreeMap::new(),
             stages_completed: 0,
+            engine_generations: 0,
+            replicas_moved: 0,
             latencies_us: Vec::new(),
             lost: Vec::new(),
             status,
@@ -380,9 +430,10 @@ impl Actor {
             Event::Heartbeat {
                 worker_id,
                 epoch,
+                load,
                 reply,
             } => {
-                let _ = reply.send(self.heartbeat(&worker_id, epoch));
+                let _ = reply.send(self.heartbeat(&worker_id, epoch, load));
             }
             Event::Attach {
                 worker_id,
@@ -418,6 +469,8 @@ impl Actor {
                         w.alive = false;
                         w.outbox = None;
                     }
+                    self.forget_gpus(worker);
+                    self.update_worker_gauges();
                 } else {
                     self.cut_off(worker, &reason);
                     self.pump();
@@ -483,7 +536,11 @@ impl Actor {
             id,
             Worker {
                 name: format!("w{id} ({}@{})", inventory.pool, inventory.hostname),
+                host: inventory.hostname.clone(),
                 pool,
+                telemetry: inventory.gpu_telemetry.clone(),
+                gpu_series: BTreeSet::new(),
+                text_policy: matches!(inventory.backend.as_str(), "openai" | "vllm" | "sglang"),
                 lease_until: Instant::now() + ttl,
                 outbox: None,
                 alive: true,
@@ -493,6 +550,36 @@ impl Actor {
             },
         );
         self.metrics.workers_registered.inc();
+        match &inventory.gpu_telemetry {
+            Some(t) if t.available => {
+                for d in &t.devices {
+                    let gpu = d.index.to_string();
+                    let worker = format!("w{id}");
+                    let labels = [
+                        self.plan.pool_name(pool),
+                        &worker,
+                        &inventory.hostname,
+                        &gpu,
+                    ];
+                    self.metrics
+                        .gpu_memory_total
+                        .with_label_values(&labels)
+                        .set(d.memory_bytes as f64);
+                    self.metrics
+                        .gpu_info
+                        .with_label_values(&[
+                            labels[0], labels[1], labels[2], labels[3], &d.name, &d.uuid,
+                        ])
+                        .set(1.0);
+                }
+            }
+            Some(t) if role == Some(PoolRole::Gpu) => eprintln!(
+                "scheduler: worker w{id} ({}@{}) has no GPU telemetry: {}",
+                inventory.pool, inventory.hostname, t.unavailable_reason
+            ),
+            _ => {}
+        }
+        self.update_worker_gauges();
         Ok(RegisterResponse {
             lease: Some(self.lease(id)),
             job_yaml: self.plan.yaml.clone(),
@@ -510,7 +597,12 @@ impl Actor {
         }
     }
 
-    fn heartbeat(&mut self, worker_id: &str, epoch: u64) -> Result<HeartbeatResponse, Status> {
+    fn heartbeat(
+        &mut self,
+        worker_id: &str,
+        epoch: u64,
+        load: Option<WorkerLoad>,
+    ) -> Result<HeartbeatResponse, Status> {
         let ttl = self.opts.lease_ttl;
         let id = self.worker_number(worker_id);
         // A lease that ran out is not renewed, even if the periodic check has not seen it yet.
@@ -526,6 +618,13 @@ impl Actor {
         match id.and_then(|id| self.workers.get_mut(&id).map(|w| (id, w))) {
             Some((id, w)) if w.alive && epoch == 1 => {
                 w.lease_until = Instant::now() + ttl;
+                if let Some(load) = load
+                    && let Err(reason) = self.gpu_readings(id, &load)
+                {
+                    self.cut_off(id, &reason);
+                    self.pump();
+                    return Err(Status::invalid_argument(reason));
+                }
                 Ok(HeartbeatResponse {
                     lease: Some(self.lease(id)),
                     drain: self.ended.is_some(),
@@ -645,6 +744,7 @@ impl Actor {
                 w.replicas.insert(r as u64);
             }
             eprintln!("scheduler: replica {r} moves to worker w{id}");
+            self.replicas_moved += 1;
             self.deferred.push_back(Input::ReplicaRecovered {
                 replica: ReplicaId(r as u64),
             });
@@ -807,13 +907,29 @@ impl Actor {
         let spec = plan.spec();
         let task = spec.tasks.get(cmd.task as usize);
         let environment = task.map_or("", |t| t.environment.as_str()).to_owned();
-        let seed = episode_seed(plan.config.seed, cmd.traj.0, cmd.attempt);
+        let seed = episode_seed(plan.config.seed, cmd.traj.0);
+        // Whether the stage goes to a replica whose engine takes text (it then needs the context).
+        let text_policy = match cmd.work {
+            StageWork::Generate { replica, .. } => self
+                .owner
+                .get(replica.0 as usize)
+                .copied()
+                .flatten()
+                .and_then(|w| self.workers.get(&w))
+                .is_some_and(|w| w.text_policy),
+            _ => false,
+        };
         let info = self.trajs.entry(cmd.traj).or_default();
         if info.attempt != cmd.attempt {
-            *info = TrajInfo {
-                attempt: cmd.attempt,
-                ..TrajInfo::default()
-            };
+            // Regenerated from turn `cmd.turn`: the turns before it stand (same episode, replayed
+            // up to there); everything from it on is redone.
+            let keep = cmd.turn as usize;
+            info.attempt = cmd.attempt;
+            info.actions.truncate(keep);
+            info.observations.truncate(keep);
+            info.outputs.retain(|&turn, _| turn < cmd.turn);
+            info.versions.retain(|&turn, _| turn < cmd.turn);
+            info.reward = 0.0;
         }
         info.group = cmd.group.0;
         info.task = cmd.task;
@@ -849,7 +965,18 @@ impl Actor {
                 let reset = matches!(cmd.work, StageWork::EnvReset { .. });
                 if reset {
                     info.actions.clear();
+                    info.observations.clear();
+                    info.outputs.clear();
                 }
+                // A step applies the turn just generated (turn - 1); a real engine's text is
+                // relayed, an emulated generation has none.
+                let policy_output = if reset {
+                    None
+                } else {
+                    cmd.turn
+                        .checked_sub(1)
+                        .and_then(|t| info.outputs.get(&t).cloned())
+                };
                 let message = WorkAssignment {
                     kind: StageKind::EnvStep as i32,
                     work: Some(work_assignment::Work::EnvStep(EnvStepWork {
@@ -863,6 +990,7 @@ impl Actor {
                         } else {
                             info.actions.clone()
                         },
+                        policy_output,
                     })),
                     ..base
                 };
@@ -892,9 +1020,15 @@ impl Actor {
                 kv_from,
                 kv_tokens,
             } => {
+                let prompt_text = if text_policy {
+                    render_context(info)
+                } else {
+                    String::new()
+                };
                 let message = WorkAssignment {
                     kind: StageKind::Decode as i32,
                     work: Some(work_assignment::Work::Generation(GenerationWork {
+                        prompt_text,
                         session,
                         max_new_tokens: u32::try_from(max_new_tokens).unwrap_or(u32::MAX),
                         cached_prefix_tokens: u32::try_from(cached_tokens).unwrap_or(u32::MAX),
@@ -1191,7 +1325,11 @@ impl Actor {
     fn message(&mut self, worker: u64, message: WorkerMessage) {
         match message.message {
             Some(worker_message::Message::Result(result)) => self.result(worker, result),
-            Some(worker_message::Message::Load(_)) => {}
+            Some(worker_message::Message::Load(load)) => {
+                if let Err(reason) = self.gpu_readings(worker, &load) {
+                    self.cut_off(worker, &reason);
+                }
+            }
             Some(worker_message::Message::Hello(_)) => {
                 self.cut_off(worker, "sent a second hello on its work stream")
             }
@@ -1275,10 +1413,15 @@ impl Actor {
                     .inc();
                 let outcome = match kind {
                     StageKindOf::Env { .. } => {
-                        if !reset && let Some(t) = self.trajs.get_mut(&traj) {
-                            t.actions.push(o.text.clone());
-                            if o.done {
-                                t.reward = o.reward;
+                        if let Some(t) = self.trajs.get_mut(&traj) {
+                            if reset {
+                                t.prompt = o.observation.clone();
+                            } else {
+                                t.actions.push(o.text.clone());
+                                t.observations.push(o.observation.clone());
+                                if o.done {
+                                    t.reward = o.reward;
+                                }
                             }
                         }
                         StageOutcome::Observed {
@@ -1287,9 +1430,18 @@ impl Actor {
                         }
                     }
                     StageKindOf::Prefill(_) => StageOutcome::Prefilled,
-                    StageKindOf::Generate(_) => StageOutcome::Generated {
-                        tokens: o.token_count.max(1),
-                    },
+                    StageKindOf::Generate(_) => {
+                        if !o.emulated {
+                            // A real engine's text: the environment step of this turn applies it.
+                            self.engine_generations += 1;
+                            if let Some(t) = self.trajs.get_mut(&traj) {
+                                t.outputs.insert(a.message.turn, o.text.clone());
+                            }
+                        }
+                        StageOutcome::Generated {
+                            tokens: o.token_count.max(1),
+                        }
+                    }
                     StageKindOf::Reward { .. } => {
                         if !o.reward.is_finite() {
                             self.cut_off(
@@ -1331,6 +1483,100 @@ impl Actor {
         }
     }
 
+    /// Exports a worker's GPU readings. Readings from a worker that registered without GPU
+    /// telemetry (they could only be made up), for a GPU it did not declare, or with a
+    /// utilisation outside 0..1 are a protocol violation: the reason is returned.
+    fn gpu_readings(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
+        // A reading still in flight from a worker already gone adds nothing back.
+        let Some(w) = self.workers.get(&worker).filter(|w| w.alive) else {
+            return Ok(());
+        };
+        let any = !load.gpus.is_empty()
+            || load.gpu_utilization.is_some()
+            || load.gpu_memory_used_bytes.is_some();
+        if !any && w.gpu_series.is_empty() {
+            return Ok(());
+        }
+        let declared: Option<BTreeSet<u32>> = match &w.telemetry {
+            Some(t) if !t.available && any => {
+                return Err(format!(
+                    "load.gpus: sent GPU readings after registering without GPU telemetry ({})",
+                    t.unavailable_reason
+                ));
+            }
+            Some(t) => Some(t.devices.iter().map(|d| d.index).collect()),
+            None => None,
+        };
+        for (i, r) in load.gpus.iter().enumerate() {
+            if !(r.utilization.is_finite() && (0.0..=1.0).contains(&r.utilization)) {
+                return Err(format!(
+                    "load.gpus[{i}].utilization: {} is not a share between 0 and 1",
+                    r.utilization
+                ));
+            }
+            if declared.as_ref().is_some_and(|d| !d.contains(&r.index)) {
+                return Err(format!(
+                    "load.gpus[{i}].index: GPU {} was not declared at registration",
+                    r.index
+                ));
+            }
+        }
+        let pool = self.plan.pool_name(w.pool).to_owned();
+        let id = format!("w{worker}");
+        let host = w.host.clone();
+        let now: BTreeSet<u32> = load.gpus.iter().map(|r| r.index).collect();
+        // A GPU left out of this reading (its reading failed) is not kept at its old value.
+        for gone in w.gpu_series.difference(&now) {
+            let gpu = gone.to_string();
+            let labels = [pool.as_str(), &id, &host, &gpu];
+            let _ = self.metrics.gpu_utilization.remove_label_values(&labels);
+            let _ = self.metrics.gpu_memory_used.remove_label_values(&labels);
+        }
+        for r in &load.gpus {
+            let gpu = r.index.to_string();
+            let labels = [pool.as_str(), &id, &host, &gpu];
+            self.metrics
+                .gpu_utilization
+                .with_label_values(&labels)
+                .set(r.utilization);
+            self.metrics
+                .gpu_memory_used
+                .with_label_values(&labels)
+                .set(r.memory_used_bytes as f64);
+        }
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.gpu_series = now;
+        }
+        Ok(())
+    }
+
+    /// Takes a gone worker's GPU series out of the exposition.
+    fn forget_gpus(&mut self, worker: u64) {
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        let pool = self.plan.pool_name(w.pool).to_owned();
+        let id = format!("w{worker}");
+        let mut gpus = std::mem::take(&mut w.gpu_series);
+        if let Some(t) = w.telemetry.as_ref().filter(|t| t.available) {
+            for d in &t.devices {
+                gpus.insert(d.index);
+                let gpu = d.index.to_string();
+                let _ = self
+                    .metrics
+                    .gpu_info
+                    .remove_label_values(&[&pool, &id, &w.host, &gpu, &d.name, &d.uuid]);
+            }
+        }
+        for gpu in gpus {
+            let gpu = gpu.to_string();
+            let labels = [pool.as_str(), &id, &w.host, &gpu];
+            let _ = self.metrics.gpu_utilization.remove_label_values(&labels);
+            let _ = self.metrics.gpu_memory_used.remove_label_values(&labels);
+            let _ = self.metrics.gpu_memory_total.remove_label_values(&labels);
+        }
+    }
+
     /// Cuts a worker off: closes its stream with the reason, and undoes every booking it held.
     fn cut_off(&mut self, worker: u64, reason: &str) {
         let Some(w) = self.workers.get_mut(&worker) else {
@@ -1347,6 +1593,10 @@ impl Actor {
         if let Some(outbox) = w.outbox.take() {
             let _ = outbox.send(Err(Status::aborted(format!("cut off: {reason}"))));
         }
+        self.forget_gpus(worker);
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
         let pool = w.pool;
         let held: Vec<u64> = std::mem::take(&mut w.assignments).into_iter().collect();
         let replicas: Vec<u64> = std::mem::take(&mut w.replicas).into_iter().collect();
@@ -1422,6 +1672,17 @@ impl Actor {
                 .workers
                 .with_label_values(&[self.plan.pool_name(i)])
                 .set(n as i64);
+            let without = self
+                .workers
+                .values()
+                .filter(|w| {
+                    w.alive && w.pool == i && w.telemetry.as_ref().is_some_and(|t| !t.available)
+                })
+                .count();
+            self.metrics
+                .workers_without_gpu_telemetry
+                .with_label_values(&[self.plan.pool_name(i)])
+                .set(without as i64);
         }
     }
 
@@ -1456,6 +1717,14 @@ impl Actor {
                     .filter(|w| w.alive && w.outbox.is_some())
                     .count(),
                 self.opts.expect_workers
+            ),
+            _ if self.engine_generations > 0 => format!(
+                "{} stages completed, {} workers lost; {} generations by an OpenAI-compatible \
+                 engine, other GPU figures emulated (time scale {})",
+                self.stages_completed,
+                self.lost.len(),
+                self.engine_generations,
+                self.opts.time_scale
             ),
             _ => format!(
                 "{} stages completed, {} workers lost; GPU figures are emulated (time scale {})",
@@ -1535,6 +1804,11 @@ impl Actor {
                 PoolSummary {
                     pool: p.name.clone(),
                     kind: match self.plan.pool_role(i) {
+                        Some(PoolRole::Gpu)
+                            if self.workers.values().any(|w| w.pool == i && w.text_policy) =>
+                        {
+                            "gpu (openai engine; training emulated)"
+                        }
                         Some(PoolRole::Gpu) => "gpu (emulated)",
                         Some(PoolRole::Cpu) => "cpu",
                         Some(PoolRole::Serverless) => "serverless (local)",
@@ -1564,7 +1838,8 @@ impl Actor {
             phase: format!("{phase:?}"),
             wall_s: wall,
             time_scale: self.opts.time_scale,
-            emulated_gpus: true,
+            emulated_gpus: self.engine_generations == 0,
+            engine_generations: self.engine_generations,
             policy_version: self.core.version(),
             steps: self.plan.config.steps,
             trained: self.trained.clone(),
@@ -1575,9 +1850,65 @@ impl Actor {
             stage_retries: stats.stage_retries,
             regenerated_turns: stats.regenerated_turns,
             workers_lost: self.lost.clone(),
+            replicas_moved: self.replicas_moved,
+            gpu_telemetry: self
+                .workers
+                .values()
+                .map(|w| WorkerTelemetry {
+                    worker: w.name.clone(),
+                    pool: self.plan.pool_name(w.pool).to_owned(),
+                    gpu_telemetry: match &w.telemetry {
+                        Some(t) if t.available => "available",
+                        Some(_) => "unavailable",
+                        None => "not said",
+                    }
+                    .into(),
+                    reason: w
+                        .telemetry
+                        .as_ref()
+                        .map(|t| t.unavailable_reason.clone())
+                        .unwrap_or_default(),
+                    gpus: w
+                        .telemetry
+                        .as_ref()
+                        .map(|t| t.devices.iter().map(|d| d.name.clone()).collect())
+                        .unwrap_or_default(),
+                })
+                .collect(),
             pools,
         }
     }
+}
+
+/// The whole context of a trajectory's next turn, as the agent's prompt template renders it: the
+/// task, then every earlier turn's output and observation. A turn generated by an emulated engine
+/// has no text; the action applied stands in for it.
+fn render_context(info: &TrajInfo) -> String {
+    use rollfleet_agent::{PromptTemplate, Transcript, Turn};
+    let turns = info
+        .actions
+        .iter()
+        .zip(&info.observations)
+        .enumerate()
+        .map(|(i, (action, observation))| Turn {
+            policy_version: info.versions.get(&(i as u32)).copied().unwrap_or(0),
+            output: info
+                .outputs
+                .get(&(i as u32))
+                .cloned()
+                .unwrap_or_else(|| format!("<action>{action}</action>")),
+            output_tokens: 0,
+            observation: observation.clone(),
+            observation_tokens: 0,
+            reward: 0.0,
+            invalid_action: false,
+        })
+        .collect();
+    PromptTemplate::default().render(&Transcript {
+        task: info.prompt.clone(),
+        task_tokens: 0,
+        turns,
+    })
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {

@@ -64,6 +64,7 @@ impl WorkerService for Workers {
         ask(&self.inbox, |reply| Event::Heartbeat {
             worker_id: r.worker_id,
             epoch: r.epoch,
+            load: r.load,
             reply,
         })
         .await

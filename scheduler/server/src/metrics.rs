@@ -28,7 +28,21 @@ pub struct Metrics {
     pub pool_busy: GaugeVec,
     /// The policy version (= RL steps trained).
     pub policy_version: IntGauge,
+    /// GPU utilisation as a worker last reported it (NVML), per GPU: only for GPUs a worker
+    /// reads; absent, never zero, where it has no driver.
+    pub gpu_utilization: GaugeVec,
+    /// Device memory in use as a worker last reported it, per GPU.
+    pub gpu_memory_used: GaugeVec,
+    /// Device memory of each GPU a worker reads, from its registration.
+    pub gpu_memory_total: GaugeVec,
+    /// 1 per GPU a worker reads, labelled with its driver name and UUID.
+    pub gpu_info: GaugeVec,
+    /// Live workers that registered saying they have no GPU telemetry, per pool.
+    pub workers_without_gpu_telemetry: IntGaugeVec,
 }
+
+/// The labels of every per-GPU metric.
+pub const GPU_LABELS: [&str; 4] = ["pool", "worker", "host", "gpu"];
 
 impl Metrics {
     /// Creates and registers every metric.
@@ -61,6 +75,44 @@ impl Metrics {
             &["pool"],
         )?;
         let policy_version = IntGauge::new("policy_version", "Policy version (RL steps trained).")?;
+        let gpu_utilization = GaugeVec::new(
+            Opts::new(
+                "gpu_utilization_ratio",
+                "GPU utilisation (NVML: share of the sample period a kernel ran) as the worker \
+                 last reported it; only GPUs a worker reads, never a zero for a missing driver.",
+            ),
+            &GPU_LABELS,
+        )?;
+        let gpu_memory_used = GaugeVec::new(
+            Opts::new(
+                "gpu_memory_used_bytes",
+                "GPU device memory in use (NVML) as the worker last reported it.",
+            ),
+            &GPU_LABELS,
+        )?;
+        let gpu_memory_total = GaugeVec::new(
+            Opts::new(
+                "gpu_memory_total_bytes",
+                "GPU device memory (NVML), from the worker's registration.",
+            ),
+            &GPU_LABELS,
+        )?;
+        let info_labels = ["pool", "worker", "host", "gpu", "name", "uuid"];
+        let gpu_info = GaugeVec::new(
+            Opts::new(
+                "gpu_info",
+                "1 per GPU a worker reads, with the driver's name and UUID.",
+            ),
+            &info_labels,
+        )?;
+        let workers_without_gpu_telemetry = IntGaugeVec::new(
+            Opts::new(
+                "workers_without_gpu_telemetry",
+                "Live workers that said at registration they have no GPU telemetry (no driver), \
+                 per pool.",
+            ),
+            &["pool"],
+        )?;
         registry.register(Box::new(stage_completions.clone()))?;
         registry.register(Box::new(trajectories_trained.clone()))?;
         registry.register(Box::new(workers_registered.clone()))?;
@@ -68,6 +120,11 @@ impl Metrics {
         registry.register(Box::new(workers.clone()))?;
         registry.register(Box::new(pool_busy.clone()))?;
         registry.register(Box::new(policy_version.clone()))?;
+        registry.register(Box::new(gpu_utilization.clone()))?;
+        registry.register(Box::new(gpu_memory_used.clone()))?;
+        registry.register(Box::new(gpu_memory_total.clone()))?;
+        registry.register(Box::new(gpu_info.clone()))?;
+        registry.register(Box::new(workers_without_gpu_telemetry.clone()))?;
         Ok(Metrics {
             registry,
             stage_completions,
@@ -77,6 +134,11 @@ impl Metrics {
             workers,
             pool_busy,
             policy_version,
+            gpu_utilization,
+            gpu_memory_used,
+            gpu_memory_total,
+            gpu_info,
+            workers_without_gpu_telemetry,
         })
     }
 

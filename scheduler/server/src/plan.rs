@@ -189,9 +189,10 @@ impl JobPlan {
     }
 }
 
-/// The seed of a trajectory's environment episode: a pure function of the job seed, the
-/// trajectory and its attempt, so any worker rebuilds the same episode.
-pub fn episode_seed(job_seed: u64, traj: u64, attempt: u32) -> u64 {
-    rollfleet_core::rng::SplitMix64::keyed(job_seed, &[0x656e_7673, traj, attempt as u64])
-        .next_u64()
+/// The seed of a trajectory's environment episode: a pure function of the job seed and the
+/// trajectory, so any worker rebuilds the same episode. A regenerated trajectory (a new attempt)
+/// keeps its episode: the core regenerates it from a turn, whose state is rebuilt by replaying
+/// the actions before it. (The trailing 0 is where earlier versions keyed the attempt.)
+pub fn episode_seed(job_seed: u64, traj: u64) -> u64 {
+    rollfleet_core::rng::SplitMix64::keyed(job_seed, &[0x656e_7673, traj, 0]).next_u64()
 }

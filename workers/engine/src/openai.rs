@@ -130,6 +130,49 @@ impl OpenAiEngine {
         })
     }
 
+    /// The engine's address.
+    pub fn base_url(&self) -> &str {
+        &self.config.base_url
+    }
+
+    /// The model name sent with every request.
+    pub fn model(&self) -> &str {
+        &self.config.model
+    }
+
+    /// Records that the weights the engine serves now are policy version `version`, loading
+    /// nothing. For runs whose trainer publishes no real weights (the emulated trainer): the
+    /// engine keeps its weights, and the version is a label the scheduler's staleness books need.
+    pub fn relabel_version(&self, version: u64) {
+        self.version.store(version, Ordering::SeqCst);
+    }
+
+    /// The models the engine serves (`GET {base}/v1/models`, answered by vLLM and SGLang), in
+    /// the order it lists them.
+    pub async fn served_models(&self) -> Result<Vec<String>, EngineError> {
+        #[derive(Deserialize)]
+        struct Models {
+            data: Vec<Model>,
+        }
+        #[derive(Deserialize)]
+        struct Model {
+            id: String,
+        }
+        let mut builder = self
+            .client
+            .get(format!("{}/v1/models", self.config.base_url));
+        if let Some(key) = &self.config.api_key {
+            builder = builder.bearer_auth(key);
+        }
+        let response = builder.send().await.map_err(|e| self.unavailable(e))?;
+        let response = self.check_status(response).await?;
+        let models: Models = response
+            .json()
+            .await
+            .map_err(|e| self.protocol(format_args!("/v1/models answer: {e}")))?;
+        Ok(models.data.into_iter().map(|m| m.id).collect())
+    }
+
     fn unavailable(&self, reason: impl std::fmt::Display) -> EngineError {
         EngineError::Unavailable {
             endpoint: self.config.base_url.clone(),

@@ -101,6 +101,14 @@ async fn serve(
     };
     let path = request.path.clone();
     let _ = seen.send(request);
+    if path == "/v1/models" {
+        let body = r#"{"object":"list","data":[{"id":"Qwen/Qwen2.5-1.5B-Instruct","object":"model","created":1,"owned_by":"vllm","root":"Qwen/Qwen2.5-1.5B-Instruct","parent":null,"max_model_len":32768},{"id":"lora-a","object":"model","created":1,"owned_by":"vllm","root":"Qwen/Qwen2.5-1.5B-Instruct","parent":"Qwen/Qwen2.5-1.5B-Instruct"}]}"#;
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        return stream.write_all(answer.as_bytes()).await;
+    }
     if path == "/update_weights_from_disk" {
         let body = r#"{"success":true,"message":"Succeeded to update model weights."}"#;
         let answer = format!(
@@ -378,4 +386,34 @@ async fn weights_update_through_sglangs_endpoint_and_move_the_served_version() {
         Err(EngineError::Unsupported(_))
     ));
     assert_eq!(plain.policy_version(), 3);
+}
+
+#[tokio::test]
+async fn the_served_models_are_listed_and_a_relabelled_version_is_served() {
+    let mut fake = fake_engine(Behaviour::Stream).await;
+    let engine = engine(&fake.url, WeightUpdate::Unsupported);
+    assert_eq!(
+        engine.served_models().await.unwrap(),
+        ["Qwen/Qwen2.5-1.5B-Instruct", "lora-a"]
+    );
+    let seen = fake.seen.recv().await.unwrap();
+    assert_eq!(seen.path, "/v1/models");
+    assert!(seen.headers.starts_with("GET "));
+
+    // Weights the emulated trainer "published" are only a label: nothing is sent to the engine,
+    // and requests for the new version go through.
+    engine.relabel_version(5);
+    assert_eq!(engine.policy_version(), 5);
+    let events: Vec<_> = engine
+        .generate(GenerateRequest {
+            policy_version: 5,
+            ..request()
+        })
+        .collect()
+        .await;
+    let Some(Ok(GenerateEvent::Finished(done))) = events.last() else {
+        panic!("{events:?}");
+    };
+    assert_eq!(done.policy_version, 5);
+    assert_eq!(fake.seen.recv().await.unwrap().path, "/v1/completions");
 }

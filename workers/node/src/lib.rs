@@ -2,33 +2,51 @@
 //! heartbeats, and runs the assignments that arrive on its work stream.
 //!
 //! What it runs depends on its pool, as the job (sent back on registration) defines it:
-//! - **GPU pools**: each inference replica the scheduler places on this node is an
-//!   [`EmulatedEngine`] (the simulator's roofline on the scaled real clock; no GPU is used and
-//!   every output says `emulated`), and the trainer is emulated the same way: a batch takes the
-//!   simulator's training time. Generated tokens are synthetic; how many is drawn from the task's
-//!   `actionTokens` distribution, seeded per trajectory and turn, as the simulator draws it.
+//! - **GPU pools**, with the default [`EngineChoice::Emulated`]: each inference replica the
+//!   scheduler places on this node is an [`EmulatedEngine`] (the simulator's roofline on the
+//!   scaled real clock; no GPU is used and every output says `emulated`). Generated tokens are
+//!   synthetic; how many is drawn from the task's `actionTokens` distribution, seeded per
+//!   trajectory and turn, as the simulator draws it.
+//! - **GPU pools**, with [`EngineChoice::OpenAi`]: every replica placed on this node is served by
+//!   one real engine behind the OpenAI completions API (vLLM, SGLang), through
+//!   [`OpenAiEngine`]. The scheduler sends the turn's whole context as text (rendered by the
+//!   agent's prompt template); the engine's text goes back in the result, and the scheduler
+//!   relays it to the environment step.
+//! - In both cases the trainer is emulated: a batch takes the simulator's training time.
 //! - **CPU pools**: real environments from `agents/` on the [`EnvHost`] (slots, deadlines, crash
-//!   isolation). Because the emulated policy writes no meaningful text, the action applied is a
-//!   random legal move of that environment, seeded per trajectory and turn, and returned to the
-//!   scheduler so that any worker can rebuild the episode by replay.
+//!   isolation). When the step carries the policy's text (`EnvStepWork.policy_output`, from a
+//!   real engine), the action is extracted from it as the agent loop does; an action the
+//!   environment cannot parse is an invalid action by its rules. When it does not (the emulated
+//!   policy writes no meaningful text), the action applied is a random legal move of that
+//!   environment, seeded per trajectory and turn. Either way the action applied is returned to
+//!   the scheduler so that any worker can rebuild the episode by replay.
 //! - **Serverless pools**: the reward functions of `serverless/rewards`, called in process (the
 //!   code AWS Lambda would run through the custom runtime).
 //!
 //! An abort from the scheduler aborts the task running the assignment, which drops the engine
 //! request (freeing its KV) or the environment call.
+//!
+//! **Telemetry**: at start-up the worker reads the node's GPUs through NVML
+//! ([`rollfleet_gpu`]). Where a driver exists, it says so at registration
+//! (`HardwareInventory.gpu_telemetry`, with the devices) and sends a reading per GPU with every
+//! heartbeat. Where none exists, it says why once (a log line, and the reason in the
+//! registration), and its heartbeats carry no GPU figures: absent, never zero.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rollfleet_core::rng::SplitMix64;
 use rollfleet_engine::emulated::{EmulatedConfig, EmulatedEngine};
+use rollfleet_engine::openai::{OpenAiConfig, OpenAiEngine, WeightUpdate};
+use rollfleet_engine::{Engine, EngineError, GenerateEvent, GenerateRequest, Prompt};
 use rollfleet_envhost::{EnvHost, EpisodeId, Factory, HostConfig};
 use rollfleet_proto::v1::{
-    HardwareInventory, HeartbeatRequest, RegisterRequest, SchedulerMessage, StageFailure,
-    StageOutput, WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage,
-    scheduler_message, stage_failure::Cause, work_assignment::Work, work_result, worker_message,
-    worker_service_client::WorkerServiceClient,
+    GenerationWork, GpuDevice, GpuReading, GpuTelemetryInfo, HardwareInventory, HeartbeatRequest,
+    RegisterRequest, SchedulerMessage, StageFailure, StageOutput, WorkAssignment, WorkResult,
+    WorkerHello, WorkerLoad, WorkerMessage, scheduler_message, stage_failure::Cause,
+    work_assignment::Work, work_result, worker_message, worker_service_client::WorkerServiceClient,
 };
 use rollfleet_server::plan::{JobPlan, PoolRole};
 use tokio::sync::mpsc;
@@ -54,6 +72,26 @@ pub enum NodeError {
     /// The job the scheduler sent could not be planned.
     #[error("the scheduler's job: {0}")]
     Plan(#[from] rollfleet_server::PlanError),
+    /// The LLM engine could not be set up.
+    #[error("engine: {0}")]
+    Engine(String),
+}
+
+/// Which LLM engine runs this node's generation stages (GPU pools only).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum EngineChoice {
+    /// The emulated engine: the simulator's roofline on the scaled real clock, synthetic tokens.
+    #[default]
+    Emulated,
+    /// A real engine behind the OpenAI completions API (vLLM, SGLang).
+    OpenAi {
+        /// Its base URL, e.g. `http://127.0.0.1:8000`.
+        url: String,
+        /// The model name to ask for; `None`: the first model the engine lists at `/v1/models`.
+        model: Option<String>,
+        /// Sampling temperature.
+        temperature: f32,
+    },
 }
 
 /// Settings of a worker.
@@ -76,6 +114,8 @@ pub struct WorkerOptions {
     pub model_environments: bool,
     /// Environment kinds served by remote environment servers: `(kind, base URL)`.
     pub remote_envs: Vec<(String, String)>,
+    /// The LLM engine of a GPU pool's generation stages.
+    pub engine: EngineChoice,
 }
 
 /// How a worker ended without error.
@@ -87,11 +127,36 @@ pub enum WorkerExit {
     Closed,
 }
 
+/// A real engine serving every replica placed on this node.
+struct OpenAiBackend {
+    engine: OpenAiEngine,
+    temperature: f32,
+    /// Requests in flight (the node's load).
+    in_flight: AtomicU32,
+}
+
+/// Counts a request in flight for as long as it lives (an abort drops it too).
+struct InFlight<'a>(&'a AtomicU32);
+
+impl<'a> InFlight<'a> {
+    fn enter(counter: &'a AtomicU32) -> InFlight<'a> {
+        counter.fetch_add(1, Ordering::Relaxed);
+        InFlight(counter)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 struct Node {
     plan: JobPlan,
     pool: u32,
     time_scale: f64,
     engines: Mutex<BTreeMap<u64, Arc<EmulatedEngine>>>,
+    openai: Option<OpenAiBackend>,
     host: EnvHost,
     episodes: Mutex<BTreeMap<(u64, u32), (EpisodeId, usize)>>,
     slots: usize,
@@ -115,8 +180,138 @@ async fn connect(opts: &WorkerOptions) -> Result<WorkerServiceClient<Channel>, N
     }
 }
 
+/// Connects to the OpenAI-compatible engine; without a model name, takes the first model the
+/// engine lists (retrying until `connect_timeout`: an engine may still be loading its weights).
+async fn openai_backend(
+    url: &str,
+    model: Option<&str>,
+    temperature: f32,
+    connect_timeout: Duration,
+) -> Result<OpenAiBackend, NodeError> {
+    let config = |model: String| OpenAiConfig {
+        base_url: url.to_owned(),
+        model,
+        api_key: std::env::var("ROLLFLEET_ENGINE_API_KEY")
+            .ok()
+            .filter(|k| !k.is_empty()),
+        connect_timeout: Duration::from_secs(5),
+        return_token_ids: false,
+        // Weights come from the scheduler's weight-sync assignments; see `weight_sync`.
+        weight_update: WeightUpdate::Unsupported,
+    };
+    let engine = |model: String| {
+        OpenAiEngine::new(config(model), 0).map_err(|e| NodeError::Engine(e.to_string()))
+    };
+    let model = match model {
+        Some(m) => m.to_owned(),
+        None => {
+            let probe = engine(String::new())?;
+            let deadline = tokio::time::Instant::now() + connect_timeout;
+            loop {
+                match probe.served_models().await {
+                    Ok(models) => match models.into_iter().next() {
+                        Some(m) => break m,
+                        None => {
+                            return Err(NodeError::Engine(format!(
+                                "{url}/v1/models lists no model; pass --model"
+                            )));
+                        }
+                    },
+                    Err(e @ EngineError::Unavailable { .. })
+                        if tokio::time::Instant::now() < deadline =>
+                    {
+                        let _ = e;
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    Err(e) => return Err(NodeError::Engine(e.to_string())),
+                }
+            }
+        }
+    };
+    Ok(OpenAiBackend {
+        engine: engine(model)?,
+        temperature,
+        in_flight: AtomicU32::new(0),
+    })
+}
+
+/// The node's GPU telemetry, read once: what the worker says at registration, and the reader its
+/// heartbeats sample (`None` where there is no driver: a machine does not grow one while a worker
+/// runs, so it is not asked again).
+pub fn gpu_telemetry() -> (GpuTelemetryInfo, Option<rollfleet_gpu::Telemetry>) {
+    let unavailable = |reason: String| GpuTelemetryInfo {
+        available: false,
+        unavailable_reason: reason,
+        devices: Vec::new(),
+    };
+    let devices = match rollfleet_gpu::discover() {
+        Ok(devices) => devices,
+        Err(rollfleet_gpu::Unavailable(reason)) => return (unavailable(reason), None),
+    };
+    match rollfleet_gpu::Telemetry::open() {
+        Ok(telemetry) => (
+            GpuTelemetryInfo {
+                available: true,
+                unavailable_reason: String::new(),
+                devices: devices
+                    .into_iter()
+                    .map(|d| GpuDevice {
+                        index: d.index,
+                        name: d.name,
+                        uuid: d.uuid,
+                        memory_bytes: d.memory_bytes,
+                    })
+                    .collect(),
+            },
+            Some(telemetry),
+        ),
+        Err(rollfleet_gpu::Unavailable(reason)) => (unavailable(reason), None),
+    }
+}
+
+/// One reading of every GPU, into a heartbeat's load: per GPU, and the mean utilisation and
+/// summed memory in use. A GPU whose reading failed is left out; with no reading at all, every
+/// GPU field stays absent.
+fn add_gpu_readings(load: &mut WorkerLoad, samples: &[rollfleet_gpu::GpuSample]) {
+    load.gpus = samples
+        .iter()
+        .map(|s| GpuReading {
+            index: s.index,
+            utilization: s.utilization,
+            memory_used_bytes: s.memory_used_bytes,
+        })
+        .collect();
+    if !samples.is_empty() {
+        let n = samples.len() as f64;
+        load.gpu_utilization = Some(samples.iter().map(|s| s.utilization).sum::<f64>() / n);
+        load.gpu_memory_used_bytes = Some(samples.iter().map(|s| s.memory_used_bytes as f64).sum());
+    }
+}
+
 /// Registers, then serves assignments until the job ends or the scheduler cuts the worker off.
 pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
+    let (telemetry_info, telemetry) = gpu_telemetry();
+    let telemetry = telemetry.map(Arc::new);
+    let openai = match &opts.engine {
+        EngineChoice::Emulated => None,
+        EngineChoice::OpenAi {
+            url,
+            model,
+            temperature,
+        } => Some(openai_backend(url, model.as_deref(), *temperature, opts.connect_timeout).await?),
+    };
+    let (backend, backend_version) = match &openai {
+        None => ("emulated", env!("CARGO_PKG_VERSION").to_owned()),
+        Some(b) => (
+            "openai",
+            format!(
+                "rollfleet-node {}; model {:?} at {}",
+                env!("CARGO_PKG_VERSION"),
+                b.engine.model(),
+                b.engine.base_url()
+            ),
+        ),
+    };
     let mut client = connect(&opts).await?;
     let response = client
         .register(RegisterRequest {
@@ -124,8 +319,9 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
                 hostname: opts.hostname.clone(),
                 pool: opts.pool.clone(),
                 device: None,
-                backend: "emulated".into(),
-                backend_version: env!("CARGO_PKG_VERSION").into(),
+                backend: backend.into(),
+                backend_version,
+                gpu_telemetry: Some(telemetry_info.clone()),
             }),
             requested_lease_ms: opts.lease_ms,
             previous_worker_id: String::new(),
@@ -145,18 +341,58 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
     } else {
         1.0
     };
-    eprintln!(
-        "worker {} ({}): registered for pool {} ({:?}); emulated hardware at time scale {time_scale}",
-        lease.worker_id,
-        opts.hostname,
-        opts.pool,
-        plan.pool_role(pool)
-    );
+    if openai.is_some() && plan.pool_role(pool) != Some(PoolRole::Gpu) {
+        return Err(NodeError::Engine(format!(
+            "--engine openai serves generation, which runs on GPU pools; pool {:?} is a {:?} pool",
+            opts.pool,
+            plan.pool_role(pool)
+        )));
+    }
+    match &openai {
+        None => eprintln!(
+            "worker {} ({}): registered for pool {} ({:?}); emulated hardware at time scale \
+             {time_scale}",
+            lease.worker_id,
+            opts.hostname,
+            opts.pool,
+            plan.pool_role(pool)
+        ),
+        Some(b) => eprintln!(
+            "worker {} ({}): registered for pool {}; generation on the OpenAI-compatible engine \
+             at {} (model {:?}); training emulated at time scale {time_scale}",
+            lease.worker_id,
+            opts.hostname,
+            opts.pool,
+            b.engine.base_url(),
+            b.engine.model()
+        ),
+    }
+    // Said once: the scheduler has it in the registration too.
+    if telemetry_info.available {
+        let names: Vec<&str> = telemetry_info
+            .devices
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        eprintln!(
+            "worker {} ({}): GPU telemetry (NVML) from {} GPUs ({}) with every heartbeat",
+            lease.worker_id,
+            opts.hostname,
+            names.len(),
+            names.join(", ")
+        );
+    } else {
+        eprintln!(
+            "worker {} ({}): no GPU telemetry on this node, reported once and never as zeros: {}",
+            lease.worker_id, opts.hostname, telemetry_info.unavailable_reason
+        );
+    }
     let node = Arc::new(Node {
         plan,
         pool,
         time_scale,
         engines: Mutex::new(BTreeMap::new()),
+        openai,
         host: env_host(&opts),
         episodes: Mutex::new(BTreeMap::new()),
         slots: opts.env_slots.max(1),
@@ -174,7 +410,14 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
     let heartbeat = tokio::spawn(async move {
         loop {
             tokio::time::sleep(interval).await;
-            let load = hb_node.load().await;
+            let mut load = hb_node.load().await;
+            if let Some(t) = &telemetry {
+                let t = t.clone();
+                // NVML calls block (briefly): off the async threads.
+                if let Ok(samples) = tokio::task::spawn_blocking(move || t.sample()).await {
+                    add_gpu_readings(&mut load, &samples);
+                }
+            }
             let r = hb_client
                 .heartbeat(HeartbeatRequest {
                     worker_id: hb_id.clone(),
@@ -299,6 +542,125 @@ fn failure(cause: Cause, message: impl Into<String>) -> work_result::Outcome {
     })
 }
 
+/// A failed engine call as a stage failure: an engine that is unreachable, answers 5xx or breaks
+/// the protocol is an infrastructure fault (retried, never scored); a refused request is invalid.
+fn engine_failure(error: EngineError) -> work_result::Outcome {
+    let cause = match error {
+        EngineError::Unavailable { .. } | EngineError::Protocol { .. } => Cause::Infrastructure,
+        EngineError::Rejected { .. } | EngineError::Unsupported(_) => Cause::Invalid,
+    };
+    failure(cause, error.to_string())
+}
+
+/// One generation stage on the OpenAI-compatible engine: the scheduler's rendered context in,
+/// the engine's text out (with its own token count).
+async fn generate_openai(
+    backend: &OpenAiBackend,
+    a: &WorkAssignment,
+    g: &GenerationWork,
+) -> Result<StageOutput, work_result::Outcome> {
+    let engine = &backend.engine;
+    if g.prefill_only {
+        // Over the OpenAI API an engine prefills as part of the generation, and no KV cache moves
+        // between engines: the generation stage that follows sends the whole context.
+        return Ok(StageOutput {
+            policy_version: engine.policy_version(),
+            text: "[prefill: done by the OpenAI-compatible engine with the generation]".into(),
+            ..Default::default()
+        });
+    }
+    if g.prompt_text.is_empty() {
+        return Err(failure(
+            Cause::Invalid,
+            "generation.prompt_text: empty; an OpenAI-compatible engine needs the turn's text (the \
+             scheduler sends it to workers registered with backend \"openai\")",
+        ));
+    }
+    let traj = a.trajectory.clone().unwrap_or_default();
+    let request = GenerateRequest {
+        request_id: format!(
+            "{}-{}.{}-turn{}-a{}",
+            traj.job, traj.id, traj.attempt, a.turn, a.assignment_id
+        ),
+        session: g.session.clone(),
+        prompt: Prompt::Text(g.prompt_text.clone()),
+        max_tokens: g.max_new_tokens.max(1),
+        temperature: backend.temperature,
+        stop: Vec::new(),
+        // The version the engine serves now: the result says which one produced the text.
+        policy_version: engine.policy_version(),
+    };
+    let _in_flight = InFlight::enter(&backend.in_flight);
+    // Dropping the stream (an abort drops this whole task) closes the connection: an abort.
+    let mut stream = engine.generate(request);
+    let mut text = String::new();
+    let mut token_ids = Vec::new();
+    while let Some(event) = stream.next().await {
+        match event.map_err(engine_failure)? {
+            GenerateEvent::Delta {
+                text: delta,
+                token_ids: ids,
+            } => {
+                text.push_str(&delta);
+                token_ids.extend(ids);
+            }
+            GenerateEvent::Finished(done) => {
+                let token_count = done
+                    .completion_tokens
+                    .map(u64::from)
+                    .or_else(|| (!token_ids.is_empty()).then_some(token_ids.len() as u64))
+                    .unwrap_or_else(|| tokens_of(&text));
+                return Ok(StageOutput {
+                    tokens: token_ids,
+                    text,
+                    policy_version: done.policy_version,
+                    emulated: done.emulated,
+                    token_count,
+                    ..Default::default()
+                });
+            }
+        }
+    }
+    Err(failure(
+        Cause::Infrastructure,
+        format!(
+            "{}: the generation stream ended without a finish",
+            engine.base_url()
+        ),
+    ))
+}
+
+/// A weight sync on the OpenAI-compatible engine. Weights published by the emulated trainer
+/// (`emulated://` sources) do not exist: the engine keeps its weights and the version is only
+/// relabelled. Any other source is handed to the engine's update mechanism (which the OpenAI API
+/// does not have: it fails, saying so).
+async fn weight_sync_openai(
+    backend: &OpenAiBackend,
+    w: &rollfleet_proto::v1::WeightSyncWork,
+) -> Result<StageOutput, work_result::Outcome> {
+    if w.source.starts_with("emulated://") {
+        backend.engine.relabel_version(w.to_version);
+        return Ok(StageOutput {
+            policy_version: w.to_version,
+            text: format!(
+                "[weights of version {} come from the emulated trainer: none loaded; the engine \
+                 keeps its weights]",
+                w.to_version
+            ),
+            ..Default::default()
+        });
+    }
+    backend
+        .engine
+        .update_weights(w.to_version, &w.source)
+        .await
+        .map_err(engine_failure)?;
+    Ok(StageOutput {
+        policy_version: w.to_version,
+        ..Default::default()
+    })
+}
+
 fn tokens_of(text: &str) -> u64 {
     // About four bytes a token, as `agents`' default counter assumes.
     (text.len() as u64).div_ceil(4).max(1)
@@ -347,14 +709,15 @@ impl Node {
             load.kv_cache_capacity_bytes += (engine.kv_capacity() as f64 * kv_bytes) as u64;
         }
         load.running_stages += self.host.busy() as u32;
+        if let Some(b) = &self.openai {
+            // A real engine's queue and KV cache are its own; only the requests in flight are known.
+            load.running_stages += b.in_flight.load(Ordering::Relaxed);
+        }
         load
     }
 
-    fn engine(&self, replica: u64) -> Result<Arc<EmulatedEngine>, String> {
-        let mut engines = self.engines.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = engines.get(&replica) {
-            return Ok(e.clone());
-        }
+    /// The placement's replica `replica`, if it belongs to this worker's pool.
+    fn own_replica(&self, replica: u64) -> Result<&rollfleet_core::ReplicaConfig, String> {
         let rc = self
             .plan
             .replica(replica)
@@ -366,6 +729,15 @@ impl Node {
                 self.plan.pool_name(self.pool)
             ));
         }
+        Ok(rc)
+    }
+
+    fn engine(&self, replica: u64) -> Result<Arc<EmulatedEngine>, String> {
+        let mut engines = self.engines.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = engines.get(&replica) {
+            return Ok(e.clone());
+        }
+        let rc = self.own_replica(replica)?;
         let (peak, bw) = self.plan.gpu_peaks(rc.pool);
         let engine = Arc::new(EmulatedEngine::start(EmulatedConfig {
             gpus: rc.gpus,
@@ -408,6 +780,10 @@ impl Node {
             Work::Generation(g) => {
                 if role != Some(PoolRole::Gpu) {
                     return Err(invalid("generation work sent to a non-GPU pool".into()));
+                }
+                if let Some(backend) = &self.openai {
+                    self.own_replica(g.replica).map_err(invalid)?;
+                    return generate_openai(backend, a, g).await;
                 }
                 let engine = self.engine(g.replica).map_err(invalid)?;
                 if g.prefill_only {
@@ -455,6 +831,10 @@ impl Node {
                 })
             }
             Work::WeightSync(w) => {
+                if let Some(backend) = &self.openai {
+                    self.own_replica(w.replica).map_err(invalid)?;
+                    return weight_sync_openai(backend, w).await;
+                }
                 let engine = self.engine(w.replica).map_err(invalid)?;
                 engine
                     .load_weights(w.to_version, w.weight_bytes)
@@ -523,7 +903,12 @@ impl Node {
                         episode
                     }
                 };
-                let action = emulated_action(&e.environment, e.seed, a.turn);
+                // The policy's text when a real engine wrote it (the action extracted as the
+                // agent loop does); a random legal move when the policy is emulated.
+                let action = match &e.policy_output {
+                    Some(text) => rollfleet_environments::extract_action(text).to_owned(),
+                    None => emulated_action(&e.environment, e.seed, a.turn),
+                };
                 let step = self.host.step(episode, &action).await.map_err(|err| {
                     self.episodes
                         .lock()
@@ -661,6 +1046,51 @@ impl Node {
                 break;
             };
             self.host.end(episode);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readings_fill_the_load_and_no_reading_leaves_every_gpu_field_absent() {
+        let mut load = WorkerLoad::default();
+        add_gpu_readings(&mut load, &[]);
+        assert_eq!(load, WorkerLoad::default(), "no reading: absent, not zero");
+
+        let sample = |index, utilization, memory_used_bytes| rollfleet_gpu::GpuSample {
+            index,
+            utilization,
+            memory_used_bytes,
+        };
+        add_gpu_readings(&mut load, &[sample(0, 0.5, 100), sample(3, 1.0, 300)]);
+        assert_eq!(load.gpus.len(), 2);
+        assert_eq!(
+            (load.gpus[1].index, load.gpus[1].utilization),
+            (3, 1.0),
+            "indices are the driver's"
+        );
+        assert_eq!(load.gpu_utilization, Some(0.75));
+        assert_eq!(load.gpu_memory_used_bytes, Some(400.0));
+    }
+
+    /// This project's machines have no NVIDIA driver; on one that has, the devices are listed.
+    #[test]
+    fn the_node_says_whether_it_has_gpu_telemetry_and_why_not() {
+        let (info, reader) = gpu_telemetry();
+        if info.available {
+            assert!(reader.is_some() && !info.devices.is_empty());
+            assert!(info.unavailable_reason.is_empty());
+        } else {
+            assert!(reader.is_none() && info.devices.is_empty());
+            assert!(
+                info.unavailable_reason.contains("NVML")
+                    || info.unavailable_reason.contains("no GPU"),
+                "{}",
+                info.unavailable_reason
+            );
         }
     }
 }

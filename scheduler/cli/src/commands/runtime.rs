@@ -77,6 +77,30 @@ pub struct WorkerArgs {
     /// `guess=http://127.0.0.1:8765` (protocol: docs/remote-environments.md).
     #[arg(long = "remote-env", value_parser = parse_remote_env)]
     pub remote_envs: Vec<(String, String)>,
+    /// The LLM engine of a GPU pool's generation stages: `emulated` (the simulator's roofline on
+    /// the scaled clock, synthetic tokens, no GPU) or `openai` (a real engine behind the OpenAI
+    /// completions API, such as vLLM or SGLang, at --engine-url; training stays emulated).
+    #[arg(long, value_enum, default_value_t = EngineKind::Emulated)]
+    pub engine: EngineKind,
+    /// The OpenAI-compatible engine's base URL (plain HTTP), e.g. `http://127.0.0.1:8000`; its
+    /// API key, if it wants one, is read from ROLLFLEET_ENGINE_API_KEY.
+    #[arg(long, required_if_eq("engine", "openai"))]
+    pub engine_url: Option<String>,
+    /// The model name the engine serves (default: the first one its /v1/models lists).
+    #[arg(long, requires = "engine_url")]
+    pub model: Option<String>,
+    /// Sampling temperature of the OpenAI-compatible engine.
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+}
+
+/// `rollfleet worker --engine`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineKind {
+    /// The emulated engine.
+    Emulated,
+    /// An OpenAI-compatible engine (vLLM, SGLang).
+    Openai,
 }
 
 fn parse_remote_env(s: &str) -> std::result::Result<(String, String), String> {
@@ -208,6 +232,34 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         connect_timeout: Duration::from_secs(30),
         model_environments: args.model_environments,
         remote_envs: args.remote_envs.clone(),
+        engine: match (args.engine, &args.engine_url) {
+            (EngineKind::Openai, Some(url)) => {
+                if !url.starts_with("http://") {
+                    writeln!(
+                        stderr,
+                        "error: --engine-url must be a plain http:// URL (TLS is not compiled in), got {url:?}"
+                    )?;
+                    return Ok(exit::INVALID_INPUT);
+                }
+                rollfleet_node::EngineChoice::OpenAi {
+                    url: url.clone(),
+                    model: args.model.clone(),
+                    temperature: args.temperature,
+                }
+            }
+            (EngineKind::Openai, None) => {
+                writeln!(stderr, "error: --engine openai needs --engine-url")?;
+                return Ok(exit::INVALID_INPUT);
+            }
+            (EngineKind::Emulated, Some(_)) => {
+                writeln!(
+                    stderr,
+                    "error: --engine-url is for --engine openai; the emulated engine needs none"
+                )?;
+                return Ok(exit::INVALID_INPUT);
+            }
+            (EngineKind::Emulated, None) => rollfleet_node::EngineChoice::Emulated,
+        },
     };
     let rt = runtime()?;
     match rt.block_on(rollfleet_node::run(opts)) {
