@@ -180,19 +180,7 @@ pub fn problem(
     mean: &dyn Fn(&Distribution) -> f64,
     eff: &Efficiency,
 ) -> Result<Problem, PlanError> {
-    let gpu_pools = spec
-        .pools
-        .iter()
-        .filter(|p| p.kind() == Some(PoolKind::Gpu))
-        .count();
-    problem_with(
-        spec,
-        catalog,
-        mean,
-        eff,
-        gpu_pools <= SEARCH_TP_MAX_POOLS,
-        &ProfileStore::default(),
-    )
+    problem_profiled(spec, catalog, mean, eff, &ProfileStore::default())
 }
 
 /// [`problem`] with measured and probed profiles: each pool's achieved shares of peak come
