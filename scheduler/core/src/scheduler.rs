@@ -1584,7 +1584,10 @@ impl Core {
                 .min(task.context_limit.saturating_sub(context))
                 .max(1);
             let need = context + max_new;
-            let floor = core.start_floor(t);
+            // The hard bound only, not `start_floor`: this context is already prefilled and its
+            // KV cache pins a prefill replica, which a rolling update may be draining; holding
+            // the decode back for newer weights could then wait on that very update forever.
+            let floor = core.floor();
             let pick =
                 core.with_router(|router| router.least_loaded(router.decode, need, floor, true));
             let Some((d, evict)) = pick else {

@@ -861,7 +861,12 @@ fn random_world(
                     }
                     pending.insert((delay, seq), Input::TrainFinished { batch });
                 }
-                Command::ReleaseKv { .. } | Command::Cancel { .. } => {}
+                Command::ReleaseKv { .. } => {}
+                // The core has given the stage up: its late report will be ignored, so the
+                // version it would carry is no turn of the trajectory.
+                Command::Cancel { stage } => {
+                    stage_version.remove(&stage);
+                }
             }
         }
         core.check_invariants()?;
