@@ -681,6 +681,14 @@ struct FakeEngine {
 }
 
 fn fake_engine() -> FakeEngine {
+    fake_engine_answering(true)
+}
+
+/// vLLM's answer to a prompt longer than the model's context, which retrying cannot fix.
+const VLLM_CONTEXT_ERROR: &str = r#"{"object":"error","message":"This model's maximum context length is 32768 tokens. However, you requested 40000 tokens. Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#;
+
+/// The fake engine; when `completes` is false it refuses every completion with HTTP 400.
+fn fake_engine_answering(completes: bool) -> FakeEngine {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -728,6 +736,12 @@ fn fake_engine() -> FakeEngine {
                         format!(
                             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
                             body.len()
+                        )
+                    } else if path == "/v1/completions" && !completes {
+                        seen.lock().unwrap().push(body);
+                        format!(
+                            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{VLLM_CONTEXT_ERROR}",
+                            VLLM_CONTEXT_ERROR.len()
                         )
                     } else if path == "/v1/completions" {
                         let prompt = body["prompt"].as_str().unwrap_or("").to_owned();
@@ -900,6 +914,52 @@ fn workers_with_an_openai_engine_send_the_rendered_turns_and_the_environment_app
     assert!(
         invalid_seen > 0 && applied_seen > 0,
         "{invalid_seen} {applied_seen}"
+    );
+}
+
+#[test]
+fn an_engine_that_refuses_every_request_fails_the_job_with_its_reason_instead_of_retrying_forever()
+{
+    let engine = fake_engine_answering(false);
+    let dir = temp_dir("refusing-engine");
+    let job = job_file(&dir, 2);
+    let report_path = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report_path, 5, &[]);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode"] {
+        procs.0.push(
+            Command::new(BIN)
+                .args(["worker", "--scheduler", &url, "--pool", pool])
+                .args(["--name", &format!("{pool}-0")])
+                .args(["--engine", "openai", "--engine-url", &engine.url])
+                .args(["--model", "fake-policy"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        );
+    }
+    for pool in ["train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(!status.success(), "a job that trained nothing succeeded");
+    let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Failed", "{report:#}");
+    let failure = report["failure"].as_str().unwrap();
+    // The reason names the refusal as the engine put it.
+    assert!(failure.contains("HTTP 400"), "{failure}");
+    assert!(failure.contains("maximum context length"), "{failure}");
+    let abandoned = report["groups_abandoned"].as_array().unwrap();
+    assert!(!abandoned.is_empty(), "{report:#}");
+    assert_eq!(report["trained"].as_array().unwrap().len(), 0, "{report:#}");
+    // Each trajectory given up was tried as often as the limit says, not once and not forever.
+    let requests = engine.requests.lock().unwrap().len() as u64;
+    let limit = u64::from(rollfleet_core::config::DEFAULT_STAGE_FAILURE_LIMIT);
+    assert!(
+        requests >= limit * abandoned.len() as u64,
+        "{requests} requests for {} groups",
+        abandoned.len()
     );
 }
 

@@ -148,7 +148,16 @@ pub struct Config {
     pub pd_min_prefill_tokens: u64,
     /// A stage with no answer after this long is presumed lost and rescheduled.
     pub stage_timeout: Span,
+    /// A trajectory whose stages fail (or time out) this many times in a row is given up with
+    /// its whole group, as an infrastructure failure: a deterministic fault (an environment that
+    /// crashes on one seed, a request the engine always refuses) must not retry forever. Lost
+    /// replicas do not count: that is the node's fault, not the trajectory's.
+    pub stage_failure_limit: u32,
 }
+
+/// Failures in a row after which a trajectory's group is given up (see
+/// [`Config::stage_failure_limit`]).
+pub const DEFAULT_STAGE_FAILURE_LIMIT: u32 = 4;
 
 /// Why a configuration could not be built.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -288,6 +297,7 @@ impl Config {
             weight_bytes: spec.model.weight_bytes().max(0.0) as u64,
             pd_min_prefill_tokens: 256,
             stage_timeout: Span::from_secs_f64(3600.0),
+            stage_failure_limit: DEFAULT_STAGE_FAILURE_LIMIT,
         })
     }
 }

@@ -165,6 +165,18 @@ pub enum Command {
         /// The stage.
         stage: StageId,
     },
+    /// A group was given up as an infrastructure failure: one of its trajectories failed
+    /// [`crate::Config::stage_failure_limit`] times in a row. None of its trajectories will be
+    /// trained on (a GRPO group is only usable whole), none is scored, and a fresh group takes
+    /// its place.
+    AbandonGroup {
+        /// The group.
+        group: GroupId,
+        /// Its trajectories.
+        trajectories: Vec<TrajId>,
+        /// The trajectory whose failures gave the group up.
+        failed: TrajId,
+    },
     /// Train on whole groups of finished trajectories.
     Train {
         /// The batch.

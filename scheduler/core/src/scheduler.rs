@@ -63,6 +63,8 @@ pub struct Stats {
     pub kv_evictions: u64,
     /// Stages retried after a failure, a timeout or a lost replica.
     pub stage_retries: u64,
+    /// Groups given up after a trajectory's stages failed too often in a row.
+    pub groups_abandoned: u64,
     /// Reports about stages the core no longer expected (ignored).
     pub ignored_reports: u64,
     /// Weight updates issued.
@@ -83,6 +85,8 @@ enum Phase {
     Reward,
     Complete,
     Consumed,
+    /// Given up with its group (infrastructure failure); never trained on, never scored.
+    Abandoned,
 }
 
 /// What one look at a queued trajectory in [`Core::scan`] achieved.
@@ -135,6 +139,8 @@ struct Traj {
     queued: Option<(Queue, u64)>,
     /// Oldest version among `turns` (`Version::MAX` when there are none).
     min_version: Version,
+    /// Its stages' failures and timeouts since its last stage that finished.
+    failures_in_a_row: u32,
 }
 
 impl Traj {
@@ -338,7 +344,7 @@ impl Core {
         self.now = self.now.max(now);
         match input {
             Input::StageFinished { stage, outcome } => self.stage_finished(stage, outcome),
-            Input::StageFailed { stage } => self.fail_stage(stage, false),
+            Input::StageFailed { stage } => self.stage_failed(stage, false),
             Input::ReplicaLost { replica } => self.replica_lost(replica),
             Input::ReplicaRecovered { replica } => self.replica_recovered(replica),
             Input::WeightsUpdated { replica, version } => self.weights_updated(replica, version),
@@ -368,7 +374,7 @@ impl Core {
                 }
                 self.touch(replica);
             }
-            self.fail_stage(stage, true);
+            self.stage_failed(stage, true);
         }
         self.pump();
     }
@@ -394,6 +400,7 @@ impl Core {
             match t.phase {
                 Phase::Consumed => counts.2 += 1,
                 Phase::Complete => counts.1 += 1,
+                Phase::Abandoned => {}
                 _ => counts.0 += 1,
             }
         }
@@ -704,6 +711,7 @@ impl Core {
         };
         let t = rec.traj;
         let ti = t.0 as usize;
+        self.trajs[ti].failures_in_a_row = 0;
         let task = self.cfg.tasks[self.trajs[ti].task as usize].clone();
         match (rec.kind, outcome) {
             // Reported lengths are clamped to the context limit, so no sum can overflow.
@@ -819,6 +827,88 @@ impl Core {
         }
     }
 
+    /// A stage failed or timed out: retried, unless its trajectory has now failed
+    /// [`Config::stage_failure_limit`] times in a row, which gives up its group.
+    fn stage_failed(&mut self, stage: StageId, cancel: bool) {
+        let Some(t) = self.stages.get(stage.0).map(|s| s.traj) else {
+            self.stats.ignored_reports += 1;
+            return;
+        };
+        let traj = &mut self.trajs[t.0 as usize];
+        traj.failures_in_a_row = traj.failures_in_a_row.saturating_add(1);
+        if traj.failures_in_a_row >= self.cfg.stage_failure_limit.max(1) {
+            if cancel {
+                self.commands.push_back(Command::Cancel { stage });
+            }
+            self.take_stage(stage);
+            self.abandon_group(t);
+        } else {
+            self.fail_stage(stage, cancel);
+        }
+    }
+
+    /// Gives up `failed`'s group: cancels its members' stages, frees their KV caches, takes
+    /// the group out of every queue and of the trainer's ready set, and makes room for a fresh
+    /// group (the continuous window counts live groups only; a batched step starts one in the
+    /// same batch).
+    fn abandon_group(&mut self, failed: TrajId) {
+        let g = self.trajs[failed.0 as usize].group;
+        let members = self.groups[g.0 as usize].members.clone();
+        let doomed: Vec<StageId> = self
+            .stages
+            .iter()
+            .filter(|(_, s)| members.contains(&s.traj))
+            .map(|(id, _)| StageId(id))
+            .collect();
+        // A stage whose `Run` is still unpolled is simply not sent; the others are cancelled.
+        let mut unsent = BTreeSet::new();
+        self.commands.retain(|c| match c {
+            Command::Run(s) if doomed.contains(&s.stage) => {
+                unsent.insert(s.stage);
+                false
+            }
+            _ => true,
+        });
+        for stage in doomed {
+            self.take_stage(stage);
+            if !unsent.contains(&stage) {
+                self.commands.push_back(Command::Cancel { stage });
+            }
+        }
+        for &t in &members {
+            self.dequeue(t);
+            self.drop_kv(t, true);
+            let traj = &mut self.trajs[t.0 as usize];
+            if !matches!(traj.phase, Phase::Complete | Phase::Consumed) {
+                self.active = self.active.saturating_sub(1);
+            }
+            traj.phase = Phase::Abandoned;
+        }
+        let group = &mut self.groups[g.0 as usize];
+        let batch = group.batch;
+        if let Some(key) = group.ready_key.take() {
+            self.ready.remove(&key);
+            for count in [&mut self.batch_complete, &mut self.batch_done] {
+                if let Some(c) = count.get_mut(&batch) {
+                    *c = c.saturating_sub(1);
+                }
+            }
+        }
+        if self.open_groups.remove(&g) {
+            self.groups_closed += 1;
+        }
+        self.stats.groups_abandoned += 1;
+        self.commands.push_back(Command::AbandonGroup {
+            group: g,
+            trajectories: members,
+            failed,
+        });
+        if let Discipline::Batched { .. } = self.cfg.policy.discipline {
+            self.start_group(batch);
+        }
+        self.repump = true;
+    }
+
     /// Puts a failed (or lost, or timed-out) stage's trajectory back in the right queue;
     /// `cancel`: tell the worker to abandon it (the core, not the worker, gave up on it).
     fn fail_stage(&mut self, stage: StageId, cancel: bool) {
@@ -906,7 +996,7 @@ impl Core {
             Command::UpdateWeights { replica, .. } | Command::ReleaseKv { replica, .. } => {
                 *replica != id
             }
-            Command::Cancel { .. } | Command::Train { .. } => true,
+            Command::Cancel { .. } | Command::Train { .. } | Command::AbandonGroup { .. } => true,
         });
         if !unsent.is_empty() {
             self.commands
@@ -1117,7 +1207,8 @@ impl Core {
                     .max(n);
                 let budget = (self.stats.trajectories_consumed + window + extra)
                     .min(self.cfg.steps * b + extra);
-                while (self.groups.len() as u64 + 1) * n <= budget {
+                let live = |core: &Core| core.groups.len() as u64 - core.stats.groups_abandoned;
+                while (live(self) + 1) * n <= budget {
                     self.start_group(0);
                 }
             }
@@ -1169,6 +1260,7 @@ impl Core {
                 kv: Kv::None,
                 queued: None,
                 min_version: Version::MAX,
+                failures_in_a_row: 0,
             });
             members.push(t);
             self.active += 1;

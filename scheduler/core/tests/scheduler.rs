@@ -75,6 +75,7 @@ fn config(
         weight_bytes: 1_000_000,
         pd_min_prefill_tokens: 1_000,
         stage_timeout: Span::from_secs_f64(3600.0),
+        stage_failure_limit: rollfleet_core::config::DEFAULT_STAGE_FAILURE_LIMIT,
     }
 }
 
@@ -303,6 +304,114 @@ fn no_replica_is_given_more_kv_cache_than_it_holds() {
     assert!(core.stats().kv_evictions <= 1);
 }
 
+/// Fails the environment reset of `stage`'s trajectory `times` times in a row; returns the
+/// commands of the last failure.
+fn fail_reset_repeatedly(core: &mut Core, mut stage: StageId, times: u32) -> Vec<Command> {
+    let mut last = Vec::new();
+    for _ in 0..times {
+        core.handle_input(Time(1), Input::StageFailed { stage });
+        last = drain(core);
+        if let Some(retry) = runs(&last)
+            .into_iter()
+            .find(|s| matches!(s.work, StageWork::EnvReset { .. }) && s.stage != stage)
+        {
+            stage = retry.stage;
+        }
+    }
+    last
+}
+
+#[test]
+fn a_trajectory_that_fails_the_limit_in_a_row_gives_up_its_group_and_a_fresh_group_replaces_it() {
+    let mut cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        2,
+        2,
+        1,
+    );
+    cfg.stage_failure_limit = 3;
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let resets = runs(&drain(&mut core));
+    assert_eq!(resets.len(), 2);
+    let (doomed, sibling) = (&resets[0], &resets[1]);
+
+    // Two failures are retried like any other.
+    let second = fail_reset_repeatedly(&mut core, doomed.stage, 2);
+    assert!(
+        !second
+            .iter()
+            .any(|c| matches!(c, Command::AbandonGroup { .. })),
+        "{second:?}"
+    );
+    let retry = runs(&second)[0].clone();
+    assert_eq!(retry.traj, doomed.traj);
+
+    // The third gives the group up: the sibling's stage is cancelled, and a fresh group starts.
+    let third = fail_reset_repeatedly(&mut core, retry.stage, 1);
+    let abandoned: Vec<_> = third
+        .iter()
+        .filter_map(|c| match c {
+            Command::AbandonGroup {
+                group,
+                trajectories,
+                failed,
+            } => Some((*group, trajectories.clone(), *failed)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        abandoned,
+        vec![(doomed.group, vec![doomed.traj, sibling.traj], doomed.traj)]
+    );
+    assert!(third.contains(&Command::Cancel {
+        stage: sibling.stage
+    }));
+    let fresh = runs(&third);
+    assert_eq!(fresh.len(), 2, "{third:?}");
+    assert!(fresh.iter().all(|s| s.group != doomed.group));
+    assert_eq!(core.stats().groups_abandoned, 1);
+    assert_eq!(core.trajectory_counts(), (2, 0, 0));
+    core.check_invariants().unwrap();
+
+    // The sibling's late answer is ignored, not turned into a turn.
+    let ignored = core.stats().ignored_reports;
+    finish(&mut core, sibling.stage, observed(10, false));
+    assert_eq!(core.stats().ignored_reports, ignored + 1);
+}
+
+#[test]
+fn failures_broken_by_a_success_do_not_give_a_trajectory_up() {
+    let mut cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        1,
+    );
+    cfg.stage_failure_limit = 2;
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let reset = runs(&drain(&mut core));
+    let retry = runs(&fail_reset_repeatedly(&mut core, reset[0].stage, 1));
+    let generate = runs(&finish(&mut core, retry[0].stage, observed(100, false)));
+    let step = runs(&finish(
+        &mut core,
+        generate[0].stage,
+        StageOutcome::Generated { tokens: 10 },
+    ));
+    assert!(matches!(step[0].work, StageWork::EnvStep { .. }));
+    let after = fail_reset_repeatedly(&mut core, step[0].stage, 1);
+    assert!(
+        !after
+            .iter()
+            .any(|c| matches!(c, Command::AbandonGroup { .. })),
+        "{after:?}"
+    );
+    assert_eq!(core.stats().groups_abandoned, 0);
+}
+
 #[test]
 fn a_failed_environment_step_is_retried_not_scored() {
     let cfg = config(
@@ -409,6 +518,7 @@ fn a_replica_lost_before_its_commands_were_polled_is_sent_none_of_them() {
             }
             Command::Cancel { .. } => panic!("a cancel for a stage never sent: {sent:?}"),
             Command::Train { .. } => {}
+            Command::AbandonGroup { .. } => panic!("nothing failed: {sent:?}"),
         }
     }
     // The trajectory is not lost: its generation went to the other replica instead.
@@ -761,6 +871,10 @@ fn random_world(
     let mut turns: BTreeMap<TrajId, Vec<u64>> = BTreeMap::new();
     let mut groups: BTreeMap<TrajId, u64> = BTreeMap::new();
     let mut trained: BTreeSet<TrajId> = BTreeSet::new();
+    let mut abandoned: BTreeSet<TrajId> = BTreeSet::new();
+    // Failures the world reported per trajectory since its last stage that finished.
+    let mut live: BTreeMap<StageId, TrajId> = BTreeMap::new();
+    let mut failures_in_a_row: BTreeMap<TrajId, u32> = BTreeMap::new();
     let mut version = 0u64;
     core.handle_timeout(now);
     for _ in 0..200_000 {
@@ -769,6 +883,10 @@ fn random_world(
             seq += 1;
             match cmd {
                 Command::Run(s) => {
+                    if abandoned.contains(&s.traj) {
+                        return Err(format!("{:?} of abandoned {:?} was run", s.stage, s.traj));
+                    }
+                    live.insert(s.stage, s.traj);
                     groups.insert(s.traj, s.group.0);
                     let outcome = match s.work {
                         StageWork::EnvReset { .. } => observed(50 + rng.below(300), false),
@@ -803,7 +921,10 @@ fn random_world(
                         }
                         StageWork::Reward { .. } => StageOutcome::Rewarded { score: 0.0 },
                     };
-                    let input = if rng.below(20) == 0
+                    // One group in 16 is cursed: its environment always crashes, so the core
+                    // must give it up rather than retry forever.
+                    let cursed = s.group.0 % 16 == 5 && matches!(s.work, StageWork::EnvStep { .. });
+                    let input = if (cursed || rng.below(20) == 0)
                         && !matches!(
                             outcome,
                             StageOutcome::Generated { .. } | StageOutcome::Prefilled
@@ -839,6 +960,9 @@ fn random_world(
                 } => {
                     let mut per_group: BTreeMap<u64, u32> = BTreeMap::new();
                     for t in &trajectories {
+                        if abandoned.contains(t) {
+                            return Err(format!("abandoned {t:?} trained"));
+                        }
                         if !trained.insert(*t) {
                             return Err(format!("{t:?} trained twice"));
                         }
@@ -866,6 +990,22 @@ fn random_world(
                 // version it would carry is no turn of the trajectory.
                 Command::Cancel { stage } => {
                     stage_version.remove(&stage);
+                    live.remove(&stage);
+                }
+                Command::AbandonGroup {
+                    trajectories,
+                    failed,
+                    ..
+                } => {
+                    if failures_in_a_row.get(&failed).copied().unwrap_or(0) == 0 {
+                        return Err(format!("{failed:?} given up with no failure reported"));
+                    }
+                    for t in trajectories {
+                        if trained.contains(&t) {
+                            return Err(format!("trained {t:?} given up"));
+                        }
+                        abandoned.insert(t);
+                    }
                 }
             }
         }
@@ -899,7 +1039,15 @@ fn random_world(
                 let input = pending.remove(&k).ok_or("gone")?;
                 now = now.max(k.0);
                 match &input {
+                    Input::StageFailed { stage } => {
+                        if let Some(traj) = live.remove(stage) {
+                            *failures_in_a_row.entry(traj).or_default() += 1;
+                        }
+                    }
                     Input::StageFinished { stage, outcome } => {
+                        if let Some(traj) = live.remove(stage) {
+                            failures_in_a_row.insert(traj, 0);
+                        }
                         if let Some((traj, turn, v)) = stage_version.remove(stage) {
                             match outcome {
                                 StageOutcome::Prefilled => {

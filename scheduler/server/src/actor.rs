@@ -182,6 +182,13 @@ pub struct Report {
     pub stage_retries: u64,
     /// Turns regenerated to keep the staleness bound.
     pub regenerated_turns: u64,
+    /// Groups given up as infrastructure failures (a trajectory's stages failed too often in a
+    /// row), with the failing trajectory and what its last failure said; never trained on.
+    #[serde(default)]
+    pub groups_abandoned: Vec<AbandonedGroup>,
+    /// Why the job failed, when it did.
+    #[serde(default)]
+    pub failure: Option<String>,
     /// Workers lost or cut off, with the reason.
     pub workers_lost: Vec<String>,
     /// Inference replicas handed to another worker of their pool after theirs was lost.
@@ -192,6 +199,19 @@ pub struct Report {
     pub gpu_telemetry: Vec<WorkerTelemetry>,
     /// Per pool.
     pub pools: Vec<PoolSummary>,
+}
+
+/// A group the core gave up.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AbandonedGroup {
+    /// The group.
+    pub group: u64,
+    /// Its trajectories.
+    pub trajectories: Vec<u64>,
+    /// The trajectory whose stages kept failing.
+    pub failed: u64,
+    /// What its last failure said (the worker's message), if one was reported.
+    pub last_failure: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,6 +280,8 @@ struct TrajInfo {
     /// Policy version of each turn's generation.
     versions: BTreeMap<u32, u64>,
     reward: f64,
+    /// What its last failed stage's worker said.
+    last_failure: String,
 }
 
 /// The actor.
@@ -278,6 +300,13 @@ pub struct Actor {
     pending: BTreeMap<u32, VecDeque<u64>>,
     deferred: VecDeque<Input>,
     trajs: BTreeMap<TrajId, TrajInfo>,
+    /// Groups the core gave up, in order.
+    abandoned: Vec<AbandonedGroup>,
+    /// Groups given up since the trainer last got a batch: when a whole batch's worth is, the
+    /// fault is not one trajectory's but the job's (an engine refusing every request), and
+    /// the job fails with the reason instead of giving up groups forever.
+    abandoned_since_training: u64,
+    failure: Option<String>,
     trained: Vec<u64>,
     trained_set: BTreeSet<u64>,
     trained_twice: Vec<u64>,
@@ -351,6 +380,9 @@ impl Actor {
             pending: BTreeMap::new(),
             deferred: VecDeque::new(),
             trajs: BTreeMap::new(),
+            abandoned: Vec::new(),
+            abandoned_since_training: 0,
+            failure: None,
             trained: Vec::new(),
             trained_set: BTreeSet::new(),
             trained_twice: Vec::new(),
@@ -828,6 +860,59 @@ impl Actor {
             // engine's prefix cache evicts on its own.
             Command::ReleaseKv { .. } => {}
             Command::Cancel { stage } => self.cancel(stage),
+            Command::AbandonGroup {
+                group,
+                trajectories,
+                failed,
+            } => {
+                let last_failure = self
+                    .trajs
+                    .get(&failed)
+                    .map(|t| t.last_failure.clone())
+                    .unwrap_or_default();
+                for t in &trajectories {
+                    self.trajs.remove(t);
+                }
+                eprintln!(
+                    "scheduler: gave up group {} ({} trajectories) as an infrastructure failure: \
+                     trajectory {} failed {} times in a row; last: {}",
+                    group.0,
+                    trajectories.len(),
+                    failed.0,
+                    self.plan.config.stage_failure_limit,
+                    if last_failure.is_empty() {
+                        "a timeout"
+                    } else {
+                        &last_failure
+                    }
+                );
+                self.metrics.groups_abandoned.inc();
+                self.abandoned_since_training += 1;
+                let cfg = &self.plan.config;
+                let limit = u64::from(cfg.rollout_batch_size / cfg.group_size.max(1)).max(4);
+                if self.abandoned_since_training >= limit {
+                    let reason = format!(
+                        "{limit} groups in a row were given up with no batch trained in between, \
+                         so the fault is not one trajectory's; the last one's failure: {}",
+                        if last_failure.is_empty() {
+                            "a timeout"
+                        } else {
+                            &last_failure
+                        }
+                    );
+                    eprintln!("scheduler: job fails: {reason}");
+                    self.failure = Some(reason);
+                }
+                self.abandoned.push(AbandonedGroup {
+                    group: group.0,
+                    trajectories: trajectories.iter().map(|t| t.0).collect(),
+                    failed: failed.0,
+                    last_failure,
+                });
+                if self.failure.is_some() {
+                    self.finish(JobPhase::Failed);
+                }
+            }
             Command::Train {
                 batch,
                 step,
@@ -835,6 +920,7 @@ impl Actor {
                 trajectories,
                 tokens,
             } => {
+                self.abandoned_since_training = 0;
                 for (i, t) in trajectories.iter().enumerate() {
                     if !self.trained_set.insert(t.0) {
                         self.trained_twice.push(t.0);
@@ -1374,6 +1460,11 @@ impl Actor {
                     f.cause(),
                     f.message
                 );
+                if let What::Stage { traj, .. } = a.what
+                    && let Some(t) = self.trajs.get_mut(&traj)
+                {
+                    t.last_failure = format!("{:?} on w{worker}: {}", f.cause(), f.message);
+                }
                 None
             }
             None => {
@@ -1718,6 +1809,9 @@ impl Actor {
                     .count(),
                 self.opts.expect_workers
             ),
+            JobPhase::Failed if self.failure.is_some() => {
+                format!("failed: {}", self.failure.as_deref().unwrap_or_default())
+            }
             _ if self.engine_generations > 0 => format!(
                 "{} stages completed, {} workers lost; {} generations by an OpenAI-compatible \
                  engine, other GPU figures emulated (time scale {})",
@@ -1849,6 +1943,8 @@ impl Actor {
             dispatch_p99_us: pct(0.99),
             stage_retries: stats.stage_retries,
             regenerated_turns: stats.regenerated_turns,
+            groups_abandoned: self.abandoned.clone(),
+            failure: self.failure.clone(),
             workers_lost: self.lost.clone(),
             replicas_moved: self.replicas_moved,
             gpu_telemetry: self

@@ -18,6 +18,8 @@ pub struct Metrics {
     pub stage_completions: IntCounterVec,
     /// Trajectories handed to the trainer.
     pub trajectories_trained: IntCounter,
+    /// Groups given up as infrastructure failures.
+    pub groups_abandoned: IntCounter,
     /// Workers that registered.
     pub workers_registered: IntCounter,
     /// Workers lost or cut off.
@@ -55,6 +57,11 @@ impl Metrics {
         let trajectories_trained = IntCounter::new(
             "trajectories_trained_total",
             "Trajectories handed to the trainer.",
+        )?;
+        let groups_abandoned = IntCounter::new(
+            "groups_abandoned_total",
+            "Groups given up as infrastructure failures: one trajectory's stages failed too often \
+             in a row. Never trained on, never scored.",
         )?;
         let workers_registered =
             IntCounter::new("workers_registered_total", "Workers that registered.")?;
@@ -115,6 +122,7 @@ impl Metrics {
         )?;
         registry.register(Box::new(stage_completions.clone()))?;
         registry.register(Box::new(trajectories_trained.clone()))?;
+        registry.register(Box::new(groups_abandoned.clone()))?;
         registry.register(Box::new(workers_registered.clone()))?;
         registry.register(Box::new(workers_lost.clone()))?;
         registry.register(Box::new(workers.clone()))?;
@@ -129,6 +137,7 @@ impl Metrics {
             registry,
             stage_completions,
             trajectories_trained,
+            groups_abandoned,
             workers_registered,
             workers_lost,
             workers,

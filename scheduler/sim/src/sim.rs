@@ -513,6 +513,9 @@ impl<'a> Sim<'a> {
                 }
             }
             Command::Cancel { stage } => self.cancel(stage),
+            // The simulator fails no stage of its own accord, so no group is ever given up;
+            // were one, its stages' cancels above already freed what they held.
+            Command::AbandonGroup { .. } => {}
             Command::Train {
                 batch,
                 publishes,

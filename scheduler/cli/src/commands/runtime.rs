@@ -583,6 +583,29 @@ fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> {
         report.regenerated_turns,
         report.workers_lost.len()
     )?;
+    if !report.groups_abandoned.is_empty() {
+        writeln!(
+            out,
+            "groups given up as infrastructure failures (never trained on, never scored): {}",
+            report.groups_abandoned.len()
+        )?;
+        for g in &report.groups_abandoned {
+            writeln!(
+                out,
+                "  group {}: trajectory {} kept failing; last: {}",
+                g.group,
+                g.failed,
+                if g.last_failure.is_empty() {
+                    "a timeout"
+                } else {
+                    &g.last_failure
+                }
+            )?;
+        }
+    }
+    if let Some(reason) = &report.failure {
+        writeln!(out, "the job failed: {reason}")?;
+    }
     let secs = report.wall_s.max(1e-9);
     writeln!(
         out,
