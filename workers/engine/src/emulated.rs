@@ -6,6 +6,13 @@
 //! aborts that free a sequence's KV at once, and weight updates that take the modelled transfer
 //! time. Tokens are synthetic and every completion says `emulated: true`.
 //!
+//! Abort and resume: [`InFlight::abort`] stops a request and hands back a [`Partial`] (the
+//! tokens it had generated), keeping its KV cache parked on the replica; [`EmulatedEngine::resume`]
+//! continues it, decoding only what is left on top of the parked cache. A weight update drops
+//! parked caches (they were computed by the old weights), so a request resumed after one is
+//! prefilled again, prompt and partial output both, by the new weights: partial rollout in the
+//! style of AReaL's interruptible generation.
+//!
 //! Time is scaled by [`EmulatedConfig::time_scale`]: one modelled second takes `time_scale` wall
 //! seconds (2.0 runs the modelled hardware at half speed, so two loaded cores keep up). Whatever
 //! figure comes out of this engine is modelled, not measured on a GPU.
@@ -85,17 +92,87 @@ pub struct EmulatedLoad {
     pub tokens_prefilled: u64,
 }
 
+/// What an aborted request had done, to resume it with [`EmulatedEngine::resume`] or let it go
+/// with [`EmulatedEngine::release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Partial {
+    /// The aborted request (its parked KV cache is filed under it).
+    pub id: u64,
+    /// Tokens it had generated before the abort.
+    pub generated: u64,
+    /// Its context at the abort: cached, prefilled and generated tokens.
+    pub context: u64,
+    /// Tokens it may still generate (`None`: it was a prefill-only request).
+    pub remaining: Option<u64>,
+    /// Policy version the replica served at the abort.
+    pub policy_version: u64,
+}
+
+/// A request submitted with [`EmulatedEngine::submit`]: wait for it, or abort it. Dropping it
+/// aborts it and frees its KV.
+pub struct InFlight {
+    shared: Arc<Shared>,
+    id: u64,
+    rx: oneshot::Receiver<Result<EmulatedOutput, EngineError>>,
+    guard: AbortOnDrop,
+}
+
+impl InFlight {
+    /// The request's id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Waits for the request to finish.
+    pub async fn wait(mut self) -> Result<EmulatedOutput, EngineError> {
+        let result = (&mut self.rx).await.map_err(|_| stopped())?;
+        self.guard.armed = false;
+        result
+    }
+
+    /// Stops the request where it is and keeps what it did: its tokens so far and its KV cache,
+    /// parked until [`EmulatedEngine::resume`] or [`EmulatedEngine::release`]. `None` when it
+    /// had already finished (or was cut off by a weight update) before the abort arrived.
+    pub async fn abort(mut self) -> Result<Option<Partial>, EngineError> {
+        self.guard.armed = false;
+        let (reply, rx) = oneshot::channel();
+        self.shared
+            .tx
+            .send(Msg::Abort { id: self.id, reply })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
+    }
+}
+
 struct Request {
     id: u64,
     cached: u64,
     prefill: u64,
     decode: Option<u64>,
+    /// KV tokens already reserved for it (a resumed request's parked cache).
+    parked: u64,
     reply: oneshot::Sender<Result<EmulatedOutput, EngineError>>,
+}
+
+impl Request {
+    fn kv_needed(&self) -> u64 {
+        self.cached + self.prefill + self.decode.unwrap_or(0)
+    }
 }
 
 enum Msg {
     Submit(Request),
     Cancel(u64),
+    Abort {
+        id: u64,
+        reply: oneshot::Sender<Option<Partial>>,
+    },
+    Resume {
+        partial: Partial,
+        id: u64,
+        reply: oneshot::Sender<Result<EmulatedOutput, EngineError>>,
+    },
+    Release(u64),
     Update {
         version: u64,
         bytes: u64,
@@ -146,6 +223,7 @@ impl EmulatedEngine {
             link: config.link_bytes_per_s.max(1.0),
             waiting: VecDeque::new(),
             running: BTreeMap::new(),
+            parked: BTreeMap::new(),
             updating: None,
             version: version.clone(),
         };
@@ -178,6 +256,54 @@ impl EmulatedEngine {
     ) -> Result<EmulatedOutput, EngineError> {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         submit(&self.shared, id, cached, prefill, decode).await
+    }
+
+    /// Submits a request as [`EmulatedEngine::run`] does, returning a handle that can also
+    /// abort it and keep its progress ([`InFlight::abort`]).
+    pub fn submit(&self, cached: u64, prefill: u64, decode: Option<u64>) -> InFlight {
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (reply, rx) = oneshot::channel();
+        let _ = self.shared.tx.send(Msg::Submit(Request {
+            id,
+            cached,
+            prefill,
+            decode,
+            parked: 0,
+            reply,
+        }));
+        self.in_flight(id, rx)
+    }
+
+    /// Continues an aborted request: decodes what it had left on top of its parked KV cache,
+    /// or, if a weight update dropped that cache, prefills its whole context again first (with
+    /// the new weights). The output counts the tokens generated after the resume.
+    pub fn resume(&self, partial: Partial) -> InFlight {
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (reply, rx) = oneshot::channel();
+        let _ = self.shared.tx.send(Msg::Resume { partial, id, reply });
+        self.in_flight(id, rx)
+    }
+
+    /// Frees an aborted request's parked KV cache without resuming it.
+    pub fn release(&self, partial: Partial) {
+        let _ = self.shared.tx.send(Msg::Release(partial.id));
+    }
+
+    fn in_flight(
+        &self,
+        id: u64,
+        rx: oneshot::Receiver<Result<EmulatedOutput, EngineError>>,
+    ) -> InFlight {
+        InFlight {
+            shared: self.shared.clone(),
+            id,
+            rx,
+            guard: AbortOnDrop {
+                tx: self.shared.tx.clone(),
+                id,
+                armed: true,
+            },
+        }
     }
 
     /// Loads `version`, moving `bytes` over the link: takes the modelled transfer time, drops
@@ -228,6 +354,7 @@ async fn submit(
                 cached,
                 prefill,
                 decode,
+                parked: 0,
                 reply,
             }))
             .map_err(|_| stopped())?;
@@ -258,6 +385,11 @@ impl Drop for AbortOnDrop {
 
 struct Running {
     kv: u64,
+    /// Context in place before its decode: cached plus prefilled tokens.
+    context: u64,
+    /// Of which cached (in place before its prefill).
+    cached: u64,
+    decode: Option<u64>,
     reply: oneshot::Sender<Result<EmulatedOutput, EngineError>>,
 }
 
@@ -273,6 +405,8 @@ struct Actor {
     link: f64,
     waiting: VecDeque<Request>,
     running: BTreeMap<u64, Running>,
+    /// KV tokens of aborted requests kept for a resume, by request id.
+    parked: BTreeMap<u64, u64>,
     updating: Option<(Time, u64, UpdateReply)>,
     version: Arc<AtomicU64>,
 }
@@ -318,7 +452,7 @@ impl Actor {
         let now = self.now();
         match msg {
             Msg::Submit(req) => {
-                let need = req.cached + req.prefill + req.decode.unwrap_or(0);
+                let need = req.kv_needed();
                 if need > self.kv_capacity {
                     let _ = req.reply.send(Err(EngineError::Rejected {
                         endpoint: BACKEND.into(),
@@ -334,10 +468,71 @@ impl Actor {
                 self.admit(now);
             }
             Msg::Cancel(id) => {
-                self.waiting.retain(|r| r.id != id);
+                self.forget(id);
                 if let Some(run) = self.running.remove(&id) {
                     self.roofline.cancel(now, StageId(id));
                     self.kv_used -= run.kv;
+                }
+                self.admit(now);
+            }
+            Msg::Abort { id, reply } => {
+                let version = self.version.load(Ordering::Acquire);
+                let partial = if let Some(pos) = self.waiting.iter().position(|r| r.id == id) {
+                    // Not admitted yet: nothing done, and only a resumed request's parked
+                    // cache to keep.
+                    self.waiting.remove(pos).map(|req| {
+                        if req.parked > 0 {
+                            self.parked.insert(id, req.parked);
+                        }
+                        Partial {
+                            id,
+                            generated: 0,
+                            context: req.cached + req.prefill,
+                            remaining: req.decode,
+                            policy_version: version,
+                        }
+                    })
+                } else if let Some(run) = self.running.remove(&id) {
+                    // The context and what was generated stay (only what was cached if its
+                    // prefill had not finished); the room reserved for the rest is freed.
+                    let (generated, keep) = match self.roofline.cancel(now, StageId(id)) {
+                        Some(generated) => (generated, run.context + generated),
+                        None => (0, run.cached),
+                    };
+                    self.kv_used -= run.kv - keep.min(run.kv);
+                    self.parked.insert(id, keep.min(run.kv));
+                    Some(Partial {
+                        id,
+                        generated,
+                        context: run.context + generated,
+                        remaining: run.decode.map(|n| n.saturating_sub(generated)),
+                        policy_version: version,
+                    })
+                } else {
+                    None
+                };
+                let _ = reply.send(partial);
+                self.admit(now);
+            }
+            Msg::Resume { partial, id, reply } => {
+                // What the parked cache holds is not computed again; the rest of the context
+                // is prefilled (all of it when a weight update dropped the cache).
+                let parked = self.parked.remove(&partial.id).unwrap_or(0);
+                let cached = parked.min(partial.context);
+                let prefill = partial.context - cached;
+                let req = Request {
+                    id,
+                    cached,
+                    prefill,
+                    decode: partial.remaining.map(|n| n.max(1)),
+                    parked,
+                    reply,
+                };
+                self.handle(Msg::Submit(req));
+            }
+            Msg::Release(id) => {
+                if let Some(kv) = self.parked.remove(&id) {
+                    self.kv_used -= kv;
                 }
                 self.admit(now);
             }
@@ -349,6 +544,15 @@ impl Actor {
                 // Loading weights keeps no KV cache; whatever still runs is cut off (the
                 // scheduler drains a replica before updating it, so normally nothing is).
                 self.roofline.wipe(now);
+                self.parked.clear();
+                for req in &mut self.waiting {
+                    // Its parked cache is gone with the old weights: prefill it all again.
+                    if req.parked > 0 {
+                        req.prefill += req.cached;
+                        req.cached = 0;
+                        req.parked = 0;
+                    }
+                }
                 for (_, run) in std::mem::take(&mut self.running) {
                     let _ = run.reply.send(Err(EngineError::Unavailable {
                         endpoint: BACKEND.into(),
@@ -375,6 +579,15 @@ impl Actor {
                     tokens_prefilled: self.roofline.tokens_prefilled,
                 });
             }
+        }
+    }
+
+    /// Drops a request still waiting for admission, with the parked cache it was to resume on.
+    fn forget(&mut self, id: u64) {
+        if let Some(pos) = self.waiting.iter().position(|r| r.id == id)
+            && let Some(req) = self.waiting.remove(pos)
+        {
+            self.kv_used -= req.parked.min(self.kv_used);
         }
     }
 
@@ -411,8 +624,10 @@ impl Actor {
             return;
         }
         while let Some(req) = self.waiting.front() {
-            let need = req.cached + req.prefill + req.decode.unwrap_or(0);
-            if self.running.len() as u32 >= self.max_seqs || self.kv_used + need > self.kv_capacity
+            let need = req.kv_needed();
+            // A resumed request's parked cache is already counted in `kv_used`.
+            let more = need - req.parked.min(need);
+            if self.running.len() as u32 >= self.max_seqs || self.kv_used + more > self.kv_capacity
             {
                 break;
             }
@@ -420,6 +635,7 @@ impl Actor {
                 break;
             };
             if req.prefill == 0 && req.decode.is_none() {
+                self.kv_used -= req.parked.min(self.kv_used);
                 let _ = req.reply.send(Ok(EmulatedOutput {
                     tokens: 0,
                     policy_version: self.version.load(Ordering::Acquire),
@@ -427,7 +643,7 @@ impl Actor {
                 }));
                 continue;
             }
-            self.kv_used += need;
+            self.kv_used += more;
             if req.prefill > 0 {
                 self.roofline.add_prefill(
                     now,
@@ -447,6 +663,9 @@ impl Actor {
                 req.id,
                 Running {
                     kv: need,
+                    context: req.cached + req.prefill,
+                    cached: req.cached,
+                    decode: req.decode,
                     reply: req.reply,
                 },
             );

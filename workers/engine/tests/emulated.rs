@@ -178,3 +178,62 @@ async fn the_engine_trait_says_every_output_is_emulated_and_reuses_the_session_p
         Err(EngineError::Rejected { status: 409, .. })
     ));
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_aborted_request_keeps_its_tokens_and_a_resume_decodes_only_the_rest() {
+    let engine = EmulatedEngine::start(config(100_000, 1.0));
+    let start = Instant::now();
+    let request = engine.submit(10, 0, Some(500));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let partial = request.abort().await.unwrap().unwrap();
+    // 2 ms a token alone: about 150 tokens in 0.3 s, all kept.
+    assert!((148..=151).contains(&partial.generated), "{partial:?}");
+    assert_eq!(partial.context, 10 + partial.generated);
+    assert_eq!(partial.remaining, Some(500 - partial.generated));
+    let load = engine.load().await;
+    assert_eq!((load.queued, load.running), (0, 0));
+    // Parked: the context and the tokens so far, not the room for the rest of the answer.
+    assert_eq!(load.kv_used_tokens, partial.context);
+
+    let resumed = engine.resume(partial).wait().await.unwrap();
+    assert_eq!(partial.generated + resumed.tokens, 500);
+    // The whole answer took what it would have without the abort: nothing was computed twice.
+    assert!(close(start.elapsed(), 1.0), "{:?}", start.elapsed());
+    assert_eq!(engine.load().await.kv_used_tokens, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_resumed_after_a_weight_update_prefills_its_context_again_with_the_new_weights() {
+    let engine = EmulatedEngine::start(config(1_000_000, 1.0));
+    // 50,000 tokens x 2 GFLOP at 1 PFLOP/s: a 0.1 s prefill, then 2 ms a token.
+    let request = engine.submit(0, 50_000, Some(500));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let partial = request.abort().await.unwrap().unwrap();
+    assert!((148..=151).contains(&partial.generated), "{partial:?}");
+    assert_eq!(partial.policy_version, 0);
+    engine.update_weights(1, "emulated").await.unwrap();
+    // The parked cache was computed by version 0: the update dropped it.
+    assert_eq!(engine.load().await.kv_used_tokens, 0);
+
+    let start = Instant::now();
+    let resumed = engine.resume(partial).wait().await.unwrap();
+    assert_eq!(resumed.policy_version, 1);
+    assert_eq!(partial.generated + resumed.tokens, 500);
+    // Prefill of the 50,000-token prompt plus the partial answer again, then the rest.
+    let expected = (50_000 + partial.generated) as f64 * 2e-6 + resumed.tokens as f64 * 0.002;
+    assert!(close(start.elapsed(), expected), "{:?}", start.elapsed());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_aborted_during_its_prefill_keeps_only_what_was_cached() {
+    let engine = EmulatedEngine::start(config(1_000_000, 1.0));
+    let request = engine.submit(1_000, 50_000, Some(100));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let partial = request.abort().await.unwrap().unwrap();
+    assert_eq!(partial.generated, 0);
+    assert_eq!(partial.context, 51_000);
+    assert_eq!(engine.load().await.kv_used_tokens, 1_000);
+    // Released instead of resumed: the parked cache is freed.
+    engine.release(partial);
+    assert_eq!(engine.load().await.kv_used_tokens, 0);
+}
