@@ -918,6 +918,41 @@ fn workers_with_an_openai_engine_send_the_rendered_turns_and_the_environment_app
 }
 
 #[test]
+fn rollfleet_run_drives_an_openai_engine_when_told_to() {
+    let engine = fake_engine();
+    let dir = temp_dir("run-openai");
+    let job = job_file(&dir, 1);
+    let out = Command::new(BIN)
+        .arg("run")
+        .arg(&job)
+        .args([
+            "--time-scale",
+            "1",
+            "--engine",
+            "openai",
+            "--engine-url",
+            &engine.url,
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("Succeeded - 1 of 1 RL steps"), "{stdout}");
+    assert!(
+        stdout.contains("generations by a real OpenAI-compatible engine"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("GPU figures are EMULATED"), "{stdout}");
+    assert!(stderr.contains(&engine.url), "{stderr}");
+    let requests = engine.requests.lock().unwrap().len();
+    assert!(
+        requests >= 32,
+        "{requests} completion requests for 32 trajectories"
+    );
+}
+
+#[test]
 fn an_engine_that_refuses_every_request_fails_the_job_with_its_reason_instead_of_retrying_forever()
 {
     let engine = fake_engine_answering(false);

@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::TcpListenerStream;
 
 pub use actor::Report;
-pub use plan::{JobPlan, PlanError};
+pub use plan::{JobPlan, PlanError, PoolRole};
 
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]

@@ -77,6 +77,14 @@ pub struct WorkerArgs {
     /// `guess=http://127.0.0.1:8765` (protocol: docs/remote-environments.md).
     #[arg(long = "remote-env", value_parser = parse_remote_env)]
     pub remote_envs: Vec<(String, String)>,
+    /// Which LLM engine generates.
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+/// The LLM engine flags of `rollfleet worker` and `rollfleet run`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
     /// The LLM engine of a GPU pool's generation stages: `emulated` (the simulator's roofline on
     /// the scaled clock, synthetic tokens, no GPU) or `openai` (a real engine behind the OpenAI
     /// completions API, such as vLLM or SGLang, at --engine-url; training stays emulated).
@@ -92,6 +100,26 @@ pub struct WorkerArgs {
     /// Sampling temperature of the OpenAI-compatible engine.
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f32,
+}
+
+impl EngineArgs {
+    /// The same flags, to hand to a child `rollfleet worker`.
+    fn to_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if let (EngineKind::Openai, Some(url)) = (self.engine, &self.engine_url) {
+            args.extend([
+                "--engine".into(),
+                "openai".into(),
+                "--engine-url".into(),
+                url.clone(),
+            ]);
+            if let Some(model) = &self.model {
+                args.extend(["--model".into(), model.clone()]);
+            }
+            args.extend(["--temperature".into(), self.temperature.to_string()]);
+        }
+        args
+    }
 }
 
 /// `rollfleet worker --engine`.
@@ -137,6 +165,10 @@ pub struct RunArgs {
     /// `rollfleet sim`, for comparing the two.
     #[arg(long)]
     pub model_environments: bool,
+    /// Which LLM engine the GPU pools' workers drive (`--engine openai --engine-url URL`: a
+    /// real vLLM or SGLang for generation; training and weight syncs stay emulated).
+    #[command(flatten)]
+    pub engine: EngineArgs,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -232,7 +264,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         connect_timeout: Duration::from_secs(30),
         model_environments: args.model_environments,
         remote_envs: args.remote_envs.clone(),
-        engine: match (args.engine, &args.engine_url) {
+        engine: match (args.engine.engine, &args.engine.engine_url) {
             (EngineKind::Openai, Some(url)) => {
                 if !url.starts_with("http://") {
                     writeln!(
@@ -243,8 +275,8 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
                 }
                 rollfleet_node::EngineChoice::OpenAi {
                     url: url.clone(),
-                    model: args.model.clone(),
-                    temperature: args.temperature,
+                    model: args.engine.model.clone(),
+                    temperature: args.engine.temperature,
                 }
             }
             (EngineKind::Openai, None) => {
@@ -273,6 +305,20 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
 
 /// Child processes that are killed when dropped.
 struct Children(Vec<(String, Child)>);
+
+impl Children {
+    /// The first worker that has exited unsuccessfully, with how. (Workers leave with success
+    /// once the job ends; the scheduler, first in the list, is watched apart.)
+    fn failed_worker(&mut self) -> Option<String> {
+        self.0
+            .iter_mut()
+            .skip(1)
+            .find_map(|(name, child)| match child.try_wait() {
+                Ok(Some(status)) if !status.success() => Some(format!("{name} exited ({status})")),
+                _ => None,
+            })
+    }
+}
 
 impl Drop for Children {
     fn drop(&mut self) {
@@ -351,12 +397,20 @@ pub fn run(
         .ok_or_else(|| anyhow!("the scheduler did not say where it listens (got {line:?})"))?
         .to_owned();
     let url = format!("http://{addr}");
-    writeln!(
-        stderr,
-        "rollfleet run: scheduler on {url}; GPUs are emulated (roofline model), time scale {} \
-         (one modelled second takes {} wall seconds)",
-        args.time_scale, args.time_scale
-    )?;
+    match &args.engine.engine_url {
+        Some(engine) if args.engine.engine == EngineKind::Openai => writeln!(
+            stderr,
+            "rollfleet run: scheduler on {url}; generation by the OpenAI-compatible engine at \
+             {engine}; training and weight syncs are emulated, time scale {}",
+            args.time_scale
+        )?,
+        _ => writeln!(
+            stderr,
+            "rollfleet run: scheduler on {url}; GPUs are emulated (roofline model), time scale {} \
+             (one modelled second takes {} wall seconds)",
+            args.time_scale, args.time_scale
+        )?,
+    }
     for &p in &pools {
         for i in 0..per_pool {
             let pool = plan.pool_name(p).to_owned();
@@ -365,6 +419,9 @@ pub fn run(
                 worker.arg("worker").arg("--model-environments");
             } else {
                 worker.arg("worker");
+            }
+            if plan.pool_role(p) == Some(rollfleet_server::PoolRole::Gpu) {
+                worker.args(args.engine.to_args());
             }
             let child = worker
                 .args(["--scheduler", &url])
@@ -397,7 +454,14 @@ pub fn run(
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
     let steps = plan.config.steps;
     let trajectories = steps * u64::from(plan.config.rollout_batch_size);
-    let watched = rt.block_on(watch(&url, &name, steps, trajectories, deadline));
+    let watched = rt.block_on(watch(
+        &url,
+        &name,
+        steps,
+        trajectories,
+        deadline,
+        &mut children,
+    ));
     // The scheduler writes its report and exits once the job ends.
     let (_, sched) = &mut children.0[0];
     let status = loop {
@@ -456,6 +520,7 @@ async fn watch(
     steps: u64,
     trajectories: u64,
     deadline: Instant,
+    children: &mut Children,
 ) -> Result<()> {
     let mut client = loop {
         match JobServiceClient::connect(url.to_owned()).await {
@@ -484,9 +549,17 @@ async fn watch(
     let hidden = multi.is_hidden();
     let mut last_print = Instant::now();
     loop {
-        let remaining = deadline.saturating_duration_since(Instant::now());
+        // A worker that dies (a bad flag, a crash) would leave the job waiting for its pool
+        // until the deadline: look at the children between status updates.
+        if let Some(failed) = children.failed_worker() {
+            bail!("{failed} before the job ended");
+        }
+        let remaining = deadline
+            .saturating_duration_since(Instant::now())
+            .min(Duration::from_secs(1));
         let next = tokio::time::timeout(remaining, stream.message()).await;
         let status = match next {
+            Err(_) if Instant::now() < deadline => continue,
             Err(_) => bail!("the job did not finish in time"),
             Ok(Err(e)) => bail!("watching the job: {}", e.message()),
             Ok(Ok(None)) => break,
@@ -550,11 +623,20 @@ fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> {
         "job {}: {} - {} of {} RL steps in {:.1} s of wall time",
         report.job, report.phase, report.policy_version, report.steps, report.wall_s
     )?;
-    writeln!(
-        out,
-        "GPU figures are EMULATED (roofline model, time scale {}: one modelled second took {} wall seconds)",
-        report.time_scale, report.time_scale
-    )?;
+    if report.emulated_gpus {
+        writeln!(
+            out,
+            "GPU figures are EMULATED (roofline model, time scale {}: one modelled second took {} wall seconds)",
+            report.time_scale, report.time_scale
+        )?;
+    } else {
+        writeln!(
+            out,
+            "{} generations by a real OpenAI-compatible engine; training and weight syncs are \
+             EMULATED (time scale {}), and so are the busy shares of GPU pools",
+            report.engine_generations, report.time_scale
+        )?;
+    }
     let mut t = Table::new(&[
         "pool",
         "kind",
@@ -616,4 +698,32 @@ fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> {
         report.dispatch_p99_us
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_worker_that_exits_unsuccessfully_is_named_and_one_that_succeeds_is_not() {
+        let spawn = |program: &str, args: &[&str]| Command::new(program).args(args).spawn().unwrap();
+        let mut children = Children(vec![
+            ("scheduler".into(), spawn("sh", &["-c", "exit 3"])),
+            ("worker train-0".into(), spawn("true", &[])),
+            ("worker envs-0".into(), spawn("sh", &["-c", "sleep 0.2; exit 2"])),
+        ]);
+        let start = Instant::now();
+        let failed = loop {
+            if let Some(f) = children.failed_worker() {
+                break f;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "never noticed");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // The scheduler's own exit is watched apart; a worker that left cleanly is no failure.
+        assert!(failed.starts_with("worker envs-0 exited"), "{failed}");
+        assert!(failed.contains('2'), "{failed}");
+    }
 }
