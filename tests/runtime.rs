@@ -418,6 +418,17 @@ async fn read_feed(
             .unwrap()
             .expect("the feed ended early");
         if let Some(rollfleet_proto::v1::trainer_feed_item::Item::Trajectory(t)) = item.item {
+            // What a trainer needs of it: the task's prompt, and every turn's action and the
+            // environment's answer to it, each with the version that generated it.
+            assert!(!t.prompt.is_empty(), "{t:?}");
+            assert!(!t.turns.is_empty(), "{t:?}");
+            for turn in &t.turns {
+                assert!(
+                    !turn.action.is_empty() && !turn.observation.is_empty(),
+                    "{t:?}"
+                );
+                assert!(turn.policy_version >= t.oldest_policy_version, "{t:?}");
+            }
             got.push((t.sequence, t.trajectory.unwrap().id));
         }
     }

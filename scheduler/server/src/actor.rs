@@ -947,12 +947,24 @@ impl Actor {
                             .map(|(&index, &policy_version)| Turn {
                                 index,
                                 policy_version,
+                                observation: info
+                                    .observations
+                                    .get(index as usize)
+                                    .cloned()
+                                    .unwrap_or_default(),
+                                action: info
+                                    .actions
+                                    .get(index as usize)
+                                    .cloned()
+                                    .unwrap_or_default(),
+                                output: info.outputs.get(&index).cloned().unwrap_or_default(),
                                 ..Default::default()
                             })
                             .collect(),
                         reward: info.reward,
                         oldest_policy_version: info.versions.values().min().copied().unwrap_or(0),
                         task: task.map_or_else(String::new, |t| t.name.clone()),
+                        prompt: info.prompt.clone(),
                     };
                     self.feed
                         .append(completed, last_of_group.then_some(info.group));

@@ -708,11 +708,15 @@ mod tests {
 
     #[test]
     fn a_worker_that_exits_unsuccessfully_is_named_and_one_that_succeeds_is_not() {
-        let spawn = |program: &str, args: &[&str]| Command::new(program).args(args).spawn().unwrap();
+        let spawn =
+            |program: &str, args: &[&str]| Command::new(program).args(args).spawn().unwrap();
         let mut children = Children(vec![
             ("scheduler".into(), spawn("sh", &["-c", "exit 3"])),
             ("worker train-0".into(), spawn("true", &[])),
-            ("worker envs-0".into(), spawn("sh", &["-c", "sleep 0.2; exit 2"])),
+            (
+                "worker envs-0".into(),
+                spawn("sh", &["-c", "sleep 0.2; exit 2"]),
+            ),
         ]);
         let start = Instant::now();
         let failed = loop {
