@@ -177,6 +177,12 @@ pub enum Command {
         /// The trajectory whose failures gave the group up.
         failed: TrajId,
     },
+    /// A replica told to retire has drained: nothing runs on it or waits for it any more, and
+    /// its GPUs are free.
+    ReplicaRetired {
+        /// The replica.
+        replica: ReplicaId,
+    },
     /// Train on whole groups of finished trajectories.
     Train {
         /// The batch.
@@ -239,6 +245,19 @@ pub enum Input {
     },
     /// A lost replica is back, with no weights loaded and an empty cache.
     ReplicaRecovered {
+        /// The replica.
+        replica: ReplicaId,
+    },
+    /// A new serving replica is up (a re-plan starts it, or more GPUs arrived); it takes the next
+    /// [`ReplicaId`] (the number of replicas so far) and is given the current weights first.
+    ReplicaAdded {
+        /// What it is.
+        config: crate::placement::ReplicaConfig,
+    },
+    /// Take a replica out of service for good (a re-plan moves its GPUs elsewhere): it gets no
+    /// new work, drops the KV caches it keeps between turns, finishes what it runs, and is then
+    /// handed back with [`Command::ReplicaRetired`]. Rollout never stops as a whole.
+    RetireReplica {
         /// The replica.
         replica: ReplicaId,
     },

@@ -65,6 +65,10 @@ pub struct Stats {
     pub stage_retries: u64,
     /// Groups given up after a trajectory's stages failed too often in a row.
     pub groups_abandoned: u64,
+    /// Serving replicas added mid-run.
+    pub replicas_added: u64,
+    /// Serving replicas retired mid-run.
+    pub replicas_retired: u64,
     /// Reports about stages the core no longer expected (ignored).
     pub ignored_reports: u64,
     /// Weight updates issued.
@@ -178,6 +182,35 @@ struct Replica {
     key: Option<u64>,
     /// Changed since it was last filed in the router's sets (it is in `Core::dirty`).
     dirty: bool,
+    /// Told to retire: no new work; retired once nothing runs on it or waits for it.
+    retiring: bool,
+    /// Out of service for good (retired); a later recovery report is ignored.
+    retired: bool,
+}
+
+impl Replica {
+    fn new(config: &crate::placement::ReplicaConfig) -> Replica {
+        Replica {
+            role: config.role,
+            max_seqs: config.max_seqs.max(1),
+            kv_capacity: config.kv_capacity_tokens,
+            healthy: true,
+            version: Some(0),
+            draining: false,
+            updating: false,
+            in_flight: 0,
+            kv_reserved: 0,
+            retained: BTreeMap::new(),
+            lru: BTreeSet::new(),
+            retained_tokens: 0,
+            held: BTreeSet::new(),
+            failures: 0,
+            key: None,
+            dirty: false,
+            retiring: false,
+            retired: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -252,28 +285,7 @@ pub struct Core {
 impl Core {
     /// A core for a job; it starts working on the first input or timeout.
     pub fn new(cfg: Config) -> Core {
-        let replicas: Vec<Replica> = cfg
-            .replicas
-            .iter()
-            .map(|r| Replica {
-                role: r.role,
-                max_seqs: r.max_seqs.max(1),
-                kv_capacity: r.kv_capacity_tokens,
-                healthy: true,
-                version: Some(0),
-                draining: false,
-                updating: false,
-                in_flight: 0,
-                kv_reserved: 0,
-                retained: BTreeMap::new(),
-                lru: BTreeSet::new(),
-                retained_tokens: 0,
-                held: BTreeSet::new(),
-                failures: 0,
-                key: None,
-                dirty: false,
-            })
-            .collect();
+        let replicas: Vec<Replica> = cfg.replicas.iter().map(Replica::new).collect();
         let disaggregated = replicas.iter().any(|r| r.role == ServeRole::Prefill);
         let mut core = Core {
             cpu_free: cfg.cpu_pools.iter().map(|p| p.millicpus).collect(),
@@ -347,6 +359,8 @@ impl Core {
             Input::StageFailed { stage } => self.stage_failed(stage, false),
             Input::ReplicaLost { replica } => self.replica_lost(replica),
             Input::ReplicaRecovered { replica } => self.replica_recovered(replica),
+            Input::ReplicaAdded { config } => self.replica_added(config),
+            Input::RetireReplica { replica } => self.retire_replica(replica),
             Input::WeightsUpdated { replica, version } => self.weights_updated(replica, version),
             Input::TrainFinished { batch } => self.train_finished(batch),
         }
@@ -496,7 +510,11 @@ impl Core {
     fn view(r: &Replica, latest: Version) -> ReplicaView {
         ReplicaView {
             role: r.role,
-            available: r.healthy && !r.draining && !r.updating && r.version.is_some(),
+            available: r.healthy
+                && !r.draining
+                && !r.retiring
+                && !r.updating
+                && r.version.is_some(),
             version: r.version,
             in_flight: r.in_flight,
             max_seqs: r.max_seqs,
@@ -770,6 +788,7 @@ impl Core {
                     && rep.healthy
                     && !rep.updating
                     && !rep.draining
+                    && !rep.retiring
                     && rep.kv_reserved + keep <= rep.kv_capacity
                 {
                     rep.kv_reserved += keep;
@@ -996,7 +1015,10 @@ impl Core {
             Command::UpdateWeights { replica, .. } | Command::ReleaseKv { replica, .. } => {
                 *replica != id
             }
-            Command::Cancel { .. } | Command::Train { .. } | Command::AbandonGroup { .. } => true,
+            Command::Cancel { .. }
+            | Command::Train { .. }
+            | Command::AbandonGroup { .. }
+            | Command::ReplicaRetired { .. } => true,
         });
         if !unsent.is_empty() {
             self.commands
@@ -1009,6 +1031,10 @@ impl Core {
             self.stats.ignored_reports += 1;
             return;
         };
+        if r.retired {
+            self.stats.ignored_reports += 1;
+            return;
+        }
         if r.healthy {
             return;
         }
@@ -1028,6 +1054,76 @@ impl Core {
         self.touch(id);
     }
 
+    fn replica_added(&mut self, config: crate::placement::ReplicaConfig) {
+        let id = ReplicaId(self.replicas.len() as u64);
+        let mut r = Replica::new(&config);
+        // Like a recovered replica: no weights until it has loaded the current ones.
+        r.version = None;
+        r.updating = true;
+        self.updating += 1;
+        self.stats.weight_updates += 1;
+        self.stats.replicas_added += 1;
+        self.disaggregated |= config.role == ServeRole::Prefill;
+        self.replicas.push(r);
+        self.cfg.replicas.push(config);
+        self.commands.push_back(Command::UpdateWeights {
+            replica: id,
+            version: self.version,
+            bytes: self.cfg.weight_bytes,
+            mode: SyncMode::Rolling,
+        });
+        self.touch(id);
+    }
+
+    fn retire_replica(&mut self, id: ReplicaId) {
+        let Some(r) = self.replicas.get_mut(id.0 as usize) else {
+            self.stats.ignored_reports += 1;
+            return;
+        };
+        if r.retiring || r.retired {
+            return;
+        }
+        r.retiring = true;
+        // A rolling update it was waiting for or draining for is moot.
+        r.draining = false;
+        self.pending_update.remove(&id);
+        self.draining.remove(&id);
+        // The caches it keeps between turns would pin trajectories to it: their next turns
+        // prefill elsewhere instead.
+        let retained: Vec<TrajId> = r.retained.keys().copied().collect();
+        for t in retained {
+            self.drop_kv(t, true);
+        }
+        self.touch(id);
+        self.repump = true;
+    }
+
+    /// Hands back every retiring replica that nothing runs on or waits for any more (a lost one
+    /// at once: its work was rescheduled when it was lost).
+    fn retire_drained(&mut self) {
+        for i in 0..self.replicas.len() {
+            let r = &self.replicas[i];
+            let idle = r.in_flight == 0 && r.held.is_empty() && !r.updating;
+            if !r.retiring || (r.healthy && !idle) {
+                continue;
+            }
+            let id = ReplicaId(i as u64);
+            let retained: Vec<TrajId> = r.retained.keys().copied().collect();
+            for t in retained {
+                self.drop_kv(t, true);
+            }
+            let r = &mut self.replicas[i];
+            r.retiring = false;
+            r.retired = true;
+            r.healthy = false;
+            r.version = None;
+            self.stats.replicas_retired += 1;
+            self.touch(id);
+            self.commands
+                .push_back(Command::ReplicaRetired { replica: id });
+        }
+    }
+
     fn weights_updated(&mut self, id: ReplicaId, version: Version) {
         let Some(r) = self.replicas.get_mut(id.0 as usize) else {
             self.stats.ignored_reports += 1;
@@ -1041,7 +1137,8 @@ impl Core {
         r.draining = false;
         r.version = Some(version);
         self.updating = self.updating.saturating_sub(1);
-        if version < self.version && self.cfg.policy.weight_sync == SyncMode::Rolling {
+        if version < self.version && self.cfg.policy.weight_sync == SyncMode::Rolling && !r.retiring
+        {
             self.pending_update.insert(id);
         }
         self.touch(id);
@@ -1069,7 +1166,11 @@ impl Core {
             }
             if self.cfg.policy.weight_sync == SyncMode::Rolling {
                 for (i, r) in self.replicas.iter().enumerate() {
-                    if r.healthy && !r.updating && r.version.is_some_and(|v| v < self.version) {
+                    if r.healthy
+                        && !r.updating
+                        && !r.retiring
+                        && r.version.is_some_and(|v| v < self.version)
+                    {
                         self.pending_update.insert(ReplicaId(i as u64));
                     }
                 }
@@ -1087,6 +1188,7 @@ impl Core {
         // opens a batch or a sync; a rewind re-queues a trajectory): repeat while that happens.
         for _ in 0..8 {
             self.repump = false;
+            self.retire_drained();
             self.sync_weights();
             self.admit_groups();
             self.dispatch_env();

@@ -437,6 +437,112 @@ fn a_failed_environment_step_is_retried_not_scored() {
 }
 
 #[test]
+fn a_replica_added_mid_run_loads_the_current_weights_before_it_takes_work() {
+    let cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        policy(Discipline::Continuous, 0, 0.5, SyncMode::Rolling),
+        1,
+        2,
+        1,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let resets = runs(&drain(&mut core));
+    assert_eq!(resets.len(), 2);
+    core.handle_input(
+        Time(1),
+        Input::ReplicaAdded {
+            config: replica(ServeRole::Generate, 10_000),
+        },
+    );
+    assert_eq!(
+        drain(&mut core),
+        vec![Command::UpdateWeights {
+            replica: ReplicaId(1),
+            version: 0,
+            bytes: 1_000_000,
+            mode: SyncMode::Rolling,
+        }]
+    );
+    // While it loads, generation goes to the old replica only.
+    let first = runs(&finish(&mut core, resets[0].stage, observed(100, false)));
+    assert!(
+        matches!(first[0].work, StageWork::Generate { replica, .. } if replica == ReplicaId(0)),
+        "{first:?}"
+    );
+    core.handle_input(
+        Time(2),
+        Input::WeightsUpdated {
+            replica: ReplicaId(1),
+            version: 0,
+        },
+    );
+    drain(&mut core);
+    // Loaded: the next generation goes to the idle new replica, not the busy old one.
+    let second = runs(&finish(&mut core, resets[1].stage, observed(100, false)));
+    assert!(
+        matches!(second[0].work, StageWork::Generate { replica, .. } if replica == ReplicaId(1)),
+        "{second:?}"
+    );
+    assert_eq!(core.stats().replicas_added, 1);
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn a_retiring_replica_gets_no_new_work_finishes_what_it_runs_and_is_handed_back() {
+    let cfg = config(
+        vec![
+            replica(ServeRole::Generate, 10_000),
+            replica(ServeRole::Generate, 10_000),
+        ],
+        policy(Discipline::Continuous, 0, 0.5, SyncMode::Rolling),
+        1,
+        2,
+        1,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let resets = runs(&drain(&mut core));
+    let running = runs(&finish(&mut core, resets[0].stage, observed(100, false)));
+    let StageWork::Generate { replica: busy, .. } = running[0].work else {
+        panic!("{running:?}")
+    };
+    core.handle_input(Time(1), Input::RetireReplica { replica: busy });
+    // It runs a stage: not handed back yet.
+    assert!(drain(&mut core).is_empty());
+    // New work goes elsewhere.
+    let other = runs(&finish(&mut core, resets[1].stage, observed(100, false)));
+    assert!(
+        matches!(other[0].work, StageWork::Generate { replica, .. } if replica != busy),
+        "{other:?}"
+    );
+    // Its stage finishes: it keeps no KV cache for the trajectory, and it is handed back.
+    let after = finish(
+        &mut core,
+        running[0].stage,
+        StageOutcome::Generated { tokens: 10 },
+    );
+    assert!(
+        after.contains(&Command::ReplicaRetired { replica: busy }),
+        "{after:?}"
+    );
+    assert!(
+        after.contains(&Command::ReleaseKv {
+            replica: busy,
+            traj: running[0].traj
+        }),
+        "{after:?}"
+    );
+    // A recovery report for it changes nothing: it is gone for good.
+    let ignored = core.stats().ignored_reports;
+    core.handle_input(Time(3), Input::ReplicaRecovered { replica: busy });
+    assert!(drain(&mut core).is_empty());
+    assert_eq!(core.stats().ignored_reports, ignored + 1);
+    assert_eq!(core.stats().replicas_retired, 1);
+    core.check_invariants().unwrap();
+}
+
+#[test]
 fn a_lost_replica_loses_no_trajectory_and_its_late_report_is_ignored() {
     let cfg = config(
         vec![
@@ -519,6 +625,7 @@ fn a_replica_lost_before_its_commands_were_polled_is_sent_none_of_them() {
             Command::Cancel { .. } => panic!("a cancel for a stage never sent: {sent:?}"),
             Command::Train { .. } => {}
             Command::AbandonGroup { .. } => panic!("nothing failed: {sent:?}"),
+            Command::ReplicaRetired { .. } => panic!("nothing was retired: {sent:?}"),
         }
     }
     // The trajectory is not lost: its generation went to the other replica instead.
@@ -866,6 +973,16 @@ fn random_world(
     let mut pending: BTreeMap<(Time, u64), Input> = BTreeMap::new();
     let mut seq = 0u64;
     let mut replica_version: BTreeMap<u64, u64> = (0..3).map(|r| (r, 0)).collect();
+    // Serving replicas by role, as the world started, added and retired them.
+    let mut roles: Vec<ServeRole> = if pd {
+        vec![ServeRole::Prefill, ServeRole::Decode, ServeRole::Decode]
+    } else {
+        vec![ServeRole::Generate, ServeRole::Generate]
+    };
+    // Asked to retire (when the world decided), retiring (once the core was told), retired.
+    let mut retire_asked: BTreeSet<u64> = BTreeSet::new();
+    let mut retiring: BTreeSet<u64> = BTreeSet::new();
+    let mut retired: BTreeSet<u64> = BTreeSet::new();
     let mut stage_version: BTreeMap<StageId, (TrajId, u32, u64)> = BTreeMap::new();
     let mut prefill_version: BTreeMap<TrajId, u64> = BTreeMap::new();
     let mut turns: BTreeMap<TrajId, Vec<u64>> = BTreeMap::new();
@@ -888,6 +1005,12 @@ fn random_world(
                     }
                     live.insert(s.stage, s.traj);
                     groups.insert(s.traj, s.group.0);
+                    if let StageWork::Prefill { replica, .. } | StageWork::Generate { replica, .. } =
+                        s.work
+                        && (retiring.contains(&replica.0) || retired.contains(&replica.0))
+                    {
+                        return Err(format!("{:?} sent to retiring {replica:?}", s.stage));
+                    }
                     let outcome = match s.work {
                         StageWork::EnvReset { .. } => observed(50 + rng.below(300), false),
                         StageWork::EnvStep { .. } => {
@@ -992,6 +1115,11 @@ fn random_world(
                     stage_version.remove(&stage);
                     live.remove(&stage);
                 }
+                Command::ReplicaRetired { replica } => {
+                    if !retiring.remove(&replica.0) || !retired.insert(replica.0) {
+                        return Err(format!("{replica:?} retired unasked or twice"));
+                    }
+                }
                 Command::AbandonGroup {
                     trajectories,
                     failed,
@@ -1012,6 +1140,51 @@ fn random_world(
         core.check_invariants()?;
         if core.finished() {
             return Ok(());
+        }
+        // Now and then a re-plan adds a serving replica, or retires one while another of its role
+        // still serves.
+        if rng.below(250) == 0 {
+            let role = if pd && rng.below(3) == 0 {
+                ServeRole::Prefill
+            } else if pd {
+                ServeRole::Decode
+            } else {
+                ServeRole::Generate
+            };
+            replica_version.insert(roles.len() as u64, u64::MAX);
+            roles.push(role);
+            seq += 1;
+            pending.insert(
+                (Time(now.0 + 1), seq),
+                Input::ReplicaAdded {
+                    config: replica(
+                        role,
+                        if role == ServeRole::Prefill {
+                            3_000
+                        } else {
+                            2_000
+                        },
+                    ),
+                },
+            );
+        } else if rng.below(250) == 0 {
+            let r = rng.below(roles.len() as u64);
+            let serving = |role: ServeRole| {
+                (0..roles.len() as u64)
+                    .filter(|i| roles[*i as usize] == role)
+                    .filter(|i| !retire_asked.contains(i))
+                    .count()
+            };
+            if !retire_asked.contains(&r) && serving(roles[r as usize]) >= 2 {
+                retire_asked.insert(r);
+                seq += 1;
+                pending.insert(
+                    (Time(now.0 + 1), seq),
+                    Input::RetireReplica {
+                        replica: ReplicaId(r),
+                    },
+                );
+            }
         }
         // Now and then a replica is lost, and comes back later.
         if rng.below(400) == 0 {
@@ -1070,6 +1243,9 @@ fn random_world(
                     }
                     Input::ReplicaLost { replica } => {
                         replica_version.insert(replica.0, u64::MAX);
+                    }
+                    Input::RetireReplica { replica } => {
+                        retiring.insert(replica.0);
                     }
                     _ => {}
                 }

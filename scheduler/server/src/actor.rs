@@ -860,6 +860,9 @@ impl Actor {
             // engine's prefix cache evicts on its own.
             Command::ReleaseKv { .. } => {}
             Command::Cancel { stage } => self.cancel(stage),
+            // The server never asks the core to retire a replica (re-planning runs in the
+            // simulator only), so none is ever handed back.
+            Command::ReplicaRetired { .. } => {}
             Command::AbandonGroup {
                 group,
                 trajectories,

@@ -516,6 +516,8 @@ impl<'a> Sim<'a> {
             // The simulator fails no stage of its own accord, so no group is ever given up;
             // were one, its stages' cancels above already freed what they held.
             Command::AbandonGroup { .. } => {}
+            // Only a re-plan retires replicas; its engine then simply stays idle.
+            Command::ReplicaRetired { .. } => {}
             Command::Train {
                 batch,
                 publishes,
