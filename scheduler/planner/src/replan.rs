@@ -10,8 +10,9 @@
 //!   number of serving replicas, adding before removing, so that serving capacity never drops by
 //!   more than one wave's worth and rollout never stops as a whole.
 //!
-//! Pure functions; the scheduler core (or the simulator) applies the waves. Not yet wired into
-//! either: see `docs/planner.md`.
+//! Pure functions. The simulator applies the waves of a growth through the core's
+//! `ReplicaAdded` and `RetireReplica` inputs (`rollfleet sim --grow`); the server does not
+//! re-plan yet: see `docs/planner.md`.
 
 use std::collections::BTreeMap;
 

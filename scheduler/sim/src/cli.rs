@@ -70,6 +70,12 @@ pub struct SimArgs {
     /// the report compares the steps after with the smaller cluster run on its own plan.
     #[arg(long, value_name = "POOL:FRACTION@STEP")]
     pub lose: Option<String>,
+    /// Add GPUs to a pool as a step is published, e.g. `h20:80@10`: the planner plans for the
+    /// bigger cluster and the run moves to the new plan in waves (replicas started and retired
+    /// mid-run, rollout never stopped); the report compares the steps after with the bigger
+    /// cluster run on its own plan.
+    #[arg(long, value_name = "POOL:GPUS@STEP")]
+    pub grow: Option<String>,
 }
 
 /// Why `rollfleet sim` failed.
@@ -182,6 +188,57 @@ fn recover(
     ))
 }
 
+/// Simulates the bigger cluster on its own plan and compares the run that grew with it.
+fn catch_up(
+    spec: &rollfleet_spec::JobSpec,
+    catalog: &rollfleet_catalog::Catalog,
+    growth: &crate::growth::PoolGrowth,
+    replan: crate::growth::Replan,
+    run: &crate::sim::RunResult,
+    opts: &SimOptions,
+    stderr: &mut dyn Write,
+) -> Result<Option<crate::growth::GrowthReport>, SimError> {
+    let bigger = crate::growth::bigger_spec(spec, growth);
+    let (placement, _) =
+        choose(PlacementChoice::Plan, &bigger, catalog).map_err(|source| SimError::Choice {
+            choice: "plan (of the bigger cluster)",
+            source,
+        })?;
+    let (placement, policy) = Baseline::Rollfleet
+        .setup_with(&bigger, catalog, placement)
+        .map_err(|source| SimError::Placement {
+            policy: "rollfleet (bigger cluster)".into(),
+            source,
+        })?;
+    let reference_opts = SimOptions {
+        migration: None,
+        ..opts.clone()
+    };
+    let _ = writeln!(
+        stderr,
+        "simulating the bigger cluster ({} GPUs more) on its own plan, for reference",
+        growth.gpus
+    );
+    let reference = simulate(
+        &bigger,
+        catalog,
+        placement,
+        policy,
+        &reference_opts,
+        &mut |_, _| {},
+    )
+    .map_err(|source| SimError::Run {
+        policy: "rollfleet (bigger cluster)".into(),
+        source,
+    })?;
+    let bound = policy_report("rollfleet", &bigger, catalog, &opts.hardware, &reference)
+        .bound
+        .step_s;
+    Ok(crate::growth::compare(
+        spec, growth, replan, run, &reference, bound,
+    ))
+}
+
 /// Runs the simulation the arguments describe and prints its report.
 pub fn run(
     args: &SimArgs,
@@ -246,11 +303,26 @@ pub fn run(
         Some(arg) => Some(crate::loss::parse(arg, &spec).map_err(SimError::Argument)?),
         None => None,
     };
+    if pool_loss.is_some() && args.grow.is_some() {
+        return Err(SimError::Argument(
+            "--lose and --grow each compare with a cluster of their own: give one".into(),
+        ));
+    }
+    let growth = match &args.grow {
+        Some(arg) => {
+            let growth = crate::growth::parse(arg, &spec).map_err(SimError::Argument)?;
+            let (migration, replan) = crate::growth::replan_growth(&spec, &job.catalog, &growth)
+                .map_err(|e| SimError::Argument(format!("--grow {arg}: {e}")))?;
+            Some((growth, migration, replan))
+        }
+        None => None,
+    };
     let opts = SimOptions {
         seed: args.seed,
         failure_mtbf_s: args.failure_mtbf,
         hardware: hw,
         pool_loss,
+        migration: growth.as_ref().map(|(_, m, _)| m.clone()),
         ..SimOptions::default()
     };
     let (chosen, predicted) =
@@ -315,6 +387,12 @@ pub fn run(
         (Some(loss), Some((_, run))) => recover(&spec, &job.catalog, loss, run, &opts, stderr)?,
         _ => None,
     };
+    let growth = match (growth, runs.iter().find(|(n, _)| n == "rollfleet")) {
+        (Some((growth, _, replan)), Some((_, run))) => {
+            catch_up(&spec, &job.catalog, &growth, replan, run, &opts, stderr)?
+        }
+        _ => None,
+    };
     let attribution = uses_trace(&spec).then(|| AZURE_ATTRIBUTION.to_owned());
     let report = SimReport {
         job: job.manifest.metadata.name.clone(),
@@ -325,6 +403,7 @@ pub fn run(
         data_attribution: attribution.clone(),
         policies,
         loss_recovery,
+        growth,
     };
     if let Some(path) = &args.timeline {
         let names: Vec<String> = spec.pools.iter().map(|p| p.name.clone()).collect();

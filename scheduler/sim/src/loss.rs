@@ -157,7 +157,24 @@ pub struct Recovery {
     pub replan: Option<Replan>,
 }
 
-fn durations(publish: &[f64]) -> Vec<f64> {
+/// The first step (index into `after`) from which the run keeps up with the reference for good:
+/// step k is at speed if the run's throughput over the last [`WINDOW`] steps up to it is at least
+/// [`RECOVERED`] of the reference's over the same steps (a window, because the two runs'
+/// step-to-step noise is independent; the same steps, because the last step of either run is
+/// long: nothing is left to overlap it with).
+pub(crate) fn at_speed_from(after: &[f64], reference_after: &[f64]) -> Option<usize> {
+    let ok: Vec<bool> = (0..after.len().min(reference_after.len()))
+        .map(|k| {
+            let from = k.saturating_sub(WINDOW - 1);
+            let run: f64 = after[from..=k].iter().sum();
+            let reference: f64 = reference_after[from..=k].iter().sum();
+            reference >= RECOVERED * run
+        })
+        .collect();
+    (0..ok.len()).find(|&k| ok[k..].iter().all(|&b| b))
+}
+
+pub(crate) fn durations(publish: &[f64]) -> Vec<f64> {
     let mut prev = 0.0;
     publish
         .iter()
@@ -169,7 +186,7 @@ fn durations(publish: &[f64]) -> Vec<f64> {
         .collect()
 }
 
-fn mean_of(v: &[f64]) -> f64 {
+pub(crate) fn mean_of(v: &[f64]) -> f64 {
     if v.is_empty() {
         0.0
     } else {
@@ -217,20 +234,7 @@ fn recovery_of(
     }
     let step_s_after = mean_of(after);
     let reference_step_s = mean_of(reference_after);
-    // Step k (0-based index into `after`) is at speed if the run's throughput over the last
-    // WINDOW steps up to it is at least RECOVERED of the reference's over the same steps: a
-    // window, because the two runs' step-to-step noise is independent, and the same steps,
-    // because the last step of either run is long (nothing is left to overlap it with).
-    let ok: Vec<bool> = (0..after.len())
-        .map(|k| {
-            let from = k.saturating_sub(WINDOW - 1);
-            let run: f64 = after[from..=k].iter().sum();
-            let reference: f64 = reference_after[from..=k].iter().sum();
-            reference >= RECOVERED * run
-        })
-        .collect();
-    let first = (0..ok.len()).find(|&k| ok[k..].iter().all(|&b| b));
-    let recovered_after_s = first
+    let recovered_after_s = at_speed_from(after, reference_after)
         .and_then(|k| publish_times_s.get(at + k))
         .map(|t| t - lost.at_s);
     Some(Recovery {

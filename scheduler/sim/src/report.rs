@@ -266,6 +266,9 @@ pub struct SimReport {
     /// cluster run on its own plan.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_recovery: Option<crate::loss::Recovery>,
+    /// With `--grow`: the re-plan applied mid-run, and how rollfleet's throughput after it
+    /// compares with the bigger cluster's own run.
+    pub growth: Option<crate::growth::GrowthReport>,
 }
 
 fn describe_use(spec: &JobSpec, placement: &Placement, pool: u32) -> String {
@@ -474,8 +477,9 @@ pub fn render_table(report: &SimReport) -> String {
         if let Some(p) = &r.replan {
             out.push_str(&format!(
                 "  re-plan (planner's model): {:.1} s per step before the loss, {} survivors, new \
-                 plan for the smaller cluster {:.1} s{}; the waves are NOT applied (the core \
-                 cannot start replicas mid-run): the survivors keep running\n",
+                 plan for the smaller cluster {:.1} s{}; after a loss the waves are NOT applied \
+                 (`--grow` applies its re-plan; `--lose` does not yet): the survivors keep \
+                 running\n",
                 p.before_step_s,
                 p.survivor_step_s
                     .map_or("no prediction for the".into(), |s| format!(
@@ -492,6 +496,47 @@ pub fn render_table(report: &SimReport) -> String {
                     ", the same placement".into()
                 }
             ));
+        }
+    }
+    if let Some(g) = &report.growth {
+        let m = &g.migration;
+        out.push_str(&format!(
+            "\npool growth (simulated): {} gained {} GPUs after step {} at {:.0} s; the planner \
+             re-planned ({:.1} s per step predicted before, {:.1} s for the bigger cluster) and \
+             the run moved in {} waves of at most {} replicas: {} started, {} retired, {}; \
+             rollfleet ran {:.1} s per step before, {:.1} s after; the bigger cluster on its own \
+             plan {:.1} s over the same steps (bound {:.1} s): {:.0}% of it ({:.0}% of its \
+             bound); ",
+            g.pool,
+            g.gpus,
+            g.at_step,
+            m.at_s,
+            g.replan.before_step_s,
+            g.replan.new_plan_step_s,
+            g.replan.waves.len(),
+            crate::loss::PER_WAVE,
+            m.started,
+            m.retired,
+            match m.done_at_s {
+                Some(t) => format!("done {:.0} s after the growth", t - m.at_s),
+                None => "not done when the run ended".into(),
+            },
+            g.step_s_before,
+            g.step_s_after,
+            g.reference_step_s,
+            g.reference_bound_s,
+            g.share_of_reference * 100.0,
+            g.share_of_bound * 100.0
+        ));
+        match g.at_speed_after_s {
+            Some(t) => out.push_str(&format!(
+                ">= {:.0}% of it from {t:.0} s after the growth on\n",
+                crate::loss::RECOVERED * 100.0
+            )),
+            None => out.push_str(&format!(
+                "never >= {:.0}% of it for good within the run\n",
+                crate::loss::RECOVERED * 100.0
+            )),
         }
     }
     out.push_str("\nplacement and checks:\n");

@@ -11,14 +11,14 @@
 //! serverless concurrency), a sticky turn sent where its KV cache is not.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::rng::SplitMix64;
 use rollfleet_core::slab::IdSlab;
 use rollfleet_core::{
-    BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaId, Span, StageCommand,
-    StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
+    BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaConfig, ReplicaId, ServeRole,
+    Span, StageCommand, StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
 };
 use rollfleet_planner::profile::ProfileStore;
 use rollfleet_spec::{JobSpec, PoolKind};
@@ -43,6 +43,59 @@ pub struct SimOptions {
     pub max_virtual_s: f64,
     /// Lose part of a pool for good mid-run (`None`: no such loss).
     pub pool_loss: Option<PoolLoss>,
+    /// Move to a new placement mid-run, wave by wave (`None`: keep the placement).
+    pub migration: Option<Migration>,
+}
+
+/// A re-plan applied mid-run: after version `at_step` is published (and after a pool loss at
+/// the same step), GPU pools grow by `added_gpus`, then the waves run one after the other, each
+/// starting its replicas (they load the current weights) and retiring its others (drained by the
+/// core), the next one once every replica of the last has loaded or been handed back.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Migration {
+    /// The step after which it starts.
+    pub at_step: u64,
+    /// GPUs that arrive, per spec pool index.
+    pub added_gpus: Vec<(u32, u32)>,
+    /// The waves.
+    pub waves: Vec<MigrationWave>,
+}
+
+/// One wave of a [`Migration`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MigrationWave {
+    /// Replicas to start.
+    pub start: Vec<ReplicaConfig>,
+    /// Replicas to retire: so many of the given pool, role and size (highest-numbered first).
+    pub stop: Vec<RetireGroup>,
+}
+
+/// Replicas of one kind to retire.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct RetireGroup {
+    /// Spec pool index.
+    pub pool: u32,
+    /// Role.
+    pub role: ServeRole,
+    /// GPUs per replica.
+    pub gpus: u32,
+    /// How many.
+    pub replicas: u32,
+}
+
+/// What a [`Migration`] did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct MigrationReport {
+    /// Virtual seconds at which it started.
+    pub at_s: f64,
+    /// Waves run to the end.
+    pub waves_done: usize,
+    /// Replicas started.
+    pub started: u32,
+    /// Replicas retired (handed back by the core).
+    pub retired: u32,
+    /// Virtual seconds at which the last wave ended (`None`: still going when the run ended).
+    pub done_at_s: Option<f64>,
 }
 
 /// A deterministic, permanent loss of part of a GPU pool's serving replicas.
@@ -76,6 +129,7 @@ impl Default for SimOptions {
             repair_s: 60.0,
             max_virtual_s: 30.0 * 86_400.0,
             pool_loss: None,
+            migration: None,
         }
     }
 }
@@ -148,6 +202,7 @@ enum Event {
     Recover(u32),
     LosePool,
     LoseReplica(u32),
+    Migrate,
 }
 
 #[derive(Debug, Clone)]
@@ -295,6 +350,8 @@ pub struct RunResult {
     pub profiles: ProfileStore,
     /// The pool loss, if one was asked for and happened.
     pub loss: Option<LossReport>,
+    /// The migration, if one was asked for and started.
+    pub migration: Option<MigrationReport>,
 }
 
 /// Average tokens per trajectory of a job, for the placement.
@@ -349,6 +406,14 @@ struct Sim<'a> {
     engine_scheduled: Vec<Option<Time>>,
     engine_busy: Vec<bool>,
     engine_alive: Vec<bool>,
+    engine_role: Vec<ServeRole>,
+    /// Replicas the core was told to retire (never chosen again).
+    engine_retiring: Vec<bool>,
+    /// Peak FLOP/s and bytes/s of one GPU, per GPU pool (for replicas started mid-run).
+    pool_peaks: BTreeMap<u32, (f64, f64)>,
+    /// The wave under way and the replicas it waits for.
+    migration_wave: Option<(usize, BTreeSet<u32>)>,
+    migration: Option<MigrationReport>,
     prefill_versions: BTreeMap<TrajId, u64>,
     stage_loc: IdSlab<Loc>,
     stage_info: IdSlab<StageInfo>,
@@ -379,6 +444,23 @@ struct Sim<'a> {
     traces: Vec<TurnTrace>,
     profiles: ProfileStore,
     loss: Option<LossReport>,
+}
+
+/// A replica's engine, from its configuration and its pool's GPU.
+fn engine_for(
+    rc: &ReplicaConfig,
+    peaks: (f64, f64),
+    hardware: &HardwareModel,
+    costs: ModelCosts,
+) -> Engine {
+    Engine::new(
+        rc.gpus,
+        peaks.0,
+        peaks.1,
+        hardware,
+        costs,
+        rc.kv_capacity_tokens,
+    )
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -516,8 +598,17 @@ impl<'a> Sim<'a> {
             // The simulator fails no stage of its own accord, so no group is ever given up;
             // were one, its stages' cancels above already freed what they held.
             Command::AbandonGroup { .. } => {}
-            // Only a re-plan retires replicas; its engine then simply stays idle.
-            Command::ReplicaRetired { .. } => {}
+            Command::ReplicaRetired { replica } => {
+                let r = replica.0 as usize;
+                if r < self.engines.len() {
+                    // Its GPUs are free; nothing of it is chosen again.
+                    self.engine_alive[r] = false;
+                    if let Some(m) = self.migration.as_mut() {
+                        m.retired += 1;
+                    }
+                    self.migration_progress(r as u32);
+                }
+            }
             Command::Train {
                 batch,
                 publishes,
@@ -1121,6 +1212,16 @@ impl<'a> Sim<'a> {
                 {
                     self.push(now, Event::LosePool);
                 }
+                // After the loss's events, which were pushed first at the same instant.
+                if publishes
+                    && self
+                        .opts
+                        .migration
+                        .as_ref()
+                        .is_some_and(|m| m.at_step == self.version)
+                {
+                    self.push(now, Event::Migrate);
+                }
             }
             Event::WeightsDone(r, version, epoch) => {
                 let ri = r as usize;
@@ -1132,6 +1233,7 @@ impl<'a> Sim<'a> {
                     replica: ReplicaId(r as u64),
                     version,
                 });
+                self.migration_progress(r);
             }
             Event::Fail => {
                 let alive: Vec<usize> = (0..self.engines.len())
@@ -1147,12 +1249,17 @@ impl<'a> Sim<'a> {
                 self.schedule_failure();
             }
             Event::LosePool => self.maybe_lose_pool(),
+            Event::Migrate => self.start_migration(),
             Event::LoseReplica(r) => {
                 if self.engine_alive[r as usize] {
                     self.lose_replica(r as usize);
                 }
             }
             Event::Recover(r) => {
+                // A replica retired while it was down stays gone (the core ignores its return).
+                if self.engine_retiring[r as usize] {
+                    return;
+                }
                 self.engine_alive[r as usize] = true;
                 self.input(Input::ReplicaRecovered {
                     replica: ReplicaId(r as u64),
@@ -1228,6 +1335,110 @@ impl<'a> Sim<'a> {
         });
     }
 
+    /// Starts the migration of the options: the pools grow, and the first wave begins.
+    fn start_migration(&mut self) {
+        let Some(m) = self.opts.migration.as_ref() else {
+            return;
+        };
+        if self.migration.is_some() {
+            return;
+        }
+        for &(pool, gpus) in &m.added_gpus {
+            *self.capacity.entry(pool).or_default() += gpus as f64;
+        }
+        self.migration = Some(MigrationReport {
+            at_s: self.now.as_secs_f64(),
+            waves_done: 0,
+            started: 0,
+            retired: 0,
+            done_at_s: None,
+        });
+        self.start_wave(0);
+    }
+
+    /// Starts wave `index` (or ends the migration if there is none): its replicas are added
+    /// and its others retired; the wave waits for every one of them.
+    fn start_wave(&mut self, index: usize) {
+        let Some(m) = self.opts.migration.as_ref() else {
+            return;
+        };
+        let Some(wave) = m.waves.get(index) else {
+            self.migration_wave = None;
+            let now = self.now.as_secs_f64();
+            if let Some(report) = self.migration.as_mut() {
+                report.done_at_s = Some(now);
+            }
+            return;
+        };
+        let mut waiting = BTreeSet::new();
+        for rc in &wave.start {
+            let r = self.engines.len();
+            let peaks = self
+                .pool_peaks
+                .get(&rc.pool)
+                .copied()
+                .unwrap_or((1e15, 1e12));
+            self.engines
+                .push(engine_for(rc, peaks, &self.opts.hardware, self.costs));
+            self.engines[r].version = None;
+            self.engine_pool.push(rc.pool);
+            self.engine_max_seqs.push(rc.max_seqs);
+            self.engine_running.push(0);
+            self.engine_scheduled.push(None);
+            self.engine_busy.push(false);
+            self.engine_alive.push(true);
+            self.engine_role.push(rc.role);
+            self.engine_retiring.push(false);
+            waiting.insert(r as u32);
+            if let Some(report) = self.migration.as_mut() {
+                report.started += 1;
+            }
+            self.input(Input::ReplicaAdded { config: rc.clone() });
+        }
+        for group in &wave.stop {
+            let mut left = group.replicas;
+            for r in (0..self.engines.len()).rev() {
+                if left == 0 {
+                    break;
+                }
+                let fits = self.engine_pool[r] == group.pool
+                    && self.engine_role[r] == group.role
+                    && self.engines[r].gpus == group.gpus;
+                if !fits || self.engine_retiring[r] || waiting.contains(&(r as u32)) {
+                    continue;
+                }
+                // A replica down from an injected failure comes back: retire a live one.
+                if !self.engine_alive[r] {
+                    continue;
+                }
+                self.engine_retiring[r] = true;
+                waiting.insert(r as u32);
+                left -= 1;
+                self.input(Input::RetireReplica {
+                    replica: ReplicaId(r as u64),
+                });
+            }
+        }
+        self.migration_wave = Some((index, waiting));
+        // A wave with nothing to wait for ends at once.
+        self.migration_progress(u32::MAX);
+    }
+
+    /// Replica `r` loaded its weights or was handed back: the wave may be over.
+    fn migration_progress(&mut self, r: u32) {
+        let Some((index, waiting)) = self.migration_wave.as_mut() else {
+            return;
+        };
+        waiting.remove(&r);
+        if waiting.is_empty() {
+            let next = *index + 1;
+            if let Some(report) = self.migration.as_mut() {
+                report.waves_done = next;
+            }
+            self.start_wave(next);
+        }
+    }
+
     fn release_loc(&mut self, loc: Loc) {
         let now = self.now;
         match loc {
@@ -1266,28 +1477,25 @@ pub fn simulate(
     let cfg = Config::new(spec, catalog, &placement, policy, opts.seed)?;
     let steps = cfg.steps;
     let costs = model_costs(spec);
+    let pool_peaks: BTreeMap<u32, (f64, f64)> = spec
+        .pools
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| {
+            let g = catalog.gpu(p.gpu.as_deref()?).ok()?;
+            Some((i as u32, (g.peak_flops(), g.memory_bandwidth_bytes_per_s())))
+        })
+        .collect();
     let mut engines = Vec::new();
     let mut engine_pool = Vec::new();
     let mut engine_max_seqs = Vec::new();
+    let mut engine_role = Vec::new();
     for rc in &placement.replicas {
-        let gpu = spec
-            .pools
-            .get(rc.pool as usize)
-            .and_then(|p| p.gpu.as_deref())
-            .and_then(|g| catalog.gpu(g).ok());
-        let (peak, bw) = gpu.map_or((1e15, 1e12), |g| {
-            (g.peak_flops(), g.memory_bandwidth_bytes_per_s())
-        });
-        engines.push(Engine::new(
-            rc.gpus,
-            peak,
-            bw,
-            &opts.hardware,
-            costs,
-            rc.kv_capacity_tokens,
-        ));
+        let peaks = pool_peaks.get(&rc.pool).copied().unwrap_or((1e15, 1e12));
+        engines.push(engine_for(rc, peaks, &opts.hardware, costs));
         engine_pool.push(rc.pool);
         engine_max_seqs.push(rc.max_seqs);
+        engine_role.push(rc.role);
     }
     let trainer_gpu = spec
         .pools
@@ -1354,6 +1562,11 @@ pub fn simulate(
         engine_scheduled: vec![None; n],
         engine_busy: vec![false; n],
         engine_alive: vec![true; n],
+        engine_role,
+        engine_retiring: vec![false; n],
+        pool_peaks,
+        migration_wave: None,
+        migration: None,
         prefill_versions: BTreeMap::new(),
         stage_loc: IdSlab::new(),
         stage_info: IdSlab::new(),
@@ -1458,7 +1671,9 @@ pub fn simulate(
         sim.violation(format!("core books: {e}"));
     }
     let (in_flight, complete, consumed) = sim.core.trajectory_counts();
-    let started = sim.core.stats().groups_started * sim.core.config().group_size as u64;
+    // Groups given up (never trained on) are accounted apart.
+    let started = (sim.core.stats().groups_started - sim.core.stats().groups_abandoned)
+        * sim.core.config().group_size as u64;
     if in_flight + complete + consumed != started || consumed != sim.trajectories {
         sim.violation(format!(
             "trajectories lost: {started} started, {in_flight} in flight, {complete} waiting, {consumed} consumed, {} trained",
@@ -1489,5 +1704,6 @@ pub fn simulate(
         max_staleness,
         profiles: sim.profiles,
         loss: sim.loss,
+        migration: sim.migration,
     })
 }

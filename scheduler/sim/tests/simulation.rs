@@ -168,6 +168,7 @@ fn json(seed: u64) -> Vec<u8> {
         sim_compute_efficiency: None,
         sim_bandwidth_efficiency: None,
         lose: None,
+        grow: None,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
@@ -196,6 +197,7 @@ fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
         sim_compute_efficiency: None,
         sim_bandwidth_efficiency: None,
         lose: None,
+        grow: None,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
@@ -224,6 +226,7 @@ fn a_missing_job_file_is_an_error_not_a_panic() {
         sim_compute_efficiency: None,
         sim_bandwidth_efficiency: None,
         lose: None,
+        grow: None,
     };
     let err = rollfleet_sim::run(&args, OutputFormat::Table, &mut Vec::new(), &mut Vec::new());
     assert!(err.is_err());
@@ -482,4 +485,51 @@ fn a_serverless_reward_pays_a_cold_start_only_when_no_instance_is_warm() {
     // Step 1: 100 ms + a 250 ms cold start (the catalogue's Lambda figure); step 2: warm.
     assert_eq!(run.cold_starts, 1);
     close(run.makespan_s, 2.0 * (TRAJ + TRAIN + 0.1) + 0.25 + 0.02);
+}
+
+#[test]
+fn a_pool_that_grows_mid_run_moves_to_the_new_plan_in_waves_and_loses_nothing() {
+    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = 4;
+    let growth = rollfleet_sim::growth::parse("prefill:4@2", &spec).unwrap();
+    let (migration, _) =
+        rollfleet_sim::growth::replan_growth(&spec, &job.catalog, &growth).unwrap();
+    let starts: usize = migration.waves.iter().map(|w| w.start.len()).sum();
+    let stops: u32 = migration
+        .waves
+        .iter()
+        .flat_map(|w| &w.stop)
+        .map(|s| s.replicas)
+        .sum();
+    // The bigger prefill pool is planned differently: replicas start and others retire.
+    assert!(starts > 0 && stops > 0, "{migration:?}");
+    let (planned, _) =
+        rollfleet_sim::placement::choose(rollfleet_sim::PlacementChoice::Plan, &spec, &job.catalog)
+            .unwrap();
+    let (placement, policy) = Baseline::Rollfleet
+        .setup_with(&spec, &job.catalog, planned)
+        .unwrap();
+    let opts = SimOptions {
+        seed: 1,
+        migration: Some(migration),
+        ..SimOptions::default()
+    };
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    assert_eq!(run.trajectories, 4 * 32);
+    let done = run.migration.unwrap();
+    assert_eq!(done.started as usize, starts);
+    assert_eq!(done.retired, stops);
+    assert!(done.done_at_s.is_some_and(|t| t >= done.at_s));
+    assert_eq!(run.core.replicas_added as usize, starts);
+    assert_eq!(run.core.replicas_retired, u64::from(stops));
 }

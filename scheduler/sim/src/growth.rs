@@ -1,0 +1,349 @@
+//! Re-planning applied mid-run: a pool that grows (`rollfleet sim --grow POOL:GPUS@STEP`), the
+//! planner's new plan for the bigger cluster, and the waves that take the running placement to
+//! it without stopping rollout; the same waves after a pool loss, when the new plan differs from
+//! what survived.
+//!
+//! The planner decides ([`rollfleet_planner::replan::migration`]: at most [`PER_WAVE`] serving
+//! replicas per wave, starting before stopping); the simulator carries the waves out through the
+//! core's `Input::ReplicaAdded` and `Input::RetireReplica` ([`crate::sim::Migration`]). The
+//! trainer keeps its GPUs: the core cannot resize it mid-run, so a new plan that trains
+//! elsewhere or on more GPUs is followed for its serving replicas only, on the GPUs left free.
+
+use rollfleet_catalog::Catalog;
+use rollfleet_core::ServeRole;
+use rollfleet_planner::plan;
+use rollfleet_planner::predict::{Candidate, Problem, Role};
+use rollfleet_planner::replan;
+use rollfleet_planner::roofline::Efficiency;
+use rollfleet_planner::search;
+use rollfleet_spec::{JobSpec, PoolKind};
+use serde::Serialize;
+
+use crate::loss::{PER_WAVE, at_speed_from, durations, mean_of};
+use crate::sim::{Migration, MigrationReport, MigrationWave, RetireGroup, RunResult};
+use crate::workload::mean;
+
+/// GPUs that arrive in a pool mid-run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PoolGrowth {
+    /// The pool (index in the spec).
+    pub pool: u32,
+    /// GPUs added.
+    pub gpus: u32,
+    /// They arrive as this version is published.
+    pub at_step: u64,
+}
+
+/// Parses `POOL:GPUS@STEP` against a job: a GPU pool's name, a whole number of GPUs of at least
+/// one, a step in 1..steps.
+pub fn parse(arg: &str, spec: &JobSpec) -> Result<PoolGrowth, String> {
+    let bad = |why: &str| format!("--grow {arg}: {why} (expected POOL:GPUS@STEP)");
+    let (pool, rest) = arg.split_once(':').ok_or_else(|| bad("no ':'"))?;
+    let (gpus, step) = rest.split_once('@').ok_or_else(|| bad("no '@'"))?;
+    let index = spec
+        .pools
+        .iter()
+        .position(|p| p.name == pool)
+        .ok_or_else(|| bad(&format!("the job has no pool \"{pool}\"")))?;
+    if spec.pools[index].kind() != Some(PoolKind::Gpu) {
+        return Err(bad(&format!("pool \"{pool}\" is not a GPU pool")));
+    }
+    let gpus: u32 = gpus.parse().ok().filter(|&g| g >= 1).ok_or_else(|| {
+        bad(&format!(
+            "GPUs \"{gpus}\" is not a whole number of at least 1"
+        ))
+    })?;
+    let at_step: u64 = step
+        .parse()
+        .map_err(|_| bad(&format!("step \"{step}\" is not a whole number")))?;
+    let steps = spec.rl.steps.max(0) as u64;
+    if at_step == 0 || at_step >= steps {
+        return Err(bad(&format!(
+            "step {at_step} is not in 1..{steps} (the job's steps)"
+        )));
+    }
+    Ok(PoolGrowth {
+        pool: index as u32,
+        gpus,
+        at_step,
+    })
+}
+
+/// The job with the GPUs added: the bigger cluster.
+pub fn bigger_spec(spec: &JobSpec, growth: &PoolGrowth) -> JobSpec {
+    let mut bigger = spec.clone();
+    if let Some(p) = bigger.pools.get_mut(growth.pool as usize) {
+        p.count = Some(p.count.unwrap_or(0) + i64::from(growth.gpus));
+    }
+    bigger
+}
+
+/// The planner's re-plan, as the report shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Replan {
+    /// Predicted seconds per step of the running plan.
+    pub before_step_s: f64,
+    /// Predicted seconds per step of the new plan.
+    pub new_plan_step_s: f64,
+    /// The waves, as the simulator applies them.
+    pub waves: Vec<MigrationWave>,
+}
+
+/// Re-plans for the bigger cluster: the new plan, and the waves from the running plan (the
+/// plan of `spec`) to it, keeping the trainer where it is.
+pub fn replan_growth(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    growth: &PoolGrowth,
+) -> Result<(Migration, Replan), String> {
+    let p =
+        plan::problem(spec, catalog, &mean, &Efficiency::default()).map_err(|e| e.to_string())?;
+    let running = search::solve(&p).ok_or("no placement can run the job")?;
+    let bigger = bigger_spec(spec, growth);
+    let p2 = plan::problem(&bigger, catalog, &mean, &Efficiency::default())
+        .map_err(|e| e.to_string())?;
+    let new = search::solve(&p2).ok_or("no placement can run the job on the bigger cluster")?;
+    let target = Candidate {
+        trainer_pool: running.candidate.trainer_pool,
+        trainer_gpus: running.candidate.trainer_gpus,
+        ..new.candidate.clone()
+    };
+    let waves = replan::migration(&p2, &running.candidate, &target, PER_WAVE);
+    let waves = sim_waves(&p2, &running.candidate, &target, &waves);
+    Ok((
+        Migration {
+            at_step: growth.at_step,
+            added_gpus: vec![(growth.pool, growth.gpus)],
+            waves: waves.clone(),
+        },
+        Replan {
+            before_step_s: running.step_s,
+            new_plan_step_s: new.step_s,
+            waves,
+        },
+    ))
+}
+
+/// The planner's waves after a pool loss (from the surviving placement to the new plan for the
+/// smaller cluster), as the simulator applies them; empty when the new plan is what survived.
+pub fn loss_waves(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    pool: u32,
+    gpus_lost: u32,
+) -> Option<Vec<MigrationWave>> {
+    let p = plan::problem(spec, catalog, &mean, &Efficiency::default()).ok()?;
+    let running = search::solve(&p)?;
+    let index = p
+        .gpu_pools
+        .iter()
+        .position(|g| g.spec_index == pool as usize)?;
+    let (smaller, survivor, new, waves) =
+        replan::replan_after_loss(&p, &running.candidate, index, gpus_lost, PER_WAVE)?;
+    let target = Candidate {
+        trainer_pool: survivor.trainer_pool,
+        trainer_gpus: survivor.trainer_gpus,
+        ..new.candidate
+    };
+    Some(sim_waves(&smaller, &survivor, &target, &waves))
+}
+
+/// The core's role for a planner role, as [`plan::placement`] maps it for a candidate.
+fn serve_role(c: &Candidate, role: Role) -> ServeRole {
+    let disaggregated = c
+        .groups
+        .iter()
+        .any(|g| g.role == Role::Prefill && g.replicas > 0);
+    match role {
+        Role::Prefill => ServeRole::Prefill,
+        Role::Decode if disaggregated => ServeRole::Decode,
+        Role::Decode | Role::Generate => ServeRole::Generate,
+    }
+}
+
+/// The planner's waves in the simulator's terms: started replicas with their configuration as
+/// the target placement has it, stopped ones by pool, role and size as the running one has them.
+fn sim_waves(
+    p: &Problem,
+    from: &Candidate,
+    to: &Candidate,
+    waves: &[replan::Wave],
+) -> Vec<MigrationWave> {
+    let target = plan::placement(p, to);
+    let spec_index = |pool: usize| p.gpu_pools.get(pool).map_or(0, |g| g.spec_index as u32);
+    waves
+        .iter()
+        .map(|w| MigrationWave {
+            start: w
+                .start
+                .iter()
+                .flat_map(|g| {
+                    let (pool, role) = (spec_index(g.pool), serve_role(to, g.role));
+                    let config = target
+                        .replicas
+                        .iter()
+                        .find(|r| r.pool == pool && r.role == role && r.gpus == g.tp)
+                        .cloned();
+                    std::iter::repeat_n(config, g.replicas as usize).flatten()
+                })
+                .collect(),
+            stop: w
+                .stop
+                .iter()
+                .map(|g| RetireGroup {
+                    pool: spec_index(g.pool),
+                    role: serve_role(from, g.role),
+                    gpus: g.tp,
+                    replicas: g.replicas,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// How the run that grew compares with the bigger cluster's own run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GrowthReport {
+    /// The pool.
+    pub pool: String,
+    /// GPUs added.
+    pub gpus: u32,
+    /// The step after which they arrived.
+    pub at_step: u64,
+    /// What the migration did in the run.
+    pub migration: MigrationReport,
+    /// The planner's re-plan.
+    pub replan: Replan,
+    /// Seconds per step before (steps 2..=at_step; the first is warm-up).
+    pub step_s_before: f64,
+    /// Seconds per step after (every later step).
+    pub step_s_after: f64,
+    /// Seconds per step of the bigger cluster run on its own plan from the start, same steps.
+    pub reference_step_s: f64,
+    /// Lower bound of the bigger cluster's run, seconds per step.
+    pub reference_bound_s: f64,
+    /// Throughput after the growth over the reference's, over the same steps.
+    pub share_of_reference: f64,
+    /// Throughput after the growth over the bigger cluster's lower bound.
+    pub share_of_bound: f64,
+    /// Seconds from the growth to the end of the first step from which the run keeps up with
+    /// at least [`crate::loss::RECOVERED`] of the reference (see [`crate::loss`]).
+    pub at_speed_after_s: Option<f64>,
+    /// Seconds of each step after the growth.
+    pub steps_after_s: Vec<f64>,
+    /// Seconds of the same steps in the bigger cluster's own run.
+    pub reference_steps_after_s: Vec<f64>,
+}
+
+/// Compares the run that grew mid-run with the bigger cluster's own run.
+pub fn compare(
+    spec: &JobSpec,
+    growth: &PoolGrowth,
+    replan: Replan,
+    run: &RunResult,
+    reference: &RunResult,
+    reference_bound_s: f64,
+) -> Option<GrowthReport> {
+    let migration = run.migration.clone()?;
+    let at = growth.at_step as usize;
+    let steps = durations(&run.publish_times_s);
+    let reference_steps = durations(&reference.publish_times_s);
+    let after = steps.get(at..)?;
+    let reference_after = reference_steps.get(at..)?;
+    if after.is_empty() || reference_after.len() < after.len() {
+        return None;
+    }
+    let step_s_after = mean_of(after);
+    let reference_step_s = mean_of(reference_after);
+    let at_speed_after_s = at_speed_from(after, reference_after)
+        .and_then(|k| run.publish_times_s.get(at + k))
+        .map(|t| t - migration.at_s);
+    Some(GrowthReport {
+        pool: spec
+            .pools
+            .get(growth.pool as usize)
+            .map_or_else(String::new, |p| p.name.clone()),
+        gpus: growth.gpus,
+        at_step: growth.at_step,
+        migration,
+        replan,
+        step_s_before: mean_of(steps.get(1..at).unwrap_or(&[])),
+        step_s_after,
+        reference_step_s,
+        reference_bound_s,
+        share_of_reference: reference_step_s / step_s_after.max(1e-12),
+        share_of_bound: reference_bound_s / step_s_after.max(1e-12),
+        at_speed_after_s,
+        steps_after_s: after.to_vec(),
+        reference_steps_after_s: reference_after.to_vec(),
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn job() -> rollfleet_spec::ValidatedJob {
+        let text = include_str!("../../../examples/jobs/rollart-agentic.yaml");
+        rollfleet_spec::parse_job(text.as_bytes(), "rollart-agentic.yaml").unwrap()
+    }
+
+    #[test]
+    fn a_malformed_growth_is_refused_naming_what_is_wrong() {
+        let job = job();
+        let spec = job.spec();
+        assert!(parse("h20", spec).unwrap_err().contains("no ':'"));
+        assert!(parse("h20:8", spec).unwrap_err().contains("no '@'"));
+        assert!(parse("x:8@2", spec).unwrap_err().contains("no pool \"x\""));
+        assert!(parse("h20:0@2", spec).unwrap_err().contains("at least 1"));
+        assert!(
+            parse("h20:eight@2", spec)
+                .unwrap_err()
+                .contains("at least 1")
+        );
+        assert!(parse("h20:8@0", spec).unwrap_err().contains("step 0"));
+        let ok = parse("h20:80@5", spec).unwrap();
+        assert_eq!((ok.gpus, ok.at_step), (80, 5));
+        assert_eq!(
+            bigger_spec(spec, &ok).pools[ok.pool as usize].count,
+            spec.pools[ok.pool as usize].count.map(|c| c + 80)
+        );
+    }
+
+    #[test]
+    fn new_gpus_become_replicas_of_the_new_plan_in_waves_of_at_most_four() {
+        let job = job();
+        let growth = parse("h20:80@5", job.spec()).unwrap();
+        let (migration, replan) = replan_growth(job.spec(), &job.catalog, &growth).unwrap();
+        assert_eq!(migration.added_gpus, vec![(growth.pool, 80)]);
+        let started: usize = migration.waves.iter().map(|w| w.start.len()).sum();
+        assert!(started > 0, "{migration:?}");
+        for wave in &migration.waves {
+            let changed =
+                wave.start.len() as u32 + wave.stop.iter().map(|s| s.replicas).sum::<u32>();
+            assert!(changed <= 2 * PER_WAVE, "{wave:?}");
+        }
+        // The new GPUs are used: no more than 80 GPUs' worth started on the grown pool beyond
+        // what was stopped there, and at least one replica's worth.
+        let grown: u32 = migration
+            .waves
+            .iter()
+            .flat_map(|w| &w.start)
+            .filter(|r| r.pool == growth.pool)
+            .map(|r| r.gpus)
+            .sum();
+        let stopped: u32 = migration
+            .waves
+            .iter()
+            .flat_map(|w| &w.stop)
+            .filter(|s| s.pool == growth.pool)
+            .map(|s| s.gpus * s.replicas)
+            .sum();
+        assert!(
+            grown > stopped && grown - stopped <= 80,
+            "{grown} {stopped}"
+        );
+        assert!(replan.new_plan_step_s <= replan.before_step_s);
+    }
+}
