@@ -563,6 +563,43 @@ fn rollfleet_run_trains_every_step_and_says_the_gpus_are_emulated() {
 }
 
 #[test]
+fn the_workers_replicas_measure_profiles_that_the_planner_then_plans_with() {
+    let dir = temp_dir("profiles");
+    let job = job_file(&dir, 2);
+    let profiles = dir.join("profiles.json");
+    let out = Command::new(BIN)
+        .arg("run")
+        .arg(&job)
+        .args(["--time-scale", "1", "--profiles-out"])
+        .arg(&profiles)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let store: Value = serde_json::from_slice(&std::fs::read(&profiles).unwrap()).unwrap();
+    // Both GPU pools that generate sent samples of what their replicas did.
+    for (kind, pool) in [("prefill", "prefill"), ("decode", "decode")] {
+        let estimate = &store["measured"][kind][pool];
+        assert!(
+            estimate["total"].as_u64().unwrap() >= 20,
+            "{kind} on {pool}: {store:#}"
+        );
+    }
+    // The planner takes them as measured figures (the emulated replicas measure the model's own,
+    // so the shares are the model's).
+    let out = Command::new(BIN)
+        .arg("plan")
+        .arg(&job)
+        .arg("--profiles")
+        .arg(&profiles)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("measured"), "{stdout}");
+}
+
+#[test]
 fn rollfleet_run_can_model_the_environments_as_the_simulator_does() {
     let dir = temp_dir("model");
     let job = job_file(&dir, 2);
@@ -1198,6 +1235,44 @@ fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_d
             "{refused:?}"
         );
         let gone = client.heartbeat(zeros).await.unwrap_err();
+        assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
+
+        // A peer whose profile sample is not a number is refused and cut off, naming the
+        // sample and the field.
+        let nan = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    hostname: "nan".into(),
+                    pool: "decode".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .lease
+            .unwrap();
+        let sample = |seconds: f64| rollfleet_proto::v1::ProfileSample {
+            kind: rollfleet_proto::v1::ProfileKind::Decode as i32,
+            flops: 1e12,
+            bytes: 1e9,
+            seconds,
+            gpus: 2,
+            emulated: true,
+        };
+        let bad = HeartbeatRequest {
+            worker_id: nan.worker_id.clone(),
+            epoch: 1,
+            load: Some(WorkerLoad {
+                samples: vec![sample(0.01), sample(f64::NAN)],
+                ..Default::default()
+            }),
+        };
+        let refused = client.heartbeat(bad.clone()).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().contains("load.samples[1]"), "{refused:?}");
+        let gone = client.heartbeat(bad).await.unwrap_err();
         assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
         (lease.ttl_ms, lease.worker_id)
     });

@@ -189,6 +189,13 @@ pub struct Report {
     /// Why the job failed, when it did.
     #[serde(default)]
     pub failure: Option<String>,
+    /// What the workers' replicas measured, per kind of work and pool: the online profiles
+    /// (`rollfleet plan --profiles` takes them; emulated replicas measure the model's figures).
+    #[serde(default)]
+    pub profiles: rollfleet_planner::profile::ProfileStore,
+    /// Profile samples received from workers.
+    #[serde(default)]
+    pub profile_samples: u64,
     /// Workers lost or cut off, with the reason.
     pub workers_lost: Vec<String>,
     /// Inference replicas handed to another worker of their pool after theirs was lost.
@@ -307,6 +314,8 @@ pub struct Actor {
     /// the job fails with the reason instead of giving up groups forever.
     abandoned_since_training: u64,
     failure: Option<String>,
+    profiles: rollfleet_planner::profile::ProfileStore,
+    profile_samples: u64,
     trained: Vec<u64>,
     trained_set: BTreeSet<u64>,
     trained_twice: Vec<u64>,
@@ -383,6 +392,8 @@ impl Actor {
             abandoned: Vec::new(),
             abandoned_since_training: 0,
             failure: None,
+            profiles: Default::default(),
+            profile_samples: 0,
             trained: Vec::new(),
             trained_set: BTreeSet::new(),
             trained_twice: Vec::new(),
@@ -651,7 +662,7 @@ impl Actor {
             Some((id, w)) if w.alive && epoch == 1 => {
                 w.lease_until = Instant::now() + ttl;
                 if let Some(load) = load
-                    && let Err(reason) = self.gpu_readings(id, &load)
+                    && let Err(reason) = self.load_report(id, &load)
                 {
                     self.cut_off(id, &reason);
                     self.pump();
@@ -1427,7 +1438,7 @@ impl Actor {
         match message.message {
             Some(worker_message::Message::Result(result)) => self.result(worker, result),
             Some(worker_message::Message::Load(load)) => {
-                if let Err(reason) = self.gpu_readings(worker, &load) {
+                if let Err(reason) = self.load_report(worker, &load) {
                     self.cut_off(worker, &reason);
                 }
             }
@@ -1592,6 +1603,82 @@ impl Actor {
     /// Exports a worker's GPU readings. Readings from a worker that registered without GPU
     /// telemetry (they could only be made up), for a GPU it did not declare, or with a
     /// utilisation outside 0..1 are a protocol violation: the reason is returned.
+    /// A worker's load report: its GPU readings and its replicas' profile samples.
+    fn load_report(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
+        self.gpu_readings(worker, load)?;
+        self.profile_samples(worker, load)
+    }
+
+    /// Records the samples of a load report in the online profiles, under the worker's pool.
+    /// Checked whole before any is kept: a report with one bad sample adds nothing.
+    fn profile_samples(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
+        use rollfleet_planner::roofline::{Work, WorkKind};
+        use rollfleet_proto::v1::ProfileKind;
+        if load.samples.is_empty() {
+            return Ok(());
+        }
+        let Some(w) = self.workers.get(&worker).filter(|w| w.alive) else {
+            return Ok(());
+        };
+        let pool = w.pool;
+        if load.samples.len() > crate::MAX_PROFILE_SAMPLES_PER_REPORT {
+            return Err(format!(
+                "load.samples: {} samples in one report (at most {})",
+                load.samples.len(),
+                crate::MAX_PROFILE_SAMPLES_PER_REPORT
+            ));
+        }
+        if self.plan.pool_role(pool) != Some(PoolRole::Gpu) {
+            return Err(format!(
+                "load.samples: profile samples from a worker of pool \"{}\", which has no GPUs",
+                self.plan.pool_name(pool)
+            ));
+        }
+        let mut checked = Vec::with_capacity(load.samples.len());
+        for (i, s) in load.samples.iter().enumerate() {
+            let kind = match s.kind() {
+                ProfileKind::Prefill => WorkKind::Prefill,
+                ProfileKind::Decode => WorkKind::Decode,
+                ProfileKind::Unspecified => {
+                    return Err(format!("load.samples[{i}].kind: unspecified"));
+                }
+            };
+            let sane = |x: f64| x.is_finite() && x >= 0.0;
+            if !(sane(s.flops) && sane(s.bytes) && sane(s.seconds) && s.seconds > 0.0) {
+                return Err(format!(
+                    "load.samples[{i}]: flops {}, bytes {}, seconds {}: not finite and \
+                     non-negative with a positive duration",
+                    s.flops, s.bytes, s.seconds
+                ));
+            }
+            if s.gpus == 0 || s.gpus > 1024 {
+                return Err(format!(
+                    "load.samples[{i}].gpus: {} is not in 1..=1024",
+                    s.gpus
+                ));
+            }
+            checked.push((kind, s));
+        }
+        let (peak_flops, peak_bandwidth) = self.plan.gpu_peaks(pool);
+        let name = self.plan.pool_name(pool).to_owned();
+        for (kind, s) in checked {
+            let gpus = f64::from(s.gpus);
+            self.profiles.record(
+                kind,
+                &name,
+                Work {
+                    flops: s.flops,
+                    bytes: s.bytes,
+                },
+                gpus * peak_flops,
+                gpus * peak_bandwidth,
+                s.seconds,
+            );
+            self.profile_samples += 1;
+        }
+        Ok(())
+    }
+
     fn gpu_readings(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
         // A reading still in flight from a worker already gone adds nothing back.
         let Some(w) = self.workers.get(&worker).filter(|w| w.alive) else {
@@ -1960,6 +2047,8 @@ impl Actor {
             regenerated_turns: stats.regenerated_turns,
             groups_abandoned: self.abandoned.clone(),
             failure: self.failure.clone(),
+            profiles: self.profiles.clone(),
+            profile_samples: self.profile_samples,
             workers_lost: self.lost.clone(),
             replicas_moved: self.replicas_moved,
             gpu_telemetry: self

@@ -31,6 +31,9 @@ use tokio_stream::wrappers::TcpListenerStream;
 pub use actor::Report;
 pub use plan::{JobPlan, PlanError, PoolRole};
 
+/// Profile samples a worker's load report may carry; more is a protocol violation.
+pub const MAX_PROFILE_SAMPLES_PER_REPORT: usize = 512;
+
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {

@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use rollfleet_core::{StageId, Time, TrajId};
-use rollfleet_planner::roofline::{Work as RooflineWork, WorkKind};
+pub use rollfleet_planner::roofline::{Work as RooflineWork, WorkKind};
 
 /// Tokens one prefill batch takes at most.
 pub const PREFILL_BATCH_TOKENS: u64 = 16_384;

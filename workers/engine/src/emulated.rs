@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use futures_util::StreamExt;
 use rollfleet_core::{StageId, Time, TrajId};
 use rollfleet_sim::hardware::{
-    Engine as Roofline, EngineDone, HardwareModel, ModelCosts, PrefillJob,
+    Engine as Roofline, EngineDone, HardwareModel, Measured, ModelCosts, PrefillJob,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -179,7 +179,12 @@ enum Msg {
         reply: oneshot::Sender<Result<(), EngineError>>,
     },
     Load(oneshot::Sender<EmulatedLoad>),
+    TakeSamples(oneshot::Sender<Vec<Measured>>),
 }
+
+/// Samples the replica keeps at most between two [`EmulatedEngine::take_samples`] (the oldest
+/// go first), so that a replica nobody asks keeps bounded memory.
+pub const MAX_SAMPLES: usize = 4096;
 
 struct Shared {
     tx: mpsc::UnboundedSender<Msg>,
@@ -319,6 +324,16 @@ impl EmulatedEngine {
             })
             .map_err(|_| stopped())?;
         rx.await.map_err(|_| stopped())?
+    }
+
+    /// What the replica measured since the last call: one sample per prefill batch and per
+    /// stretch of decode at a constant batch (modelled seconds: this replica is emulated).
+    pub async fn take_samples(&self) -> Vec<Measured> {
+        let (reply, rx) = oneshot::channel();
+        if self.shared.tx.send(Msg::TakeSamples(reply)).is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
     }
 
     /// The replica's load now.
@@ -570,6 +585,9 @@ impl Actor {
                     }));
                 }
             }
+            Msg::TakeSamples(reply) => {
+                let _ = reply.send(std::mem::take(&mut self.roofline.measured));
+            }
             Msg::Load(reply) => {
                 let _ = reply.send(EmulatedLoad {
                     queued: self.waiting.len() as u32,
@@ -593,6 +611,10 @@ impl Actor {
 
     fn tick(&mut self) {
         let now = self.now();
+        let measured = &mut self.roofline.measured;
+        if measured.len() > MAX_SAMPLES {
+            measured.drain(..measured.len() - MAX_SAMPLES);
+        }
         if let Some((t, _, _)) = &self.updating
             && *t <= now
             && let Some((_, version, reply)) = self.updating.take()

@@ -44,11 +44,13 @@ use rollfleet_engine::{Engine, EngineError, GenerateEvent, GenerateRequest, Prom
 use rollfleet_envhost::{EnvHost, EpisodeId, Factory, HostConfig};
 use rollfleet_proto::v1::{
     GenerationWork, GpuDevice, GpuReading, GpuTelemetryInfo, HardwareInventory, HeartbeatRequest,
-    RegisterRequest, SchedulerMessage, StageFailure, StageOutput, WorkAssignment, WorkResult,
-    WorkerHello, WorkerLoad, WorkerMessage, scheduler_message, stage_failure::Cause,
-    work_assignment::Work, work_result, worker_message, worker_service_client::WorkerServiceClient,
+    ProfileKind, ProfileSample, RegisterRequest, SchedulerMessage, StageFailure, StageOutput,
+    WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage, scheduler_message,
+    stage_failure::Cause, work_assignment::Work, work_result, worker_message,
+    worker_service_client::WorkerServiceClient,
 };
 use rollfleet_server::plan::{JobPlan, PoolRole};
+use rollfleet_sim::hardware::WorkKind;
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tokio_stream::StreamExt;
@@ -134,6 +136,9 @@ struct OpenAiBackend {
     /// Requests in flight (the node's load).
     in_flight: AtomicU32,
 }
+
+/// Profile samples one load report carries at most (the scheduler refuses more).
+const MAX_SAMPLES_PER_REPORT: usize = rollfleet_server::MAX_PROFILE_SAMPLES_PER_REPORT;
 
 /// Counts a request in flight for as long as it lives (an abort drops it too).
 struct InFlight<'a>(&'a AtomicU32);
@@ -691,22 +696,45 @@ impl Node {
     /// What the node carries now: its emulated replicas' queues, batches and KV caches, and its
     /// environment slots in use. GPU telemetry is absent (no GPU runs anything here), not zero.
     async fn load(&self) -> WorkerLoad {
-        let engines: Vec<Arc<EmulatedEngine>> = self
+        let engines: Vec<(u64, Arc<EmulatedEngine>)> = self
             .engines
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .cloned()
+            .iter()
+            .map(|(&r, e)| (r, e.clone()))
             .collect();
         let kv_bytes = self.plan.costs.kv_bytes_per_token;
         let mut load = WorkerLoad::default();
-        for engine in engines {
+        for (replica, engine) in engines {
+            let gpus = self.plan.replica(replica).map_or(1, |rc| rc.gpus);
+            load.samples.extend(
+                engine
+                    .take_samples()
+                    .await
+                    .into_iter()
+                    .map(|m| ProfileSample {
+                        kind: match m.kind {
+                            WorkKind::Prefill => ProfileKind::Prefill,
+                            _ => ProfileKind::Decode,
+                        } as i32,
+                        flops: m.work.flops,
+                        bytes: m.work.bytes,
+                        seconds: m.seconds,
+                        gpus,
+                        emulated: true,
+                    }),
+            );
             let l = engine.load().await;
             load.queued_stages += l.queued;
             load.running_stages += l.running;
             load.batch_size += l.running;
             load.kv_cache_used_bytes += (l.kv_used_tokens as f64 * kv_bytes) as u64;
             load.kv_cache_capacity_bytes += (engine.kv_capacity() as f64 * kv_bytes) as u64;
+        }
+        // The latest samples, within what one report carries.
+        if load.samples.len() > MAX_SAMPLES_PER_REPORT {
+            load.samples
+                .drain(..load.samples.len() - MAX_SAMPLES_PER_REPORT);
         }
         load.running_stages += self.host.busy() as u32;
         if let Some(b) = &self.openai {

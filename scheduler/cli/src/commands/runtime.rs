@@ -169,6 +169,10 @@ pub struct RunArgs {
     /// real vLLM or SGLang for generation; training and weight syncs stay emulated).
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Write what the workers' replicas measured (prefill batches, decode iterations) as a
+    /// profile file, for `rollfleet plan --profiles` and `rollfleet profile`.
+    #[arg(long, value_name = "FILE")]
+    pub profiles_out: Option<PathBuf>,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -501,6 +505,21 @@ pub fn run(
         let _ = std::fs::remove_file(&report_path);
         serde_json::from_slice::<Report>(&bytes).context("parsing the scheduler's report")?
     };
+    if let Some(path) = &args.profiles_out {
+        let json = serde_json::to_string_pretty(&report.profiles)?;
+        std::fs::write(path, json)
+            .with_context(|| format!("writing the profiles {}", path.display()))?;
+        writeln!(
+            stderr,
+            "rollfleet run: {} profile samples from the workers' replicas written to {} (emulated \
+             replicas measure the roofline model's own figures); plan with them: rollfleet plan \
+             {} --profiles {}",
+            report.profile_samples,
+            path.display(),
+            args.job.display(),
+            path.display()
+        )?;
+    }
     match output {
         OutputFormat::Table => write_summary(&report, stdout)?,
         other => write_structured(other, &report, stdout)?,
