@@ -317,19 +317,48 @@ pub fn run(
         }
         None => None,
     };
-    let opts = SimOptions {
-        seed: args.seed,
-        failure_mtbf_s: args.failure_mtbf,
-        hardware: hw,
-        pool_loss,
-        migration: growth.as_ref().map(|(_, m, _)| m.clone()),
-        ..SimOptions::default()
-    };
     let (chosen, predicted) =
         choose(args.placement, &spec, &job.catalog).map_err(|source| SimError::Choice {
             choice: args.placement.name(),
             source,
         })?;
+    // After a loss, the planner's re-plan for the smaller cluster, applied in waves (on the
+    // plan's placement only: the waves start from the plan).
+    let loss_migration = match &pool_loss {
+        Some(loss) if args.placement == PlacementChoice::Plan => {
+            let count = spec
+                .pools
+                .get(loss.pool as usize)
+                .and_then(|p| p.count)
+                .unwrap_or(0)
+                .max(0) as f64;
+            let serving: Vec<(u32, u32, bool)> = chosen
+                .replicas
+                .iter()
+                .map(|r| (r.pool, r.gpus, true))
+                .collect();
+            let (_, gpus) = crate::loss::replicas_lost(&serving, loss, count);
+            crate::growth::loss_waves(&spec, &job.catalog, loss.pool, gpus)
+                .filter(|waves| !waves.is_empty())
+                .map(|waves| crate::sim::Migration {
+                    at_step: loss.at_step,
+                    added_gpus: Vec::new(),
+                    waves,
+                })
+        }
+        _ => None,
+    };
+    let opts = SimOptions {
+        seed: args.seed,
+        failure_mtbf_s: args.failure_mtbf,
+        hardware: hw,
+        pool_loss,
+        migration: growth
+            .as_ref()
+            .map(|(_, m, _)| m.clone())
+            .or(loss_migration),
+        ..SimOptions::default()
+    };
     if let Some(p) = &predicted {
         let _ = writeln!(
             stderr,

@@ -65,6 +65,26 @@ pub fn parse(arg: &str, spec: &JobSpec) -> Result<PoolLoss, String> {
     })
 }
 
+/// The serving replicas a loss takes, given every replica's (pool, GPUs, alive) in order: the
+/// pool's live ones from the highest-numbered down until they cover the lost share of its
+/// `count` GPUs (a replica with any lost GPU is lost whole); with the GPUs they had.
+pub fn replicas_lost(serving: &[(u32, u32, bool)], loss: &PoolLoss, count: f64) -> (Vec<u32>, u32) {
+    let to_lose = (loss.fraction * count).floor() as u32;
+    let mut gpus = 0;
+    let mut replicas = Vec::new();
+    for (r, &(pool, g, alive)) in serving.iter().enumerate().rev() {
+        if gpus >= to_lose {
+            break;
+        }
+        if pool != loss.pool || !alive {
+            continue;
+        }
+        gpus += g;
+        replicas.push(r as u32);
+    }
+    (replicas, gpus)
+}
+
 /// The job with the lost GPUs taken out of the pool: the smaller cluster.
 pub fn smaller_spec(spec: &JobSpec, loss: &PoolLoss, gpus_lost: u32) -> JobSpec {
     let mut smaller = spec.clone();

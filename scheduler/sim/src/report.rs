@@ -477,9 +477,7 @@ pub fn render_table(report: &SimReport) -> String {
         if let Some(p) = &r.replan {
             out.push_str(&format!(
                 "  re-plan (planner's model): {:.1} s per step before the loss, {} survivors, new \
-                 plan for the smaller cluster {:.1} s{}; after a loss the waves are NOT applied \
-                 (`--grow` applies its re-plan; `--lose` does not yet): the survivors keep \
-                 running\n",
+                 plan for the smaller cluster {:.1} s{}\n",
                 p.before_step_s,
                 p.survivor_step_s
                     .map_or("no prediction for the".into(), |s| format!(
@@ -488,12 +486,13 @@ pub fn render_table(report: &SimReport) -> String {
                 p.new_plan_step_s,
                 if p.changes {
                     format!(
-                        ", {} waves of at most {} replicas away",
+                        ", {} waves of at most {} replicas away, applied after the loss (on the \
+                         plan's placement)",
                         p.waves,
                         crate::loss::PER_WAVE
                     )
                 } else {
-                    ", the same placement".into()
+                    ", the same placement: the survivors keep running".into()
                 }
             ));
         }

@@ -1212,8 +1212,14 @@ impl<'a> Sim<'a> {
                 {
                     self.push(now, Event::LosePool);
                 }
-                // After the loss's events, which were pushed first at the same instant.
+                // With a loss at the same step, the loss starts the migration once its replicas
+                // are gone (`maybe_lose_pool`).
+                let loss_now = self
+                    .opts
+                    .pool_loss
+                    .is_some_and(|l| l.at_step == self.version);
                 if publishes
+                    && !loss_now
                     && self
                         .opts
                         .migration
@@ -1311,22 +1317,30 @@ impl<'a> Sim<'a> {
             .and_then(|p| p.count)
             .unwrap_or(0)
             .max(0) as f64;
-        let to_lose = (loss.fraction * count).floor() as u32;
-        let mut gpus = 0;
-        let mut replicas = Vec::new();
-        for r in (0..self.engines.len()).rev() {
-            if gpus >= to_lose {
-                break;
-            }
-            if self.engine_pool[r] != loss.pool || !self.engine_alive[r] {
-                continue;
-            }
-            gpus += self.engines[r].gpus;
-            replicas.push(r as u32);
+        let serving: Vec<(u32, u32, bool)> = (0..self.engines.len())
+            .map(|r| {
+                (
+                    self.engine_pool[r],
+                    self.engines[r].gpus,
+                    self.engine_alive[r],
+                )
+            })
+            .collect();
+        let (replicas, gpus) = crate::loss::replicas_lost(&serving, &loss, count);
+        let now = self.now;
+        for &r in &replicas {
             // One event each: the core's answer to one loss (work moved to the survivors) is
             // carried out before it hears of the next, as a real driver's would be.
-            let now = self.now;
-            self.push(now, Event::LoseReplica(r as u32));
+            self.push(now, Event::LoseReplica(r));
+        }
+        // The re-plan after the loss, once its replicas are gone.
+        if self
+            .opts
+            .migration
+            .as_ref()
+            .is_some_and(|m| m.at_step == self.version)
+        {
+            self.push(now, Event::Migrate);
         }
         self.loss = Some(LossReport {
             at_s: self.now.as_secs_f64(),

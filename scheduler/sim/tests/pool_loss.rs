@@ -93,3 +93,58 @@ fn losing_half_a_pool_mid_run_keeps_every_trajectory_and_is_compared_with_the_sm
     assert!(r.share_of_reference >= RECOVERED, "{r:?}");
     assert!(r.recovered_after_s.is_some_and(|t| t > 0.0), "{r:?}");
 }
+
+#[test]
+fn a_re_plan_after_a_loss_starts_once_the_lost_replicas_are_gone() {
+    let job = rollfleet_spec::parse_job(JOB.as_bytes(), "loss.yaml").unwrap();
+    let spec = job.spec().clone();
+    let (placement, policy) = Baseline::Rollfleet
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    let serving = placement
+        .replicas
+        .iter()
+        .find(|r| r.pool == 0)
+        .unwrap()
+        .clone();
+    let retire_role = serving.role;
+    // Half the pool goes after step 3; the re-plan then starts a replica and retires another of
+    // the survivors, in one wave.
+    let opts = SimOptions {
+        pool_loss: Some(loss::parse("gen:0.5@3", &spec).unwrap()),
+        migration: Some(rollfleet_sim::sim::Migration {
+            at_step: 3,
+            added_gpus: Vec::new(),
+            waves: vec![rollfleet_sim::sim::MigrationWave {
+                start: vec![serving.clone()],
+                stop: vec![rollfleet_sim::sim::RetireGroup {
+                    pool: 0,
+                    role: retire_role,
+                    gpus: serving.gpus,
+                    replicas: 1,
+                }],
+            }],
+        }),
+        ..SimOptions::default()
+    };
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    assert_eq!(run.trajectories, 8 * 32);
+    let lost = run.loss.unwrap();
+    let moved = run.migration.unwrap();
+    assert_eq!(lost.replicas.len(), 4);
+    assert_eq!(moved.at_s, lost.at_s);
+    assert_eq!((moved.started, moved.retired), (1, 1));
+    // The retired replica was a survivor, not one the loss had already taken: the core handed
+    // back exactly one replica and lost four.
+    assert_eq!(run.core.replicas_retired, 1);
+    assert!(moved.done_at_s.is_some());
+}
