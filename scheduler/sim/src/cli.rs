@@ -133,6 +133,54 @@ fn uses_trace(spec: &rollfleet_spec::JobSpec) -> bool {
     })
 }
 
+/// Simulates `spec` (the cluster after a loss or a growth) on its own plan from the start, as
+/// the reference of a run whose cluster changed mid-run; returns the run and its lower bound.
+fn reference_run(
+    spec: &rollfleet_spec::JobSpec,
+    catalog: &rollfleet_catalog::Catalog,
+    opts: &SimOptions,
+    cluster: &'static str,
+    stderr: &mut dyn Write,
+) -> Result<(crate::sim::RunResult, f64), SimError> {
+    let policy_name = || format!("rollfleet ({cluster} cluster)");
+    let (placement, _) =
+        choose(PlacementChoice::Plan, spec, catalog).map_err(|source| SimError::Choice {
+            choice: "plan (of the changed cluster)",
+            source,
+        })?;
+    let (placement, policy) = Baseline::Rollfleet
+        .setup_with(spec, catalog, placement)
+        .map_err(|source| SimError::Placement {
+            policy: policy_name(),
+            source,
+        })?;
+    let reference_opts = SimOptions {
+        pool_loss: None,
+        migration: None,
+        ..opts.clone()
+    };
+    let _ = writeln!(
+        stderr,
+        "simulating the {cluster} cluster on its own plan, for reference"
+    );
+    let reference = simulate(
+        spec,
+        catalog,
+        placement,
+        policy,
+        &reference_opts,
+        &mut |_, _| {},
+    )
+    .map_err(|source| SimError::Run {
+        policy: policy_name(),
+        source,
+    })?;
+    let bound = policy_report("rollfleet", spec, catalog, &opts.hardware, &reference)
+        .bound
+        .step_s;
+    Ok((reference, bound))
+}
+
 /// Simulates the smaller cluster on its own plan and compares the run that lost part of a pool
 /// with it.
 fn recover(
@@ -147,41 +195,7 @@ fn recover(
         return Ok(None);
     };
     let smaller = crate::loss::smaller_spec(spec, loss, lost.gpus);
-    let (placement, _) =
-        choose(PlacementChoice::Plan, &smaller, catalog).map_err(|source| SimError::Choice {
-            choice: "plan (of the smaller cluster)",
-            source,
-        })?;
-    let (placement, policy) = Baseline::Rollfleet
-        .setup_with(&smaller, catalog, placement)
-        .map_err(|source| SimError::Placement {
-            policy: "rollfleet (smaller cluster)".into(),
-            source,
-        })?;
-    let reference_opts = SimOptions {
-        pool_loss: None,
-        ..opts.clone()
-    };
-    let _ = writeln!(
-        stderr,
-        "simulating the smaller cluster ({} GPUs fewer) on its own plan, for reference",
-        lost.gpus
-    );
-    let reference = simulate(
-        &smaller,
-        catalog,
-        placement,
-        policy,
-        &reference_opts,
-        &mut |_, _| {},
-    )
-    .map_err(|source| SimError::Run {
-        policy: "rollfleet (smaller cluster)".into(),
-        source,
-    })?;
-    let bound = policy_report("rollfleet", &smaller, catalog, &opts.hardware, &reference)
-        .bound
-        .step_s;
+    let (reference, bound) = reference_run(&smaller, catalog, opts, "smaller", stderr)?;
     let replan = crate::loss::replan(spec, catalog, loss, lost.gpus);
     Ok(crate::loss::recovery(
         spec, loss, run, &reference, bound, replan,
@@ -199,41 +213,7 @@ fn catch_up(
     stderr: &mut dyn Write,
 ) -> Result<Option<crate::growth::GrowthReport>, SimError> {
     let bigger = crate::growth::bigger_spec(spec, growth);
-    let (placement, _) =
-        choose(PlacementChoice::Plan, &bigger, catalog).map_err(|source| SimError::Choice {
-            choice: "plan (of the bigger cluster)",
-            source,
-        })?;
-    let (placement, policy) = Baseline::Rollfleet
-        .setup_with(&bigger, catalog, placement)
-        .map_err(|source| SimError::Placement {
-            policy: "rollfleet (bigger cluster)".into(),
-            source,
-        })?;
-    let reference_opts = SimOptions {
-        migration: None,
-        ..opts.clone()
-    };
-    let _ = writeln!(
-        stderr,
-        "simulating the bigger cluster ({} GPUs more) on its own plan, for reference",
-        growth.gpus
-    );
-    let reference = simulate(
-        &bigger,
-        catalog,
-        placement,
-        policy,
-        &reference_opts,
-        &mut |_, _| {},
-    )
-    .map_err(|source| SimError::Run {
-        policy: "rollfleet (bigger cluster)".into(),
-        source,
-    })?;
-    let bound = policy_report("rollfleet", &bigger, catalog, &opts.hardware, &reference)
-        .bound
-        .step_s;
+    let (reference, bound) = reference_run(&bigger, catalog, opts, "bigger", stderr)?;
     Ok(crate::growth::compare(
         spec, growth, replan, run, &reference, bound,
     ))

@@ -19,7 +19,7 @@ use rollfleet_planner::search;
 use rollfleet_spec::{JobSpec, PoolKind};
 use serde::Serialize;
 
-use crate::loss::{PER_WAVE, at_speed_from, durations, mean_of};
+use crate::loss::{PER_WAVE, Versus, versus};
 use crate::sim::{Migration, MigrationReport, MigrationWave, RetireGroup, RunResult};
 use crate::workload::mean;
 
@@ -214,25 +214,9 @@ pub struct GrowthReport {
     pub migration: MigrationReport,
     /// The planner's re-plan.
     pub replan: Replan,
-    /// Seconds per step before (steps 2..=at_step; the first is warm-up).
-    pub step_s_before: f64,
-    /// Seconds per step after (every later step).
-    pub step_s_after: f64,
-    /// Seconds per step of the bigger cluster run on its own plan from the start, same steps.
-    pub reference_step_s: f64,
-    /// Lower bound of the bigger cluster's run, seconds per step.
-    pub reference_bound_s: f64,
-    /// Throughput after the growth over the reference's, over the same steps.
-    pub share_of_reference: f64,
-    /// Throughput after the growth over the bigger cluster's lower bound.
-    pub share_of_bound: f64,
-    /// Seconds from the growth to the end of the first step from which the run keeps up with
-    /// at least [`crate::loss::RECOVERED`] of the reference (see [`crate::loss`]).
-    pub at_speed_after_s: Option<f64>,
-    /// Seconds of each step after the growth.
-    pub steps_after_s: Vec<f64>,
-    /// Seconds of the same steps in the bigger cluster's own run.
-    pub reference_steps_after_s: Vec<f64>,
+    /// Against the bigger cluster run on its own plan.
+    #[serde(flatten)]
+    pub versus: Versus,
 }
 
 /// Compares the run that grew mid-run with the bigger cluster's own run.
@@ -245,19 +229,6 @@ pub fn compare(
     reference_bound_s: f64,
 ) -> Option<GrowthReport> {
     let migration = run.migration.clone()?;
-    let at = growth.at_step as usize;
-    let steps = durations(&run.publish_times_s);
-    let reference_steps = durations(&reference.publish_times_s);
-    let after = steps.get(at..)?;
-    let reference_after = reference_steps.get(at..)?;
-    if after.is_empty() || reference_after.len() < after.len() {
-        return None;
-    }
-    let step_s_after = mean_of(after);
-    let reference_step_s = mean_of(reference_after);
-    let at_speed_after_s = at_speed_from(after, reference_after)
-        .and_then(|k| run.publish_times_s.get(at + k))
-        .map(|t| t - migration.at_s);
     Some(GrowthReport {
         pool: spec
             .pools
@@ -265,17 +236,15 @@ pub fn compare(
             .map_or_else(String::new, |p| p.name.clone()),
         gpus: growth.gpus,
         at_step: growth.at_step,
+        versus: versus(
+            &run.publish_times_s,
+            &reference.publish_times_s,
+            growth.at_step,
+            migration.at_s,
+            reference_bound_s,
+        )?,
         migration,
         replan,
-        step_s_before: mean_of(steps.get(1..at).unwrap_or(&[])),
-        step_s_after,
-        reference_step_s,
-        reference_bound_s,
-        share_of_reference: reference_step_s / step_s_after.max(1e-12),
-        share_of_bound: reference_bound_s / step_s_after.max(1e-12),
-        at_speed_after_s,
-        steps_after_s: after.to_vec(),
-        reference_steps_after_s: reference_after.to_vec(),
     })
 }
 

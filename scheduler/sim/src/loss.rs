@@ -138,6 +138,67 @@ pub fn replan(
     })
 }
 
+/// How a run's steps after a change of its cluster compare with the changed cluster run on its
+/// own plan from the start (the reference), over the same steps.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Versus {
+    /// Seconds per step before the change (steps 2..=at_step; the first is warm-up).
+    pub step_s_before: f64,
+    /// Seconds per step after the change (every later step).
+    pub step_s_after: f64,
+    /// Seconds per step of the reference over the same steps.
+    pub reference_step_s: f64,
+    /// Lower bound of the reference's run, seconds per step.
+    pub reference_bound_s: f64,
+    /// Throughput after the change over the reference's, over the same steps.
+    pub share_of_reference: f64,
+    /// Throughput after the change over the reference's lower bound.
+    pub share_of_bound: f64,
+    /// Seconds from the change to the end of the first step from which the throughput over
+    /// every window of [`WINDOW`] steps is at least [`RECOVERED`] of the reference's over the
+    /// same steps (`None`: never within the run).
+    pub recovered_after_s: Option<f64>,
+    /// Seconds of each step after the change.
+    pub steps_after_s: Vec<f64>,
+    /// Seconds of the same steps in the reference's run.
+    pub reference_steps_after_s: Vec<f64>,
+}
+
+/// Compares a run whose cluster changed as version `at_step` was published (at `at_s`) with
+/// the reference; `None` if either run is too short to compare step for step.
+pub fn versus(
+    publish_times_s: &[f64],
+    reference_publish_times_s: &[f64],
+    at_step: u64,
+    at_s: f64,
+    reference_bound_s: f64,
+) -> Option<Versus> {
+    let at = at_step as usize;
+    let steps = durations(publish_times_s);
+    let reference_steps = durations(reference_publish_times_s);
+    let after = steps.get(at..)?;
+    let reference_after = reference_steps.get(at..)?;
+    // Both runs train the job's steps; a shorter reference cannot be compared step for step.
+    if after.is_empty() || reference_after.len() < after.len() {
+        return None;
+    }
+    let step_s_after = mean_of(after);
+    let reference_step_s = mean_of(reference_after);
+    Some(Versus {
+        step_s_before: mean_of(steps.get(1..at).unwrap_or(&[])),
+        step_s_after,
+        reference_step_s,
+        reference_bound_s,
+        share_of_reference: reference_step_s / step_s_after.max(1e-12),
+        share_of_bound: reference_bound_s / step_s_after.max(1e-12),
+        recovered_after_s: at_speed_from(after, reference_after)
+            .and_then(|k| publish_times_s.get(at + k))
+            .map(|t| t - at_s),
+        steps_after_s: after.to_vec(),
+        reference_steps_after_s: reference_after.to_vec(),
+    })
+}
+
 /// How the run with the loss compares with the smaller cluster's own run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Recovery {
@@ -153,26 +214,9 @@ pub struct Recovery {
     pub replicas_lost: usize,
     /// GPUs they had.
     pub gpus_lost: u32,
-    /// Seconds per step before the loss (steps 2..=at_step; the first is warm-up).
-    pub step_s_before: f64,
-    /// Seconds per step after the loss (every later step).
-    pub step_s_after: f64,
-    /// Seconds per step of the smaller cluster run on its own plan, over the same steps.
-    pub reference_step_s: f64,
-    /// Lower bound of the smaller cluster's run, seconds per step.
-    pub reference_bound_s: f64,
-    /// Throughput after the loss over the reference's, over the same steps.
-    pub share_of_reference: f64,
-    /// Throughput after the loss over the smaller cluster's lower bound.
-    pub share_of_bound: f64,
-    /// Seconds from the loss to the end of the first step from which the throughput over every
-    /// window of [`WINDOW`] steps is at least [`RECOVERED`] of the reference's over the same
-    /// steps (`None`: never within the run).
-    pub recovered_after_s: Option<f64>,
-    /// Seconds of each step after the loss.
-    pub steps_after_s: Vec<f64>,
-    /// Seconds of the same steps in the smaller cluster's own run.
-    pub reference_steps_after_s: Vec<f64>,
+    /// Against the smaller cluster run on its own plan.
+    #[serde(flatten)]
+    pub versus: Versus,
     /// The planner's re-plan.
     pub replan: Option<Replan>,
 }
@@ -182,7 +226,7 @@ pub struct Recovery {
 /// [`RECOVERED`] of the reference's over the same steps (a window, because the two runs'
 /// step-to-step noise is independent; the same steps, because the last step of either run is
 /// long: nothing is left to overlap it with).
-pub(crate) fn at_speed_from(after: &[f64], reference_after: &[f64]) -> Option<usize> {
+fn at_speed_from(after: &[f64], reference_after: &[f64]) -> Option<usize> {
     let ok: Vec<bool> = (0..after.len().min(reference_after.len()))
         .map(|k| {
             let from = k.saturating_sub(WINDOW - 1);
@@ -194,7 +238,7 @@ pub(crate) fn at_speed_from(after: &[f64], reference_after: &[f64]) -> Option<us
     (0..ok.len()).find(|&k| ok[k..].iter().all(|&b| b))
 }
 
-pub(crate) fn durations(publish: &[f64]) -> Vec<f64> {
+fn durations(publish: &[f64]) -> Vec<f64> {
     let mut prev = 0.0;
     publish
         .iter()
@@ -206,7 +250,7 @@ pub(crate) fn durations(publish: &[f64]) -> Vec<f64> {
         .collect()
 }
 
-pub(crate) fn mean_of(v: &[f64]) -> f64 {
+fn mean_of(v: &[f64]) -> f64 {
     if v.is_empty() {
         0.0
     } else {
@@ -243,20 +287,6 @@ fn recovery_of(
     reference_bound_s: f64,
     replan: Option<Replan>,
 ) -> Option<Recovery> {
-    let at = loss.at_step as usize;
-    let steps = durations(publish_times_s);
-    let reference_steps = durations(reference_publish_times_s);
-    let after = steps.get(at..)?;
-    let reference_after = reference_steps.get(at..)?;
-    // Both runs train the job's steps; a shorter reference cannot be compared step for step.
-    if after.is_empty() || reference_after.len() < after.len() {
-        return None;
-    }
-    let step_s_after = mean_of(after);
-    let reference_step_s = mean_of(reference_after);
-    let recovered_after_s = at_speed_from(after, reference_after)
-        .and_then(|k| publish_times_s.get(at + k))
-        .map(|t| t - lost.at_s);
     Some(Recovery {
         pool: spec
             .pools
@@ -267,15 +297,13 @@ fn recovery_of(
         at_s: lost.at_s,
         replicas_lost: lost.replicas.len(),
         gpus_lost: lost.gpus,
-        step_s_before: mean_of(steps.get(1..at).unwrap_or(&[])),
-        step_s_after,
-        reference_step_s,
-        reference_bound_s,
-        share_of_reference: reference_step_s / step_s_after.max(1e-12),
-        share_of_bound: reference_bound_s / step_s_after.max(1e-12),
-        recovered_after_s,
-        steps_after_s: after.to_vec(),
-        reference_steps_after_s: reference_after.to_vec(),
+        versus: versus(
+            publish_times_s,
+            reference_publish_times_s,
+            loss.at_step,
+            lost.at_s,
+            reference_bound_s,
+        )?,
         replan,
     })
 }
@@ -308,12 +336,12 @@ mod tests {
         // Windows of up to 3 steps after the loss, reference over run: 10 / 20, 20 / 32, 30 /
         // 42.5 (0.71), then 30 / 32.5 (0.92 >= 0.9): recovered at the end of the sixth step,
         // 72.5 - 20 = 52.5 s after the loss.
-        assert_eq!(r.recovered_after_s, Some(52.5));
-        assert!((r.step_s_after - 52.5 / 4.0).abs() < 1e-12);
-        assert!((r.share_of_reference - 10.0 / (52.5 / 4.0)).abs() < 1e-12);
-        assert!((r.share_of_bound - 8.0 / (52.5 / 4.0)).abs() < 1e-12);
+        assert_eq!(r.versus.recovered_after_s, Some(52.5));
+        assert!((r.versus.step_s_after - 52.5 / 4.0).abs() < 1e-12);
+        assert!((r.versus.share_of_reference - 10.0 / (52.5 / 4.0)).abs() < 1e-12);
+        assert!((r.versus.share_of_bound - 8.0 / (52.5 / 4.0)).abs() < 1e-12);
         assert_eq!(r.gpus_lost, 16);
-        assert_eq!(r.step_s_before, 10.0);
+        assert_eq!(r.versus.step_s_before, 10.0);
     }
 
     #[test]

@@ -374,6 +374,32 @@ pub fn policy_report(
     }
 }
 
+/// "rollfleet ran ... before, ... after; the CLUSTER cluster on its own plan ...": a run
+/// against the changed cluster's own run, ending with how soon it kept up.
+fn versus_text(v: &crate::loss::Versus, cluster: &str, change: &str) -> String {
+    let speed = match v.recovered_after_s {
+        Some(t) => format!(
+            ">= {:.0}% of it from {t:.0} s after the {change} on",
+            crate::loss::RECOVERED * 100.0
+        ),
+        None => format!(
+            "never >= {:.0}% of it for good within the run",
+            crate::loss::RECOVERED * 100.0
+        ),
+    };
+    format!(
+        "rollfleet ran {:.1} s per step before, {:.1} s after; the {cluster} cluster on its own \
+         plan {:.1} s over the same steps (bound {:.1} s): {:.0}% of it ({:.0}% of its bound); \
+         {speed}\n",
+        v.step_s_before,
+        v.step_s_after,
+        v.reference_step_s,
+        v.reference_bound_s,
+        v.share_of_reference * 100.0,
+        v.share_of_bound * 100.0
+    )
+}
+
 /// Renders the report as a plain-text table.
 pub fn render_table(report: &SimReport) -> String {
     let mut out = String::new();
@@ -448,32 +474,15 @@ pub fn render_table(report: &SimReport) -> String {
     if let Some(r) = &report.loss_recovery {
         out.push_str(&format!(
             "\npool loss (simulated): {} lost {} replicas ({} GPUs, asked {:.1}%) after step {} at \
-             {:.0} s; rollfleet ran {:.1} s per step before, {:.1} s after; the smaller cluster on \
-             its own plan {:.1} s over the same steps (bound {:.1} s): {:.0}% of it ({:.0}% of its \
-             bound); ",
+             {:.0} s; {}",
             r.pool,
             r.replicas_lost,
             r.gpus_lost,
             r.fraction * 100.0,
             r.at_step,
             r.at_s,
-            r.step_s_before,
-            r.step_s_after,
-            r.reference_step_s,
-            r.reference_bound_s,
-            r.share_of_reference * 100.0,
-            r.share_of_bound * 100.0
+            versus_text(&r.versus, "smaller", "loss")
         ));
-        match r.recovered_after_s {
-            Some(t) => out.push_str(&format!(
-                ">= {:.0}% of it from {t:.0} s after the loss on\n",
-                crate::loss::RECOVERED * 100.0
-            )),
-            None => out.push_str(&format!(
-                "never >= {:.0}% of it for good within the run\n",
-                crate::loss::RECOVERED * 100.0
-            )),
-        }
         if let Some(p) = &r.replan {
             out.push_str(&format!(
                 "  re-plan (planner's model): {:.1} s per step before the loss, {} survivors, new \
@@ -502,10 +511,7 @@ pub fn render_table(report: &SimReport) -> String {
         out.push_str(&format!(
             "\npool growth (simulated): {} gained {} GPUs after step {} at {:.0} s; the planner \
              re-planned ({:.1} s per step predicted before, {:.1} s for the bigger cluster) and \
-             the run moved in {} waves of at most {} replicas: {} started, {} retired, {}; \
-             rollfleet ran {:.1} s per step before, {:.1} s after; the bigger cluster on its own \
-             plan {:.1} s over the same steps (bound {:.1} s): {:.0}% of it ({:.0}% of its \
-             bound); ",
+             the run moved in {} waves of at most {} replicas: {} started, {} retired, {}; {}",
             g.pool,
             g.gpus,
             g.at_step,
@@ -520,23 +526,8 @@ pub fn render_table(report: &SimReport) -> String {
                 Some(t) => format!("done {:.0} s after the growth", t - m.at_s),
                 None => "not done when the run ended".into(),
             },
-            g.step_s_before,
-            g.step_s_after,
-            g.reference_step_s,
-            g.reference_bound_s,
-            g.share_of_reference * 100.0,
-            g.share_of_bound * 100.0
+            versus_text(&g.versus, "bigger", "growth")
         ));
-        match g.at_speed_after_s {
-            Some(t) => out.push_str(&format!(
-                ">= {:.0}% of it from {t:.0} s after the growth on\n",
-                crate::loss::RECOVERED * 100.0
-            )),
-            None => out.push_str(&format!(
-                "never >= {:.0}% of it for good within the run\n",
-                crate::loss::RECOVERED * 100.0
-            )),
-        }
     }
     out.push_str("\nplacement and checks:\n");
     for p in &report.policies {

@@ -85,13 +85,13 @@ fn losing_half_a_pool_mid_run_keeps_every_trajectory_and_is_compared_with_the_sm
     .bound
     .step_s;
     let r = loss::recovery(&spec, &pool_loss, &run, &reference, bound, None).unwrap();
-    assert!(r.step_s_after > r.step_s_before, "{r:?}");
-    assert!(r.share_of_bound <= 1.0 + 1e-9, "{r:?}");
+    assert!(r.versus.step_s_after > r.versus.step_s_before, "{r:?}");
+    assert!(r.versus.share_of_bound <= 1.0 + 1e-9, "{r:?}");
     eprintln!("{r:?}");
     // The target of issue #4: the survivors give at least 90% of the smaller cluster's own
     // throughput after the loss, and do so for good within the run.
-    assert!(r.share_of_reference >= RECOVERED, "{r:?}");
-    assert!(r.recovered_after_s.is_some_and(|t| t > 0.0), "{r:?}");
+    assert!(r.versus.share_of_reference >= RECOVERED, "{r:?}");
+    assert!(r.versus.recovered_after_s.is_some_and(|t| t > 0.0), "{r:?}");
 }
 
 #[test]
