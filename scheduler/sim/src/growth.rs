@@ -16,7 +16,7 @@ use rollfleet_planner::predict::{Candidate, Problem, Role};
 use rollfleet_planner::replan;
 use rollfleet_planner::roofline::Efficiency;
 use rollfleet_planner::search;
-use rollfleet_spec::{JobSpec, PoolKind};
+use rollfleet_spec::JobSpec;
 use serde::Serialize;
 
 use crate::loss::{PER_WAVE, Versus, versus};
@@ -37,31 +37,13 @@ pub struct PoolGrowth {
 /// Parses `POOL:GPUS@STEP` against a job: a GPU pool's name, a whole number of GPUs of at least
 /// one, a step in 1..steps.
 pub fn parse(arg: &str, spec: &JobSpec) -> Result<PoolGrowth, String> {
-    let bad = |why: &str| format!("--grow {arg}: {why} (expected POOL:GPUS@STEP)");
-    let (pool, rest) = arg.split_once(':').ok_or_else(|| bad("no ':'"))?;
-    let (gpus, step) = rest.split_once('@').ok_or_else(|| bad("no '@'"))?;
-    let index = spec
-        .pools
-        .iter()
-        .position(|p| p.name == pool)
-        .ok_or_else(|| bad(&format!("the job has no pool \"{pool}\"")))?;
-    if spec.pools[index].kind() != Some(PoolKind::Gpu) {
-        return Err(bad(&format!("pool \"{pool}\" is not a GPU pool")));
-    }
+    const FORM: &str = "POOL:GPUS@STEP";
+    let (index, gpus, at_step) = crate::loss::pool_amount_step("--grow", arg, FORM, spec)?;
     let gpus: u32 = gpus.parse().ok().filter(|&g| g >= 1).ok_or_else(|| {
-        bad(&format!(
-            "GPUs \"{gpus}\" is not a whole number of at least 1"
-        ))
+        format!(
+            "--grow {arg}: GPUs \"{gpus}\" is not a whole number of at least 1 (expected {FORM})"
+        )
     })?;
-    let at_step: u64 = step
-        .parse()
-        .map_err(|_| bad(&format!("step \"{step}\" is not a whole number")))?;
-    let steps = spec.rl.steps.max(0) as u64;
-    if at_step == 0 || at_step >= steps {
-        return Err(bad(&format!(
-            "step {at_step} is not in 1..{steps} (the job's steps)"
-        )));
-    }
     Ok(PoolGrowth {
         pool: index as u32,
         gpus,

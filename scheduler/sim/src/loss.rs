@@ -29,12 +29,18 @@ pub const WINDOW: usize = 3;
 /// Serving replicas the re-plan changes per wave.
 pub const PER_WAVE: u32 = 4;
 
-/// Parses `POOL:FRACTION@STEP` against a job: a GPU pool's name, a share of its GPUs in (0, 1),
-/// a step in 1..steps.
-pub fn parse(arg: &str, spec: &JobSpec) -> Result<PoolLoss, String> {
-    let bad = |why: &str| format!("--lose {arg}: {why} (expected POOL:FRACTION@STEP)");
+/// Splits `POOL:AMOUNT@STEP` (the argument of `flag`) against a job: the index of a GPU pool
+/// named so, the amount as written, and a step in 1..steps; errors name the flag, the argument
+/// and the form `expected`.
+pub(crate) fn pool_amount_step<'a>(
+    flag: &str,
+    arg: &'a str,
+    expected: &str,
+    spec: &JobSpec,
+) -> Result<(usize, &'a str, u64), String> {
+    let bad = |why: &str| format!("{flag} {arg}: {why} (expected {expected})");
     let (pool, rest) = arg.split_once(':').ok_or_else(|| bad("no ':'"))?;
-    let (fraction, step) = rest.split_once('@').ok_or_else(|| bad("no '@'"))?;
+    let (amount, step) = rest.split_once('@').ok_or_else(|| bad("no '@'"))?;
     let index = spec
         .pools
         .iter()
@@ -42,12 +48,6 @@ pub fn parse(arg: &str, spec: &JobSpec) -> Result<PoolLoss, String> {
         .ok_or_else(|| bad(&format!("the job has no pool \"{pool}\"")))?;
     if spec.pools[index].kind() != Some(PoolKind::Gpu) {
         return Err(bad(&format!("pool \"{pool}\" is not a GPU pool")));
-    }
-    let fraction: f64 = fraction
-        .parse()
-        .map_err(|_| bad(&format!("fraction \"{fraction}\" is not a number")))?;
-    if !(fraction > 0.0 && fraction < 1.0) {
-        return Err(bad(&format!("fraction {fraction} is not in (0, 1)")));
     }
     let at_step: u64 = step
         .parse()
@@ -57,6 +57,21 @@ pub fn parse(arg: &str, spec: &JobSpec) -> Result<PoolLoss, String> {
         return Err(bad(&format!(
             "step {at_step} is not in 1..{steps} (the job's steps)"
         )));
+    }
+    Ok((index, amount, at_step))
+}
+
+/// Parses `POOL:FRACTION@STEP` against a job: a GPU pool's name, a share of its GPUs in (0, 1),
+/// a step in 1..steps.
+pub fn parse(arg: &str, spec: &JobSpec) -> Result<PoolLoss, String> {
+    const FORM: &str = "POOL:FRACTION@STEP";
+    let (index, fraction, at_step) = pool_amount_step("--lose", arg, FORM, spec)?;
+    let bad = |why: &str| format!("--lose {arg}: {why} (expected {FORM})");
+    let fraction: f64 = fraction
+        .parse()
+        .map_err(|_| bad(&format!("fraction \"{fraction}\" is not a number")))?;
+    if !(fraction > 0.0 && fraction < 1.0) {
+        return Err(bad(&format!("fraction {fraction} is not in (0, 1)")));
     }
     Ok(PoolLoss {
         pool: index as u32,
