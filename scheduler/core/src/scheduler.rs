@@ -217,7 +217,8 @@ pub struct Core {
     serverless_free: Vec<u64>,
     stages: IdSlab<StageRec>,
     next_stage: u64,
-    queues: BTreeMap<Queue, BTreeSet<(u64, TrajId)>>,
+    /// The queues, indexed by [`Queue`] (an array: one is looked up on every enqueue).
+    queues: [BTreeSet<(u64, TrajId)>; 4],
     ready: BTreeSet<(Version, GroupId)>,
     batch_complete: BTreeMap<u64, u32>,
     batch_done: BTreeMap<u64, u32>,
@@ -283,7 +284,7 @@ impl Core {
             disaggregated,
             stages: IdSlab::new(),
             next_stage: 0,
-            queues: BTreeMap::new(),
+            queues: Default::default(),
             ready: BTreeSet::new(),
             batch_complete: BTreeMap::new(),
             batch_done: BTreeMap::new(),
@@ -550,17 +551,15 @@ impl Core {
         // Oldest group first, everywhere: a straggler of an old group overtakes fresh work, so
         // groups complete (and can be trained on) before their first turns fall out of the bound.
         let prio = self.trajs[t.0 as usize].group.0;
-        self.queues.entry(queue).or_default().insert((prio, t));
+        self.queues[queue as usize].insert((prio, t));
         let traj = &mut self.trajs[t.0 as usize];
         traj.queued = Some((queue, prio));
         traj.phase = phase;
     }
 
     fn dequeue(&mut self, t: TrajId) {
-        if let Some((q, prio)) = self.trajs[t.0 as usize].queued.take()
-            && let Some(set) = self.queues.get_mut(&q)
-        {
-            set.remove(&(prio, t));
+        if let Some((q, prio)) = self.trajs[t.0 as usize].queued.take() {
+            self.queues[q as usize].remove(&(prio, t));
         }
     }
 
@@ -1189,7 +1188,7 @@ impl Core {
 
     /// The queue entry after `after` (the first one for `None`).
     fn queue_next(&self, q: Queue, after: Option<(u64, TrajId)>) -> Option<(u64, TrajId)> {
-        let set = self.queues.get(&q)?;
+        let set = &self.queues[q as usize];
         match after {
             None => set.first().copied(),
             Some(key) => set

@@ -146,12 +146,15 @@ impl ProfileStore {
             return;
         }
         let at_peak = work.seconds(peak_flops, peak_bandwidth);
-        self.measured
-            .entry(kind)
-            .or_default()
-            .entry(pool.to_owned())
-            .or_default()
-            .add(at_peak / seconds);
+        let per_pool = self.measured.entry(kind).or_default();
+        // The simulator records a sample per decode stretch: look the pool up by `&str` and
+        // allocate its name only the first time, not once per sample.
+        if !per_pool.contains_key(pool) {
+            per_pool.insert(pool.to_owned(), Estimate::default());
+        }
+        if let Some(estimate) = per_pool.get_mut(pool) {
+            estimate.add(at_peak / seconds);
+        }
     }
 
     /// The share of peak to use for `kind` on `pool` (a `gpu` product with the given peaks):

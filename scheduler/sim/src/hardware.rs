@@ -133,6 +133,8 @@ pub struct Engine {
     pub epoch: u64,
     queue: VecDeque<PrefillJob>,
     batch: Option<(Time, Vec<PrefillJob>)>,
+    /// An empty batch vector kept for its allocation.
+    spare_jobs: Vec<PrefillJob>,
     seqs: BTreeMap<u64, Seq>,
     finish: BTreeSet<(u64, u64)>,
     next_seq: u64,
@@ -176,6 +178,7 @@ impl Engine {
             epoch: 0,
             queue: VecDeque::new(),
             batch: None,
+            spare_jobs: Vec::new(),
             seqs: BTreeMap::new(),
             finish: BTreeSet::new(),
             next_seq: 0,
@@ -300,7 +303,7 @@ impl Engine {
         if self.batch.is_some() || self.queue.is_empty() {
             return;
         }
-        let mut jobs = Vec::new();
+        let mut jobs = std::mem::take(&mut self.spare_jobs);
         let mut tokens = 0;
         while let Some(job) = self.queue.front() {
             if !jobs.is_empty() && tokens + job.tokens > PREFILL_BATCH_TOKENS {
@@ -345,22 +348,30 @@ impl Engine {
 
     /// Advances to `now` and returns what finished.
     pub fn wake(&mut self, now: Time) -> Vec<EngineDone> {
-        self.advance(now);
         let mut done = Vec::new();
+        self.wake_into(now, &mut done);
+        done
+    }
+
+    /// Advances to `now` and appends what finished to `done` (the simulator keeps one buffer).
+    pub fn wake_into(&mut self, now: Time, done: &mut Vec<EngineDone>) {
+        self.advance(now);
         if let Some((end, _)) = &self.batch
             && *end <= now
-            && let Some((_, jobs)) = self.batch.take()
+            && let Some((_, mut jobs)) = self.batch.take()
         {
             if let Some(m) = self.batch_work.take() {
                 self.measured.push(m);
             }
-            for job in jobs {
+            for job in jobs.drain(..) {
                 self.tokens_prefilled += job.tokens;
                 match job.decode {
                     None => done.push(EngineDone::Prefilled(job.stage)),
                     Some(tokens) => self.join(job.stage, job.cached + job.tokens, tokens),
                 }
             }
+            // The next batch reuses its allocation.
+            self.spare_jobs = jobs;
             self.start_batch(now);
         }
         // Sequences within a nanosecond's worth of progress of their target are done.
@@ -385,7 +396,6 @@ impl Engine {
             self.sum_ctx_base = 0.0;
         }
         self.recompute();
-        done
     }
 
     /// Drops a stage wherever it is (a cancel).

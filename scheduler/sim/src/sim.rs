@@ -201,6 +201,11 @@ impl EventQueue {
         }));
     }
 
+    /// When the earliest event happens (without reading the event itself).
+    fn next_time(&self) -> Option<Time> {
+        self.heap.peek().map(|Reverse(entry)| entry.at)
+    }
+
     fn peek(&self) -> Option<(Time, &Event)> {
         let Reverse(entry) = self.heap.peek()?;
         Some((entry.at, self.slots[entry.slot as usize].as_ref()?))
@@ -350,8 +355,9 @@ struct Sim<'a> {
     engine_busy: Vec<bool>,
     engine_alive: Vec<bool>,
     prefill_versions: BTreeMap<TrajId, u64>,
-    stage_loc: IdSlab<Loc>,
-    stage_info: IdSlab<StageInfo>,
+    /// Every stage the simulated workers were given, by id: one slab, so that a stage's
+    /// start and end each touch one entry.
+    stages: IdSlab<StageState>,
     meters: BTreeMap<u32, Meter>,
     capacity: BTreeMap<u32, f64>,
     sync_seconds: BTreeMap<u32, f64>,
@@ -377,6 +383,8 @@ struct Sim<'a> {
     failure_rng: SplitMix64,
     rates: LatencyRates,
     traces: Vec<TurnTrace>,
+    /// What an engine's wake-up finished (kept between wake-ups for its allocation).
+    done: Vec<EngineDone>,
     profiles: ProfileStore,
     loss: Option<LossReport>,
 }
@@ -388,9 +396,37 @@ struct StageInfo {
     version: u64,
 }
 
+/// A stage as the simulator tracks it: what it is, and where it runs (`None` until it was
+/// placed, or when it never was: a stage naming an unknown task or replica).
+#[derive(Debug, Clone, Copy)]
+struct StageState {
+    info: StageInfo,
+    loc: Option<Loc>,
+}
+
 impl<'a> Sim<'a> {
     fn push(&mut self, at: Time, event: Event) {
         self.heap.push(at, event);
+    }
+
+    /// Where a stage runs.
+    fn set_loc(&mut self, stage: StageId, loc: Loc) {
+        if let Some(s) = self.stages.get_mut(stage.0) {
+            s.loc = Some(loc);
+        }
+    }
+
+    /// Whether a stage is placed and not yet over.
+    fn placed(&self, stage: StageId) -> bool {
+        self.stages.get(stage.0).is_some_and(|s| s.loc.is_some())
+    }
+
+    /// Ends a placed stage: forgets it and returns where it ran with what it was (`None` if it
+    /// is not placed, e.g. already over).
+    fn end_stage(&mut self, stage: StageId) -> Option<(Loc, StageInfo)> {
+        let loc = self.stages.get(stage.0)?.loc?;
+        let s = self.stages.remove(stage.0)?;
+        Some((loc, s.info))
     }
 
     fn ledger_mut(&mut self, traj: TrajId) -> &mut TrajLedger {
@@ -524,7 +560,7 @@ impl<'a> Sim<'a> {
     }
 
     fn cancel(&mut self, stage: StageId) {
-        let Some(loc) = self.stage_loc.remove(stage.0) else {
+        let Some((loc, info)) = self.end_stage(stage) else {
             return;
         };
         let now = self.now;
@@ -532,15 +568,12 @@ impl<'a> Sim<'a> {
             Loc::Engine(r) | Loc::Transfer(r) => {
                 let r = r as usize;
                 self.engines[r].cancel(now, stage);
-                if let Some(info) = self.stage_info.get(stage.0).copied() {
-                    self.engines[r].release_kv(info.traj);
-                }
+                self.engines[r].release_kv(info.traj);
                 self.engine_running[r] = self.engine_running[r].saturating_sub(1);
                 self.refresh_engine(r);
             }
             cpu_or_serverless => self.release_loc(cpu_or_serverless),
         }
-        self.stage_info.remove(stage.0);
     }
 
     fn cpu_take(&mut self, pool: u32, millicpus: u64) {
@@ -580,12 +613,15 @@ impl<'a> Sim<'a> {
             work,
             ..
         } = cmd;
-        self.stage_info.insert(
+        self.stages.insert(
             stage.0,
-            StageInfo {
-                traj,
-                turn,
-                version: 0,
+            StageState {
+                info: StageInfo {
+                    traj,
+                    turn,
+                    version: 0,
+                },
+                loc: None,
             },
         );
         let ledger = self.ledger_mut(traj);
@@ -603,7 +639,7 @@ impl<'a> Sim<'a> {
             } => {
                 let reset = matches!(work, StageWork::EnvReset { .. });
                 self.cpu_take(pool, millicpus);
-                self.stage_loc.insert(stage.0, Loc::Cpu(pool, millicpus));
+                self.set_loc(stage, Loc::Cpu(pool, millicpus));
                 let ms = sample(
                     &task_spec.env_step_ms,
                     &mut self.rng(&[
@@ -682,7 +718,7 @@ impl<'a> Sim<'a> {
                 if !self.engines[r].hold_kv(traj, tokens) {
                     self.violation(format!("replica {r}: KV over capacity after a prefill"));
                 }
-                self.stage_loc.insert(stage.0, Loc::Engine(r as u32));
+                self.set_loc(stage, Loc::Engine(r as u32));
                 self.engines[r].add_prefill(
                     now,
                     PrefillJob {
@@ -729,7 +765,7 @@ impl<'a> Sim<'a> {
                 }
                 match kv_from {
                     Some(p) => {
-                        self.stage_loc.insert(stage.0, Loc::Transfer(r as u32));
+                        self.set_loc(stage, Loc::Transfer(r as u32));
                         let secs = kv_tokens as f64 * self.costs.kv_bytes_per_token
                             / self.link_bytes_per_s;
                         let epoch = self.engines[r].epoch;
@@ -748,7 +784,7 @@ impl<'a> Sim<'a> {
                         );
                     }
                     None => {
-                        self.stage_loc.insert(stage.0, Loc::Engine(r as u32));
+                        self.set_loc(stage, Loc::Engine(r as u32));
                         self.start_generation(
                             r,
                             stage,
@@ -803,10 +839,10 @@ impl<'a> Sim<'a> {
                     if let Some(m) = self.meters.get_mut(&pool) {
                         m.add(now, 1.0);
                     }
-                    self.stage_loc.insert(stage.0, Loc::Serverless(pool));
+                    self.set_loc(stage, Loc::Serverless(pool));
                 } else {
                     self.cpu_take(pool, millicpus);
-                    self.stage_loc.insert(stage.0, Loc::Cpu(pool, millicpus));
+                    self.set_loc(stage, Loc::Cpu(pool, millicpus));
                 }
                 if let Some(l) = Some(self.ledger_mut(traj)) {
                     l.reward_s = latency;
@@ -863,8 +899,8 @@ impl<'a> Sim<'a> {
         } else {
             version
         };
-        if let Some(info) = self.stage_info.get_mut(stage.0) {
-            info.version = v;
+        if let Some(s) = self.stages.get_mut(stage.0) {
+            s.info.version = v;
         }
         if prefill > 0 {
             self.engines[r].add_prefill(
@@ -1015,20 +1051,25 @@ impl<'a> Sim<'a> {
                     self.refresh_engine(r);
                     return;
                 }
-                let done = self.engines[r].wake(self.now);
+                // One buffer for every wake-up, instead of a fresh vector each time.
+                let mut done = std::mem::take(&mut self.done);
+                self.engines[r].wake_into(self.now, &mut done);
                 self.refresh_engine(r);
-                for d in done {
+                for d in done.drain(..) {
                     let (stage, outcome) = match d {
                         EngineDone::Prefilled(stage) => {
-                            if let Some(info) = self.stage_info.get(stage.0).copied() {
+                            if let Some(info) = self.stages.get(stage.0).map(|s| s.info) {
                                 let v = self.engines[r].version.unwrap_or(0);
                                 self.prefill_versions.insert(info.traj, v);
                             }
                             (stage, StageOutcome::Prefilled)
                         }
                         EngineDone::Generated(stage, tokens) => {
-                            if let Some(info) = self.stage_info.get(stage.0).copied()
-                                && self.stage_loc.contains(stage.0)
+                            if let Some(info) = self
+                                .stages
+                                .get(stage.0)
+                                .filter(|s| s.loc.is_some())
+                                .map(|s| s.info)
                             {
                                 let l = self.ledger_mut(info.traj);
                                 let k = info.turn as usize;
@@ -1051,27 +1092,25 @@ impl<'a> Sim<'a> {
                             (stage, StageOutcome::Generated { tokens })
                         }
                     };
-                    if self.stage_loc.remove(stage.0).is_some() {
+                    if self.end_stage(stage).is_some() {
                         self.engine_running[r] = self.engine_running[r].saturating_sub(1);
-                        self.stage_info.remove(stage.0);
                         self.input(Input::StageFinished { stage, outcome });
                     }
                 }
+                self.done = done;
             }
             Event::Done(stage, outcome) => {
-                let Some(loc) = self.stage_loc.remove(stage.0) else {
+                let Some((loc, _)) = self.end_stage(stage) else {
                     return;
                 };
                 self.release_loc(loc);
-                self.stage_info.remove(stage.0);
                 self.input(Input::StageFinished { stage, outcome });
             }
             Event::Failed(stage) => {
-                let Some(loc) = self.stage_loc.remove(stage.0) else {
+                let Some((loc, _)) = self.end_stage(stage) else {
                     return;
                 };
                 self.release_loc(loc);
-                self.stage_info.remove(stage.0);
                 self.input(Input::StageFailed { stage });
             }
             Event::KvArrived(arrival) => {
@@ -1086,13 +1125,13 @@ impl<'a> Sim<'a> {
                     action,
                 } = *arrival;
                 let r = replica as usize;
-                if self.engines[r].epoch != epoch || !self.stage_loc.contains(stage.0) {
+                if self.engines[r].epoch != epoch || !self.placed(stage) {
                     return;
                 }
                 if let Some(p) = self.engines.get_mut(from as usize) {
                     p.release_kv(traj);
                 }
-                self.stage_loc.insert(stage.0, Loc::Engine(replica));
+                self.set_loc(stage, Loc::Engine(replica));
                 self.start_generation(r, stage, traj, context, prefill, action, true);
             }
             Event::TrainDone(batch, publishes) => {
@@ -1166,14 +1205,15 @@ impl<'a> Sim<'a> {
         self.engines[r].version = None;
         self.engine_running[r] = 0;
         let lost: Vec<StageId> = self
-            .stage_loc
+            .stages
             .iter()
-            .filter(|(_, l)| matches!(l, Loc::Engine(x) | Loc::Transfer(x) if *x as usize == r))
+            .filter(|(_, s)| {
+                matches!(s.loc, Some(Loc::Engine(x) | Loc::Transfer(x)) if x as usize == r)
+            })
             .map(|(s, _)| StageId(s))
             .collect();
         for s in lost {
-            self.stage_loc.remove(s.0);
-            self.stage_info.remove(s.0);
+            self.stages.remove(s.0);
         }
         self.refresh_engine(r);
         self.input(Input::ReplicaLost {
@@ -1350,8 +1390,7 @@ pub fn simulate(
         engine_busy: vec![false; n],
         engine_alive: vec![true; n],
         prefill_versions: BTreeMap::new(),
-        stage_loc: IdSlab::new(),
-        stage_info: IdSlab::new(),
+        stages: IdSlab::new(),
         meters,
         capacity,
         sync_seconds: BTreeMap::new(),
@@ -1378,6 +1417,7 @@ pub fn simulate(
         cold_start_s,
         rates: latency_rates(spec, catalog, &opts.hardware),
         traces: Vec::new(),
+        done: Vec::new(),
         profiles: ProfileStore::default(),
         loss: None,
     };
@@ -1396,7 +1436,7 @@ pub fn simulate(
             reported = sim.core.version();
             progress(reported, sim.now.as_secs_f64());
         }
-        let next_event = sim.heap.peek().map(|(at, _)| at);
+        let next_event = sim.heap.next_time();
         let timeout = sim.core.poll_timeout();
         // Only the failure injector left to happen means nothing will ever finish.
         let only_failures = sim.heap.len() == 1
