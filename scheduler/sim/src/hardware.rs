@@ -19,6 +19,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+use rollfleet_core::slab::IdSlab;
 use rollfleet_core::{StageId, Time, TrajId};
 use rollfleet_planner::roofline::{Work as RooflineWork, WorkKind};
 
@@ -135,7 +136,8 @@ pub struct Engine {
     batch: Option<(Time, Vec<PrefillJob>)>,
     /// An empty batch vector kept for its allocation.
     spare_jobs: Vec<PrefillJob>,
-    seqs: BTreeMap<u64, Seq>,
+    /// Running sequences by join order (keys only grow: a slab, not a tree).
+    seqs: IdSlab<Seq>,
     finish: BTreeSet<(u64, u64)>,
     next_seq: u64,
     progress: f64,
@@ -179,7 +181,7 @@ impl Engine {
             queue: VecDeque::new(),
             batch: None,
             spare_jobs: Vec::new(),
-            seqs: BTreeMap::new(),
+            seqs: IdSlab::new(),
             finish: BTreeSet::new(),
             next_seq: 0,
             progress: 0.0,
@@ -217,7 +219,7 @@ impl Engine {
         self.queue.clear();
         self.batch = None;
         self.batch_work = None;
-        self.seqs.clear();
+        self.seqs = IdSlab::new();
         self.finish.clear();
         self.progress = 0.0;
         self.sum_ctx_base = 0.0;
@@ -385,7 +387,7 @@ impl Engine {
                 break;
             }
             self.finish.remove(&(bits, key));
-            if let Some(seq) = self.seqs.remove(&key) {
+            if let Some(seq) = self.seqs.remove(key) {
                 self.sum_ctx_base -= seq.ctx_base;
                 self.tokens_generated += seq.tokens;
                 done.push(EngineDone::Generated(seq.stage, seq.tokens));
@@ -409,10 +411,10 @@ impl Engine {
             .seqs
             .iter()
             .filter(|(_, s)| s.stage == stage)
-            .map(|(&k, _)| k)
+            .map(|(k, _)| k)
             .collect();
         for key in keys {
-            if let Some(seq) = self.seqs.remove(&key) {
+            if let Some(seq) = self.seqs.remove(key) {
                 self.finish.remove(&(seq.target.to_bits(), key));
                 self.sum_ctx_base -= seq.ctx_base;
             }

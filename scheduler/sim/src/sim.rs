@@ -20,7 +20,8 @@ use rollfleet_core::{
     BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaId, Span, StageCommand,
     StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
 };
-use rollfleet_planner::profile::ProfileStore;
+use rollfleet_planner::profile::{Estimate, ProfileStore};
+use rollfleet_planner::roofline::WorkKind;
 use rollfleet_spec::{JobSpec, PoolKind};
 
 use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
@@ -358,7 +359,9 @@ struct Sim<'a> {
     /// Every stage the simulated workers were given, by id: one slab, so that a stage's
     /// start and end each touch one entry.
     stages: IdSlab<StageState>,
-    meters: BTreeMap<u32, Meter>,
+    /// Busy level per spec pool, indexed by pool (looked up on most events; a map only in the
+    /// result).
+    meters: Vec<Meter>,
     capacity: BTreeMap<u32, f64>,
     sync_seconds: BTreeMap<u32, f64>,
     cpu_in_use: BTreeMap<u32, u64>,
@@ -385,7 +388,12 @@ struct Sim<'a> {
     traces: Vec<TurnTrace>,
     /// What an engine's wake-up finished (kept between wake-ups for its allocation).
     done: Vec<EngineDone>,
-    profiles: ProfileStore,
+    /// Distinct names of the engines' pools (`""` for an unknown pool), and each engine's.
+    pool_names: Vec<String>,
+    engine_pool_name: Vec<usize>,
+    /// Measured shares of peak by work kind and index in `pool_names`: a short list searched
+    /// in place of the profile store's maps of names, once per sample.
+    estimates: Vec<(WorkKind, usize, Estimate)>,
     loss: Option<LossReport>,
 }
 
@@ -458,27 +466,50 @@ impl<'a> Sim<'a> {
         self.core.handle_input(self.now, input);
     }
 
-    /// Moves the engine's measured durations into the profile store, under its pool's name.
+    /// Moves the engine's measured durations into the estimates of its pool (the profile
+    /// store is built from them at the end, see [`Sim::profiles`]).
     fn drain_samples(&mut self, r: usize) {
         let e = &mut self.engines[r];
         if e.measured.is_empty() {
             return;
         }
-        let pool = self
-            .spec
-            .pools
-            .get(self.engine_pool[r] as usize)
-            .map_or("", |p| p.name.as_str());
+        let name = self.engine_pool_name[r];
         for m in e.measured.drain(..) {
-            self.profiles.record(
-                m.kind,
-                pool,
-                m.work,
-                e.peak_flops,
-                e.peak_bandwidth,
-                m.seconds,
-            );
+            // Created by the first usable sample, as `ProfileStore::record` does.
+            if !(m.seconds.is_finite() && m.seconds > 0.0) {
+                continue;
+            }
+            let i = match self
+                .estimates
+                .iter()
+                .position(|(kind, n, _)| *kind == m.kind && *n == name)
+            {
+                Some(i) => i,
+                None => {
+                    self.estimates.push((m.kind, name, Estimate::default()));
+                    self.estimates.len() - 1
+                }
+            };
+            self.estimates[i]
+                .2
+                .add_measured(m.work, e.peak_flops, e.peak_bandwidth, m.seconds);
         }
+    }
+
+    /// The measured profiles, by work kind and pool name: what `ProfileStore::record` of every
+    /// sample in turn would have built (the samples of a kind and pool reach one estimate in the
+    /// same order).
+    fn profiles(&mut self) -> ProfileStore {
+        let mut store = ProfileStore::default();
+        for (kind, name, estimate) in self.estimates.drain(..) {
+            let pool = self.pool_names.get(name).map_or("", String::as_str);
+            store
+                .measured
+                .entry(kind)
+                .or_default()
+                .insert(pool.to_owned(), estimate);
+        }
+        store
     }
 
     fn refresh_engine(&mut self, r: usize) {
@@ -488,7 +519,7 @@ impl<'a> Sim<'a> {
             self.engine_busy[r] = busy;
             let gpus = self.engines[r].gpus as f64;
             let now = self.now;
-            if let Some(m) = self.meters.get_mut(&self.engine_pool[r]) {
+            if let Some(m) = self.meters.get_mut(self.engine_pool[r] as usize) {
                 m.add(now, if busy { gpus } else { -gpus });
             }
         }
@@ -587,7 +618,7 @@ impl<'a> Sim<'a> {
             ));
         }
         let now = self.now;
-        if let Some(m) = self.meters.get_mut(&pool) {
+        if let Some(m) = self.meters.get_mut(pool as usize) {
             m.add(now, millicpus as f64 / 1000.0);
         }
     }
@@ -597,7 +628,7 @@ impl<'a> Sim<'a> {
             *used = used.saturating_sub(millicpus);
         }
         let now = self.now;
-        if let Some(m) = self.meters.get_mut(&pool) {
+        if let Some(m) = self.meters.get_mut(pool as usize) {
             m.add(now, -(millicpus as f64) / 1000.0);
         }
     }
@@ -836,7 +867,7 @@ impl<'a> Sim<'a> {
                     if let Some(v) = violation {
                         self.violation(v);
                     }
-                    if let Some(m) = self.meters.get_mut(&pool) {
+                    if let Some(m) = self.meters.get_mut(pool as usize) {
                         m.add(now, 1.0);
                     }
                     self.set_loc(stage, Loc::Serverless(pool));
@@ -1029,7 +1060,7 @@ impl<'a> Sim<'a> {
             / (self.trainer_gpus * self.train_peak * mfu);
         let now = self.now;
         let gpus = self.trainer_gpus;
-        if let Some(m) = self.meters.get_mut(&self.trainer_pool) {
+        if let Some(m) = self.meters.get_mut(self.trainer_pool as usize) {
             m.add(now, gpus);
         }
         self.push(
@@ -1137,7 +1168,7 @@ impl<'a> Sim<'a> {
             Event::TrainDone(batch, publishes) => {
                 let now = self.now;
                 let gpus = self.trainer_gpus;
-                if let Some(m) = self.meters.get_mut(&self.trainer_pool) {
+                if let Some(m) = self.meters.get_mut(self.trainer_pool as usize) {
                     m.add(now, -gpus);
                 }
                 if publishes {
@@ -1272,7 +1303,7 @@ impl<'a> Sim<'a> {
                     s.in_use = s.in_use.saturating_sub(1);
                     s.idle.push(now);
                 }
-                if let Some(m) = self.meters.get_mut(&pool) {
+                if let Some(m) = self.meters.get_mut(pool as usize) {
                     m.add(now, -1.0);
                 }
             }
@@ -1331,7 +1362,7 @@ pub fn simulate(
         .and_then(|g| catalog.gpu(g).ok());
     let train_peak = trainer_gpu.map_or(1e15, |g| g.peak_flops());
     let interconnect = trainer_gpu.map_or(400e9, |g| g.interconnect_gbps * 1e9);
-    let mut meters = BTreeMap::new();
+    let mut meters = Vec::new();
     let mut capacity = BTreeMap::new();
     let mut serverless = BTreeMap::new();
     for (i, pool) in spec.pools.iter().enumerate() {
@@ -1364,7 +1395,7 @@ pub fn simulate(
             None => 0.0,
         };
         capacity.insert(i, cap);
-        meters.insert(i, Meter::default());
+        meters.push(Meter::default());
     }
     let cold_start_s: BTreeMap<u32, f64> = spec
         .pools
@@ -1376,6 +1407,22 @@ pub fn simulate(
         })
         .collect();
     let n = engines.len();
+    let mut pool_names: Vec<String> = Vec::new();
+    let mut engine_pool_name = Vec::with_capacity(n);
+    for &pool in &engine_pool {
+        let name = spec
+            .pools
+            .get(pool as usize)
+            .map_or("", |p| p.name.as_str());
+        let i = match pool_names.iter().position(|n| n == name) {
+            Some(i) => i,
+            None => {
+                pool_names.push(name.to_owned());
+                pool_names.len() - 1
+            }
+        };
+        engine_pool_name.push(i);
+    }
     let mut sim = Sim {
         spec,
         opts,
@@ -1418,7 +1465,9 @@ pub fn simulate(
         rates: latency_rates(spec, catalog, &opts.hardware),
         traces: Vec::new(),
         done: Vec::new(),
-        profiles: ProfileStore::default(),
+        pool_names,
+        engine_pool_name,
+        estimates: Vec::new(),
         loss: None,
     };
     sim.schedule_failure();
@@ -1486,7 +1535,7 @@ pub fn simulate(
     for r in 0..sim.engines.len() {
         sim.drain_samples(r);
     }
-    for m in sim.meters.values_mut() {
+    for m in &mut sim.meters {
         m.flush(end);
     }
     if let Err(e) = sim.core.check_invariants() {
@@ -1500,6 +1549,7 @@ pub fn simulate(
             sim.trajectories
         ));
     }
+    let profiles = sim.profiles();
     let cold_starts = sim.serverless.values().map(|s| s.cold_starts).sum();
     let max_staleness = sim.core.config().policy.max_staleness;
     let generated_tokens = sim.engines.iter().map(|e| e.tokens_generated).sum();
@@ -1507,7 +1557,12 @@ pub fn simulate(
         makespan_s: end.as_secs_f64(),
         publish_times_s: sim.publish_times,
         core: sim.core.stats().clone(),
-        meters: sim.meters,
+        meters: sim
+            .meters
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| (i as u32, m))
+            .collect(),
         capacity: sim.capacity,
         sync_seconds: sim.sync_seconds,
         work: sim.work,
@@ -1522,7 +1577,7 @@ pub fn simulate(
         placement,
         lifecycle: (started, in_flight, complete),
         max_staleness,
-        profiles: sim.profiles,
+        profiles,
         loss: sim.loss,
     })
 }
