@@ -31,7 +31,7 @@ use crate::protocol::{
     SyncMode, TrajId, Version,
 };
 use crate::rng::SplitMix64;
-use crate::router::{ReplicaView, Route, RouteRequest, RouterView, load_key};
+use crate::router::{LoadOrder, ReplicaView, Route, RouteRequest, RouterView, load_key};
 use crate::slab::IdSlab;
 use crate::time::Time;
 
@@ -210,8 +210,8 @@ pub struct Core {
     trajs: Vec<Traj>,
     groups: Vec<Group>,
     replicas: Vec<Replica>,
-    prefill_set: BTreeSet<(u64, ReplicaId)>,
-    decode_set: BTreeSet<(u64, ReplicaId)>,
+    prefill_set: LoadOrder,
+    decode_set: LoadOrder,
     disaggregated: bool,
     cpu_free: Vec<u64>,
     serverless_free: Vec<u64>,
@@ -279,8 +279,8 @@ impl Core {
             trajs: Vec::new(),
             groups: Vec::new(),
             replicas,
-            prefill_set: BTreeSet::new(),
-            decode_set: BTreeSet::new(),
+            prefill_set: LoadOrder::new(),
+            decode_set: LoadOrder::new(),
             disaggregated,
             stages: IdSlab::new(),
             next_stage: 0,
@@ -518,7 +518,10 @@ impl Core {
 
     /// Re-files every replica changed since the last call in the router's sets.
     fn refile(&mut self) {
-        for id in std::mem::take(&mut self.dirty) {
+        // Taken and put back, so the list keeps its allocation from one routing decision to the
+        // next.
+        let mut dirty = std::mem::take(&mut self.dirty);
+        for &id in &dirty {
             let Some(r) = self.replicas.get_mut(id.0 as usize) else {
                 continue;
             };
@@ -532,14 +535,11 @@ impl Core {
             if key == r.key {
                 continue;
             }
-            if let Some(old) = r.key.take() {
-                set.remove(&(old, id));
-            }
-            if let Some(key) = key {
-                set.insert((key, id));
-                r.key = Some(key);
-            }
+            set.refile(r.key.map(|old| (old, id)), key.map(|new| (new, id)));
+            r.key = key;
         }
+        dirty.clear();
+        self.dirty = dirty;
     }
 
     fn floor(&self) -> Version {

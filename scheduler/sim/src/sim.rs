@@ -163,43 +163,82 @@ struct KvArrival {
     action: u64,
 }
 
-/// An event's place in the queue: ordered by time, then by the order it was pushed (`seq` is
-/// unique, so `slot` never decides). The event itself waits in [`EventQueue::slots`], so the heap
-/// moves 24-byte entries instead of whole events.
+/// An event's place in the queue: ordered by time, then by `order`, which packs the order it
+/// was pushed in (a sequence number, unique, in the high bits) over its slot in
+/// [`EventQueue::slots`] (the low `slot_bits` bits, so the slot never decides). The event itself
+/// waits in its slot, and the heap sifts 16-byte entries instead of whole events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Entry {
     at: Time,
-    seq: u64,
-    slot: u32,
+    order: u64,
 }
 
 /// The simulator's future events, earliest first (ties in the order they were pushed).
-#[derive(Default)]
 struct EventQueue {
     heap: BinaryHeap<Reverse<Entry>>,
     slots: Vec<Option<Event>>,
-    free: Vec<u32>,
+    free: Vec<usize>,
     seq: u64,
+    /// Low bits of [`Entry::order`] holding the slot: widened when the slots outgrow them.
+    slot_bits: u32,
+}
+
+impl Default for EventQueue {
+    fn default() -> Self {
+        EventQueue::with_slot_bits(24)
+    }
 }
 
 impl EventQueue {
+    fn with_slot_bits(slot_bits: u32) -> Self {
+        EventQueue {
+            heap: BinaryHeap::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            seq: 0,
+            slot_bits,
+        }
+    }
+
     fn push(&mut self, at: Time, event: Event) {
-        self.seq += 1;
         let slot = match self.free.pop() {
             Some(slot) => {
-                self.slots[slot as usize] = Some(event);
+                self.slots[slot] = Some(event);
                 slot
             }
             None => {
                 self.slots.push(Some(event));
-                (self.slots.len() - 1) as u32
+                self.slots.len() - 1
             }
         };
+        if (slot as u64) >> self.slot_bits != 0 {
+            self.repack(self.slot_bits + 8);
+        }
+        if self.seq + 1 >= 1 << (64 - self.slot_bits) {
+            self.repack(self.slot_bits);
+        }
+        self.seq += 1;
         self.heap.push(Reverse(Entry {
             at,
-            seq: self.seq,
-            slot,
+            order: (self.seq << self.slot_bits) | slot as u64,
         }));
+    }
+
+    /// Re-encodes the queued entries with `slot_bits` bits of slot, their sequence numbers
+    /// renumbered from 1 in the same order: neither the slots nor the sequence numbers can
+    /// overflow their bits, and the order of events does not change (never needed in practice:
+    /// 2^24 events pending at once, or 2^40 pushed).
+    fn repack(&mut self, slot_bits: u32) {
+        let mask = (1u64 << self.slot_bits) - 1;
+        let mut entries: Vec<Entry> = self.heap.drain().map(|Reverse(e)| e).collect();
+        entries.sort_unstable();
+        self.slot_bits = slot_bits;
+        self.seq = 0;
+        for e in &mut entries {
+            self.seq += 1;
+            e.order = (self.seq << slot_bits) | (e.order & mask);
+        }
+        self.heap = entries.into_iter().map(Reverse).collect();
     }
 
     /// When the earliest event happens (without reading the event itself).
@@ -207,15 +246,20 @@ impl EventQueue {
         self.heap.peek().map(|Reverse(entry)| entry.at)
     }
 
+    fn slot(&self, entry: &Entry) -> usize {
+        (entry.order & ((1u64 << self.slot_bits) - 1)) as usize
+    }
+
     fn peek(&self) -> Option<(Time, &Event)> {
         let Reverse(entry) = self.heap.peek()?;
-        Some((entry.at, self.slots[entry.slot as usize].as_ref()?))
+        Some((entry.at, self.slots[self.slot(entry)].as_ref()?))
     }
 
     fn pop(&mut self) -> Option<(Time, Event)> {
         let Reverse(entry) = self.heap.pop()?;
-        let event = self.slots[entry.slot as usize].take()?;
-        self.free.push(entry.slot);
+        let slot = self.slot(&entry);
+        let event = self.slots[slot].take()?;
+        self.free.push(slot);
         Some((entry.at, event))
     }
 
@@ -1580,4 +1624,49 @@ pub fn simulate(
         profiles,
         loss: sim.loss,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pushes and pops a mix of times and ties on a queue, checking every pop against the
+    /// order the queue promises: by time, then by push order.
+    fn check(mut q: EventQueue) {
+        let mut pending: Vec<(Time, u64)> = Vec::new();
+        let mut pushed = 0u64;
+        let mut rng = SplitMix64::new(5);
+        for round in 0..2_000u64 {
+            for _ in 0..rng.below(4) {
+                let at = Time(round + rng.below(20));
+                q.push(at, Event::Recover(pushed as u32));
+                pending.push((at, pushed));
+                pushed += 1;
+            }
+            for _ in 0..rng.below(4) {
+                pending.sort();
+                let popped = q.pop().map(|(at, e)| match e {
+                    Event::Recover(i) => (at, i as u64),
+                    _ => (at, u64::MAX),
+                });
+                let expected = (!pending.is_empty()).then(|| pending.remove(0));
+                assert_eq!(popped, expected);
+            }
+        }
+    }
+
+    #[test]
+    fn events_come_out_by_time_then_push_order() {
+        check(EventQueue::default());
+    }
+
+    #[test]
+    fn the_order_survives_slots_outgrowing_their_bits() {
+        check(EventQueue::with_slot_bits(2));
+    }
+
+    #[test]
+    fn the_order_survives_sequence_numbers_running_out() {
+        check(EventQueue::with_slot_bits(58));
+    }
 }
