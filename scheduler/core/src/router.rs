@@ -128,6 +128,8 @@ impl LoadOrder {
         let from = old.and_then(|o| self.entries.binary_search(&o).ok());
         match (from, new) {
             (Some(i), Some(new)) => match self.entries.binary_search(&new) {
+                // The same entry: nothing moves.
+                Ok(j) if j == i => {}
                 // Already filed: only the old one goes.
                 Ok(_) => {
                     self.entries.remove(i);
