@@ -87,8 +87,11 @@ fn round_positive(x: f64) -> u64 {
     if x >= EXACT {
         return x as u64;
     }
-    let t = x as u64;
-    if x - t as f64 >= 0.5 { t + 1 } else { t }
+    // Through `i64`: below 2^52 it holds the value, and its conversions are single
+    // instructions where `u64`'s are not.
+    let t = x as i64;
+    let t = if x - t as f64 >= 0.5 { t + 1 } else { t };
+    t as u64
 }
 
 #[cfg(test)]
