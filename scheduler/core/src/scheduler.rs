@@ -1458,7 +1458,13 @@ impl Core {
                     } else {
                         decode_blocked = true;
                     }
-                    Visit::Missed
+                    // The next look would stop before doing anything: stop now, without looking
+                    // the next trajectory up in the queue.
+                    if prefill_blocked && decode_blocked {
+                        Visit::Stop
+                    } else {
+                        Visit::Missed
+                    }
                 }
             }
         });

@@ -127,6 +127,45 @@ struct TrajLedger {
     consumed: bool,
     /// Turns the episode lasts (sampled on its first environment step).
     turns_wanted: Option<u32>,
+    /// The context after the last of `turns` (0 with none), kept here so that generating the
+    /// next turn does not read the turns back (a cache miss per turn).
+    context_end: u64,
+    /// The last of `inputs` (0 with none), for the same reason.
+    last_input: u64,
+}
+
+impl TrajLedger {
+    /// Drops the turns from `k` on (they belong to an attempt that was thrown away).
+    fn truncate_turns(&mut self, k: usize) {
+        if self.turns.len() > k {
+            self.turns.truncate(k);
+            self.context_end = self
+                .turns
+                .last()
+                .map_or(0, |w| w.context_before + w.input + w.action);
+        }
+    }
+
+    fn push_turn(&mut self, turn: TurnWork) {
+        self.context_end = turn.context_before + turn.input + turn.action;
+        self.turns.push(turn);
+    }
+
+    /// Keeps the inputs before turn `k` and appends turn `k`'s.
+    fn set_input(&mut self, k: usize, tokens: u64) {
+        self.inputs.truncate(k);
+        self.inputs.push(tokens);
+        self.last_input = tokens;
+    }
+
+    /// The input of turn `k` (0 if none was recorded).
+    fn input(&self, k: usize) -> u64 {
+        if self.inputs.len() == k + 1 {
+            self.last_input
+        } else {
+            self.inputs.get(k).copied().unwrap_or(0)
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -743,7 +782,7 @@ impl<'a> Sim<'a> {
                     .max(1.0) as u64;
                     if let Some(l) = Some(self.ledger_mut(traj)) {
                         l.reset_cpu_s = cpu_s;
-                        l.inputs = vec![tokens];
+                        l.set_input(0, tokens);
                     }
                     StageOutcome::Observed {
                         tokens,
@@ -766,7 +805,7 @@ impl<'a> Sim<'a> {
                     .round() as u64;
                     if let Some(l) = Some(self.ledger_mut(traj)) {
                         // Turns beyond this one belong to an attempt that was thrown away.
-                        l.turns.truncate(turn as usize);
+                        l.truncate_turns(turn as usize);
                         if let Some(last) = (turn as usize)
                             .checked_sub(1)
                             .and_then(|k| l.turns.get_mut(k))
@@ -774,8 +813,7 @@ impl<'a> Sim<'a> {
                             last.env_cpu_s = cpu_s;
                             last.env_s = ms / 1000.0;
                         }
-                        l.inputs.truncate(turn as usize);
-                        l.inputs.push(tokens);
+                        l.set_input(turn as usize, tokens);
                     }
                     StageOutcome::Observed {
                         tokens,
@@ -1149,14 +1187,11 @@ impl<'a> Sim<'a> {
                             {
                                 let l = self.ledger_mut(info.traj);
                                 let k = info.turn as usize;
-                                l.turns.truncate(k);
+                                l.truncate_turns(k);
                                 // Each turn's context is the one before it plus what it added.
-                                let context_before = l
-                                    .turns
-                                    .last()
-                                    .map_or(0, |w| w.context_before + w.input + w.action);
-                                let input = l.inputs.get(k).copied().unwrap_or(0);
-                                l.turns.push(TurnWork {
+                                let context_before = l.context_end;
+                                let input = l.input(k);
+                                l.push_turn(TurnWork {
                                     version: info.version,
                                     context_before,
                                     input,
