@@ -798,6 +798,13 @@ impl<'a> Sim<'a> {
                         });
                         t.clamp(1.0, max) as u32
                     });
+                    // Room for every turn the episode will have, so its books grow once.
+                    if let Some(l) = Some(self.ledger_mut(traj)) {
+                        let more = (wanted as usize + 1).saturating_sub(l.turns.len());
+                        l.turns.reserve(more);
+                        let more = (wanted as usize + 1).saturating_sub(l.inputs.len());
+                        l.inputs.reserve(more);
+                    }
                     let tokens = sample(
                         &task_spec.observation_tokens,
                         &mut self.rng(&[stream::OBSERVATION, traj.0, turn as u64]),
