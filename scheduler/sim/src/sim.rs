@@ -27,7 +27,7 @@ use rollfleet_spec::{JobSpec, PoolKind};
 use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
 use crate::hardware::{Engine, EngineDone, HardwareModel, Meter, ModelCosts, PrefillJob};
 use crate::report::latency_rates;
-use crate::workload::{mean, sample, stream};
+use crate::workload::{Sampler, mean, sample, stream};
 
 /// Options of one simulated run.
 #[derive(Debug, Clone)]
@@ -470,6 +470,8 @@ struct Sim<'a> {
     failure_rng: SplitMix64,
     rates: LatencyRates,
     traces: Vec<TurnTrace>,
+    /// Per task (spec order), its distributions ready to draw from.
+    samplers: Vec<TaskSamplers<'a>>,
     /// What an engine's wake-up finished (kept between wake-ups for its allocation).
     done: Vec<EngineDone>,
     /// Distinct names of the engines' pools (`""` for an unknown pool), and each engine's.
@@ -479,6 +481,15 @@ struct Sim<'a> {
     /// in place of the profile store's maps of names, once per sample.
     estimates: Vec<(WorkKind, usize, Estimate)>,
     loss: Option<LossReport>,
+}
+
+/// A task's distributions drawn from on every turn, ready to draw from.
+#[derive(Debug, Clone, Copy)]
+struct TaskSamplers<'a> {
+    env_step: Sampler<'a>,
+    prompt: Sampler<'a>,
+    observation: Sampler<'a>,
+    action: Sampler<'a>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -541,8 +552,11 @@ impl<'a> Sim<'a> {
         SplitMix64::keyed(self.opts.seed, keys)
     }
 
-    fn task(&self, index: u32) -> Option<&'a rollfleet_spec::TaskSpec> {
-        self.spec.tasks.get(index as usize)
+    fn task(&self, index: u32) -> Option<(&'a rollfleet_spec::TaskSpec, TaskSamplers<'a>)> {
+        Some((
+            self.spec.tasks.get(index as usize)?,
+            *self.samplers.get(index as usize)?,
+        ))
     }
 
     fn input(&mut self, input: Input) {
@@ -742,7 +756,7 @@ impl<'a> Sim<'a> {
         let ledger = self.ledger_mut(traj);
         ledger.group = group.0;
         ledger.task = task;
-        let Some(task_spec) = self.task(task) else {
+        let Some((task_spec, samplers)) = self.task(task) else {
             self.violation(format!("stage {} names unknown task {task}", stage.0));
             return;
         };
@@ -755,16 +769,13 @@ impl<'a> Sim<'a> {
                 let reset = matches!(work, StageWork::EnvReset { .. });
                 self.cpu_take(pool, millicpus);
                 self.set_loc(stage, Loc::Cpu(pool, millicpus));
-                let ms = sample(
-                    &task_spec.env_step_ms,
-                    &mut self.rng(&[
-                        stream::ENV_LATENCY,
-                        traj.0,
-                        turn as u64,
-                        attempt as u64,
-                        reset as u64,
-                    ]),
-                );
+                let ms = samplers.env_step.sample(&mut self.rng(&[
+                    stream::ENV_LATENCY,
+                    traj.0,
+                    turn as u64,
+                    attempt as u64,
+                    reset as u64,
+                ]));
                 let at = now.plus(Span::from_secs_f64(ms / 1000.0));
                 let fails = self.rng(&[stream::ENV_FAILURE, stage.0]).next_f64()
                     < task_spec.env_failure_rate.clamp(0.0, 1.0);
@@ -774,12 +785,11 @@ impl<'a> Sim<'a> {
                 }
                 let cpu_s = ms / 1000.0 * millicpus as f64 / 1000.0;
                 let outcome = if reset {
-                    let tokens = sample(
-                        &task_spec.prompt_tokens,
-                        &mut self.rng(&[stream::PROMPT, group.0]),
-                    )
-                    .round()
-                    .max(1.0) as u64;
+                    let tokens = samplers
+                        .prompt
+                        .sample(&mut self.rng(&[stream::PROMPT, group.0]))
+                        .round()
+                        .max(1.0) as u64;
                     if let Some(l) = Some(self.ledger_mut(traj)) {
                         l.reset_cpu_s = cpu_s;
                         l.set_input(0, tokens);
@@ -805,11 +815,10 @@ impl<'a> Sim<'a> {
                         let more = (wanted as usize + 1).saturating_sub(l.inputs.len());
                         l.inputs.reserve(more);
                     }
-                    let tokens = sample(
-                        &task_spec.observation_tokens,
-                        &mut self.rng(&[stream::OBSERVATION, traj.0, turn as u64]),
-                    )
-                    .round() as u64;
+                    let tokens = samplers
+                        .observation
+                        .sample(&mut self.rng(&[stream::OBSERVATION, traj.0, turn as u64]))
+                        .round() as u64;
                     if let Some(l) = Some(self.ledger_mut(traj)) {
                         // Turns beyond this one belong to an attempt that was thrown away.
                         l.truncate_turns(turn as usize);
@@ -864,12 +873,11 @@ impl<'a> Sim<'a> {
                 if !self.engine_ok(r, stage) {
                     return;
                 }
-                let action = sample(
-                    &task_spec.action_tokens,
-                    &mut self.rng(&[stream::ACTION, traj.0, turn as u64, attempt as u64]),
-                )
-                .round()
-                .clamp(1.0, max_new_tokens.max(1) as f64) as u64;
+                let action = samplers
+                    .action
+                    .sample(&mut self.rng(&[stream::ACTION, traj.0, turn as u64, attempt as u64]))
+                    .round()
+                    .clamp(1.0, max_new_tokens.max(1) as f64) as u64;
                 if kv_from.is_none()
                     && cached_tokens > 0
                     && !self.engines[r].kv_held.contains_key(&traj)
@@ -1552,6 +1560,16 @@ pub fn simulate(
         rates: latency_rates(spec, catalog, &opts.hardware),
         traces: Vec::new(),
         done: Vec::new(),
+        samplers: spec
+            .tasks
+            .iter()
+            .map(|t| TaskSamplers {
+                env_step: Sampler::new(&t.env_step_ms),
+                prompt: Sampler::new(&t.prompt_tokens),
+                observation: Sampler::new(&t.observation_tokens),
+                action: Sampler::new(&t.action_tokens),
+            })
+            .collect(),
         pool_names,
         engine_pool_name,
         estimates: Vec::new(),

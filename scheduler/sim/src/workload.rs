@@ -90,47 +90,71 @@ pub fn trace_mean(trace: TraceName, column: TraceColumn) -> f64 {
 
 /// Draws one value.
 pub fn sample(dist: &Distribution, rng: &mut SplitMix64) -> f64 {
-    let value = match *dist {
-        Distribution::Fixed { value } => value,
-        Distribution::Uniform { min, max } => min + rng.next_f64() * (max - min),
-        Distribution::LogNormal { median, p99, max } => {
-            let v = median * (lognormal_sigma(median, p99) * rng.normal()).exp();
-            max.map_or(v, |m| v.min(m))
+    Sampler::new(dist).sample(rng)
+}
+
+/// A distribution ready to draw from, with what each draw would otherwise recompute (a
+/// log-normal's sigma, a logarithm) computed once: the draws are [`sample`]'s, bit for bit.
+#[derive(Debug, Clone, Copy)]
+pub struct Sampler<'a> {
+    dist: &'a Distribution,
+    sigma: f64,
+}
+
+impl<'a> Sampler<'a> {
+    /// A sampler of `dist`.
+    pub fn new(dist: &'a Distribution) -> Self {
+        let sigma = match *dist {
+            Distribution::LogNormal { median, p99, .. } => lognormal_sigma(median, p99),
+            _ => 0.0,
+        };
+        Sampler { dist, sigma }
+    }
+
+    /// Draws one value.
+    pub fn sample(&self, rng: &mut SplitMix64) -> f64 {
+        let value = match *self.dist {
+            Distribution::Fixed { value } => value,
+            Distribution::Uniform { min, max } => min + rng.next_f64() * (max - min),
+            Distribution::LogNormal { median, max, .. } => {
+                let v = median * (self.sigma * rng.normal()).exp();
+                max.map_or(v, |m| v.min(m))
+            }
+            Distribution::Trace {
+                trace,
+                column,
+                scale,
+                max,
+            } => {
+                let v = match trace_column(trace, column) {
+                    // The same row and the same value as below, from the compact column.
+                    Some(values) => {
+                        let value = values
+                            .get(rng.below(values.len() as u64) as usize)
+                            .map_or(0.0, |&x| f64::from(x));
+                        scale * value
+                    }
+                    None => {
+                        let rows = trace_rows(trace);
+                        let row = rows
+                            .get(rng.below(rows.len() as u64) as usize)
+                            .copied()
+                            .unwrap_or((0.0, 0.0));
+                        scale
+                            * match column {
+                                TraceColumn::ContextTokens => row.0,
+                                TraceColumn::GeneratedTokens => row.1,
+                            }
+                    }
+                };
+                max.map_or(v, |m| v.min(m))
+            }
+        };
+        if value.is_finite() {
+            value.max(0.0)
+        } else {
+            0.0
         }
-        Distribution::Trace {
-            trace,
-            column,
-            scale,
-            max,
-        } => {
-            let v = match trace_column(trace, column) {
-                // The same row and the same value as below, from the compact column.
-                Some(values) => {
-                    let value = values
-                        .get(rng.below(values.len() as u64) as usize)
-                        .map_or(0.0, |&x| f64::from(x));
-                    scale * value
-                }
-                None => {
-                    let rows = trace_rows(trace);
-                    let row = rows
-                        .get(rng.below(rows.len() as u64) as usize)
-                        .copied()
-                        .unwrap_or((0.0, 0.0));
-                    scale
-                        * match column {
-                            TraceColumn::ContextTokens => row.0,
-                            TraceColumn::GeneratedTokens => row.1,
-                        }
-                }
-            };
-            max.map_or(v, |m| v.min(m))
-        }
-    };
-    if value.is_finite() {
-        value.max(0.0)
-    } else {
-        0.0
     }
 }
 
