@@ -15,8 +15,6 @@
 //! - **health-aware**: lost, draining or weight-less replicas are not candidates, and every
 //!   stage that timed out on a replica adds a penalty to its load.
 
-use std::collections::BTreeSet;
-
 use crate::placement::ServeRole;
 use crate::protocol::{ReplicaId, Version};
 
@@ -72,6 +70,99 @@ pub fn load_key(view: &ReplicaView) -> u64 {
     slots + kv + view.failures as u64 * 250_000 + view.behind.min(16) * 300_000
 }
 
+/// Replicas in load order: `(load_key, id)` entries, ascending and distinct, in a sorted vector.
+/// A replica re-filed after a change of load usually moves a few places; rotating the stretch
+/// between its old and new place costs less than a tree's removal and insertion, and walking the
+/// least-loaded ones is a walk along a slice.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadOrder {
+    entries: Vec<(u64, ReplicaId)>,
+}
+
+impl LoadOrder {
+    /// An empty order.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The entries, least loaded first.
+    pub fn iter(&self) -> std::slice::Iter<'_, (u64, ReplicaId)> {
+        self.entries.iter()
+    }
+
+    /// Entries filed.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether none is filed.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Files an entry; `false` if it was already there.
+    pub fn insert(&mut self, entry: (u64, ReplicaId)) -> bool {
+        match self.entries.binary_search(&entry) {
+            Ok(_) => false,
+            Err(i) => {
+                self.entries.insert(i, entry);
+                true
+            }
+        }
+    }
+
+    /// Removes an entry; `false` if it was not there.
+    pub fn remove(&mut self, entry: &(u64, ReplicaId)) -> bool {
+        match self.entries.binary_search(entry) {
+            Ok(i) => {
+                self.entries.remove(i);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Replaces `old` (when filed) by `new` (when given): the same set as removing one and
+    /// inserting the other, by moving only the entries between their two places.
+    pub fn refile(&mut self, old: Option<(u64, ReplicaId)>, new: Option<(u64, ReplicaId)>) {
+        let from = old.and_then(|o| self.entries.binary_search(&o).ok());
+        match (from, new) {
+            (Some(i), Some(new)) => match self.entries.binary_search(&new) {
+                // The same entry: nothing moves.
+                Ok(j) if j == i => {}
+                // Already filed: only the old one goes.
+                Ok(_) => {
+                    self.entries.remove(i);
+                }
+                Err(to) if to > i => {
+                    self.entries[i..to].rotate_left(1);
+                    self.entries[to - 1] = new;
+                }
+                Err(to) => {
+                    self.entries[to..=i].rotate_right(1);
+                    self.entries[to] = new;
+                }
+            },
+            (Some(i), None) => {
+                self.entries.remove(i);
+            }
+            (None, Some(new)) => {
+                self.insert(new);
+            }
+            (None, None) => {}
+        }
+    }
+}
+
+impl FromIterator<(u64, ReplicaId)> for LoadOrder {
+    fn from_iter<I: IntoIterator<Item = (u64, ReplicaId)>>(iter: I) -> Self {
+        let mut entries: Vec<(u64, ReplicaId)> = iter.into_iter().collect();
+        entries.sort_unstable();
+        entries.dedup();
+        LoadOrder { entries }
+    }
+}
+
 /// A request for generation work.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteRequest {
@@ -110,9 +201,9 @@ pub struct RouterView<'a> {
     /// Looks a replica up by id.
     pub lookup: &'a dyn Fn(ReplicaId) -> Option<ReplicaView>,
     /// Available prefill replicas by `(load_key, id)`.
-    pub prefill: &'a BTreeSet<(u64, ReplicaId)>,
+    pub prefill: &'a LoadOrder,
     /// Available decode/generate replicas by `(load_key, id)`.
-    pub decode: &'a BTreeSet<(u64, ReplicaId)>,
+    pub decode: &'a LoadOrder,
 }
 
 impl RouterView<'_> {
@@ -124,7 +215,7 @@ impl RouterView<'_> {
     /// least-loaded one that fits after evicting idle KV caches.
     pub fn least_loaded(
         &self,
-        set: &BTreeSet<(u64, ReplicaId)>,
+        set: &LoadOrder,
         kv_tokens: u64,
         floor: Version,
         allow_evict: bool,
@@ -189,11 +280,11 @@ mod tests {
         }
     }
 
-    type LoadSet = BTreeSet<(u64, ReplicaId)>;
+    type LoadSet = LoadOrder;
 
     fn sets(replicas: &[ReplicaView]) -> (LoadSet, LoadSet) {
-        let mut prefill = BTreeSet::new();
-        let mut decode = BTreeSet::new();
+        let mut prefill = LoadOrder::new();
+        let mut decode = LoadOrder::new();
         for (i, r) in replicas.iter().enumerate() {
             let entry = (load_key(r), ReplicaId(i as u64));
             match r.role {
@@ -215,6 +306,36 @@ mod tests {
             sticky_sessions: true,
             disaggregated: false,
         }
+    }
+
+    #[test]
+    fn refiling_keeps_the_same_entries_as_a_tree_would() {
+        use std::collections::BTreeSet;
+        let mut rng = crate::rng::SplitMix64::new(11);
+        let mut order = LoadOrder::new();
+        let mut tree = BTreeSet::new();
+        let mut keys: Vec<Option<u64>> = vec![None; 40];
+        for _ in 0..20_000 {
+            let id = rng.below(40) as usize;
+            let new = match rng.below(8) {
+                0 => None,
+                // Few distinct keys, so that ties broken by id are common.
+                _ => Some(rng.below(12) * 1000),
+            };
+            let old = keys[id];
+            let entry = |k: Option<u64>| k.map(|k| (k, ReplicaId(id as u64)));
+            order.refile(entry(old), entry(new));
+            if let Some(o) = entry(old) {
+                tree.remove(&o);
+            }
+            if let Some(n) = entry(new) {
+                tree.insert(n);
+            }
+            keys[id] = new;
+            assert!(order.iter().eq(tree.iter()));
+        }
+        let collected: LoadOrder = tree.iter().rev().copied().collect();
+        assert_eq!(collected, order);
     }
 
     #[test]

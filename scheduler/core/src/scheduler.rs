@@ -31,7 +31,7 @@ use crate::protocol::{
     SyncMode, TrajId, Version,
 };
 use crate::rng::SplitMix64;
-use crate::router::{ReplicaView, Route, RouteRequest, RouterView, load_key};
+use crate::router::{LoadOrder, ReplicaView, Route, RouteRequest, RouterView, load_key};
 use crate::slab::IdSlab;
 use crate::time::Time;
 
@@ -249,14 +249,15 @@ pub struct Core {
     trajs: Vec<Traj>,
     groups: Vec<Group>,
     replicas: Vec<Replica>,
-    prefill_set: BTreeSet<(u64, ReplicaId)>,
-    decode_set: BTreeSet<(u64, ReplicaId)>,
+    prefill_set: LoadOrder,
+    decode_set: LoadOrder,
     disaggregated: bool,
     cpu_free: Vec<u64>,
     serverless_free: Vec<u64>,
     stages: IdSlab<StageRec>,
     next_stage: u64,
-    queues: BTreeMap<Queue, BTreeSet<(u64, TrajId)>>,
+    /// The queues, indexed by [`Queue`] (an array: one is looked up on every enqueue).
+    queues: [BTreeSet<(u64, TrajId)>; 4],
     ready: BTreeSet<(Version, GroupId)>,
     batch_complete: BTreeMap<u64, u32>,
     batch_done: BTreeMap<u64, u32>,
@@ -296,12 +297,12 @@ impl Core {
             trajs: Vec::new(),
             groups: Vec::new(),
             replicas,
-            prefill_set: BTreeSet::new(),
-            decode_set: BTreeSet::new(),
+            prefill_set: LoadOrder::new(),
+            decode_set: LoadOrder::new(),
             disaggregated,
             stages: IdSlab::new(),
             next_stage: 0,
-            queues: BTreeMap::new(),
+            queues: Default::default(),
             ready: BTreeSet::new(),
             batch_complete: BTreeMap::new(),
             batch_done: BTreeMap::new(),
@@ -542,7 +543,10 @@ impl Core {
 
     /// Re-files every replica changed since the last call in the router's sets.
     fn refile(&mut self) {
-        for id in std::mem::take(&mut self.dirty) {
+        // Taken and put back, so the list keeps its allocation from one routing decision to the
+        // next.
+        let mut dirty = std::mem::take(&mut self.dirty);
+        for &id in &dirty {
             let Some(r) = self.replicas.get_mut(id.0 as usize) else {
                 continue;
             };
@@ -556,14 +560,11 @@ impl Core {
             if key == r.key {
                 continue;
             }
-            if let Some(old) = r.key.take() {
-                set.remove(&(old, id));
-            }
-            if let Some(key) = key {
-                set.insert((key, id));
-                r.key = Some(key);
-            }
+            set.refile(r.key.map(|old| (old, id)), key.map(|new| (new, id)));
+            r.key = key;
         }
+        dirty.clear();
+        self.dirty = dirty;
     }
 
     fn floor(&self) -> Version {
@@ -575,17 +576,15 @@ impl Core {
         // Oldest group first, everywhere: a straggler of an old group overtakes fresh work, so
         // groups complete (and can be trained on) before their first turns fall out of the bound.
         let prio = self.trajs[t.0 as usize].group.0;
-        self.queues.entry(queue).or_default().insert((prio, t));
+        self.queues[queue as usize].insert((prio, t));
         let traj = &mut self.trajs[t.0 as usize];
         traj.queued = Some((queue, prio));
         traj.phase = phase;
     }
 
     fn dequeue(&mut self, t: TrajId) {
-        if let Some((q, prio)) = self.trajs[t.0 as usize].queued.take()
-            && let Some(set) = self.queues.get_mut(&q)
-        {
-            set.remove(&(prio, t));
+        if let Some((q, prio)) = self.trajs[t.0 as usize].queued.take() {
+            self.queues[q as usize].remove(&(prio, t));
         }
     }
 
@@ -1383,7 +1382,7 @@ impl Core {
 
     /// The queue entry after `after` (the first one for `None`).
     fn queue_next(&self, q: Queue, after: Option<(u64, TrajId)>) -> Option<(u64, TrajId)> {
-        let set = self.queues.get(&q)?;
+        let set = &self.queues[q as usize];
         match after {
             None => set.first().copied(),
             Some(key) => set
@@ -1653,7 +1652,13 @@ impl Core {
                     } else {
                         decode_blocked = true;
                     }
-                    Visit::Missed
+                    // The next look would stop before doing anything: stop now, without looking
+                    // the next trajectory up in the queue.
+                    if prefill_blocked && decode_blocked {
+                        Visit::Stop
+                    } else {
+                        Visit::Missed
+                    }
                 }
             }
         });

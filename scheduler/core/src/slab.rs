@@ -58,7 +58,13 @@ impl<T> IdSlab<T> {
             self.base = id;
         }
         let index = (id - self.base) as usize;
-        if index >= self.items.len() {
+        // The usual case, the next id: append, instead of filling a `None` and replacing it.
+        if index == self.items.len() {
+            self.items.push_back(Some(value));
+            self.len += 1;
+            return true;
+        }
+        if index > self.items.len() {
             self.items.resize_with(index + 1, || None);
         }
         if self.items[index].replace(value).is_none() {

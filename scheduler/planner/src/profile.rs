@@ -65,6 +65,23 @@ impl Estimate {
         self.total += 1;
     }
 
+    /// Adds one measured duration of `work` on hardware of the given peaks, as the share of
+    /// peak it achieved (what [`ProfileStore::record`] does for its kind and pool). Durations
+    /// that are not finite and positive are ignored.
+    pub fn add_measured(
+        &mut self,
+        work: crate::roofline::Work,
+        peak_flops: f64,
+        peak_bandwidth: f64,
+        seconds: f64,
+    ) {
+        if !(seconds.is_finite() && seconds > 0.0) {
+            return;
+        }
+        let at_peak = work.seconds(peak_flops, peak_bandwidth);
+        self.add(at_peak / seconds);
+    }
+
     /// The median of the window.
     pub fn median(&self) -> Option<f64> {
         median(self.samples.iter().copied().collect())
@@ -145,13 +162,12 @@ impl ProfileStore {
         if !(seconds.is_finite() && seconds > 0.0) {
             return;
         }
-        let at_peak = work.seconds(peak_flops, peak_bandwidth);
         self.measured
             .entry(kind)
             .or_default()
             .entry(pool.to_owned())
             .or_default()
-            .add(at_peak / seconds);
+            .add_measured(work, peak_flops, peak_bandwidth, seconds);
     }
 
     /// The share of peak to use for `kind` on `pool` (a `gpu` product with the given peaks):

@@ -20,13 +20,14 @@ use rollfleet_core::{
     BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaConfig, ReplicaId, ServeRole,
     Span, StageCommand, StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
 };
-use rollfleet_planner::profile::ProfileStore;
+use rollfleet_planner::profile::{Estimate, ProfileStore};
+use rollfleet_planner::roofline::WorkKind;
 use rollfleet_spec::{JobSpec, PoolKind};
 
 use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
 use crate::hardware::{Engine, EngineDone, HardwareModel, Meter, ModelCosts, PrefillJob};
 use crate::report::latency_rates;
-use crate::workload::{mean, sample, stream};
+use crate::workload::{Sampler, mean, sample, stream};
 
 /// Options of one simulated run.
 #[derive(Debug, Clone)]
@@ -180,6 +181,45 @@ struct TrajLedger {
     consumed: bool,
     /// Turns the episode lasts (sampled on its first environment step).
     turns_wanted: Option<u32>,
+    /// The context after the last of `turns` (0 with none), kept here so that generating the
+    /// next turn does not read the turns back (a cache miss per turn).
+    context_end: u64,
+    /// The last of `inputs` (0 with none), for the same reason.
+    last_input: u64,
+}
+
+impl TrajLedger {
+    /// Drops the turns from `k` on (they belong to an attempt that was thrown away).
+    fn truncate_turns(&mut self, k: usize) {
+        if self.turns.len() > k {
+            self.turns.truncate(k);
+            self.context_end = self
+                .turns
+                .last()
+                .map_or(0, |w| w.context_before + w.input + w.action);
+        }
+    }
+
+    fn push_turn(&mut self, turn: TurnWork) {
+        self.context_end = turn.context_before + turn.input + turn.action;
+        self.turns.push(turn);
+    }
+
+    /// Keeps the inputs before turn `k` and appends turn `k`'s.
+    fn set_input(&mut self, k: usize, tokens: u64) {
+        self.inputs.truncate(k);
+        self.inputs.push(tokens);
+        self.last_input = tokens;
+    }
+
+    /// The input of turn `k` (0 if none was recorded).
+    fn input(&self, k: usize) -> u64 {
+        if self.inputs.len() == k + 1 {
+            self.last_input
+        } else {
+            self.inputs.get(k).copied().unwrap_or(0)
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -217,54 +257,104 @@ struct KvArrival {
     action: u64,
 }
 
-/// An event's place in the queue: ordered by time, then by the order it was pushed (`seq` is
-/// unique, so `slot` never decides). The event itself waits in [`EventQueue::slots`], so the heap
-/// moves 24-byte entries instead of whole events.
+/// An event's place in the queue: ordered by time, then by `order`, which packs the order it
+/// was pushed in (a sequence number, unique, in the high bits) over its slot in
+/// [`EventQueue::slots`] (the low `slot_bits` bits, so the slot never decides). The event itself
+/// waits in its slot, and the heap sifts 16-byte entries instead of whole events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Entry {
     at: Time,
-    seq: u64,
-    slot: u32,
+    order: u64,
 }
 
 /// The simulator's future events, earliest first (ties in the order they were pushed).
-#[derive(Default)]
 struct EventQueue {
     heap: BinaryHeap<Reverse<Entry>>,
     slots: Vec<Option<Event>>,
-    free: Vec<u32>,
+    free: Vec<usize>,
     seq: u64,
+    /// Low bits of [`Entry::order`] holding the slot: widened when the slots outgrow them.
+    slot_bits: u32,
+}
+
+impl Default for EventQueue {
+    fn default() -> Self {
+        EventQueue::with_slot_bits(24)
+    }
 }
 
 impl EventQueue {
+    fn with_slot_bits(slot_bits: u32) -> Self {
+        EventQueue {
+            heap: BinaryHeap::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            seq: 0,
+            slot_bits,
+        }
+    }
+
     fn push(&mut self, at: Time, event: Event) {
-        self.seq += 1;
         let slot = match self.free.pop() {
             Some(slot) => {
-                self.slots[slot as usize] = Some(event);
+                self.slots[slot] = Some(event);
                 slot
             }
             None => {
                 self.slots.push(Some(event));
-                (self.slots.len() - 1) as u32
+                self.slots.len() - 1
             }
         };
+        if (slot as u64) >> self.slot_bits != 0 {
+            self.repack(self.slot_bits + 8);
+        }
+        if self.seq + 1 >= 1 << (64 - self.slot_bits) {
+            self.repack(self.slot_bits);
+        }
+        self.seq += 1;
         self.heap.push(Reverse(Entry {
             at,
-            seq: self.seq,
-            slot,
+            order: (self.seq << self.slot_bits) | slot as u64,
         }));
+    }
+
+    /// Re-encodes the queued entries with `slot_bits` bits of slot, their sequence numbers
+    /// renumbered from 1 in the same order: neither the slots nor the sequence numbers overflow
+    /// their bits (as long as fewer than 2^(64 - `slot_bits`) events are pending), and the order
+    /// of events does not change. Never needed in practice: 2^24 events pending at once, or
+    /// 2^40 pushed.
+    fn repack(&mut self, slot_bits: u32) {
+        let mask = (1u64 << self.slot_bits) - 1;
+        let mut entries: Vec<Entry> = self.heap.drain().map(|Reverse(e)| e).collect();
+        entries.sort_unstable();
+        self.slot_bits = slot_bits;
+        self.seq = 0;
+        for e in &mut entries {
+            self.seq += 1;
+            e.order = (self.seq << slot_bits) | (e.order & mask);
+        }
+        self.heap = entries.into_iter().map(Reverse).collect();
+    }
+
+    /// When the earliest event happens (without reading the event itself).
+    fn next_time(&self) -> Option<Time> {
+        self.heap.peek().map(|Reverse(entry)| entry.at)
+    }
+
+    fn slot(&self, entry: &Entry) -> usize {
+        (entry.order & ((1u64 << self.slot_bits) - 1)) as usize
     }
 
     fn peek(&self) -> Option<(Time, &Event)> {
         let Reverse(entry) = self.heap.peek()?;
-        Some((entry.at, self.slots[entry.slot as usize].as_ref()?))
+        Some((entry.at, self.slots[self.slot(entry)].as_ref()?))
     }
 
     fn pop(&mut self) -> Option<(Time, Event)> {
         let Reverse(entry) = self.heap.pop()?;
-        let event = self.slots[entry.slot as usize].take()?;
-        self.free.push(entry.slot);
+        let slot = self.slot(&entry);
+        let event = self.slots[slot].take()?;
+        self.free.push(slot);
         Some((entry.at, event))
     }
 
@@ -415,9 +505,12 @@ struct Sim<'a> {
     migration_wave: Option<(usize, BTreeSet<u32>)>,
     migration: Option<MigrationReport>,
     prefill_versions: BTreeMap<TrajId, u64>,
-    stage_loc: IdSlab<Loc>,
-    stage_info: IdSlab<StageInfo>,
-    meters: BTreeMap<u32, Meter>,
+    /// Every stage the simulated workers were given, by id: one slab, so that a stage's
+    /// start and end each touch one entry.
+    stages: IdSlab<StageState>,
+    /// Busy level per spec pool, indexed by pool (looked up on most events; a map only in the
+    /// result).
+    meters: Vec<Meter>,
     capacity: BTreeMap<u32, f64>,
     sync_seconds: BTreeMap<u32, f64>,
     cpu_in_use: BTreeMap<u32, u64>,
@@ -442,8 +535,32 @@ struct Sim<'a> {
     failure_rng: SplitMix64,
     rates: LatencyRates,
     traces: Vec<TurnTrace>,
-    profiles: ProfileStore,
+    /// Per task (spec order), its distributions ready to draw from.
+    samplers: Vec<TaskSamplers<'a>>,
+    /// What an engine's wake-up finished (kept between wake-ups for its allocation).
+    done: Vec<EngineDone>,
+    /// Distinct names of the engines' pools (`""` for an unknown pool), and each engine's.
+    pool_names: Vec<String>,
+    engine_pool_name: Vec<usize>,
+    /// Measured shares of peak by work kind and index in `pool_names`: a short list searched
+    /// in place of the profile store's maps of names, once per sample.
+    estimates: Vec<(WorkKind, usize, Estimate)>,
     loss: Option<LossReport>,
+}
+
+/// The index of spec pool `pool`'s name in `names`, added if it is not there yet.
+fn pool_name_index(names: &mut Vec<String>, spec: &JobSpec, pool: u32) -> usize {
+    let name = spec
+        .pools
+        .get(pool as usize)
+        .map_or("", |p| p.name.as_str());
+    match names.iter().position(|n| n == name) {
+        Some(i) => i,
+        None => {
+            names.push(name.to_owned());
+            names.len() - 1
+        }
+    }
 }
 
 /// A replica's engine, from its configuration and its pool's GPU.
@@ -463,6 +580,15 @@ fn engine_for(
     )
 }
 
+/// A task's distributions drawn from on every turn, ready to draw from.
+#[derive(Debug, Clone, Copy)]
+struct TaskSamplers<'a> {
+    env_step: Sampler<'a>,
+    prompt: Sampler<'a>,
+    observation: Sampler<'a>,
+    action: Sampler<'a>,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct StageInfo {
     traj: TrajId,
@@ -470,9 +596,37 @@ struct StageInfo {
     version: u64,
 }
 
+/// A stage as the simulator tracks it: what it is, and where it runs (`None` until it was
+/// placed, or when it never was: a stage naming an unknown task or replica).
+#[derive(Debug, Clone, Copy)]
+struct StageState {
+    info: StageInfo,
+    loc: Option<Loc>,
+}
+
 impl<'a> Sim<'a> {
     fn push(&mut self, at: Time, event: Event) {
         self.heap.push(at, event);
+    }
+
+    /// Where a stage runs.
+    fn set_loc(&mut self, stage: StageId, loc: Loc) {
+        if let Some(s) = self.stages.get_mut(stage.0) {
+            s.loc = Some(loc);
+        }
+    }
+
+    /// Whether a stage is placed and not yet over.
+    fn placed(&self, stage: StageId) -> bool {
+        self.stages.get(stage.0).is_some_and(|s| s.loc.is_some())
+    }
+
+    /// Ends a placed stage: forgets it and returns where it ran with what it was (`None` if it
+    /// is not placed, e.g. already over).
+    fn end_stage(&mut self, stage: StageId) -> Option<(Loc, StageInfo)> {
+        let loc = self.stages.get(stage.0)?.loc?;
+        let s = self.stages.remove(stage.0)?;
+        Some((loc, s.info))
     }
 
     fn ledger_mut(&mut self, traj: TrajId) -> &mut TrajLedger {
@@ -495,8 +649,11 @@ impl<'a> Sim<'a> {
         SplitMix64::keyed(self.opts.seed, keys)
     }
 
-    fn task(&self, index: u32) -> Option<&'a rollfleet_spec::TaskSpec> {
-        self.spec.tasks.get(index as usize)
+    fn task(&self, index: u32) -> Option<(&'a rollfleet_spec::TaskSpec, TaskSamplers<'a>)> {
+        Some((
+            self.spec.tasks.get(index as usize)?,
+            *self.samplers.get(index as usize)?,
+        ))
     }
 
     fn input(&mut self, input: Input) {
@@ -504,27 +661,50 @@ impl<'a> Sim<'a> {
         self.core.handle_input(self.now, input);
     }
 
-    /// Moves the engine's measured durations into the profile store, under its pool's name.
+    /// Moves the engine's measured durations into the estimates of its pool (the profile
+    /// store is built from them at the end, see [`Sim::profiles`]).
     fn drain_samples(&mut self, r: usize) {
         let e = &mut self.engines[r];
         if e.measured.is_empty() {
             return;
         }
-        let pool = self
-            .spec
-            .pools
-            .get(self.engine_pool[r] as usize)
-            .map_or("", |p| p.name.as_str());
+        let name = self.engine_pool_name[r];
         for m in e.measured.drain(..) {
-            self.profiles.record(
-                m.kind,
-                pool,
-                m.work,
-                e.peak_flops,
-                e.peak_bandwidth,
-                m.seconds,
-            );
+            // Created by the first usable sample, as `ProfileStore::record` does.
+            if !(m.seconds.is_finite() && m.seconds > 0.0) {
+                continue;
+            }
+            let i = match self
+                .estimates
+                .iter()
+                .position(|(kind, n, _)| *kind == m.kind && *n == name)
+            {
+                Some(i) => i,
+                None => {
+                    self.estimates.push((m.kind, name, Estimate::default()));
+                    self.estimates.len() - 1
+                }
+            };
+            self.estimates[i]
+                .2
+                .add_measured(m.work, e.peak_flops, e.peak_bandwidth, m.seconds);
         }
+    }
+
+    /// The measured profiles, by work kind and pool name: what `ProfileStore::record` of every
+    /// sample in turn would have built (the samples of a kind and pool reach one estimate in the
+    /// same order).
+    fn profiles(&mut self) -> ProfileStore {
+        let mut store = ProfileStore::default();
+        for (kind, name, estimate) in self.estimates.drain(..) {
+            let pool = self.pool_names.get(name).map_or("", String::as_str);
+            store
+                .measured
+                .entry(kind)
+                .or_default()
+                .insert(pool.to_owned(), estimate);
+        }
+        store
     }
 
     fn refresh_engine(&mut self, r: usize) {
@@ -534,7 +714,7 @@ impl<'a> Sim<'a> {
             self.engine_busy[r] = busy;
             let gpus = self.engines[r].gpus as f64;
             let now = self.now;
-            if let Some(m) = self.meters.get_mut(&self.engine_pool[r]) {
+            if let Some(m) = self.meters.get_mut(self.engine_pool[r] as usize) {
                 m.add(now, if busy { gpus } else { -gpus });
             }
         }
@@ -620,7 +800,7 @@ impl<'a> Sim<'a> {
     }
 
     fn cancel(&mut self, stage: StageId) {
-        let Some(loc) = self.stage_loc.remove(stage.0) else {
+        let Some((loc, info)) = self.end_stage(stage) else {
             return;
         };
         let now = self.now;
@@ -628,15 +808,12 @@ impl<'a> Sim<'a> {
             Loc::Engine(r) | Loc::Transfer(r) => {
                 let r = r as usize;
                 self.engines[r].cancel(now, stage);
-                if let Some(info) = self.stage_info.get(stage.0).copied() {
-                    self.engines[r].release_kv(info.traj);
-                }
+                self.engines[r].release_kv(info.traj);
                 self.engine_running[r] = self.engine_running[r].saturating_sub(1);
                 self.refresh_engine(r);
             }
             cpu_or_serverless => self.release_loc(cpu_or_serverless),
         }
-        self.stage_info.remove(stage.0);
     }
 
     fn cpu_take(&mut self, pool: u32, millicpus: u64) {
@@ -650,7 +827,7 @@ impl<'a> Sim<'a> {
             ));
         }
         let now = self.now;
-        if let Some(m) = self.meters.get_mut(&pool) {
+        if let Some(m) = self.meters.get_mut(pool as usize) {
             m.add(now, millicpus as f64 / 1000.0);
         }
     }
@@ -660,7 +837,7 @@ impl<'a> Sim<'a> {
             *used = used.saturating_sub(millicpus);
         }
         let now = self.now;
-        if let Some(m) = self.meters.get_mut(&pool) {
+        if let Some(m) = self.meters.get_mut(pool as usize) {
             m.add(now, -(millicpus as f64) / 1000.0);
         }
     }
@@ -676,18 +853,21 @@ impl<'a> Sim<'a> {
             work,
             ..
         } = cmd;
-        self.stage_info.insert(
+        self.stages.insert(
             stage.0,
-            StageInfo {
-                traj,
-                turn,
-                version: 0,
+            StageState {
+                info: StageInfo {
+                    traj,
+                    turn,
+                    version: 0,
+                },
+                loc: None,
             },
         );
         let ledger = self.ledger_mut(traj);
         ledger.group = group.0;
         ledger.task = task;
-        let Some(task_spec) = self.task(task) else {
+        let Some((task_spec, samplers)) = self.task(task) else {
             self.violation(format!("stage {} names unknown task {task}", stage.0));
             return;
         };
@@ -699,17 +879,14 @@ impl<'a> Sim<'a> {
             } => {
                 let reset = matches!(work, StageWork::EnvReset { .. });
                 self.cpu_take(pool, millicpus);
-                self.stage_loc.insert(stage.0, Loc::Cpu(pool, millicpus));
-                let ms = sample(
-                    &task_spec.env_step_ms,
-                    &mut self.rng(&[
-                        stream::ENV_LATENCY,
-                        traj.0,
-                        turn as u64,
-                        attempt as u64,
-                        reset as u64,
-                    ]),
-                );
+                self.set_loc(stage, Loc::Cpu(pool, millicpus));
+                let ms = samplers.env_step.sample(&mut self.rng(&[
+                    stream::ENV_LATENCY,
+                    traj.0,
+                    turn as u64,
+                    attempt as u64,
+                    reset as u64,
+                ]));
                 let at = now.plus(Span::from_secs_f64(ms / 1000.0));
                 let fails = self.rng(&[stream::ENV_FAILURE, stage.0]).next_f64()
                     < task_spec.env_failure_rate.clamp(0.0, 1.0);
@@ -719,15 +896,14 @@ impl<'a> Sim<'a> {
                 }
                 let cpu_s = ms / 1000.0 * millicpus as f64 / 1000.0;
                 let outcome = if reset {
-                    let tokens = sample(
-                        &task_spec.prompt_tokens,
-                        &mut self.rng(&[stream::PROMPT, group.0]),
-                    )
-                    .round()
-                    .max(1.0) as u64;
+                    let tokens = samplers
+                        .prompt
+                        .sample(&mut self.rng(&[stream::PROMPT, group.0]))
+                        .round()
+                        .max(1.0) as u64;
                     if let Some(l) = Some(self.ledger_mut(traj)) {
                         l.reset_cpu_s = cpu_s;
-                        l.inputs = vec![tokens];
+                        l.set_input(0, tokens);
                     }
                     StageOutcome::Observed {
                         tokens,
@@ -743,14 +919,20 @@ impl<'a> Sim<'a> {
                         });
                         t.clamp(1.0, max) as u32
                     });
-                    let tokens = sample(
-                        &task_spec.observation_tokens,
-                        &mut self.rng(&[stream::OBSERVATION, traj.0, turn as u64]),
-                    )
-                    .round() as u64;
+                    // Room for every turn the episode will have, so its books grow once.
+                    if let Some(l) = Some(self.ledger_mut(traj)) {
+                        let more = (wanted as usize + 1).saturating_sub(l.turns.len());
+                        l.turns.reserve(more);
+                        let more = (wanted as usize + 1).saturating_sub(l.inputs.len());
+                        l.inputs.reserve(more);
+                    }
+                    let tokens = samplers
+                        .observation
+                        .sample(&mut self.rng(&[stream::OBSERVATION, traj.0, turn as u64]))
+                        .round() as u64;
                     if let Some(l) = Some(self.ledger_mut(traj)) {
                         // Turns beyond this one belong to an attempt that was thrown away.
-                        l.turns.truncate(turn as usize);
+                        l.truncate_turns(turn as usize);
                         if let Some(last) = (turn as usize)
                             .checked_sub(1)
                             .and_then(|k| l.turns.get_mut(k))
@@ -758,8 +940,7 @@ impl<'a> Sim<'a> {
                             last.env_cpu_s = cpu_s;
                             last.env_s = ms / 1000.0;
                         }
-                        l.inputs.truncate(turn as usize);
-                        l.inputs.push(tokens);
+                        l.set_input(turn as usize, tokens);
                     }
                     StageOutcome::Observed {
                         tokens,
@@ -778,7 +959,7 @@ impl<'a> Sim<'a> {
                 if !self.engines[r].hold_kv(traj, tokens) {
                     self.violation(format!("replica {r}: KV over capacity after a prefill"));
                 }
-                self.stage_loc.insert(stage.0, Loc::Engine(r as u32));
+                self.set_loc(stage, Loc::Engine(r as u32));
                 self.engines[r].add_prefill(
                     now,
                     PrefillJob {
@@ -803,12 +984,11 @@ impl<'a> Sim<'a> {
                 if !self.engine_ok(r, stage) {
                     return;
                 }
-                let action = sample(
-                    &task_spec.action_tokens,
-                    &mut self.rng(&[stream::ACTION, traj.0, turn as u64, attempt as u64]),
-                )
-                .round()
-                .clamp(1.0, max_new_tokens.max(1) as f64) as u64;
+                let action = samplers
+                    .action
+                    .sample(&mut self.rng(&[stream::ACTION, traj.0, turn as u64, attempt as u64]))
+                    .round()
+                    .clamp(1.0, max_new_tokens.max(1) as f64) as u64;
                 if kv_from.is_none()
                     && cached_tokens > 0
                     && !self.engines[r].kv_held.contains_key(&traj)
@@ -825,7 +1005,7 @@ impl<'a> Sim<'a> {
                 }
                 match kv_from {
                     Some(p) => {
-                        self.stage_loc.insert(stage.0, Loc::Transfer(r as u32));
+                        self.set_loc(stage, Loc::Transfer(r as u32));
                         let secs = kv_tokens as f64 * self.costs.kv_bytes_per_token
                             / self.link_bytes_per_s;
                         let epoch = self.engines[r].epoch;
@@ -844,7 +1024,7 @@ impl<'a> Sim<'a> {
                         );
                     }
                     None => {
-                        self.stage_loc.insert(stage.0, Loc::Engine(r as u32));
+                        self.set_loc(stage, Loc::Engine(r as u32));
                         self.start_generation(
                             r,
                             stage,
@@ -896,13 +1076,13 @@ impl<'a> Sim<'a> {
                     if let Some(v) = violation {
                         self.violation(v);
                     }
-                    if let Some(m) = self.meters.get_mut(&pool) {
+                    if let Some(m) = self.meters.get_mut(pool as usize) {
                         m.add(now, 1.0);
                     }
-                    self.stage_loc.insert(stage.0, Loc::Serverless(pool));
+                    self.set_loc(stage, Loc::Serverless(pool));
                 } else {
                     self.cpu_take(pool, millicpus);
-                    self.stage_loc.insert(stage.0, Loc::Cpu(pool, millicpus));
+                    self.set_loc(stage, Loc::Cpu(pool, millicpus));
                 }
                 if let Some(l) = Some(self.ledger_mut(traj)) {
                     l.reward_s = latency;
@@ -959,8 +1139,8 @@ impl<'a> Sim<'a> {
         } else {
             version
         };
-        if let Some(info) = self.stage_info.get_mut(stage.0) {
-            info.version = v;
+        if let Some(s) = self.stages.get_mut(stage.0) {
+            s.info.version = v;
         }
         if prefill > 0 {
             self.engines[r].add_prefill(
@@ -1089,7 +1269,7 @@ impl<'a> Sim<'a> {
             / (self.trainer_gpus * self.train_peak * mfu);
         let now = self.now;
         let gpus = self.trainer_gpus;
-        if let Some(m) = self.meters.get_mut(&self.trainer_pool) {
+        if let Some(m) = self.meters.get_mut(self.trainer_pool as usize) {
             m.add(now, gpus);
         }
         self.push(
@@ -1111,31 +1291,33 @@ impl<'a> Sim<'a> {
                     self.refresh_engine(r);
                     return;
                 }
-                let done = self.engines[r].wake(self.now);
+                // One buffer for every wake-up, instead of a fresh vector each time.
+                let mut done = std::mem::take(&mut self.done);
+                self.engines[r].wake_into(self.now, &mut done);
                 self.refresh_engine(r);
-                for d in done {
+                for d in done.drain(..) {
                     let (stage, outcome) = match d {
                         EngineDone::Prefilled(stage) => {
-                            if let Some(info) = self.stage_info.get(stage.0).copied() {
+                            if let Some(info) = self.stages.get(stage.0).map(|s| s.info) {
                                 let v = self.engines[r].version.unwrap_or(0);
                                 self.prefill_versions.insert(info.traj, v);
                             }
                             (stage, StageOutcome::Prefilled)
                         }
                         EngineDone::Generated(stage, tokens) => {
-                            if let Some(info) = self.stage_info.get(stage.0).copied()
-                                && self.stage_loc.contains(stage.0)
+                            if let Some(info) = self
+                                .stages
+                                .get(stage.0)
+                                .filter(|s| s.loc.is_some())
+                                .map(|s| s.info)
                             {
                                 let l = self.ledger_mut(info.traj);
                                 let k = info.turn as usize;
-                                l.turns.truncate(k);
+                                l.truncate_turns(k);
                                 // Each turn's context is the one before it plus what it added.
-                                let context_before = l
-                                    .turns
-                                    .last()
-                                    .map_or(0, |w| w.context_before + w.input + w.action);
-                                let input = l.inputs.get(k).copied().unwrap_or(0);
-                                l.turns.push(TurnWork {
+                                let context_before = l.context_end;
+                                let input = l.input(k);
+                                l.push_turn(TurnWork {
                                     version: info.version,
                                     context_before,
                                     input,
@@ -1147,27 +1329,25 @@ impl<'a> Sim<'a> {
                             (stage, StageOutcome::Generated { tokens })
                         }
                     };
-                    if self.stage_loc.remove(stage.0).is_some() {
+                    if self.end_stage(stage).is_some() {
                         self.engine_running[r] = self.engine_running[r].saturating_sub(1);
-                        self.stage_info.remove(stage.0);
                         self.input(Input::StageFinished { stage, outcome });
                     }
                 }
+                self.done = done;
             }
             Event::Done(stage, outcome) => {
-                let Some(loc) = self.stage_loc.remove(stage.0) else {
+                let Some((loc, _)) = self.end_stage(stage) else {
                     return;
                 };
                 self.release_loc(loc);
-                self.stage_info.remove(stage.0);
                 self.input(Input::StageFinished { stage, outcome });
             }
             Event::Failed(stage) => {
-                let Some(loc) = self.stage_loc.remove(stage.0) else {
+                let Some((loc, _)) = self.end_stage(stage) else {
                     return;
                 };
                 self.release_loc(loc);
-                self.stage_info.remove(stage.0);
                 self.input(Input::StageFailed { stage });
             }
             Event::KvArrived(arrival) => {
@@ -1182,19 +1362,19 @@ impl<'a> Sim<'a> {
                     action,
                 } = *arrival;
                 let r = replica as usize;
-                if self.engines[r].epoch != epoch || !self.stage_loc.contains(stage.0) {
+                if self.engines[r].epoch != epoch || !self.placed(stage) {
                     return;
                 }
                 if let Some(p) = self.engines.get_mut(from as usize) {
                     p.release_kv(traj);
                 }
-                self.stage_loc.insert(stage.0, Loc::Engine(replica));
+                self.set_loc(stage, Loc::Engine(replica));
                 self.start_generation(r, stage, traj, context, prefill, action, true);
             }
             Event::TrainDone(batch, publishes) => {
                 let now = self.now;
                 let gpus = self.trainer_gpus;
-                if let Some(m) = self.meters.get_mut(&self.trainer_pool) {
+                if let Some(m) = self.meters.get_mut(self.trainer_pool as usize) {
                     m.add(now, -gpus);
                 }
                 if publishes {
@@ -1284,14 +1464,15 @@ impl<'a> Sim<'a> {
         self.engines[r].version = None;
         self.engine_running[r] = 0;
         let lost: Vec<StageId> = self
-            .stage_loc
+            .stages
             .iter()
-            .filter(|(_, l)| matches!(l, Loc::Engine(x) | Loc::Transfer(x) if *x as usize == r))
+            .filter(|(_, s)| {
+                matches!(s.loc, Some(Loc::Engine(x) | Loc::Transfer(x)) if x as usize == r)
+            })
             .map(|(s, _)| StageId(s))
             .collect();
         for s in lost {
-            self.stage_loc.remove(s.0);
-            self.stage_info.remove(s.0);
+            self.stages.remove(s.0);
         }
         self.refresh_engine(r);
         self.input(Input::ReplicaLost {
@@ -1396,6 +1577,8 @@ impl<'a> Sim<'a> {
                 .push(engine_for(rc, peaks, &self.opts.hardware, self.costs));
             self.engines[r].version = None;
             self.engine_pool.push(rc.pool);
+            let name = pool_name_index(&mut self.pool_names, self.spec, rc.pool);
+            self.engine_pool_name.push(name);
             self.engine_max_seqs.push(rc.max_seqs);
             self.engine_running.push(0);
             self.engine_scheduled.push(None);
@@ -1462,7 +1645,7 @@ impl<'a> Sim<'a> {
                     s.in_use = s.in_use.saturating_sub(1);
                     s.idle.push(now);
                 }
-                if let Some(m) = self.meters.get_mut(&pool) {
+                if let Some(m) = self.meters.get_mut(pool as usize) {
                     m.add(now, -1.0);
                 }
             }
@@ -1518,7 +1701,7 @@ pub fn simulate(
         .and_then(|g| catalog.gpu(g).ok());
     let train_peak = trainer_gpu.map_or(1e15, |g| g.peak_flops());
     let interconnect = trainer_gpu.map_or(400e9, |g| g.interconnect_gbps * 1e9);
-    let mut meters = BTreeMap::new();
+    let mut meters = Vec::new();
     let mut capacity = BTreeMap::new();
     let mut serverless = BTreeMap::new();
     for (i, pool) in spec.pools.iter().enumerate() {
@@ -1551,7 +1734,7 @@ pub fn simulate(
             None => 0.0,
         };
         capacity.insert(i, cap);
-        meters.insert(i, Meter::default());
+        meters.push(Meter::default());
     }
     let cold_start_s: BTreeMap<u32, f64> = spec
         .pools
@@ -1563,6 +1746,11 @@ pub fn simulate(
         })
         .collect();
     let n = engines.len();
+    let mut pool_names: Vec<String> = Vec::new();
+    let engine_pool_name: Vec<usize> = engine_pool
+        .iter()
+        .map(|&pool| pool_name_index(&mut pool_names, spec, pool))
+        .collect();
     let mut sim = Sim {
         spec,
         opts,
@@ -1582,8 +1770,7 @@ pub fn simulate(
         migration_wave: None,
         migration: None,
         prefill_versions: BTreeMap::new(),
-        stage_loc: IdSlab::new(),
-        stage_info: IdSlab::new(),
+        stages: IdSlab::new(),
         meters,
         capacity,
         sync_seconds: BTreeMap::new(),
@@ -1610,7 +1797,20 @@ pub fn simulate(
         cold_start_s,
         rates: latency_rates(spec, catalog, &opts.hardware),
         traces: Vec::new(),
-        profiles: ProfileStore::default(),
+        done: Vec::new(),
+        samplers: spec
+            .tasks
+            .iter()
+            .map(|t| TaskSamplers {
+                env_step: Sampler::new(&t.env_step_ms),
+                prompt: Sampler::new(&t.prompt_tokens),
+                observation: Sampler::new(&t.observation_tokens),
+                action: Sampler::new(&t.action_tokens),
+            })
+            .collect(),
+        pool_names,
+        engine_pool_name,
+        estimates: Vec::new(),
         loss: None,
     };
     sim.schedule_failure();
@@ -1628,7 +1828,7 @@ pub fn simulate(
             reported = sim.core.version();
             progress(reported, sim.now.as_secs_f64());
         }
-        let next_event = sim.heap.peek().map(|(at, _)| at);
+        let next_event = sim.heap.next_time();
         let timeout = sim.core.poll_timeout();
         // Only the failure injector left to happen means nothing will ever finish.
         let only_failures = sim.heap.len() == 1
@@ -1678,7 +1878,7 @@ pub fn simulate(
     for r in 0..sim.engines.len() {
         sim.drain_samples(r);
     }
-    for m in sim.meters.values_mut() {
+    for m in &mut sim.meters {
         m.flush(end);
     }
     if let Err(e) = sim.core.check_invariants() {
@@ -1694,6 +1894,7 @@ pub fn simulate(
             sim.trajectories
         ));
     }
+    let profiles = sim.profiles();
     let cold_starts = sim.serverless.values().map(|s| s.cold_starts).sum();
     let max_staleness = sim.core.config().policy.max_staleness;
     let generated_tokens = sim.engines.iter().map(|e| e.tokens_generated).sum();
@@ -1701,7 +1902,12 @@ pub fn simulate(
         makespan_s: end.as_secs_f64(),
         publish_times_s: sim.publish_times,
         core: sim.core.stats().clone(),
-        meters: sim.meters,
+        meters: sim
+            .meters
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| (i as u32, m))
+            .collect(),
         capacity: sim.capacity,
         sync_seconds: sim.sync_seconds,
         work: sim.work,
@@ -1716,8 +1922,54 @@ pub fn simulate(
         placement,
         lifecycle: (started, in_flight, complete),
         max_staleness,
-        profiles: sim.profiles,
+        profiles,
         loss: sim.loss,
         migration: sim.migration,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pushes and pops a mix of times and ties on a queue, checking every pop against the
+    /// order the queue promises: by time, then by push order.
+    fn check(mut q: EventQueue) {
+        let mut pending: Vec<(Time, u64)> = Vec::new();
+        let mut pushed = 0u64;
+        let mut rng = SplitMix64::new(5);
+        for round in 0..6_000u64 {
+            for _ in 0..rng.below(4) {
+                let at = Time(round + rng.below(20));
+                q.push(at, Event::Recover(pushed as u32));
+                pending.push((at, pushed));
+                pushed += 1;
+            }
+            for _ in 0..rng.below(4) {
+                pending.sort();
+                let popped = q.pop().map(|(at, e)| match e {
+                    Event::Recover(i) => (at, i as u64),
+                    _ => (at, u64::MAX),
+                });
+                let expected = (!pending.is_empty()).then(|| pending.remove(0));
+                assert_eq!(popped, expected);
+            }
+        }
+    }
+
+    #[test]
+    fn events_come_out_by_time_then_push_order() {
+        check(EventQueue::default());
+    }
+
+    #[test]
+    fn the_order_survives_slots_outgrowing_their_bits() {
+        check(EventQueue::with_slot_bits(2));
+    }
+
+    #[test]
+    fn the_order_survives_sequence_numbers_running_out() {
+        // 2^12 sequence numbers: renumbered about twice in 9,000 pushes.
+        check(EventQueue::with_slot_bits(52));
+    }
 }
