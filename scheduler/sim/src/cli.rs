@@ -76,6 +76,15 @@ pub struct SimArgs {
     /// cluster run on its own plan.
     #[arg(long, value_name = "POOL:GPUS@STEP")]
     pub grow: Option<String>,
+    /// Slow a GPU pool down as a step is published, e.g. `h20:0.4@5`: from then on its GPUs
+    /// achieve that share of the rates the simulator models (a throttled node, a bad driver).
+    #[arg(long, value_name = "POOL:SHARE@STEP")]
+    pub slow: Option<String>,
+    /// Re-plan (rollfleet's run, on the plan's placement) whenever the prefill or decode share
+    /// of peak a pool's replicas measure drifts from the one the running plan assumed by more
+    /// than this relative margin (e.g. 0.2), and move to the new plan in waves.
+    #[arg(long, value_name = "MARGIN")]
+    pub replan_on_drift: Option<f64>,
 }
 
 /// Why `rollfleet sim` failed.
@@ -328,11 +337,28 @@ pub fn run(
         }
         _ => None,
     };
+    let slowdown = match &args.slow {
+        Some(arg) => Some(crate::drift::parse(arg, &spec).map_err(SimError::Argument)?),
+        None => None,
+    };
+    if let Some(margin) = args.replan_on_drift {
+        if !(margin.is_finite() && margin > 0.0) {
+            return Err(SimError::Argument(format!(
+                "--replan-on-drift must be a positive relative margin, got {margin}"
+            )));
+        }
+        if args.placement != PlacementChoice::Plan {
+            return Err(SimError::Argument(
+                "--replan-on-drift re-plans from the plan: use --placement plan".into(),
+            ));
+        }
+    }
     let opts = SimOptions {
         seed: args.seed,
         failure_mtbf_s: args.failure_mtbf,
         hardware: hw,
         pool_loss,
+        slowdown,
         migration: growth
             .as_ref()
             .map(|(_, m, _)| m.clone())
@@ -363,11 +389,25 @@ pub fn run(
         let mut progress = |step: u64, at: f64| {
             let _ = writeln!(stderr, "  {name}: step {step}/{steps} at {at:.0} virtual s");
         };
-        let result = simulate(&spec, &job.catalog, placement, policy, &opts, &mut progress)
-            .map_err(|source| SimError::Run {
-                policy: name.into(),
-                source,
-            })?;
+        // Only rollfleet's own run re-plans on drift.
+        let run_opts = SimOptions {
+            replan_on_drift: args
+                .replan_on_drift
+                .filter(|_| *baseline == Baseline::Rollfleet),
+            ..opts.clone()
+        };
+        let result = simulate(
+            &spec,
+            &job.catalog,
+            placement,
+            policy,
+            &run_opts,
+            &mut progress,
+        )
+        .map_err(|source| SimError::Run {
+            policy: name.into(),
+            source,
+        })?;
         let wall = started.elapsed().as_secs_f64().max(1e-9);
         let _ = writeln!(
             stderr,
@@ -413,6 +453,11 @@ pub fn run(
         policies,
         loss_recovery,
         growth,
+        drift_replans: runs
+            .iter()
+            .find(|(n, _)| n == "rollfleet")
+            .map(|(_, r)| r.drift_replans.clone())
+            .unwrap_or_default(),
     };
     if let Some(path) = &args.timeline {
         let names: Vec<String> = spec.pools.iter().map(|p| p.name.clone()).collect();

@@ -11,6 +11,7 @@
 pub mod baseline;
 pub mod bound;
 pub mod cli;
+pub mod drift;
 pub mod growth;
 pub mod hardware;
 pub mod loss;

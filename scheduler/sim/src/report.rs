@@ -269,6 +269,9 @@ pub struct SimReport {
     /// With `--grow`: the re-plan applied mid-run, and how rollfleet's throughput after it
     /// compares with the bigger cluster's own run.
     pub growth: Option<crate::growth::GrowthReport>,
+    /// With `--replan-on-drift`: rollfleet's re-plans on drift, in order.
+    #[serde(default)]
+    pub drift_replans: Vec<crate::drift::DriftReplan>,
 }
 
 fn describe_use(spec: &JobSpec, placement: &Placement, pool: u32) -> String {
@@ -527,6 +530,48 @@ pub fn render_table(report: &SimReport) -> String {
                 None => "not done when the run ended".into(),
             },
             versus_text(&g.versus, "bigger", "growth")
+        ));
+    }
+    for d in &report.drift_replans {
+        let drifts: Vec<String> = d
+            .drifts
+            .iter()
+            .map(|x| {
+                format!(
+                    "{} {} at {:.0}% of peak (planned {:.0}%)",
+                    x.pool,
+                    x.kind.name(),
+                    x.now * 100.0,
+                    x.planned * 100.0
+                )
+            })
+            .collect();
+        out.push_str(&format!(
+            "\nre-plan on drift (simulated) after step {} at {:.0} s: {}; predicted {} for the \
+             running placement, {:.1} s for the new plan; {}\n",
+            d.step,
+            d.at_s,
+            drifts.join(", "),
+            d.running_step_s
+                .map_or_else(|| "nothing".into(), |s| format!("{s:.1} s")),
+            d.new_plan_step_s,
+            match &d.migration {
+                Some(m) => format!(
+                    "{} waves: {} replicas started, {} retired, {}",
+                    d.waves,
+                    m.started,
+                    m.retired,
+                    m.done_at_s.map_or_else(
+                        || "not done when the run ended".into(),
+                        |t| format!("done {:.0} s later", t - m.at_s)
+                    )
+                ),
+                None if d.waves == 0 => format!(
+                    "the new plan does not save {:.0}% of the step: nothing moves",
+                    crate::drift::MIN_GAIN * 100.0
+                ),
+                None => format!("{} waves, not started when the run ended", d.waves),
+            }
         ));
     }
     out.push_str("\nplacement and checks:\n");

@@ -46,6 +46,11 @@ pub struct SimOptions {
     pub pool_loss: Option<PoolLoss>,
     /// Move to a new placement mid-run, wave by wave (`None`: keep the placement).
     pub migration: Option<Migration>,
+    /// Slow a pool's GPUs down mid-run (`None`: no such thing).
+    pub slowdown: Option<crate::drift::Slowdown>,
+    /// Re-plan when a measured profile drifts from the plan's by more than this relative margin
+    /// (`None`: never). The run must start on the plan's placement.
+    pub replan_on_drift: Option<f64>,
 }
 
 /// A re-plan applied mid-run: after version `at_step` is published (and after a pool loss at
@@ -131,6 +136,8 @@ impl Default for SimOptions {
             max_virtual_s: 30.0 * 86_400.0,
             pool_loss: None,
             migration: None,
+            slowdown: None,
+            replan_on_drift: None,
         }
     }
 }
@@ -391,6 +398,9 @@ pub enum RunError {
         /// Steps wanted.
         steps: u64,
     },
+    /// The re-planner could not start.
+    #[error("re-planning on drift: {0}")]
+    Replan(String),
     /// The virtual-time limit was reached.
     #[error("the simulation passed its limit of {0:.0} virtual seconds")]
     TooLong(f64),
@@ -442,6 +452,8 @@ pub struct RunResult {
     pub loss: Option<LossReport>,
     /// The migration, if one was asked for and started.
     pub migration: Option<MigrationReport>,
+    /// The re-plans on drift, in order.
+    pub drift_replans: Vec<crate::drift::DriftReplan>,
 }
 
 /// Average tokens per trajectory of a job, for the placement.
@@ -503,7 +515,16 @@ struct Sim<'a> {
     pool_peaks: BTreeMap<u32, (f64, f64)>,
     /// The wave under way and the replicas it waits for.
     migration_wave: Option<(usize, BTreeSet<u32>)>,
-    migration: Option<MigrationReport>,
+    /// The waves of the migration under way.
+    active_waves: Vec<MigrationWave>,
+    /// Every migration started, in order; the one under way; the one of the options.
+    migrations: Vec<MigrationReport>,
+    active_migration: Option<usize>,
+    options_migration: Option<usize>,
+    catalog: &'a Catalog,
+    drift: Option<crate::drift::DriftWatch>,
+    /// Which migration each re-plan on drift started.
+    drift_migrations: Vec<(usize, usize)>,
     prefill_versions: BTreeMap<TrajId, u64>,
     /// Every stage the simulated workers were given, by id: one slab, so that a stage's
     /// start and end each touch one entry.
@@ -691,6 +712,20 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// The measured profiles so far (the estimates stay).
+    fn profiles_now(&self) -> ProfileStore {
+        let mut store = ProfileStore::default();
+        for (kind, name, estimate) in &self.estimates {
+            let pool = self.pool_names.get(*name).map_or("", String::as_str);
+            store
+                .measured
+                .entry(*kind)
+                .or_default()
+                .insert(pool.to_owned(), estimate.clone());
+        }
+        store
+    }
+
     /// The measured profiles, by work kind and pool name: what `ProfileStore::record` of every
     /// sample in turn would have built (the samples of a kind and pool reach one estimate in the
     /// same order).
@@ -783,7 +818,7 @@ impl<'a> Sim<'a> {
                 if r < self.engines.len() {
                     // Its GPUs are free; nothing of it is chosen again.
                     self.engine_alive[r] = false;
-                    if let Some(m) = self.migration.as_mut() {
+                    if let Some(m) = self.migration_report() {
                         m.retired += 1;
                     }
                     self.migration_progress(r as u32);
@@ -1382,6 +1417,9 @@ impl<'a> Sim<'a> {
                     self.publish_times.push(now.as_secs_f64());
                 }
                 self.input(Input::TrainFinished { batch });
+                if publishes {
+                    self.on_publish();
+                }
                 // Its own event, so that the core's answer to the publication is carried out
                 // before it hears of the loss, as with any other failure.
                 if publishes
@@ -1535,34 +1573,90 @@ impl<'a> Sim<'a> {
         let Some(m) = self.opts.migration.as_ref() else {
             return;
         };
-        if self.migration.is_some() {
+        if self.options_migration.is_some() {
+            return;
+        }
+        // One migration at a time: a re-plan on drift under way finishes first.
+        if self.active_migration.is_some() {
+            let later = self.now.plus(Span::from_secs_f64(1.0));
+            self.push(later, Event::Migrate);
             return;
         }
         for &(pool, gpus) in &m.added_gpus {
             *self.capacity.entry(pool).or_default() += gpus as f64;
         }
-        self.migration = Some(MigrationReport {
+        let waves = m.waves.clone();
+        self.options_migration = Some(self.begin_migration(waves));
+    }
+
+    /// Starts moving to a new placement by `waves`; returns the migration's index.
+    fn begin_migration(&mut self, waves: Vec<MigrationWave>) -> usize {
+        self.migrations.push(MigrationReport {
             at_s: self.now.as_secs_f64(),
             waves_done: 0,
             started: 0,
             retired: 0,
             done_at_s: None,
         });
+        let index = self.migrations.len() - 1;
+        self.active_migration = Some(index);
+        self.active_waves = waves;
         self.start_wave(0);
+        index
+    }
+
+    /// The migration under way.
+    fn migration_report(&mut self) -> Option<&mut MigrationReport> {
+        self.migrations.get_mut(self.active_migration?)
+    }
+
+    /// At a publication: slows the pool down if this is its step, and re-plans if a measured
+    /// profile drifted (while no migration is under way).
+    fn on_publish(&mut self) {
+        let now = self.now;
+        if let Some(slow) = self.opts.slowdown.filter(|s| s.at_step == self.version) {
+            for r in 0..self.engines.len() {
+                if self.engine_pool[r] == slow.pool {
+                    self.engines[r].slow_down(now, slow.share);
+                    self.refresh_engine(r);
+                }
+            }
+        }
+        if self.active_migration.is_some() {
+            return;
+        }
+        let Some(mut watch) = self.drift.take() else {
+            return;
+        };
+        for r in 0..self.engines.len() {
+            self.drain_samples(r);
+        }
+        let profiles = self.profiles_now();
+        let waves = watch.check(
+            self.spec,
+            self.catalog,
+            &profiles,
+            self.version,
+            now.as_secs_f64(),
+        );
+        let replan = watch.replans.len().saturating_sub(1);
+        self.drift = Some(watch);
+        if let Some(waves) = waves.filter(|w| !w.is_empty()) {
+            let index = self.begin_migration(waves);
+            self.drift_migrations.push((replan, index));
+        }
     }
 
     /// Starts wave `index` (or ends the migration if there is none): its replicas are added
     /// and its others retired; the wave waits for every one of them.
     fn start_wave(&mut self, index: usize) {
-        let Some(m) = self.opts.migration.as_ref() else {
-            return;
-        };
-        let Some(wave) = m.waves.get(index) else {
+        let Some(wave) = self.active_waves.get(index).cloned() else {
             self.migration_wave = None;
             let now = self.now.as_secs_f64();
-            if let Some(report) = self.migration.as_mut() {
+            if let Some(report) = self.migration_report() {
                 report.done_at_s = Some(now);
             }
+            self.active_migration = None;
             return;
         };
         let mut waiting = BTreeSet::new();
@@ -1576,6 +1670,15 @@ impl<'a> Sim<'a> {
             self.engines
                 .push(engine_for(rc, peaks, &self.opts.hardware, self.costs));
             self.engines[r].version = None;
+            // A replica started on a slowed pool is as slow as the rest of it.
+            if let Some(slow) = self
+                .opts
+                .slowdown
+                .filter(|s| s.pool == rc.pool && self.version >= s.at_step)
+            {
+                let now = self.now;
+                self.engines[r].slow_down(now, slow.share);
+            }
             self.engine_pool.push(rc.pool);
             let name = pool_name_index(&mut self.pool_names, self.spec, rc.pool);
             self.engine_pool_name.push(name);
@@ -1587,7 +1690,7 @@ impl<'a> Sim<'a> {
             self.engine_role.push(rc.role);
             self.engine_retiring.push(false);
             waiting.insert(r as u32);
-            if let Some(report) = self.migration.as_mut() {
+            if let Some(report) = self.migration_report() {
                 report.started += 1;
             }
             self.input(Input::ReplicaAdded { config: rc.clone() });
@@ -1629,7 +1732,7 @@ impl<'a> Sim<'a> {
         waiting.remove(&r);
         if waiting.is_empty() {
             let next = *index + 1;
-            if let Some(report) = self.migration.as_mut() {
+            if let Some(report) = self.migration_report() {
                 report.waves_done = next;
             }
             self.start_wave(next);
@@ -1768,7 +1871,18 @@ pub fn simulate(
         engine_retiring: vec![false; n],
         pool_peaks,
         migration_wave: None,
-        migration: None,
+        active_waves: Vec::new(),
+        migrations: Vec::new(),
+        active_migration: None,
+        options_migration: None,
+        catalog,
+        drift: match opts.replan_on_drift {
+            Some(margin) => Some(
+                crate::drift::DriftWatch::new(spec, catalog, margin).map_err(RunError::Replan)?,
+            ),
+            None => None,
+        },
+        drift_migrations: Vec::new(),
         prefill_versions: BTreeMap::new(),
         stages: IdSlab::new(),
         meters,
@@ -1895,6 +2009,12 @@ pub fn simulate(
         ));
     }
     let profiles = sim.profiles();
+    let mut drift_replans = sim.drift.take().map(|w| w.replans).unwrap_or_default();
+    for &(replan, migration) in &sim.drift_migrations {
+        if let Some(r) = drift_replans.get_mut(replan) {
+            r.migration = sim.migrations.get(migration).cloned();
+        }
+    }
     let cold_starts = sim.serverless.values().map(|s| s.cold_starts).sum();
     let max_staleness = sim.core.config().policy.max_staleness;
     let generated_tokens = sim.engines.iter().map(|e| e.tokens_generated).sum();
@@ -1924,7 +2044,10 @@ pub fn simulate(
         max_staleness,
         profiles,
         loss: sim.loss,
-        migration: sim.migration,
+        migration: sim
+            .options_migration
+            .and_then(|i| sim.migrations.get(i).cloned()),
+        drift_replans,
     })
 }
 

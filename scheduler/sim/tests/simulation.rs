@@ -169,6 +169,8 @@ fn json(seed: u64) -> Vec<u8> {
         sim_bandwidth_efficiency: None,
         lose: None,
         grow: None,
+        slow: None,
+        replan_on_drift: None,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
@@ -198,6 +200,8 @@ fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
         sim_bandwidth_efficiency: None,
         lose: None,
         grow: None,
+        slow: None,
+        replan_on_drift: None,
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
@@ -227,6 +231,8 @@ fn a_missing_job_file_is_an_error_not_a_panic() {
         sim_bandwidth_efficiency: None,
         lose: None,
         grow: None,
+        slow: None,
+        replan_on_drift: None,
     };
     let err = rollfleet_sim::run(&args, OutputFormat::Table, &mut Vec::new(), &mut Vec::new());
     assert!(err.is_err());
@@ -532,4 +538,51 @@ fn a_pool_that_grows_mid_run_moves_to_the_new_plan_in_waves_and_loses_nothing() 
     assert!(done.done_at_s.is_some_and(|t| t >= done.at_s));
     assert_eq!(run.core.replicas_added as usize, starts);
     assert_eq!(run.core.replicas_retired, u64::from(stops));
+}
+
+#[test]
+fn a_pool_that_slows_down_is_seen_in_the_measured_profiles_and_re_planned_for() {
+    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = 8;
+    let (planned, _) =
+        rollfleet_sim::placement::choose(rollfleet_sim::PlacementChoice::Plan, &spec, &job.catalog)
+            .unwrap();
+    let (placement, policy) = Baseline::Rollfleet
+        .setup_with(&spec, &job.catalog, planned)
+        .unwrap();
+    let slow = rollfleet_sim::drift::parse("decode:0.1@2", &spec).unwrap();
+    let opts = SimOptions {
+        seed: 0,
+        slowdown: Some(slow),
+        replan_on_drift: Some(0.2),
+        ..SimOptions::default()
+    };
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    assert_eq!(run.trajectories, 8 * 32);
+    // After the slowdown, the decode pool's decode share is measured at about a tenth of the
+    // 80% the plan assumed, and the planner is asked again.
+    let seen = run
+        .drift_replans
+        .iter()
+        .find(|d| {
+            d.step >= 2
+                && d.drifts.iter().any(|x| {
+                    x.pool == "decode"
+                        && x.kind == rollfleet_planner::roofline::WorkKind::Decode
+                        && x.now < 0.2
+                        && x.planned > 0.5
+                })
+        })
+        .unwrap_or_else(|| panic!("{:#?}", run.drift_replans));
+    assert!(seen.running_step_s.is_some());
 }
