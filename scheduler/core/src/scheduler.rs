@@ -338,6 +338,7 @@ impl Core {
     }
 
     /// The latest published policy version (= RL steps trained).
+    #[inline]
     pub fn version(&self) -> Version {
         self.version
     }
@@ -348,6 +349,7 @@ impl Core {
     }
 
     /// Whether every RL step has been trained.
+    #[inline]
     pub fn finished(&self) -> bool {
         self.version >= self.cfg.steps
     }
@@ -395,11 +397,13 @@ impl Core {
     }
 
     /// The next command, if any.
+    #[inline]
     pub fn poll_command(&mut self) -> Option<Command> {
         self.commands.pop_front()
     }
 
     /// When the core next needs [`Core::handle_timeout`], if ever.
+    #[inline]
     pub fn poll_timeout(&self) -> Option<Time> {
         let stage = self.stages.iter().next().map(|(_, s)| s.deadline);
         match (stage, self.hold_until) {
