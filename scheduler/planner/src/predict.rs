@@ -448,8 +448,9 @@ struct PrefillQueue {
 /// Prefills are served one batch at a time, so a kind's wait is M/G/1's: `rho / (1 - rho) x
 /// E[S^2] / (2 E[S])`, `S` the time one prefill takes there; long prefills dominate it.
 fn prefill_queue(kinds: &[(f64, f64, f64)], jobs: &[(f64, f64)], t: f64) -> PrefillQueue {
-    let flops: f64 = jobs.iter().map(|&(n, f)| n * f).sum();
-    let flops_sq: f64 = jobs.iter().map(|&(n, f)| n * f * f).sum();
+    // Folded from +0.0: an empty `sum` of floats is -0.0, which tables print as "-0.0".
+    let flops = jobs.iter().fold(0.0, |acc, &(n, f)| acc + n * f);
+    let flops_sq = jobs.iter().fold(0.0, |acc, &(n, f)| acc + n * f * f);
     let capacity: f64 = kinds.iter().map(|&(r, f, _)| r * f).sum();
     let (mut s_per_flop, mut wait_s) = (0.0, 0.0);
     for &(replicas, replica_flops, share) in kinds.iter().filter(|k| k.0 > 0.0 && k.1 > 0.0) {
