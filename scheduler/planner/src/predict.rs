@@ -473,6 +473,9 @@ fn prefill_queue(kinds: &[(f64, f64, f64)], jobs: &[(f64, f64)], t: f64) -> Pref
     }
 }
 
+/// A step's prefills of one kind: how many, and the FLOPs of each.
+type Prefills = Vec<(f64, f64)>;
+
 /// Whether a prefill of `tokens` (context plus new) without a KV cache runs on a prefill
 /// replica: when there are any and it is long enough to be worth a KV transfer.
 fn remote_prefill(p: &Problem, disaggregated: bool, tokens: f64) -> bool {
@@ -493,7 +496,7 @@ fn step_prefills(
     disaggregated: bool,
     alive_s: &[f64],
     t: f64,
-) -> (Vec<(f64, f64)>, Vec<(f64, f64)>) {
+) -> (Prefills, Prefills) {
     let w = &p.workload;
     let (mut local, mut remote) = (Vec::new(), Vec::new());
     for (task, alive) in w.tasks.iter().zip(alive_s) {
