@@ -725,7 +725,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
 
     // Everything that depends on the step time T (through the throughput asked for).
     let (action_mean, action_sd) = action_spread(w);
-    let evaluate = |t: f64| -> Option<(Terms, f64, f64, f64)> {
+    let evaluate = |t: f64| -> Option<(Terms, f64, f64, (f64, f64))> {
         let prefill_kinds = [(
             prefill_flops / prefill_fastest.max(1e-30),
             prefill_fastest,
@@ -803,6 +803,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
             let mut regenerated = 0.0;
             let mut tokens_with_retries = 0.0;
             let mut tail: f64 = 0.0;
+            let mut first_ready = f64::INFINITY;
             for (task, alive) in w.tasks.iter().zip(alive_s.iter_mut()) {
                 let first_tokens = task.prompt;
                 let first = p.flops_per_token * first_tokens
@@ -858,13 +859,22 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                 regenerated += task.share * (regen.slot_s - attempt).max(0.0);
                 tokens_with_retries += task.share * turns * task.action * regen.attempts;
                 tail = tail.max(attempt);
+                first_ready = first_ready.min(attempt - wait);
                 *alive = mean_life * regen.attempts;
             }
             let plain_tokens: f64 = w.tasks.iter().map(|k| k.share * k.turns * k.action).sum();
             attempts_per_token = (tokens_with_retries / plain_tokens.max(1e-12)).max(1.0);
-            outcome = Some((tau, slots, regenerated, tail, local_load, remote.load_s));
+            outcome = Some((
+                tau,
+                slots,
+                regenerated,
+                tail,
+                first_ready,
+                local_load,
+                remote.load_s,
+            ));
         }
-        let (tau, slots, regenerated, tail, local_load, remote_load) = outcome?;
+        let (tau, slots, regenerated, tail, first_ready, local_load, remote_load) = outcome?;
         // The window's groups circulate between generation (each holds its slot `slots`, the
         // fill wait included) and the trainer, a single server taking `train_s / (B / n)` per
         // group: a closed network, solved exactly by mean value analysis. It is at least both
@@ -891,7 +901,14 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
         // The job's last step waits for the last groups admitted to finish (nothing is left to
         // overlap them with) and for their training batch to be trained.
         let last_step = tail + fill * train_s;
-        Some((terms, tau, slots, last_step))
+        // Nor can the trainer start before the first groups are done (the quickest task's),
+        // and then it has every step's training still to do.
+        let first_ready = if first_ready.is_finite() {
+            first_ready
+        } else {
+            0.0
+        };
+        Some((terms, tau, slots, (last_step, first_ready)))
     };
     let fixed = [train_s, env_s, serverless_s]
         .into_iter()
@@ -931,11 +948,13 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
         }
     }
     let t = hi;
-    let (mut terms, tau, slot, last_step) = evaluate(t)?;
+    let (mut terms, tau, slot, (last_step, first_ready)) = evaluate(t)?;
 
     let steps = w.steps.max(1.0);
-    // The window is full from the start, so the first step is no longer than the others.
-    let job_step_s = ((steps - 1.0) * t + last_step.max(t)) / steps;
+    // The window is full from the start, so the first step is no longer than the others; but
+    // the trainer, idle until the first groups are done, must still train every step after.
+    let job_step_s =
+        (((steps - 1.0) * t + last_step.max(t)).max(first_ready + steps * train_s)) / steps;
     // The decode capacity term: the step time below which no per-token time serves the tokens.
     let mut dlo = 0.0;
     let mut dhi = t;
