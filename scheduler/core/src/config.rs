@@ -114,6 +114,10 @@ pub struct ServerlessPoolConfig {
     pub concurrency: u64,
 }
 
+/// Prefills shorter than this (context plus new tokens) run on the decode replica even when
+/// there are prefill replicas: a KV transfer would cost more than it saves.
+pub const PD_MIN_PREFILL_TOKENS: u64 = 256;
+
 /// Everything the core knows.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Config {
@@ -295,7 +299,7 @@ impl Config {
             cpu_pools,
             serverless_pools,
             weight_bytes: spec.model.weight_bytes().max(0.0) as u64,
-            pd_min_prefill_tokens: 256,
+            pd_min_prefill_tokens: PD_MIN_PREFILL_TOKENS,
             stage_timeout: Span::from_secs_f64(3600.0),
             stage_failure_limit: DEFAULT_STAGE_FAILURE_LIMIT,
         })

@@ -427,6 +427,7 @@ pub fn problem_with(
         train_memory_bytes: train_memory,
         link_bytes_per_s: spec.network.cross_pool_gbps * 1e9 * eff.link,
         max_seqs: rollfleet_core::placement::MAX_SEQS_PER_REPLICA as f64,
+        pd_min_prefill_tokens: rollfleet_core::config::PD_MIN_PREFILL_TOKENS as f64,
         usable_memory: USABLE_MEMORY_FRACTION,
         reserved_context,
         serverless_gb_s_per_step: gb_s,

@@ -3,30 +3,47 @@
 //! rollfleet runs rollout and training concurrently, so a step takes as long as the slowest of:
 //!
 //! - each resource's work over its capacity (training on the trainer's GPUs; prefill on the
-//!   prefill replicas; decode tokens against the decode replicas' bandwidth, KV memory and batch
-//!   slots; environment vCPU-seconds; serverless concurrency-seconds);
+//!   prefill and on the decode replicas, counting the refills below; decode tokens against the
+//!   decode replicas' bandwidth, KV memory and batch slots; environment vCPU-seconds; serverless
+//!   concurrency-seconds);
 //! - the latency term: the core keeps at most `N` trajectories started and not yet trained on
 //!   (its admission window, [`Workload::window`]), and a trajectory holds its slot until its whole
-//!   group is trained, so by Little's law a step of `B` trajectories takes `B x L / N`, where `L`
-//!   is the mean lifetime of the slowest member of a group;
-//! - the staleness term: a group must finish within `maxStaleness` versions.
+//!   group is taken by the trainer. The window's groups circulate between generation and the
+//!   trainer, a closed network solved by mean value analysis: at least Little's law, `B x L /
+//!   N` for a mean slot lifetime `L`, and at least the trainer's capacity.
 //!
-//! Latency depends on the throughput asked for: decode replicas batch every running sequence,
-//! so each token takes `(W + b x KV x c) / bandwidth` for a batch of `b`, and the more tokens a
-//! second are asked for, the larger `b` and the slower each token. The router balances replicas
-//! so that every busy one runs at the same per-token time `tau` (water-filling: a replica too
-//! slow to beat `tau` even alone gets nothing), and Little's law on decoding sequences gives
-//! `sum_i b_i(tau) = tokens per second x tau`. Queues at prefill replicas add the M/D/1 wait.
-//! The step time is the smallest `T` that is at least every term evaluated at the throughput `B /
-//! T`; every term only shrinks as `T` grows, so bisection finds it.
+//! The slot lifetime `L` is built from the job's distributions:
 //!
-//! Every term only shrinks as capacity is added (a faster or an extra replica never slows the
-//! predicted step), which is what lets the search bound partial placements by relaxing the rest.
+//! - a group is done when its slowest member is (mean lifetime plus `E[max of n normals]`
+//!   standard deviations), then waits for a training batch to fill;
+//! - each turn decodes at the per-token time a sequence sees: decode replicas batch every running
+//!   sequence, so each token takes `(W + b x KV x c) / bandwidth` for a batch of `b`. The router
+//!   balances replicas so that every busy one runs at the same per-token time `tau`
+//!   (water-filling: a replica too slow to beat `tau` even alone gets nothing), Little's law on
+//!   decoding sequences gives `sum_i b_i(tau) = tokens per second x tau`, and a sequence sees one
+//!   more KV cache than the mean batch (Poisson occupancy);
+//! - once a step each replica is drained and loads new weights, dropping its KV caches: every
+//!   trajectory alive then prefills its whole context again (a refill), and turns arriving during
+//!   the drain wait for it. Prefills queue (M/G/1) where they run;
+//! - the staleness bound: a group must be taken by the trainer within `maxStaleness + 1`
+//!   versions of its start, less the share of a step it started into; an attempt that misses is
+//!   thrown away and the group starts again (regeneration), so by Wald's identity it holds its
+//!   slot for its expected attempts times its mean attempt.
+//!
+//! The step time is the smallest `T` at least every term evaluated at the throughput `B / T`
+//! (bisection). The job's average adds the last step, which waits for the last groups admitted.
+//!
+//! The search does not compare placements by this prediction but by [`step_time`], the
+//! first-order model without regeneration, refills, drains or the closed loop: the full model is
+//! closer to the simulated step everywhere it was checked but ranks a single decode replica too
+//! well (docs/planner.md). Every term of [`step_time`] only shrinks as capacity is added (a
+//! faster or an extra replica never slows it), which is what lets the search bound partial
+//! placements by relaxing the rest.
 
 use serde::Serialize;
 
 use crate::roofline::{self, GpuRates};
-use crate::workload::Workload;
+use crate::workload::{Workload, normal_cdf, normal_pdf, normal_quantile};
 
 /// What a group of serving replicas does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -145,6 +162,9 @@ pub struct Problem {
     pub link_bytes_per_s: f64,
     /// Sequences a replica batches at most.
     pub max_seqs: f64,
+    /// Prefills shorter than this many tokens (context plus new) stay on the decode replica
+    /// even when there are prefill replicas (the core's rule).
+    pub pd_min_prefill_tokens: f64,
     /// Share of device memory usable for weights and KV cache.
     pub usable_memory: f64,
     /// Mean longest context a decoding sequence reserves (context plus its longest action).
@@ -170,7 +190,8 @@ pub enum Binding {
     Serverless,
     /// Trajectory latency through the admission window (Little's law).
     Latency,
-    /// The staleness bound on a group's lifetime.
+    /// The staleness bound on a group's lifetime (the search objective's term; the prediction
+    /// counts what the bound costs inside the latency term, as regeneration).
     Staleness,
 }
 
@@ -190,7 +211,8 @@ pub struct Prediction {
     pub terms: Terms,
     /// Seconds per decoded token at the operating point.
     pub token_s: f64,
-    /// Mean lifetime of a group's slot (slowest member plus waiting to be trained), seconds.
+    /// Mean lifetime of a group's slot (all its attempts, slowest member plus waiting for a
+    /// training batch), seconds.
     pub slot_lifetime_s: f64,
     /// Predicted busy share per GPU pool (parallel to [`Problem::gpu_pools`]).
     pub gpu_utilisation: Vec<f64>,
@@ -215,9 +237,10 @@ pub struct Terms {
     pub env_s: f64,
     /// Serverless.
     pub serverless_s: f64,
-    /// Latency through the window.
+    /// Latency through the window (the closed loop with the trainer).
     pub latency_s: f64,
-    /// Staleness.
+    /// The part of the latency term owed to regeneration (attempts thrown away because they
+    /// missed the staleness bound).
     pub staleness_s: f64,
 }
 
@@ -335,6 +358,256 @@ fn token_time(
     None
 }
 
+/// The per-token time one more sequence in the batch adds, averaged over the sequences as the
+/// replicas hold them at per-token time `tau`: its KV cache read at the replica's bandwidth.
+fn own_kv_read(
+    kinds: &[DecodeKind],
+    tau: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> f64 {
+    let (mut sequences, mut added) = (0.0, 0.0);
+    for k in kinds.iter().filter(|k| k.bandwidth > 0.0) {
+        let held = k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq);
+        sequences += held;
+        added += held * (kv_per_seq / k.bandwidth).max(flops_per_seq / k.flops.max(1e-30));
+    }
+    if sequences > 0.0 {
+        added / sequences
+    } else {
+        0.0
+    }
+}
+
+/// The token-weighted mean and standard deviation of one turn's action, over the tasks.
+fn action_spread(w: &Workload) -> (f64, f64) {
+    let weight: f64 = w.tasks.iter().map(|k| k.share * k.turns).sum();
+    if weight <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let mean = w
+        .tasks
+        .iter()
+        .map(|k| k.share * k.turns * k.action)
+        .sum::<f64>()
+        / weight;
+    let second = w
+        .tasks
+        .iter()
+        .map(|k| k.share * k.turns * (k.action_var + k.action * k.action))
+        .sum::<f64>()
+        / weight;
+    (mean, (second - mean * mean).max(0.0).sqrt())
+}
+
+/// Mean sequences a busy replica holds at per-token time `tau`.
+fn held_per_replica(
+    kinds: &[DecodeKind],
+    tau: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> f64 {
+    let replicas: f64 = kinds.iter().map(|k| k.replicas).sum();
+    let held: f64 = kinds
+        .iter()
+        .map(|k| k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq))
+        .sum();
+    held / replicas.max(1e-12)
+}
+
+/// How many standard deviations the largest of `n` normal draws lies above their mean (Blom's
+/// plotting position; 0 for one draw or fewer).
+fn expected_max_z(n: f64) -> f64 {
+    if n <= 1.0 {
+        0.0
+    } else {
+        normal_quantile((n - 0.375) / (n + 0.25))
+    }
+}
+
+/// FLOPs of prefilling a whole context of `c` tokens from nothing.
+fn context_prefill_flops(p: &Problem, c: f64) -> f64 {
+    p.flops_per_token * c + p.attention_flops * c * c / 2.0
+}
+
+/// What a set of replicas' prefill queues do to a prefill.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PrefillQueue {
+    /// Seconds of all their compute a step's prefill takes (the capacity term).
+    load_s: f64,
+    /// Mean seconds per FLOP of prefill on the replica a prefill runs on.
+    s_per_flop: f64,
+    /// Mean wait behind the prefills ahead, seconds.
+    wait_s: f64,
+}
+
+/// How long prefills wait on a set of replicas, given a step's prefills (`jobs`: how many, FLOPs
+/// each) and, per kind of replica, `(replicas, FLOP/s each, share of the prefills it gets)`.
+/// Prefills are served one batch at a time, so a kind's wait is M/G/1's: `rho / (1 - rho) x
+/// E[S^2] / (2 E[S])`, `S` the time one prefill takes there; long prefills dominate it.
+fn prefill_queue(kinds: &[(f64, f64, f64)], jobs: &[(f64, f64)], t: f64) -> PrefillQueue {
+    // Folded from +0.0: an empty `sum` of floats is -0.0, which tables print as "-0.0".
+    let flops = jobs.iter().fold(0.0, |acc, &(n, f)| acc + n * f);
+    let flops_sq = jobs.iter().fold(0.0, |acc, &(n, f)| acc + n * f * f);
+    let capacity: f64 = kinds.iter().map(|&(r, f, _)| r * f).sum();
+    let (mut s_per_flop, mut wait_s) = (0.0, 0.0);
+    for &(replicas, replica_flops, share) in kinds.iter().filter(|k| k.0 > 0.0 && k.1 > 0.0) {
+        if share <= 0.0 {
+            continue;
+        }
+        let rho = (flops * share / (replicas * replica_flops) / t).clamp(0.0, 0.999);
+        let residual = if flops > 0.0 {
+            flops_sq / (2.0 * flops) / replica_flops
+        } else {
+            0.0
+        };
+        s_per_flop += share / replica_flops;
+        wait_s += share * rho / (1.0 - rho) * residual;
+    }
+    PrefillQueue {
+        load_s: flops / capacity.max(1e-30),
+        s_per_flop,
+        wait_s,
+    }
+}
+
+/// A step's prefills of one kind: how many, and the FLOPs of each.
+type Prefills = Vec<(f64, f64)>;
+
+/// Whether a prefill of `tokens` (context plus new) without a KV cache runs on a prefill
+/// replica: when there are any and it is long enough to be worth a KV transfer.
+fn remote_prefill(p: &Problem, disaggregated: bool, tokens: f64) -> bool {
+    disaggregated && tokens >= p.pd_min_prefill_tokens
+}
+
+/// The prefills of a step, by where they run: `(local, remote)`, each a list of `(how many, FLOPs
+/// each)`.
+///
+/// Each later turn's observation is prefilled where its KV cache is (locally, on top of the
+/// cached context). Each first turn's prompt is prefilled on the prefill replicas when there are
+/// any, locally otherwise. And every trajectory alive when its replica takes new weights (once
+/// a step) loses its KV cache, so its next turn prefills its whole context again, routed as a
+/// turn without a cache is: to the prefill replicas when there are any. `alive_s[k]` is how long
+/// a trajectory of task `k` is alive, so by Little's law `B / T x share x alive` are.
+fn step_prefills(
+    p: &Problem,
+    disaggregated: bool,
+    alive_s: &[f64],
+    t: f64,
+) -> (Prefills, Prefills) {
+    let w = &p.workload;
+    let (mut local, mut remote) = (Vec::new(), Vec::new());
+    for (task, alive) in w.tasks.iter().zip(alive_s) {
+        let n = w.batch * task.share;
+        let obs = task.observation;
+        local.push((
+            n * (task.turns - 1.0).max(0.0),
+            p.flops_per_token * obs + p.attention_flops * obs * task.decode_context,
+        ));
+        let first = (n, context_prefill_flops(p, task.prompt));
+        if remote_prefill(p, disaggregated, task.prompt) {
+            remote.push(first);
+        } else {
+            local.push(first);
+        }
+        let refill = (n / t * alive, context_prefill_flops(p, task.decode_context));
+        if remote_prefill(p, disaggregated, task.decode_context) {
+            remote.push(refill);
+        } else {
+            local.push(refill);
+        }
+    }
+    (local, remote)
+}
+
+/// What the staleness bound costs a group of a task, averaged over its groups.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Regeneration {
+    /// Mean seconds a group holds its slot, over all its attempts.
+    slot_s: f64,
+    /// Mean attempts a group makes (1 if none is ever thrown away).
+    attempts: f64,
+}
+
+/// Equal-probability points of a group's lasting lag (its members' turn counts, which a
+/// regeneration does not redraw), for averaging over groups.
+const LAG_POINTS: usize = 16;
+
+/// The mean of the standard normal survival function `Q(x) = 1 - Phi(x)` over `[a, b]`:
+/// `x Q(x) - phi(x)` is its antiderivative.
+fn mean_survival(a: f64, b: f64) -> f64 {
+    let antiderivative = |x: f64| x * (1.0 - normal_cdf(x)) - normal_pdf(x);
+    if b - a < 1e-12 {
+        return 1.0 - normal_cdf(a);
+    }
+    ((antiderivative(b) - antiderivative(a)) / (b - a)).clamp(0.0, 1.0)
+}
+
+/// The cost of the staleness bound to a task's groups. An attempt (first turn to being taken by
+/// the trainer) lasts `mean + lasting x Zg + fresh x Za`: `Zg` is the group's own lag (the turn
+/// counts of its members, the same on every attempt), `Za` is drawn afresh on each attempt
+/// (environment steps, actions), both standard normal. A group started a share `phi` into a
+/// version's step (uniform) must be taken by the trainer before `maxStaleness + 1` more versions
+/// are published, `(S + 1 - phi) T` after it started; an attempt that misses is thrown away
+/// whole (every member's first turn is then too old) and the group starts again. Each attempt
+/// holds the slot for its own length, so by Wald's identity a group holds it for its expected
+/// attempts `1 / (1 - miss)` times its mean attempt; a group that almost never makes it holds
+/// its slot until the job ends, on average half of the job (`hold_limit_s`).
+fn regeneration(
+    mean: f64,
+    lasting: f64,
+    fresh: f64,
+    max_staleness: f64,
+    t: f64,
+    hold_limit_s: f64,
+) -> Regeneration {
+    let (mut slot_s, mut attempts) = (0.0, 0.0);
+    for j in 0..LAG_POINTS {
+        let lag = if lasting > 0.0 {
+            lasting * normal_quantile((j as f64 + 0.5) / LAG_POINTS as f64)
+        } else {
+            0.0
+        };
+        let attempt = (mean + lag).max(0.0);
+        let (earliest, latest) = (max_staleness * t, (max_staleness + 1.0) * t);
+        let miss = if fresh > 0.0 {
+            mean_survival((earliest - attempt) / fresh, (latest - attempt) / fresh)
+        } else {
+            ((attempt - earliest) / (latest - earliest).max(1e-12)).clamp(0.0, 1.0)
+        };
+        let expected = if miss < 1.0 {
+            1.0 / (1.0 - miss)
+        } else {
+            f64::INFINITY
+        };
+        let held = (attempt * expected).min(hold_limit_s.max(attempt));
+        slot_s += held;
+        attempts += held / attempt.max(1e-12);
+    }
+    Regeneration {
+        slot_s: slot_s / LAG_POINTS as f64,
+        attempts: attempts / LAG_POINTS as f64,
+    }
+}
+
+/// Seconds per step of a closed network of `customers` groups, each spending `think_s` in
+/// generation (an infinite server: every group generates at once) and `service_s` at a single
+/// FIFO server, by exact mean value analysis (Reiser and Lavenberg): the response time at the
+/// server with `k` customers is `service x (1 + queue with k - 1)`, the throughput `k / (think +
+/// response)`, the queue `throughput x response`.
+fn closed_loop_step(customers: f64, think_s: f64, service_s: f64, per_step: f64) -> f64 {
+    let n = customers.floor().max(1.0) as usize;
+    let (mut queued, mut throughput) = (0.0, 0.0);
+    for k in 1..=n {
+        let response = service_s * (1.0 + queued);
+        throughput = k as f64 / (think_s + response).max(1e-12);
+        queued = throughput * response;
+    }
+    per_step / throughput.max(1e-12)
+}
+
 /// M/D/1 sojourn factor: service time times `1 + rho / (2 (1 - rho))`.
 fn queue(rho: f64) -> f64 {
     let rho = rho.clamp(0.0, 0.999);
@@ -344,17 +617,12 @@ fn queue(rho: f64) -> f64 {
 /// Predicts a candidate's step time; `None` if it cannot run the job at any speed (no replica
 /// to decode, no trainer, or the decode replicas cannot hold a single sequence).
 pub fn predict(p: &Problem, c: &Candidate) -> Option<Prediction> {
-    predict_with(p, c, true)
+    predict_caps(p, &capacities(p, c)?, c)
 }
 
-/// The step time alone (what the search compares), without the figures only reports need.
+/// What the search compares: [`objective_caps`]'s step time, not [`predict`]'s.
 pub fn step_time(p: &Problem, c: &Candidate) -> Option<f64> {
-    predict_with(p, c, false).map(|x| x.step_s)
-}
-
-fn predict_with(p: &Problem, c: &Candidate, detail: bool) -> Option<Prediction> {
-    let caps = capacities(p, c)?;
-    predict_caps(p, &caps, if detail { Some(c) } else { None })
+    objective_caps(p, &capacities(p, c)?)
 }
 
 /// What a placement offers, summed: all the predictor needs besides the problem.
@@ -417,7 +685,392 @@ fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
     Some(caps)
 }
 
-fn predict_caps(p: &Problem, caps: &Caps, detail: Option<&Candidate>) -> Option<Prediction> {
+fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
+    let s = step_work(p);
+    let w = &p.workload;
+    if caps.trainer_flops <= 0.0 {
+        return None;
+    }
+    let disaggregated = caps.disaggregated;
+    let prefill_flops = caps.prefill_flops;
+    let prefill_fastest = caps.prefill_fastest;
+    let kinds = &caps.kinds;
+    if kinds.iter().all(|k| k.cap < 1.0) {
+        return None;
+    }
+    let train_s = s.train_flops / (caps.trainer_flops * w.train_mfu);
+    let env_s = if s.env_cpu_s > 0.0 {
+        s.env_cpu_s / p.vcpus.max(1e-30)
+    } else {
+        0.0
+    };
+    let mut serverless_s: f64 = 0.0;
+    for pool in &p.serverless {
+        let secs: f64 = w
+            .tasks
+            .iter()
+            .filter(|t| t.serverless_pool == Some(pool.spec_index))
+            .map(|t| w.batch * t.share * t.reward_s)
+            .sum();
+        serverless_s = serverless_s.max(secs / pool.concurrency.max(1e-30));
+    }
+    let kv_per_seq = p.kv_bytes_per_token * s.decode_context;
+    let flops_per_seq = p.flops_per_token + p.attention_flops * s.decode_context;
+    let weights = p.active_weight_bytes;
+    // Weight sync takes each replica offline once a step for a transfer; fold it in as a share
+    // of the step the replica cannot serve.
+    let sync_s = p.weight_bytes / p.link_bytes_per_s.max(1.0);
+    let window = w.window();
+    let transfer_per_token = p.kv_bytes_per_token / p.link_bytes_per_s.max(1.0);
+
+    // Everything that depends on the step time T (through the throughput asked for).
+    let (action_mean, action_sd) = action_spread(w);
+    let evaluate = |t: f64| -> Option<(Terms, f64, f64, (f64, f64))> {
+        let prefill_kinds = [(
+            prefill_flops / prefill_fastest.max(1e-30),
+            prefill_fastest,
+            1.0,
+        )];
+        let fill = w.train_batch / w.batch;
+        // A finished group waits for a training batch to fill: half the time one takes to
+        // arrive. Its wait for the trainer itself is the closed loop's (below); the slot is
+        // freed when the trainer takes the group, not when training ends.
+        let wait = fill * t / 2.0;
+        // Regenerated attempts decode their tokens again, which slows every token, which makes
+        // more groups miss their deadline; and the trajectories alive set how much context the
+        // weight updates make the replicas prefill again, which sets how long every prefill
+        // queues, which sets how long they live. Four rounds of that fixed point, from the
+        // lifetimes without regeneration or refills.
+        let mut attempts_per_token = 1.0;
+        let mut alive_s: Vec<f64> = vec![0.0; w.tasks.len()];
+        let mut outcome = None;
+        let mut offline_s = sync_s;
+        for _ in 0..4 {
+            // Once a step each replica is drained and loads new weights: it serves nothing for
+            // `offline_s`, a share of the step no sequence decodes on it.
+            let online = (1.0 - offline_s / t).clamp(0.05, 1.0);
+            let scaled: Vec<DecodeKind> = kinds
+                .iter()
+                .map(|k| DecodeKind {
+                    replicas: k.replicas * online,
+                    ..*k
+                })
+                .collect();
+            let tau = token_time(
+                &scaled,
+                s.decode_tokens * attempts_per_token / t,
+                weights,
+                kv_per_seq,
+                flops_per_seq,
+            )?;
+            // A sequence decodes alongside the others on its replica: Poisson occupancy makes
+            // the batch it sees one larger than the mean (PASTA), one more KV cache to read per
+            // token than the mean batch pays.
+            let seen_tau = tau + own_kv_read(&scaled, tau, weights, kv_per_seq, flops_per_seq);
+            // Draining waits for the longest of the replica's running actions, caught on
+            // average half-way; a turn that arrives meanwhile (probability `offline / T`) waits
+            // half of it.
+            let per_replica = held_per_replica(&scaled, tau, weights, kv_per_seq, flops_per_seq);
+            let longest_action = action_mean + expected_max_z(per_replica) * action_sd;
+            offline_s = sync_s + longest_action * seen_tau / 2.0;
+            let update_wait = offline_s * offline_s / (2.0 * t);
+            // A sequence's own prefills run where it decodes: each kind of replica gets the
+            // share of the sequences it batches at this per-token time (by compute while none
+            // decodes).
+            let held: Vec<f64> = scaled
+                .iter()
+                .map(|k| k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq))
+                .collect();
+            let sequences: f64 = held.iter().sum();
+            let local_capacity: f64 = scaled.iter().map(|k| k.replicas * k.flops).sum();
+            let at_tau: Vec<(f64, f64, f64)> = scaled
+                .iter()
+                .zip(&held)
+                .map(|(k, h)| {
+                    let share = if sequences > 0.0 {
+                        h / sequences
+                    } else {
+                        k.replicas * k.flops / local_capacity.max(1e-30)
+                    };
+                    (k.replicas, k.flops, share)
+                })
+                .collect();
+            let (local_jobs, remote_jobs) = step_prefills(p, disaggregated, &alive_s, t);
+            let local = prefill_queue(&at_tau, &local_jobs, t);
+            let remote = prefill_queue(&prefill_kinds, &remote_jobs, t);
+            let (local_load, local_wait) = (local.load_s, local.wait_s);
+            let mut slots = 0.0;
+            let mut regenerated = 0.0;
+            let mut tokens_with_retries = 0.0;
+            let mut tail: f64 = 0.0;
+            let mut first_ready = f64::INFINITY;
+            for (task, alive) in w.tasks.iter().zip(alive_s.iter_mut()) {
+                let first_tokens = task.prompt;
+                let first = p.flops_per_token * first_tokens
+                    + p.attention_flops * first_tokens * first_tokens / 2.0;
+                let first_s = if remote_prefill(p, disaggregated, first_tokens) {
+                    first * remote.s_per_flop + remote.wait_s + first_tokens * transfer_per_token
+                } else {
+                    first * local.s_per_flop + local_wait
+                };
+                let obs = task.observation;
+                let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
+                let later_s = later * local.s_per_flop + local_wait + update_wait;
+                // Once a step its replica takes new weights and drops its KV cache: its next
+                // turn prefills the whole context again, and queues for it.
+                let whole = context_prefill_flops(p, task.decode_context);
+                let refill_s = if remote_prefill(p, disaggregated, task.decode_context) {
+                    whole * remote.s_per_flop
+                        + remote.wait_s
+                        + task.decode_context * transfer_per_token
+                } else {
+                    whole * local.s_per_flop + local_wait
+                };
+                // A group is trained when its slowest member is done: the mean lifetime plus
+                // `group_max_z` standard deviations of it (turns vary, and so does every step);
+                // that maximum itself varies by `group_max_sd` standard deviations.
+                let turns = task.turns;
+                let per_turn = task.env_step_s + later_s + task.action * seen_tau;
+                let plain_life = (turns + 1.0) * task.env_step_s
+                    + first_s
+                    + (turns - 1.0).max(0.0) * later_s
+                    + turns * task.action * seen_tau
+                    + task.reward_s;
+                // One refill per step lived: `life = plain + refill x life / T`.
+                let refill_share = (refill_s / t).min(0.9);
+                let stretch = 1.0 / (1.0 - refill_share);
+                let mean_life = plain_life * stretch;
+                let fresh_var = turns
+                    * (task.env_step_var + seen_tau * seen_tau * task.action_var)
+                    * stretch
+                    * stretch;
+                let lasting_var = task.turns_var * per_turn * per_turn * stretch * stretch;
+                let var_life = fresh_var + lasting_var;
+                let attempt = mean_life + w.group_max_z * var_life.sqrt() + wait;
+                let regen = regeneration(
+                    attempt,
+                    w.group_max_sd * lasting_var.sqrt(),
+                    w.group_max_sd * fresh_var.sqrt(),
+                    w.max_staleness,
+                    t,
+                    w.steps * t / 2.0,
+                );
+                slots += task.share * regen.slot_s;
+                regenerated += task.share * (regen.slot_s - attempt).max(0.0);
+                tokens_with_retries += task.share * turns * task.action * regen.attempts;
+                tail = tail.max(attempt);
+                first_ready = first_ready.min(attempt - wait);
+                *alive = mean_life * regen.attempts;
+            }
+            let plain_tokens: f64 = w.tasks.iter().map(|k| k.share * k.turns * k.action).sum();
+            attempts_per_token = (tokens_with_retries / plain_tokens.max(1e-12)).max(1.0);
+            outcome = Some((
+                tau,
+                slots,
+                regenerated,
+                tail,
+                first_ready,
+                local_load,
+                remote.load_s,
+            ));
+        }
+        let (tau, slots, regenerated, tail, first_ready, local_load, remote_load) = outcome?;
+        // The window's groups circulate between generation (each holds its slot `slots`, the
+        // fill wait included) and the trainer, a single server taking `train_s / (B / n)` per
+        // group: a closed network, solved exactly by mean value analysis. It is at least both
+        // Little's law through the window (`B x slots / N`) and the trainer's capacity, and
+        // above both near the knee, where the trainer sometimes waits for data and groups
+        // sometimes wait for the trainer.
+        let groups_per_step = w.batch / w.group_size.max(1.0);
+        let latency_s = closed_loop_step(
+            window / w.group_size.max(1.0),
+            slots,
+            train_s / groups_per_step.max(1e-12),
+            groups_per_step,
+        );
+        let terms = Terms {
+            train_s,
+            prefill_s: remote_load,
+            local_prefill_s: local_load,
+            decode_s: 0.0,
+            env_s,
+            serverless_s,
+            latency_s,
+            staleness_s: w.batch * regenerated / window.max(1.0),
+        };
+        // The job's last step waits for the last groups admitted to finish (nothing is left to
+        // overlap them with) and for their training batch to be trained.
+        let last_step = tail + fill * train_s;
+        // Nor can the trainer start before the first groups are done (the quickest task's),
+        // and then it has every step's training still to do.
+        let first_ready = if first_ready.is_finite() {
+            first_ready
+        } else {
+            0.0
+        };
+        Some((terms, tau, slots, (last_step, first_ready)))
+    };
+    let fixed = [train_s, env_s, serverless_s]
+        .into_iter()
+        .fold(0.0_f64, f64::max);
+    let fits = |t: f64| -> bool {
+        evaluate(t).is_some_and(|(terms, _, _, _)| {
+            terms
+                .latency_s
+                .max(terms.local_prefill_s)
+                .max(terms.prefill_s)
+                .max(fixed)
+                <= t
+        })
+    };
+    let mut hi = fixed.max(1.0);
+    let mut tries = 0;
+    while !fits(hi) {
+        hi *= 2.0;
+        tries += 1;
+        if tries > 60 {
+            return None;
+        }
+    }
+    let mut lo = fixed.max(hi / 1e6);
+    if fits(lo) {
+        hi = lo;
+    }
+    for _ in 0..60 {
+        if hi - lo <= 1e-7 * hi {
+            break;
+        }
+        let mid = 0.5 * (lo + hi);
+        if fits(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    let t = hi;
+    let (mut terms, tau, slot, (last_step, first_ready)) = evaluate(t)?;
+
+    let steps = w.steps.max(1.0);
+    // The window is full from the start, so the first step is no longer than the others; but
+    // the trainer, idle until the first groups are done, must still train every step after.
+    let job_step_s =
+        (((steps - 1.0) * t + last_step.max(t)).max(first_ready + steps * train_s)) / steps;
+    // The decode capacity term: the step time below which no per-token time serves the tokens.
+    let mut dlo = 0.0;
+    let mut dhi = t;
+    if token_time(
+        kinds,
+        s.decode_tokens / dhi,
+        weights,
+        kv_per_seq,
+        flops_per_seq,
+    )
+    .is_some()
+    {
+        for _ in 0..50 {
+            let mid = 0.5 * (dlo + dhi);
+            if mid <= 0.0 {
+                break;
+            }
+            if token_time(
+                kinds,
+                s.decode_tokens / mid,
+                weights,
+                kv_per_seq,
+                flops_per_seq,
+            )
+            .is_some()
+            {
+                dhi = mid;
+            } else {
+                dlo = mid;
+            }
+        }
+        terms.decode_s = dhi;
+    }
+    let binding = [
+        (terms.train_s, Binding::Train),
+        (terms.prefill_s, Binding::Prefill),
+        (terms.local_prefill_s, Binding::Prefill),
+        (terms.env_s, Binding::Environment),
+        (terms.serverless_s, Binding::Serverless),
+        (terms.latency_s, Binding::Latency),
+    ]
+    .into_iter()
+    .fold(
+        (0.0, Binding::Latency),
+        |best, x| {
+            if x.0 > best.0 { x } else { best }
+        },
+    )
+    .1;
+    let binding = if terms.decode_s >= 0.98 * t {
+        Binding::Decode
+    } else {
+        binding
+    };
+    // Utilisation per pool.
+    let mut busy = vec![0.0; p.gpu_pools.len()];
+    if let Some(b) = busy.get_mut(c.trainer_pool) {
+        *b += c.trainer_gpus as f64 * (train_s / t).min(1.0);
+    }
+    for g in c.groups.iter().filter(|g| g.replicas > 0) {
+        let Some(pool) = p.gpu_pools.get(g.pool) else {
+            continue;
+        };
+        let gpus = (g.tp * g.replicas) as f64;
+        let share = match g.role {
+            Role::Prefill => (terms.prefill_s / t).min(1.0),
+            Role::Decode | Role::Generate => {
+                let tp = g.tp as f64;
+                let k = DecodeKind {
+                    replicas: 1.0,
+                    bandwidth: pool.rates.bandwidth * tp,
+                    flops: pool.rates.flops * tp,
+                    cap: kv_cap(p, pool, tp),
+                };
+                let b = batch_at(&k, tau, weights, kv_per_seq, flops_per_seq);
+                // A replica is busy whenever it holds a sequence (Poisson occupancy).
+                1.0 - (-b).exp()
+            }
+        };
+        if let Some(x) = busy.get_mut(g.pool) {
+            *x += gpus * share;
+        }
+    }
+    let gpu_utilisation: Vec<f64> = busy
+        .iter()
+        .zip(&p.gpu_pools)
+        .map(|(b, pool)| (b / pool.count.max(1) as f64).min(1.0))
+        .collect();
+    let gpu_cost_per_s: f64 = p
+        .gpu_pools
+        .iter()
+        .map(|pool| pool.count as f64 * pool.rates.price_per_hour / 3600.0)
+        .sum();
+    let cost_per_step_usd = (gpu_cost_per_s + p.cpu_price_per_hour / 3600.0) * t
+        + p.serverless_gb_s_per_step * p.serverless.first().map_or(0.0, |s| s.price_per_gb_s);
+    Some(Prediction {
+        step_s: t,
+        job_step_s,
+        trajectories_per_s: w.batch / t,
+        binding,
+        terms,
+        token_s: tau,
+        slot_lifetime_s: slot,
+        gpu_utilisation,
+        env_utilisation: (env_s / t).min(1.0),
+        cost_per_step_usd,
+    })
+}
+
+/// The search's objective: the steady-state step time of the first-order model (Little's law
+/// through the window with an M/D/1 trainer queue, and the slowest group inside `maxStaleness`
+/// steps), without the terms [`predict`] adds (regeneration, refills after weight updates,
+/// drains, the closed loop with the trainer). Those bring the prediction closer to the
+/// simulated step on every placement checked, but rank one pair the wrong way round (a single
+/// decode replica, whose stalls they underrate: docs/planner.md), so the search keeps this one.
+fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
     let s = step_work(p);
     let w = &p.workload;
     if caps.trainer_flops <= 0.0 {
@@ -567,134 +1220,10 @@ fn predict_caps(p: &Problem, caps: &Caps, detail: Option<&Candidate>) -> Option<
             lo = mid;
         }
     }
-    let t = hi;
-    let (mut terms, tau, slot) = evaluate(t)?;
-    let Some(c) = detail else {
-        return Some(Prediction {
-            step_s: t,
-            job_step_s: t,
-            trajectories_per_s: w.batch / t,
-            binding: Binding::Latency,
-            terms,
-            token_s: tau,
-            slot_lifetime_s: slot,
-            gpu_utilisation: Vec::new(),
-            env_utilisation: 0.0,
-            cost_per_step_usd: 0.0,
-        });
-    };
-    // The decode capacity term: the step time below which no per-token time serves the tokens.
-    let mut dlo = 0.0;
-    let mut dhi = t;
-    if token_time(
-        kinds,
-        s.decode_tokens / dhi,
-        weights,
-        kv_per_seq,
-        flops_per_seq,
-    )
-    .is_some()
-    {
-        for _ in 0..50 {
-            let mid = 0.5 * (dlo + dhi);
-            if mid <= 0.0 {
-                break;
-            }
-            if token_time(
-                kinds,
-                s.decode_tokens / mid,
-                weights,
-                kv_per_seq,
-                flops_per_seq,
-            )
-            .is_some()
-            {
-                dhi = mid;
-            } else {
-                dlo = mid;
-            }
-        }
-        terms.decode_s = dhi;
-    }
-    let binding = [
-        (terms.train_s, Binding::Train),
-        (terms.prefill_s, Binding::Prefill),
-        (terms.local_prefill_s, Binding::Prefill),
-        (terms.env_s, Binding::Environment),
-        (terms.serverless_s, Binding::Serverless),
-        (terms.latency_s, Binding::Latency),
-        (terms.staleness_s, Binding::Staleness),
-    ]
-    .into_iter()
-    .fold(
-        (0.0, Binding::Latency),
-        |best, x| {
-            if x.0 > best.0 { x } else { best }
-        },
-    )
-    .1;
-    let binding = if terms.decode_s >= 0.98 * t {
-        Binding::Decode
-    } else {
-        binding
-    };
-    // Utilisation per pool.
-    let mut busy = vec![0.0; p.gpu_pools.len()];
-    if let Some(b) = busy.get_mut(c.trainer_pool) {
-        *b += c.trainer_gpus as f64 * (train_s / t).min(1.0);
-    }
-    for g in c.groups.iter().filter(|g| g.replicas > 0) {
-        let Some(pool) = p.gpu_pools.get(g.pool) else {
-            continue;
-        };
-        let gpus = (g.tp * g.replicas) as f64;
-        let share = match g.role {
-            Role::Prefill => (prefill_s / t).min(1.0),
-            Role::Decode | Role::Generate => {
-                let tp = g.tp as f64;
-                let k = DecodeKind {
-                    replicas: 1.0,
-                    bandwidth: pool.rates.bandwidth * tp,
-                    flops: pool.rates.flops * tp,
-                    cap: kv_cap(p, pool, tp),
-                };
-                let b = batch_at(&k, tau, weights, kv_per_seq, flops_per_seq);
-                // A replica is busy whenever it holds a sequence (Poisson occupancy).
-                1.0 - (-b).exp()
-            }
-        };
-        if let Some(x) = busy.get_mut(g.pool) {
-            *x += gpus * share;
-        }
-    }
-    let gpu_utilisation: Vec<f64> = busy
-        .iter()
-        .zip(&p.gpu_pools)
-        .map(|(b, pool)| (b / pool.count.max(1) as f64).min(1.0))
-        .collect();
-    let gpu_cost_per_s: f64 = p
-        .gpu_pools
-        .iter()
-        .map(|pool| pool.count as f64 * pool.rates.price_per_hour / 3600.0)
-        .sum();
-    let cost_per_step_usd = (gpu_cost_per_s + p.cpu_price_per_hour / 3600.0) * t
-        + p.serverless_gb_s_per_step * p.serverless.first().map_or(0.0, |s| s.price_per_gb_s);
-    let steps = w.steps.max(1.0);
-    Some(Prediction {
-        step_s: t,
-        job_step_s: (slot.max(t) + (steps - 1.0) * t) / steps,
-        trajectories_per_s: w.batch / t,
-        binding,
-        terms,
-        token_s: tau,
-        slot_lifetime_s: slot,
-        gpu_utilisation,
-        env_utilisation: (env_s / t).min(1.0),
-        cost_per_step_usd,
-    })
+    Some(hi)
 }
 
-/// A lower bound on the predicted step time of every completion of a partial candidate. Each
+/// A lower bound on the search objective of every completion of a partial candidate. Each
 /// pool not yet decided (`free`, with the GPUs it may still use) is counted as prefill and as
 /// decode capacity at once, with all its GPUs' FLOP/s, and as many decode replicas as its
 /// smallest tensor-parallel degree gives, each as fast and as roomy as its largest degree makes
@@ -740,7 +1269,7 @@ pub fn relaxed(
             });
         }
     }
-    predict_caps(p, &caps, None).map(|x| x.step_s)
+    objective_caps(p, &caps)
 }
 
 /// The training term alone for a trainer, seconds per step: no placement with this trainer can
@@ -811,5 +1340,119 @@ mod tests {
         assert_eq!(queue(0.0), 1.0);
         assert!((queue(0.5) - 1.5).abs() < 1e-12);
         assert!(queue(0.9) > queue(0.5));
+    }
+
+    #[test]
+    fn a_group_whose_attempt_fits_the_earliest_deadline_is_never_regenerated() {
+        // S = 2, T = 100 s: deadlines fall in [200, 300] s; a fixed 150 s attempt makes all.
+        let r = regeneration(150.0, 0.0, 0.0, 2.0, 100.0, 1e9);
+        assert_eq!(r.attempts, 1.0);
+        assert_eq!(r.slot_s, 150.0);
+    }
+
+    #[test]
+    fn a_fixed_attempt_misses_the_share_of_deadlines_it_outlives_and_retries_by_wald() {
+        // A 250 s attempt outlives deadlines in [200, 250): half of them. Expected attempts
+        // 1 / (1 - 0.5) = 2, each holding the slot 250 s: 500 s.
+        let r = regeneration(250.0, 0.0, 0.0, 2.0, 100.0, 1e9);
+        assert!((r.attempts - 2.0).abs() < 1e-12, "{r:?}");
+        assert!((r.slot_s - 500.0).abs() < 1e-9, "{r:?}");
+    }
+
+    #[test]
+    fn a_group_that_never_makes_its_deadline_holds_its_slot_until_the_limit() {
+        // S = 0, T = 100: every deadline is under 100 s; a 1,000 s attempt always misses.
+        let r = regeneration(1000.0, 0.0, 0.0, 0.0, 100.0, 5000.0);
+        assert!((r.slot_s - 5000.0).abs() < 1e-9, "{r:?}");
+        assert!((r.attempts - 5.0).abs() < 1e-9, "{r:?}");
+    }
+
+    #[test]
+    fn a_fresh_spread_misses_by_the_mean_normal_survival_over_the_deadlines() {
+        // Attempt Normal(250, 50) against deadlines uniform on [200, 300]: the mean of Q(x) for
+        // x in [-1, 1] is 1/2 by symmetry, so 2 attempts of 250 s on average.
+        let r = regeneration(250.0, 0.0, 50.0, 2.0, 100.0, 1e9);
+        assert!((r.attempts - 2.0).abs() < 1e-6, "{r:?}");
+        assert!((r.slot_s - 500.0).abs() < 1e-4, "{r:?}");
+    }
+
+    #[test]
+    fn the_mean_survival_function_matches_its_antiderivative_by_hand() {
+        // Over [0, 1]: (1 x Q(1) - phi(1)) - (0 - phi(0)) = 0.158655 - 0.241971 + 0.398942.
+        assert!((mean_survival(0.0, 1.0) - 0.315_626).abs() < 1e-5);
+        assert!((mean_survival(-1.0, 1.0) - 0.5).abs() < 1e-7);
+        assert!((mean_survival(0.0, 0.0) - 0.5).abs() < 1e-7);
+    }
+
+    #[test]
+    fn one_group_in_the_closed_loop_takes_its_generation_plus_its_training() {
+        // One customer: never queues, cycle = 3 s + 1 s; 2 groups a step take two cycles.
+        assert!((closed_loop_step(1.0, 3.0, 1.0, 2.0) - 8.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn two_groups_in_the_closed_loop_follow_mean_value_analysis_by_hand() {
+        // k = 1: R = 1, X = 1/4, Q = 1/4. k = 2: R = 1 x (1 + 1/4) = 1.25, X = 2 / 4.25.
+        // One group a step: 4.25 / 2 = 2.125 s.
+        assert!((closed_loop_step(2.0, 3.0, 1.0, 1.0) - 2.125).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_crowded_closed_loop_runs_at_the_trainers_pace_and_a_sparse_one_at_littles_law() {
+        // 1,000 groups, 3 s each in generation, 1 s each at the trainer: the trainer binds.
+        assert!((closed_loop_step(1000.0, 3.0, 1.0, 1.0) - 1.0).abs() < 1e-6);
+        // A trainer far faster than generation: Little's law, 100 groups per 50 s cycle.
+        let sparse = closed_loop_step(100.0, 50.0, 1e-6, 100.0);
+        assert!((sparse - 50.0).abs() < 1e-3, "{sparse}");
+    }
+
+    #[test]
+    fn a_prefill_waits_as_in_an_mg1_queue_by_hand() {
+        // One replica of 1 PFLOP/s; per 100 s step, 10 prefills of 1 PFLOP and 10 of 3 PFLOP.
+        // Load 40 s, rho 0.4; E[S^2] / (2 E[S]) = (10 + 90) / (2 x 40) = 1.25 s;
+        // wait = 0.4 / 0.6 x 1.25 = 0.8333 s.
+        let q = prefill_queue(&[(1.0, 1e15, 1.0)], &[(10.0, 1e15), (10.0, 3e15)], 100.0);
+        assert!((q.load_s - 40.0).abs() < 1e-9, "{q:?}");
+        assert!((q.wait_s - 0.4 / 0.6 * 1.25).abs() < 1e-9, "{q:?}");
+        assert!((q.s_per_flop - 1e-15).abs() < 1e-27, "{q:?}");
+    }
+
+    #[test]
+    fn the_action_spread_pools_the_tasks_by_their_turns() {
+        // Task a: 1 turn of 100 +- 0 tokens; task b: 3 turns of 200 +- 10. Weights 1 and 3:
+        // mean 175; second moment (1 x 10,000 + 3 x 40,100) / 4 = 32,575; sd sqrt(1,950).
+        let task = |turns: f64, action: f64, action_var: f64| crate::workload::TaskLoad {
+            name: String::new(),
+            share: 0.5,
+            turns,
+            group_turns: turns,
+            turns_var: 0.0,
+            env_step_var: 0.0,
+            action_var,
+            prompt: 0.0,
+            action,
+            observation: 0.0,
+            decode_context: 0.0,
+            env_step_s: 0.0,
+            env_cpus: 1.0,
+            reward_s: 0.0,
+            serverless_pool: None,
+            local_reward: false,
+        };
+        let w = Workload {
+            tasks: vec![task(1.0, 100.0, 0.0), task(3.0, 200.0, 100.0)],
+            batch: 8.0,
+            group_size: 1.0,
+            train_batch: 8.0,
+            max_staleness: 1.0,
+            over_provisioning: 0.0,
+            train_mfu: 0.5,
+            steps: 1.0,
+            group_max_z: 0.0,
+            group_max_sd: 1.0,
+        };
+        let (mean, sd) = action_spread(&w);
+        assert!((mean - 175.0).abs() < 1e-9);
+        assert!((sd - 1950.0_f64.sqrt()).abs() < 1e-9);
     }
 }

@@ -29,7 +29,7 @@ use crate::predict::{self, Candidate, Group, Problem, Role};
 pub struct Found {
     /// The best candidate.
     pub candidate: Candidate,
-    /// Its predicted step time, seconds.
+    /// Its step time by the search's objective ([`crate::predict::step_time`]), seconds.
     pub step_s: f64,
     /// Search nodes whose bound was computed.
     pub nodes: u64,

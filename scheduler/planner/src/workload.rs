@@ -68,6 +68,9 @@ pub struct Workload {
     /// Mean of the largest of `groupSize` standard normal draws (Blom's approximation): how many
     /// standard deviations the slowest member of a group lags the mean.
     pub group_max_z: f64,
+    /// Standard deviation of the largest of `groupSize` standard normal draws: how much the
+    /// slowest member's lag varies from one group (or one attempt) to the next.
+    pub group_max_sd: f64,
 }
 
 impl Workload {
@@ -142,17 +145,23 @@ impl Workload {
             } else {
                 0.0
             },
+            group_max_sd: max_of_normals_sd(group),
         }
     }
 
-    /// Trajectories the core lets be started and not yet consumed: the same rule as the core's
-    /// admission (`max(S x B / 2, B)` plus the over-provisioning), which keeps a trajectory's
-    /// lifetime inside the staleness bound.
+    /// Trajectories the core lets be started and not yet consumed: the core's admission rule
+    /// (`Core::admit_groups`: `max(S x B / 2, 3 B / 4, trainBatch, groupSize)` plus the
+    /// over-provisioning), rounded down to whole groups as the core admits them.
     pub fn window(&self) -> f64 {
-        (self.max_staleness * self.batch / 2.0)
+        let b = self.batch;
+        let core = (self.max_staleness * b / 2.0)
             .floor()
-            .max(self.batch)
-            + (self.over_provisioning * self.batch).ceil()
+            .max((3.0 * b / 4.0).floor())
+            .max(self.train_batch)
+            .max(self.group_size);
+        let budget = core + (self.over_provisioning * b).ceil();
+        let n = self.group_size.max(1.0);
+        ((budget / n).floor() * n).max(n)
     }
 
     /// Mean tokens trained on per trajectory.
@@ -195,6 +204,52 @@ pub fn variance(dist: &Distribution, mean: &dyn Fn(&Distribution) -> f64) -> f64
             m * m * ((sigma * sigma).exp() - 1.0)
         }
         Distribution::Trace { .. } => mean(dist).powi(2),
+    }
+}
+
+/// The standard deviation of the largest of `n` standard normal draws, by integrating its density
+/// `n phi(x) Phi(x)^(n-1)` on a fixed grid (the planner is deterministic: no sampling).
+pub fn max_of_normals_sd(n: f64) -> f64 {
+    if n <= 1.0 {
+        return 1.0;
+    }
+    let (lo, hi, steps) = (-8.0_f64, 8.0_f64, 1600);
+    let h = (hi - lo) / steps as f64;
+    let (mut m0, mut m1, mut m2) = (0.0, 0.0, 0.0);
+    for i in 0..steps {
+        let x = lo + (i as f64 + 0.5) * h;
+        let density = n * normal_pdf(x) * normal_cdf(x).powf(n - 1.0);
+        m0 += density * h;
+        m1 += density * x * h;
+        m2 += density * x * x * h;
+    }
+    let mean = m1 / m0;
+    (m2 / m0 - mean * mean).max(0.0).sqrt()
+}
+
+/// The standard normal density.
+pub fn normal_pdf(x: f64) -> f64 {
+    (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
+}
+
+/// The standard normal distribution function, from the complementary error function (Numerical
+/// Recipes' Chebyshev fit, relative error < 1.2e-7 everywhere).
+pub fn normal_cdf(x: f64) -> f64 {
+    let z = x.abs() / std::f64::consts::SQRT_2;
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.265_512_23
+        + t * (1.000_023_68
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_203_98
+                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+    let erfc = t * poly.exp();
+    if x >= 0.0 {
+        1.0 - erfc / 2.0
+    } else {
+        erfc / 2.0
     }
 }
 
@@ -285,6 +340,54 @@ mod tests {
             variance(&Distribution::Fixed { value: 3.0 }, &no_trace),
             0.0
         );
+    }
+
+    #[test]
+    fn the_normal_distribution_function_matches_known_values() {
+        assert!((normal_cdf(0.0) - 0.5).abs() < 1e-7);
+        assert!((normal_cdf(1.959_963_985) - 0.975).abs() < 1e-7);
+        assert!((normal_cdf(-2.326_347_874) - 0.01).abs() < 1e-7);
+    }
+
+    #[test]
+    fn the_spread_of_the_largest_of_n_normals_matches_tables() {
+        // One draw is the standard normal itself; the largest of two has variance 1 - 1/pi
+        // (its mean is 1/sqrt(pi)); tables of normal order statistics give the largest of eight
+        // a variance of 0.3729.
+        assert_eq!(max_of_normals_sd(1.0), 1.0);
+        let two = (1.0 - 1.0 / std::f64::consts::PI).sqrt();
+        assert!(
+            (max_of_normals_sd(2.0) - two).abs() < 1e-4,
+            "{}",
+            max_of_normals_sd(2.0)
+        );
+        let eight = max_of_normals_sd(8.0);
+        assert!((eight * eight - 0.3729).abs() < 5e-4, "{eight}");
+    }
+
+    #[test]
+    fn the_window_follows_the_cores_admission_rule() {
+        let mut w = Workload {
+            tasks: Vec::new(),
+            batch: 1024.0,
+            group_size: 8.0,
+            train_batch: 256.0,
+            max_staleness: 2.0,
+            over_provisioning: 0.25,
+            train_mfu: 0.4,
+            steps: 20.0,
+            group_max_z: 0.0,
+            group_max_sd: 1.0,
+        };
+        // max(2 x 1024 / 2, 768, 256, 8) + 256.
+        assert_eq!(w.window(), 1280.0);
+        // A staleness bound of 1 keeps three quarters of a batch, not a whole one.
+        w.max_staleness = 1.0;
+        assert_eq!(w.window(), 768.0 + 256.0);
+        // Never less than a training batch.
+        w.train_batch = 1024.0;
+        w.over_provisioning = 0.0;
+        assert_eq!(w.window(), 1024.0);
     }
 
     #[test]

@@ -123,12 +123,16 @@ pub fn run(
             ("uniform", compare::uniform(&problem)),
             ("best-gpu", compare::best_gpu(&problem)),
         ] {
-            if let Some(o) = other {
+            // Compared by the same prediction as the plan's, not by the search's objective.
+            if let Some(step_s) = other
+                .and_then(|o| rollfleet_planner::predict::predict(&problem, &o.candidate))
+                .map(|prediction| prediction.step_s)
+            {
                 compared.push(Comparison {
                     placement: name,
-                    step_s: o.step_s,
-                    trajectories_per_s: problem.workload.batch / o.step_s,
-                    plan_speedup: o.step_s / planned.prediction.step_s,
+                    step_s,
+                    trajectories_per_s: problem.workload.batch / step_s,
+                    plan_speedup: step_s / planned.prediction.step_s,
                 });
             }
         }
