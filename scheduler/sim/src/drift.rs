@@ -68,9 +68,10 @@ pub struct DriftReplan {
     pub at_s: f64,
     /// What drifted: pool, kind of work, the share the plan assumed and the measured one.
     pub drifts: Vec<replan::Drift>,
-    /// Predicted seconds per step of the running placement, with the measured profiles.
+    /// Predicted seconds per step of the running placement, with the measured profiles (the
+    /// planner's full prediction).
     pub running_step_s: Option<f64>,
-    /// Predicted seconds per step of the new plan.
+    /// Predicted seconds per step of the new plan, the same way.
     pub new_plan_step_s: f64,
     /// Waves to the new plan (0: the running placement is still the best).
     pub waves: usize,
@@ -128,8 +129,13 @@ impl DriftWatch {
             trainer_gpus: self.running.trainer_gpus,
             ..found.candidate
         };
-        let running_step_s = predict::step_time(&measured, &self.running);
-        let worth_it = running_step_s.is_none_or(|r| found.step_s < r * (1.0 - MIN_GAIN));
+        // The search ranks by its first-order objective; whether moving is worth it is judged
+        // by the full prediction of both placements (regeneration, refills, drains, the loop
+        // with the trainer), which a placement the first-order objective favours can lose.
+        let full = |c: &Candidate| predict::predict(&measured, c).map(|p| p.step_s);
+        let running_step_s = full(&self.running);
+        let new_plan_step_s = full(&target).unwrap_or(found.step_s);
+        let worth_it = running_step_s.is_none_or(|r| new_plan_step_s < r * (1.0 - MIN_GAIN));
         let waves = if worth_it {
             let plan_waves = replan::migration(&measured, &self.running, &target, PER_WAVE);
             crate::growth::sim_waves(&measured, &self.running, &target, &plan_waves)
@@ -141,7 +147,7 @@ impl DriftWatch {
             at_s,
             drifts,
             running_step_s,
-            new_plan_step_s: found.step_s,
+            new_plan_step_s,
             waves: waves.len(),
             migration: None,
         });
