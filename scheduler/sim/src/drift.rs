@@ -12,7 +12,7 @@
 
 use rollfleet_catalog::Catalog;
 use rollfleet_planner::plan;
-use rollfleet_planner::predict::{self, Candidate, Problem};
+use rollfleet_planner::predict::{Candidate, Problem};
 use rollfleet_planner::profile::ProfileStore;
 use rollfleet_planner::replan;
 use rollfleet_planner::roofline::Efficiency;
@@ -132,7 +132,7 @@ impl DriftWatch {
         // The search ranks by its first-order objective; whether moving is worth it is judged
         // by the full prediction of both placements (regeneration, refills, drains, the loop
         // with the trainer), which a placement the first-order objective favours can lose.
-        let full = |c: &Candidate| predict::predict(&measured, c).map(|p| p.step_s);
+        let full = |c: &Candidate| crate::growth::full_prediction(&measured, c);
         let running_step_s = full(&self.running);
         let new_plan_step_s = full(&target).unwrap_or(found.step_s);
         let worth_it = running_step_s.is_none_or(|r| new_plan_step_s < r * (1.0 - MIN_GAIN));

@@ -63,9 +63,9 @@ pub fn bigger_spec(spec: &JobSpec, growth: &PoolGrowth) -> JobSpec {
 /// The planner's re-plan, as the report shows it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Replan {
-    /// Predicted seconds per step of the running plan.
+    /// Predicted seconds per step of the running plan (the planner's full prediction).
     pub before_step_s: f64,
-    /// Predicted seconds per step of the new plan.
+    /// Predicted seconds per step of the new plan (keeping the trainer), the same way.
     pub new_plan_step_s: f64,
     /// The waves, as the simulator applies them.
     pub waves: Vec<MigrationWave>,
@@ -99,8 +99,8 @@ pub fn replan_growth(
             waves: waves.clone(),
         },
         Replan {
-            before_step_s: running.step_s,
-            new_plan_step_s: new.step_s,
+            before_step_s: full_prediction(&p, &running.candidate).unwrap_or(running.step_s),
+            new_plan_step_s: full_prediction(&p2, &target).unwrap_or(new.step_s),
             waves,
         },
     ))
@@ -128,6 +128,12 @@ pub fn loss_waves(
         ..new.candidate
     };
     Some(sim_waves(&smaller, &survivor, &target, &waves))
+}
+
+/// The planner's full prediction of a placement's steady-state step (the search ranks by its
+/// first-order objective; reports quote this one).
+pub(crate) fn full_prediction(p: &Problem, c: &Candidate) -> Option<f64> {
+    rollfleet_planner::predict::predict(p, c).map(|x| x.step_s)
 }
 
 /// The core's role for a planner role, as [`plan::placement`] maps it for a candidate.

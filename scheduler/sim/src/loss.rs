@@ -141,9 +141,10 @@ pub fn replan(
     let (smaller, survivor, new, waves) =
         replan::replan_after_loss(&p, &found.candidate, pool, gpus_lost, PER_WAVE)?;
     Some(Replan {
-        before_step_s: found.step_s,
-        survivor_step_s: rollfleet_planner::predict::step_time(&smaller, &survivor),
-        new_plan_step_s: new.step_s,
+        before_step_s: crate::growth::full_prediction(&p, &found.candidate).unwrap_or(found.step_s),
+        survivor_step_s: crate::growth::full_prediction(&smaller, &survivor),
+        new_plan_step_s: crate::growth::full_prediction(&smaller, &new.candidate)
+            .unwrap_or(new.step_s),
         // The candidates may list the same replicas in another order (or with empty groups):
         // what counts is whether any replica or the trainer has to change.
         changes: !waves.is_empty()
