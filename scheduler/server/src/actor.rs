@@ -1600,9 +1600,6 @@ impl Actor {
         }
     }
 
-    /// Exports a worker's GPU readings. Readings from a worker that registered without GPU
-    /// telemetry (they could only be made up), for a GPU it did not declare, or with a
-    /// utilisation outside 0..1 are a protocol violation: the reason is returned.
     /// A worker's load report: its GPU readings and its replicas' profile samples.
     fn load_report(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
         self.gpu_readings(worker, load)?;
@@ -1679,6 +1676,9 @@ impl Actor {
         Ok(())
     }
 
+    /// Exports a worker's GPU readings. Readings from a worker that registered without GPU
+    /// telemetry (they could only be made up), for a GPU it did not declare, or with a
+    /// utilisation outside 0..1 are a protocol violation: the reason is returned.
     fn gpu_readings(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
         // A reading still in flight from a worker already gone adds nothing back.
         let Some(w) = self.workers.get(&worker).filter(|w| w.alive) else {
