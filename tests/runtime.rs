@@ -249,20 +249,15 @@ fn a_worker_that_reports_a_stage_it_was_never_given_is_cut_off_and_its_work_redo
             .unwrap_err();
         assert!(bad.message().contains("inventory.pool"), "{bad:?}");
 
-        let lease = client
-            .register(RegisterRequest {
-                inventory: Some(HardwareInventory {
-                    hostname: "rogue".into(),
-                    pool: "envs".into(),
-                    ..Default::default()
-                }),
+        let lease = register_peer(
+            &mut client,
+            HardwareInventory {
+                hostname: "rogue".into(),
+                pool: "envs".into(),
                 ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .lease
-            .unwrap();
+            },
+        )
+        .await;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tx.send(WorkerMessage {
             message: Some(worker_message::Message::Hello(WorkerHello {
@@ -365,20 +360,15 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
     }
     rt().block_on(async {
         let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
-        let lease = client
-            .register(RegisterRequest {
-                inventory: Some(HardwareInventory {
-                    hostname: "silent".into(),
-                    pool: "envs".into(),
-                    ..Default::default()
-                }),
+        let lease = register_peer(
+            &mut client,
+            HardwareInventory {
+                hostname: "silent".into(),
+                pool: "envs".into(),
                 ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .lease
-            .unwrap();
+            },
+        )
+        .await;
         assert_eq!(lease.ttl_ms, 2000);
         // A first message that is not a hello is refused.
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -403,6 +393,24 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
         let late = client.heartbeat(beat()).await.unwrap_err();
         assert_eq!(late.code(), tonic::Code::NotFound, "{late:?}");
     });
+}
+
+/// Registers a test peer (a gRPC client with no worker process behind it) and returns its
+/// lease.
+async fn register_peer(
+    client: &mut WorkerServiceClient<tonic::transport::Channel>,
+    inventory: HardwareInventory,
+) -> rollfleet_proto::v1::Lease {
+    client
+        .register(RegisterRequest {
+            inventory: Some(inventory),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .lease
+        .unwrap()
 }
 
 /// Reads the feed until `count` trajectories came; returns their (sequence, trajectory id).
@@ -1239,20 +1247,15 @@ fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_d
 
         // A peer whose profile sample is not a number is refused and cut off, naming the
         // sample and the field.
-        let nan = client
-            .register(RegisterRequest {
-                inventory: Some(HardwareInventory {
-                    hostname: "nan".into(),
-                    pool: "decode".into(),
-                    ..Default::default()
-                }),
+        let nan = register_peer(
+            &mut client,
+            HardwareInventory {
+                hostname: "nan".into(),
+                pool: "decode".into(),
                 ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .lease
-            .unwrap();
+            },
+        )
+        .await;
         let sample = |seconds: f64| rollfleet_proto::v1::ProfileSample {
             kind: rollfleet_proto::v1::ProfileKind::Decode as i32,
             flops: 1e12,
