@@ -250,6 +250,8 @@ fn profiles_show_the_roofline_export_without_fake_probes_and_import_measured_sam
         .find(|l| l.starts_with("h20") && l.contains("decode"))
         .unwrap();
     assert!(line.contains("0.40") && line.contains("measured"), "{line}");
+    // Samples that do not say they were modelled are a real GPU's.
+    assert!(!line.contains("emulated"), "{line}");
     let base = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "-o", "json"]);
     let slower = rollfleet(&[
         "plan",
@@ -306,6 +308,9 @@ fn sim_writes_measured_profiles_that_plan_uses_and_names_as_measured() {
             .is_some_and(|s| s.len() >= 20),
         "{store}"
     );
+    // Every one of them is the simulator's own roofline, and the store says so.
+    let decode = &store["measured"]["decode"]["decode"];
+    assert_eq!(decode["modelled"], decode["total"], "{store}");
     let out = rollfleet(&[
         "plan",
         "examples/jobs/quickstart.yaml",
@@ -319,7 +324,7 @@ fn sim_writes_measured_profiles_that_plan_uses_and_names_as_measured() {
         .find(|l| l.trim_start().starts_with("decode") && l.contains("of peak bandwidth"))
         .unwrap();
     assert!(
-        line.contains("60.0%") && line.contains("measured"),
+        line.contains("60.0%") && line.contains("measured on emulated or simulated hardware"),
         "{line}"
     );
     // A pool the run never served on keeps the model's figure, and says so.

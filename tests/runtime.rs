@@ -592,9 +592,13 @@ fn the_workers_replicas_measure_profiles_that_the_planner_then_plans_with() {
             estimate["total"].as_u64().unwrap() >= 20,
             "{kind} on {pool}: {store:#}"
         );
+        assert_eq!(
+            estimate["modelled"], estimate["total"],
+            "{kind} on {pool}: emulated samples must be marked as such: {store:#}"
+        );
     }
-    // The planner takes them as measured figures (the emulated replicas measure the model's own,
-    // so the shares are the model's).
+    // The planner takes them as measured figures and says they came from emulated replicas (which
+    // measure the model's own figures, so the shares are the model's).
     let out = Command::new(BIN)
         .arg("plan")
         .arg(&job)
@@ -604,7 +608,10 @@ fn the_workers_replicas_measure_profiles_that_the_planner_then_plans_with() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
-    assert!(stdout.contains("measured"), "{stdout}");
+    assert!(
+        stdout.contains("measured on emulated or simulated hardware"),
+        "{stdout}"
+    );
 }
 
 #[test]

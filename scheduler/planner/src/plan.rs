@@ -162,6 +162,9 @@ pub struct ProfileFigure {
     pub samples: usize,
     /// Median absolute deviation of a measured figure.
     pub spread: Option<f64>,
+    /// Whether a measured figure came from emulated or simulated hardware (the model's own
+    /// durations), not a GPU.
+    pub modelled: bool,
 }
 
 fn longest_context(spec: &JobSpec) -> u64 {
@@ -731,6 +734,7 @@ pub fn describe(
                     source: e.source,
                     samples: e.samples,
                     spread: e.spread,
+                    modelled: e.modelled,
                 })
         })
         .collect();

@@ -43,6 +43,16 @@ pub enum Source {
     Probed,
 }
 
+/// What produced a measured duration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// A real GPU.
+    Hardware,
+    /// An emulated engine or the simulator: the duration is the roofline model's own, so a
+    /// profile built from it only shows that the plumbing works.
+    Modelled,
+}
+
 /// A robust running estimate of an achieved share of peak.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Estimate {
@@ -50,13 +60,20 @@ pub struct Estimate {
     pub samples: VecDeque<f64>,
     /// Samples ever added (including those that left the window).
     pub total: u64,
+    /// Of `total`, the samples that came from emulated or simulated hardware
+    /// ([`Origin::Modelled`]).
+    #[serde(default)]
+    pub modelled: u64,
 }
 
 impl Estimate {
     /// Adds a sample; non-finite or non-positive ones are ignored.
-    pub fn add(&mut self, value: f64) {
+    pub fn add(&mut self, value: f64, origin: Origin) {
         if !(value.is_finite() && value > 0.0) {
             return;
+        }
+        if origin == Origin::Modelled {
+            self.modelled += 1;
         }
         if self.samples.len() == WINDOW {
             self.samples.pop_front();
@@ -74,12 +91,18 @@ impl Estimate {
         peak_flops: f64,
         peak_bandwidth: f64,
         seconds: f64,
+        origin: Origin,
     ) {
         if !(seconds.is_finite() && seconds > 0.0) {
             return;
         }
         let at_peak = work.seconds(peak_flops, peak_bandwidth);
-        self.add(at_peak / seconds);
+        self.add(at_peak / seconds, origin);
+    }
+
+    /// Whether any of its samples came from emulated or simulated hardware.
+    pub fn modelled(&self) -> bool {
+        self.modelled > 0
     }
 
     /// The median of the window.
@@ -145,11 +168,28 @@ pub struct Effective {
     pub spread: Option<f64>,
     /// Samples behind it, for a measured figure.
     pub samples: usize,
+    /// Whether a measured figure came (at least in part) from emulated or simulated hardware.
+    pub modelled: bool,
+}
+
+impl Effective {
+    /// Its source as users read it: `model`, `probed`, `measured`, or `measured (emulated or
+    /// simulated)` when the samples were the roofline model's own durations.
+    pub fn label(&self) -> &'static str {
+        match (self.source, self.modelled) {
+            (Source::Model, _) => "model",
+            (Source::Probed, _) => "probed",
+            (Source::Measured, false) => "measured",
+            (Source::Measured, true) => "measured (emulated or simulated)",
+        }
+    }
 }
 
 impl ProfileStore {
     /// Records a stage that did `flops` and moved `bytes` on pool `pool` (of a GPU product with
-    /// the given peaks, per replica) in `seconds`.
+    /// the given peaks, per replica) in `seconds`, on hardware of the given `origin`.
+    // One sample's own figures; a struct for them would only be unpacked again here.
+    #[allow(clippy::too_many_arguments)]
     pub fn record(
         &mut self,
         kind: WorkKind,
@@ -158,6 +198,7 @@ impl ProfileStore {
         peak_flops: f64,
         peak_bandwidth: f64,
         seconds: f64,
+        origin: Origin,
     ) {
         if !(seconds.is_finite() && seconds > 0.0) {
             return;
@@ -167,7 +208,7 @@ impl ProfileStore {
             .or_default()
             .entry(pool.to_owned())
             .or_default()
-            .add_measured(work, peak_flops, peak_bandwidth, seconds);
+            .add_measured(work, peak_flops, peak_bandwidth, seconds, origin);
     }
 
     /// The share of peak to use for `kind` on `pool` (a `gpu` product with the given peaks):
@@ -194,6 +235,7 @@ impl ProfileStore {
                     source: Source::Probed,
                     spread: None,
                     samples: 0,
+                    modelled: false,
                 };
             }
         }
@@ -206,6 +248,7 @@ impl ProfileStore {
                 source: Source::Measured,
                 spread: e.mad(),
                 samples: e.samples.len(),
+                modelled: e.modelled(),
             };
         }
         Effective {
@@ -217,6 +260,7 @@ impl ProfileStore {
             source: Source::Model,
             spread: None,
             samples: 0,
+            modelled: false,
         }
     }
 }
@@ -230,10 +274,10 @@ mod tests {
     fn the_estimate_is_the_median_and_ignores_an_outlier() {
         let mut e = Estimate::default();
         for v in [0.5, 0.52, 0.48, 0.51, 0.49] {
-            e.add(v);
+            e.add(v, Origin::Hardware);
         }
         // A stage stalled by preemption: 100x slower.
-        e.add(0.005);
+        e.add(0.005, Origin::Hardware);
         // Sorted: 0.005 0.48 0.49 0.5 0.51 0.52 -> median (0.49 + 0.5) / 2 = 0.495.
         assert!((e.median().unwrap() - 0.495).abs() < 1e-12);
         // Deviations: 0.49 0.015 0.005 0.005 0.015 0.025 -> sorted 0.005 0.005 0.015 0.015
@@ -245,7 +289,7 @@ mod tests {
     fn the_window_keeps_only_the_latest_samples() {
         let mut e = Estimate::default();
         for i in 0..(WINDOW + 10) {
-            e.add(if i < 10 { 100.0 } else { 1.0 });
+            e.add(if i < 10 { 100.0 } else { 1.0 }, Origin::Hardware);
         }
         assert_eq!(e.samples.len(), WINDOW);
         assert_eq!(e.total, (WINDOW + 10) as u64);
@@ -262,12 +306,28 @@ mod tests {
             bytes: 1e9,
         };
         for _ in 0..(MIN_SAMPLES - 1) {
-            store.record(WorkKind::Decode, "h20", work, 1e15, 1e12, 1.25e-3 / 0.9);
+            store.record(
+                WorkKind::Decode,
+                "h20",
+                work,
+                1e15,
+                1e12,
+                1.25e-3 / 0.9,
+                Origin::Hardware,
+            );
         }
         let e = store.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
         assert_eq!(e.source, Source::Model);
         assert_eq!(e.share, model.bandwidth);
-        store.record(WorkKind::Decode, "h20", work, 1e15, 1e12, 1.25e-3 / 0.9);
+        store.record(
+            WorkKind::Decode,
+            "h20",
+            work,
+            1e15,
+            1e12,
+            1.25e-3 / 0.9,
+            Origin::Hardware,
+        );
         let e = store.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
         assert_eq!(e.source, Source::Measured);
         assert!((e.share - 0.72).abs() < 1e-9, "{}", e.share);
@@ -300,6 +360,11 @@ mod tests {
                 1e15,
                 1e12,
                 2e-3 + i as f64 * 1e-5,
+                if i % 2 == 0 {
+                    Origin::Hardware
+                } else {
+                    Origin::Modelled
+                },
             );
         }
         let json = serde_json::to_string(&store).unwrap();
@@ -310,10 +375,50 @@ mod tests {
             &back.measured[&WorkKind::Prefill]["h800"],
         );
         assert_eq!(a.total, b.total);
+        assert_eq!((a.modelled, b.modelled), (15, 15));
         assert_eq!(a.samples.len(), b.samples.len());
         for (x, y) in a.samples.iter().zip(&b.samples) {
             assert!((x - y).abs() <= 1e-15 * x.abs(), "{x} {y}");
         }
         assert_eq!(back.probed, store.probed);
+    }
+
+    #[test]
+    fn a_figure_measured_on_emulated_hardware_says_so() {
+        let model = Efficiency::default();
+        let work = Work {
+            flops: 0.0,
+            bytes: 1e9,
+        };
+        let mut real = ProfileStore::default();
+        let mut emulated = ProfileStore::default();
+        for _ in 0..MIN_SAMPLES {
+            real.record(
+                WorkKind::Decode,
+                "h20",
+                work,
+                1e15,
+                1e12,
+                1.25e-3,
+                Origin::Hardware,
+            );
+            emulated.record(
+                WorkKind::Decode,
+                "h20",
+                work,
+                1e15,
+                1e12,
+                1.25e-3,
+                Origin::Modelled,
+            );
+        }
+        let real = real.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
+        let emulated = emulated.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
+        assert_eq!((real.source, real.modelled), (Source::Measured, false));
+        assert_eq!(
+            (emulated.source, emulated.modelled),
+            (Source::Measured, true)
+        );
+        assert!((real.share - 0.8).abs() < 1e-12 && (emulated.share - 0.8).abs() < 1e-12);
     }
 }

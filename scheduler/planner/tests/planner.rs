@@ -232,7 +232,7 @@ fn a_pool_too_small_to_hold_the_training_state_is_named() {
 
 #[test]
 fn a_measured_profile_slower_than_the_model_slows_the_prediction() {
-    use rollfleet_planner::profile::{MIN_SAMPLES, ProfileStore};
+    use rollfleet_planner::profile::{MIN_SAMPLES, Origin, ProfileStore};
     use rollfleet_planner::roofline::{WorkKind, decode_step};
     let job = job(
         QWEN_32B,
@@ -252,6 +252,7 @@ fn a_measured_profile_slower_than_the_model_slows_the_prediction() {
             h20.peak_flops(),
             h20.memory_bandwidth_bytes_per_s(),
             at_peak / 0.4,
+            Origin::Hardware,
         );
     }
     let p = plan::problem_profiled(
@@ -275,7 +276,7 @@ fn a_measured_profile_slower_than_the_model_slows_the_prediction() {
 
 #[test]
 fn a_measured_share_beyond_the_margin_is_drift_and_one_within_it_is_not() {
-    use rollfleet_planner::profile::{Estimate, ProfileStore};
+    use rollfleet_planner::profile::{Estimate, Origin, ProfileStore};
     use rollfleet_planner::replan::drift;
     use rollfleet_planner::roofline::WorkKind;
     let job = job(
@@ -286,7 +287,7 @@ fn a_measured_share_beyond_the_margin_is_drift_and_one_within_it_is_not() {
     let store_at = |share: f64| {
         let mut e = Estimate::default();
         for _ in 0..30 {
-            e.add(share);
+            e.add(share, Origin::Hardware);
         }
         let mut s = ProfileStore::default();
         s.measured

@@ -1670,6 +1670,11 @@ impl Actor {
                 gpus * peak_flops,
                 gpus * peak_bandwidth,
                 s.seconds,
+                if s.emulated {
+                    rollfleet_planner::profile::Origin::Modelled
+                } else {
+                    rollfleet_planner::profile::Origin::Hardware
+                },
             );
             self.profile_samples += 1;
         }

@@ -165,6 +165,7 @@ impl DriftWatch {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use rollfleet_planner::profile::Origin;
 
     #[test]
     fn a_malformed_slowdown_is_refused_naming_what_is_wrong() {
@@ -208,6 +209,7 @@ mod tests {
                 peak_flops,
                 peak_bandwidth,
                 at_peak / 0.8,
+                Origin::Hardware,
             );
         }
         assert!(
@@ -225,6 +227,7 @@ mod tests {
                 peak_flops,
                 peak_bandwidth,
                 at_peak / 0.4,
+                Origin::Hardware,
             );
         }
         assert!(

@@ -706,9 +706,14 @@ impl<'a> Sim<'a> {
                     self.estimates.len() - 1
                 }
             };
-            self.estimates[i]
-                .2
-                .add_measured(m.work, e.peak_flops, e.peak_bandwidth, m.seconds);
+            self.estimates[i].2.add_measured(
+                m.work,
+                e.peak_flops,
+                e.peak_bandwidth,
+                m.seconds,
+                // The simulator's durations are its own roofline's.
+                rollfleet_planner::profile::Origin::Modelled,
+            );
         }
     }
 

@@ -232,7 +232,12 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
             rollfleet_planner::profile::Source::Model => "model assumption".to_owned(),
             rollfleet_planner::profile::Source::Probed => "probed".to_owned(),
             rollfleet_planner::profile::Source::Measured => format!(
-                "measured: median of {} samples, spread {:.1} points",
+                "{}: median of {} samples, spread {:.1} points",
+                if f.modelled {
+                    "measured on emulated or simulated hardware (the model's own figures)"
+                } else {
+                    "measured"
+                },
                 f.samples,
                 f.spread.unwrap_or(0.0) * 100.0
             ),

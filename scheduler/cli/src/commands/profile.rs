@@ -13,7 +13,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use rollfleet_planner::profile::{Estimate, Probed, ProfileStore};
+use rollfleet_planner::profile::{Estimate, Origin, Probed, ProfileStore};
 use rollfleet_planner::roofline::{Efficiency, GpuRates, Shapes, WorkKind, profile_rows};
 use rollfleet_planner::workload::Workload;
 use rollfleet_sim::workload::mean;
@@ -122,6 +122,8 @@ struct Row {
     cost_usd: f64,
     share_of_peak: f64,
     source: rollfleet_planner::profile::Source,
+    /// `source` as users read it (says when a measured figure came from emulated hardware).
+    label: &'static str,
     spread: Option<f64>,
     samples: usize,
 }
@@ -186,7 +188,11 @@ pub fn run(
             for (kind, pools) in &incoming.measured {
                 for (pool, e) in pools {
                     summary.row(vec![
-                        "measured".into(),
+                        if e.modelled() {
+                            "measured (emulated or simulated)".into()
+                        } else {
+                            "measured".into()
+                        },
                         kind.name().into(),
                         pool.clone(),
                         e.samples.len().to_string(),
@@ -241,9 +247,11 @@ fn merge(base: &mut ProfileStore, incoming: ProfileStore) {
                 .or_default()
                 .entry(pool)
                 .or_default();
+            // Each sample is added once; the count of modelled ones carries over as it stood.
             for v in e.samples {
-                target.add(v);
+                target.add(v, Origin::Hardware);
             }
+            target.modelled += e.modelled;
         }
     }
     base.probed.extend(incoming.probed);
@@ -393,6 +401,7 @@ fn show(
                     eff.share
                 },
                 source: eff.source,
+                label: eff.label(),
                 spread: eff.spread,
                 samples: eff.samples,
             });
@@ -438,7 +447,7 @@ fn show(
                         Some(s) => format!("{:.2} +- {s:.2}", r.share_of_peak),
                         None => format!("{:.2}", r.share_of_peak),
                     },
-                    format!("{:?}", r.source).to_lowercase(),
+                    r.label.into(),
                 ]);
             }
             t.write(stdout)?;
