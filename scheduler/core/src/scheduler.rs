@@ -1295,7 +1295,12 @@ impl Core {
             Discipline::Continuous => {
                 // Started but not consumed: a window of batches (below) plus the
                 // over-provisioning, in the spirit of AReaL's `(version + maxStaleness + 1) *
-                // batch`, and never more than the job needs.
+                // batch`. The window stays full through the last step too: the last batches
+                // then take the first groups to finish, as every earlier one does, instead of
+                // waiting for the slowest ones the job happened to start (measured: the last
+                // step of the RollArt-like job took 258 s instead of about 120, docs/simulator.md).
+                // Nothing new starts once the last batch went to the trainer; groups still
+                // running then are dropped untrained.
                 let extra = (self.cfg.policy.over_provisioning * b as f64)
                     .ceil()
                     .max(0.0) as u64;
@@ -1310,8 +1315,10 @@ impl Core {
                     .max(3 * b / 4)
                     .max(self.cfg.train_batch_size as u64)
                     .max(n);
-                let budget = (self.stats.trajectories_consumed + window + extra)
-                    .min(self.cfg.steps * b + extra);
+                if self.stats.trajectories_consumed >= self.cfg.steps * b {
+                    return;
+                }
+                let budget = self.stats.trajectories_consumed + window + extra;
                 let live = |core: &Core| core.groups.len() as u64 - core.stats.groups_abandoned;
                 while (live(self) + 1) * n <= budget {
                     self.start_group(0);
