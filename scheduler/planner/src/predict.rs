@@ -293,6 +293,185 @@ struct DecodeKind {
     bandwidth: f64,
     flops: f64,
     cap: f64,
+    /// Trajectories the core's router puts on one replica of this kind per unit of load (see
+    /// [`router_weight`]).
+    weight: f64,
+}
+
+/// How many trajectories the core's router puts on a replica, relative to the others. It
+/// sends a trajectory that has no KV cache anywhere to the replica with the least load key,
+/// `running / max_seqs + KV reserved / KV capacity` (`rollfleet_core::router::load_key`), and
+/// later turns back to the same replica: so it fills replicas in proportion to their room, not
+/// their speed, and `n` trajectories load a replica by `n (1 / max_seqs + reserved / kv)`.
+/// A replica's share is the inverse of that (counting every held trajectory as running: the
+/// batch-slot half weighs little beside the KV half on small replicas, where it matters).
+fn router_weight(max_seqs: f64, reserved_context: f64, kv_tokens: f64) -> f64 {
+    if kv_tokens <= 0.0 || max_seqs <= 0.0 {
+        return 0.0;
+    }
+    1.0 / (1.0 / max_seqs + reserved_context.max(1.0) / kv_tokens)
+}
+
+/// Per-token time of one replica holding `alive` trajectories, each decoding a share `tau / (tau
+/// + other)` of the time it is alive (`other`: seconds it spends on anything but decoding, per
+/// token it decodes). An iteration takes `max((W + b kv) / bandwidth, b flops / FLOP/s)` for a
+/// batch of `b = alive tau / (tau + other)`: the fixed point of each roof is a root of a
+/// quadratic (bandwidth) or linear (compute) equation in `tau`, and the time is the larger.
+fn replica_token_time(
+    k: &DecodeKind,
+    alive: f64,
+    other: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> f64 {
+    let bw = k.bandwidth.max(1e-30);
+    // bw tau^2 + (bw o - W - kv n) tau - W o = 0; the positive root, computed without the
+    // cancellation of its textbook form when `b` is positive.
+    let b = bw * other - weights - kv_per_seq * alive;
+    let disc = (b * b + 4.0 * bw * weights * other).sqrt();
+    let by_bandwidth = if b >= 0.0 {
+        if b + disc > 0.0 {
+            2.0 * weights * other / (b + disc)
+        } else {
+            0.0
+        }
+    } else {
+        (disc - b) / (2.0 * bw)
+    };
+    let by_compute = alive * flops_per_seq / k.flops.max(1e-30) - other;
+    by_bandwidth.max(by_compute)
+}
+
+/// Where the router puts the decoding sequences, and what each kind of replica then runs at.
+#[derive(Debug, Clone, PartialEq)]
+struct Served {
+    /// Per kind: trajectories alive on one replica, its decoding batch, its per-token time.
+    kinds: Vec<(f64, f64, f64)>,
+    /// Per kind: its share of the tokens decoded (and so of the trajectories, which all decode
+    /// alike wherever they are).
+    token_share: Vec<f64>,
+    /// Token-weighted mean per-token time (`decoding sequences / tokens per second`).
+    tau: f64,
+}
+
+/// The router's split of a decode load over the replicas (in proportion to [`router_weight`],
+/// every kind capped by its batch), at the load level that decodes `rate` tokens a second;
+/// `None` if even full replicas cannot. `other` is the seconds a trajectory is alive without
+/// decoding, per token it decodes: each trajectory alive on a replica makes a token every
+/// `tau + other` seconds, so `sum_i replicas_i n_i / (tau_i + other) = rate`, which is
+/// increasing in the load level; bisection on it.
+fn routed(
+    kinds: &[DecodeKind],
+    rate: f64,
+    other: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> Option<Served> {
+    let other = other.max(0.0);
+    let at = |level: f64| -> (Vec<(f64, f64, f64)>, f64) {
+        let mut made = 0.0;
+        let per: Vec<(f64, f64, f64)> = kinds
+            .iter()
+            .map(|k| {
+                if k.replicas <= 0.0 || k.weight <= 0.0 || k.bandwidth <= 0.0 {
+                    return (0.0, 0.0, 0.0);
+                }
+                let alive = (level * k.weight).min(k.cap.max(0.0));
+                let tau = replica_token_time(k, alive, other, weights, kv_per_seq, flops_per_seq);
+                let batch = if tau + other > 0.0 {
+                    alive * tau / (tau + other)
+                } else {
+                    alive
+                };
+                if tau > 0.0 {
+                    made += k.replicas * alive / (tau + other);
+                }
+                (alive, batch, tau)
+            })
+            .collect();
+        (per, made)
+    };
+    // The level at which every kind is full: no higher level adds a sequence.
+    let full = kinds
+        .iter()
+        .filter(|k| k.weight > 0.0 && k.replicas > 0.0)
+        .map(|k| k.cap / k.weight)
+        .fold(0.0_f64, f64::max);
+    if full <= 0.0 {
+        return None;
+    }
+    let (mut lo, mut hi) = (0.0, full);
+    if rate > 0.0 {
+        if at(hi).1 < rate * (1.0 - 1e-9) {
+            return None;
+        }
+        for _ in 0..100 {
+            let mid = 0.5 * (lo + hi);
+            if at(mid).1 >= rate {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+            if hi - lo <= 1e-12 * hi {
+                break;
+            }
+        }
+    } else {
+        // Nothing to decode: one lone sequence, wherever the router would put it.
+        hi = 1e-9 * full;
+    }
+    let (per, made) = at(hi);
+    let token_share: Vec<f64> = kinds
+        .iter()
+        .zip(&per)
+        .map(|(k, &(alive, _, tau))| {
+            if made > 0.0 && tau > 0.0 {
+                k.replicas * alive / (tau + other) / made
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let tau = per
+        .iter()
+        .zip(&token_share)
+        .map(|(&(_, _, t), q)| q * t)
+        .sum();
+    Some(Served {
+        kinds: per,
+        token_share,
+        tau,
+    })
+}
+
+impl Served {
+    /// The token-weighted mean and variance of the per-token time a sequence sees: its replica's
+    /// at the mean batch, plus its own KV cache read (Poisson occupancy: an arriving sequence
+    /// sees one more than the mean batch).
+    fn seen(&self, kinds: &[DecodeKind], kv_per_seq: f64, flops_per_seq: f64) -> (f64, f64) {
+        let (mut mean, mut second) = (0.0, 0.0);
+        for ((k, &(_, _, tau)), q) in kinds.iter().zip(&self.kinds).zip(&self.token_share) {
+            let own = (kv_per_seq / k.bandwidth.max(1e-30)).max(flops_per_seq / k.flops.max(1e-30));
+            let seen = tau + own;
+            mean += q * seen;
+            second += q * seen * seen;
+        }
+        (mean, (second - mean * mean).max(0.0))
+    }
+
+    /// Mean sequences decoding on a replica that holds any.
+    fn batch_per_replica(&self, kinds: &[DecodeKind]) -> f64 {
+        let (mut held, mut replicas) = (0.0, 0.0);
+        for (k, &(_, b, _)) in kinds.iter().zip(&self.kinds) {
+            if b > 0.0 {
+                held += k.replicas * b;
+                replicas += k.replicas;
+            }
+        }
+        held / replicas.max(1e-12)
+    }
 }
 
 /// Sequences one replica batches at per-token time `tau`.
@@ -358,28 +537,6 @@ fn token_time(
     None
 }
 
-/// The per-token time one more sequence in the batch adds, averaged over the sequences as the
-/// replicas hold them at per-token time `tau`: its KV cache read at the replica's bandwidth.
-fn own_kv_read(
-    kinds: &[DecodeKind],
-    tau: f64,
-    weights: f64,
-    kv_per_seq: f64,
-    flops_per_seq: f64,
-) -> f64 {
-    let (mut sequences, mut added) = (0.0, 0.0);
-    for k in kinds.iter().filter(|k| k.bandwidth > 0.0) {
-        let held = k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq);
-        sequences += held;
-        added += held * (kv_per_seq / k.bandwidth).max(flops_per_seq / k.flops.max(1e-30));
-    }
-    if sequences > 0.0 {
-        added / sequences
-    } else {
-        0.0
-    }
-}
-
 /// The token-weighted mean and standard deviation of one turn's action, over the tasks.
 fn action_spread(w: &Workload) -> (f64, f64) {
     let weight: f64 = w.tasks.iter().map(|k| k.share * k.turns).sum();
@@ -399,22 +556,6 @@ fn action_spread(w: &Workload) -> (f64, f64) {
         .sum::<f64>()
         / weight;
     (mean, (second - mean * mean).max(0.0).sqrt())
-}
-
-/// Mean sequences a busy replica holds at per-token time `tau`.
-fn held_per_replica(
-    kinds: &[DecodeKind],
-    tau: f64,
-    weights: f64,
-    kv_per_seq: f64,
-    flops_per_seq: f64,
-) -> f64 {
-    let replicas: f64 = kinds.iter().map(|k| k.replicas).sum();
-    let held: f64 = kinds
-        .iter()
-        .map(|k| k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq))
-        .sum();
-    held / replicas.max(1e-12)
 }
 
 /// How many standard deviations the largest of `n` normal draws lies above their mean (Blom's
@@ -637,13 +778,26 @@ pub(crate) struct Caps {
     trainer_flops: f64,
 }
 
+/// KV tokens a replica of `tp` GPUs of a pool holds besides the weights (the core's rule).
+fn kv_tokens(p: &Problem, pool: &GpuPool, tp: f64) -> f64 {
+    ((tp * pool.rates.memory * p.usable_memory - p.weight_bytes) / p.kv_bytes_per_token).max(0.0)
+}
+
 fn kv_cap(p: &Problem, pool: &GpuPool, tp: f64) -> f64 {
-    let kv_tokens = ((tp * pool.rates.memory * p.usable_memory - p.weight_bytes)
-        / p.kv_bytes_per_token)
-        .max(0.0);
-    (kv_tokens / p.reserved_context.max(1.0))
+    (kv_tokens(p, pool, tp) / p.reserved_context.max(1.0))
         .floor()
         .min(p.max_seqs)
+}
+
+/// One replica of `tp` GPUs of a pool, as the decode model sees it.
+fn decode_kind(p: &Problem, pool: &GpuPool, tp: f64, replicas: f64) -> DecodeKind {
+    DecodeKind {
+        replicas,
+        bandwidth: pool.rates.bandwidth * tp,
+        flops: pool.rates.flops * tp,
+        cap: kv_cap(p, pool, tp),
+        weight: router_weight(p.max_seqs, p.reserved_context, kv_tokens(p, pool, tp)),
+    }
 }
 
 fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
@@ -673,17 +827,15 @@ fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
             Role::Decode | Role::Generate => {
                 caps.local_flops += n * f;
                 caps.local_fastest = caps.local_fastest.max(f);
-                caps.kinds.push(DecodeKind {
-                    replicas: n,
-                    bandwidth: pool.rates.bandwidth * tp,
-                    flops: f,
-                    cap: kv_cap(p, pool, tp),
-                });
+                caps.kinds.push(decode_kind(p, pool, tp, n));
             }
         }
     }
     Some(caps)
 }
+
+/// The token-weighted mean per-token time, and each decode kind's mean batch.
+type TokenTimes = (f64, Vec<f64>);
 
 fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
     let s = step_work(p);
@@ -723,9 +875,19 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
     let window = w.window();
     let transfer_per_token = p.kv_bytes_per_token / p.link_bytes_per_s.max(1.0);
 
+    // Seconds a trajectory is alive but not decoding, per token it decodes: at first its
+    // environment steps and reward alone; each round of the fixed point below then counts its
+    // prefills, queues and refills too.
+    let plain_tokens_per_traj: f64 = w.tasks.iter().map(|k| k.share * k.turns * k.action).sum();
+    let other_first = w
+        .tasks
+        .iter()
+        .map(|k| k.share * ((k.turns + 1.0) * k.env_step_s + k.reward_s))
+        .sum::<f64>()
+        / plain_tokens_per_traj.max(1e-12);
     // Everything that depends on the step time T (through the throughput asked for).
     let (action_mean, action_sd) = action_spread(w);
-    let evaluate = |t: f64| -> Option<(Terms, f64, f64, (f64, f64))> {
+    let evaluate = |t: f64| -> Option<(Terms, TokenTimes, f64, (f64, f64))> {
         let prefill_kinds = [(
             prefill_flops / prefill_fastest.max(1e-30),
             prefill_fastest,
@@ -745,6 +907,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
         let mut alive_s: Vec<f64> = vec![0.0; w.tasks.len()];
         let mut outcome = None;
         let mut offline_s = sync_s;
+        let mut other = other_first;
         for _ in 0..4 {
             // Once a step each replica is drained and loads new weights: it serves nothing for
             // `offline_s`, a share of the step no sequence decodes on it.
@@ -756,39 +919,40 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                     ..*k
                 })
                 .collect();
-            let tau = token_time(
+            // The router fills replicas by room, not speed: each kind decodes at its own
+            // per-token time under the batch it is given, and a trajectory decodes at the time
+            // of the replica it lands on.
+            let served = routed(
                 &scaled,
                 s.decode_tokens * attempts_per_token / t,
+                other,
                 weights,
                 kv_per_seq,
                 flops_per_seq,
             )?;
+            let tau = served.tau;
             // A sequence decodes alongside the others on its replica: Poisson occupancy makes
             // the batch it sees one larger than the mean (PASTA), one more KV cache to read per
             // token than the mean batch pays.
-            let seen_tau = tau + own_kv_read(&scaled, tau, weights, kv_per_seq, flops_per_seq);
+            let (seen_tau, seen_var) = served.seen(&scaled, kv_per_seq, flops_per_seq);
             // Draining waits for the longest of the replica's running actions, caught on
             // average half-way; a turn that arrives meanwhile (probability `offline / T`) waits
             // half of it.
-            let per_replica = held_per_replica(&scaled, tau, weights, kv_per_seq, flops_per_seq);
+            let per_replica = served.batch_per_replica(&scaled);
             let longest_action = action_mean + expected_max_z(per_replica) * action_sd;
             offline_s = sync_s + longest_action * seen_tau / 2.0;
             let update_wait = offline_s * offline_s / (2.0 * t);
             // A sequence's own prefills run where it decodes: each kind of replica gets the
-            // share of the sequences it batches at this per-token time (by compute while none
-            // decodes).
-            let held: Vec<f64> = scaled
-                .iter()
-                .map(|k| k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq))
-                .collect();
-            let sequences: f64 = held.iter().sum();
+            // share of the trajectories' turns it serves, its share of the tokens (by compute
+            // while none decodes).
+            let sequences: f64 = served.token_share.iter().sum();
             let local_capacity: f64 = scaled.iter().map(|k| k.replicas * k.flops).sum();
             let at_tau: Vec<(f64, f64, f64)> = scaled
                 .iter()
-                .zip(&held)
-                .map(|(k, h)| {
+                .zip(&served.token_share)
+                .map(|(k, q)| {
                     let share = if sequences > 0.0 {
-                        h / sequences
+                        q / sequences
                     } else {
                         k.replicas * k.flops / local_capacity.max(1e-30)
                     };
@@ -804,6 +968,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
             let mut tokens_with_retries = 0.0;
             let mut tail: f64 = 0.0;
             let mut first_ready = f64::INFINITY;
+            let mut not_decoding = 0.0;
             for (task, alive) in w.tasks.iter().zip(alive_s.iter_mut()) {
                 let first_tokens = task.prompt;
                 let first = p.flops_per_token * first_tokens
@@ -840,8 +1005,15 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                 let refill_share = (refill_s / t).min(0.9);
                 let stretch = 1.0 / (1.0 - refill_share);
                 let mean_life = plain_life * stretch;
-                let fresh_var = turns
+                // Where a trajectory decodes is drawn by the router, again after every
+                // weight update (its KV cache is gone, so it is routed afresh): its decode time
+                // varies by the spread of per-token times over the replicas it may land on,
+                // averaged over the steps it lives through.
+                let tokens = turns * task.action;
+                let placements = 1.0 + plain_life * stretch / t;
+                let fresh_var = (turns
                     * (task.env_step_var + seen_tau * seen_tau * task.action_var)
+                    + tokens * tokens * seen_var / placements)
                     * stretch
                     * stretch;
                 let lasting_var = task.turns_var * per_turn * per_turn * stretch * stretch;
@@ -861,11 +1033,13 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                 tail = tail.max(attempt);
                 first_ready = first_ready.min(attempt - wait);
                 *alive = mean_life * regen.attempts;
+                not_decoding += task.share * (mean_life - tokens * seen_tau).max(0.0);
             }
+            other = not_decoding / plain_tokens_per_traj.max(1e-12);
             let plain_tokens: f64 = w.tasks.iter().map(|k| k.share * k.turns * k.action).sum();
             attempts_per_token = (tokens_with_retries / plain_tokens.max(1e-12)).max(1.0);
             outcome = Some((
-                tau,
+                (tau, served.kinds.iter().map(|k| k.1).collect::<Vec<f64>>()),
                 slots,
                 regenerated,
                 tail,
@@ -948,7 +1122,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
         }
     }
     let t = hi;
-    let (mut terms, tau, slot, (last_step, first_ready)) = evaluate(t)?;
+    let (mut terms, (tau, batches), slot, (last_step, first_ready)) = evaluate(t)?;
 
     let steps = w.steps.max(1.0);
     // The window is full from the start, so the first step is no longer than the others; but
@@ -1014,22 +1188,18 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
     if let Some(b) = busy.get_mut(c.trainer_pool) {
         *b += c.trainer_gpus as f64 * (train_s / t).min(1.0);
     }
+    let mut decode_index = 0;
     for g in c.groups.iter().filter(|g| g.replicas > 0) {
-        let Some(pool) = p.gpu_pools.get(g.pool) else {
+        if p.gpu_pools.get(g.pool).is_none() {
             continue;
-        };
+        }
         let gpus = (g.tp * g.replicas) as f64;
         let share = match g.role {
             Role::Prefill => (terms.prefill_s / t).min(1.0),
             Role::Decode | Role::Generate => {
-                let tp = g.tp as f64;
-                let k = DecodeKind {
-                    replicas: 1.0,
-                    bandwidth: pool.rates.bandwidth * tp,
-                    flops: pool.rates.flops * tp,
-                    cap: kv_cap(p, pool, tp),
-                };
-                let b = batch_at(&k, tau, weights, kv_per_seq, flops_per_seq);
+                // The decode kinds are the serving groups in order (`capacities`).
+                let b = batches.get(decode_index).copied().unwrap_or(0.0);
+                decode_index += 1;
                 // A replica is busy whenever it holds a sequence (Poisson occupancy).
                 1.0 - (-b).exp()
             }
@@ -1261,12 +1431,8 @@ pub fn relaxed(
         if decodes {
             caps.local_flops += all;
             caps.local_fastest = caps.local_fastest.max(fastest);
-            caps.kinds.push(DecodeKind {
-                replicas: (gpus / smallest) as f64,
-                bandwidth: gp.rates.bandwidth * largest as f64,
-                flops: fastest,
-                cap: kv_cap(p, gp, largest as f64),
-            });
+            caps.kinds
+                .push(decode_kind(p, gp, largest as f64, (gpus / smallest) as f64));
         }
     }
     objective_caps(p, &caps)
@@ -1307,6 +1473,7 @@ mod tests {
             bandwidth,
             flops: 1e18,
             cap: 1e9,
+            weight: 1.0,
         }
     }
 
@@ -1317,6 +1484,51 @@ mod tests {
         // 1e6 tau - 1e3 = 1e5 tau  =>  tau = 1e3 / 9e5 = 1.111 ms.
         let tau = token_time(&[kind(1.0, 1e12)], 1e5, 1e9, 1e6, 1.0).unwrap();
         assert!((tau - 1e3 / 9e5).abs() < 1e-12, "{tau}");
+    }
+
+    #[test]
+    fn the_router_fills_replicas_by_room_so_a_slow_one_decodes_its_share_at_its_own_pace() {
+        // Equal room, 1 GB of weights, 1 MB of KV per sequence, nothing but decoding. At 100
+        // sequences each, the 1 TB/s replica takes (1e9 + 1e8) / 1e12 = 1.1 ms a token and the
+        // 0.1 TB/s one 11 ms: 100 / 1.1e-3 + 100 / 1.1e-2 = 100,000 tokens/s, 10/11 of them
+        // fast. Token-weighted: 10/11 x 1.1 + 1/11 x 11 = 2 ms (= 200 sequences / 1e5 tokens/s),
+        // where water-filling gave the slow replica nothing and 1.11 ms.
+        let served = routed(&[kind(1.0, 1e12), kind(1.0, 1e11)], 1e5, 0.0, 1e9, 1e6, 1.0).unwrap();
+        assert!((served.tau - 2e-3).abs() < 1e-9, "{served:?}");
+        assert!(
+            (served.token_share[0] - 10.0 / 11.0).abs() < 1e-6,
+            "{served:?}"
+        );
+        assert!((served.kinds[1].2 - 1.1e-2).abs() < 1e-8, "{served:?}");
+        let filled = token_time(&[kind(1.0, 1e12), kind(1.0, 1e11)], 1e5, 1e9, 1e6, 1.0).unwrap();
+        assert!((filled - 1e3 / 9e5).abs() < 1e-12, "{filled}");
+    }
+
+    #[test]
+    fn a_trajectory_that_is_not_always_decoding_batches_only_while_it_decodes() {
+        // 100 trajectories alive, each 1 ms of other work per token: the batch is 100 tau /
+        // (tau + 1e-3), and (1e9 + 1e6 b) / 1e12 = tau gives tau^2 - 1e-4 tau - 1e-6 = 0:
+        // tau = (1e-4 + sqrt(4.01e-6)) / 2 = 1.051249 ms, a batch of 51.25.
+        let tau = replica_token_time(&kind(1.0, 1e12), 100.0, 1e-3, 1e9, 1e6, 1.0);
+        assert!(
+            (tau - (1e-4 + 4.01e-6_f64.sqrt()) / 2.0).abs() < 1e-12,
+            "{tau}"
+        );
+        let batch = 100.0 * tau / (tau + 1e-3);
+        assert!(((1e9 + 1e6 * batch) / 1e12 - tau).abs() < 1e-12);
+        // Always decoding, it is the plain roofline of the whole batch.
+        let plain = replica_token_time(&kind(1.0, 1e12), 100.0, 0.0, 1e9, 1e6, 1.0);
+        assert!((plain - 1.1e-3).abs() < 1e-12, "{plain}");
+    }
+
+    #[test]
+    fn the_router_gives_a_replica_trajectories_in_proportion_to_its_room() {
+        // 256 batch slots; 10,000 tokens reserved per trajectory. 2.56 M KV tokens: load
+        // 1/256 + 1/256 per trajectory, weight 128; 100,000 KV tokens: 1/256 + 1/10, 9.624.
+        assert!((router_weight(256.0, 10_000.0, 2.56e6) - 128.0).abs() < 1e-9);
+        let small = router_weight(256.0, 10_000.0, 1e5);
+        assert!((small - 1.0 / (1.0 / 256.0 + 0.1)).abs() < 1e-12, "{small}");
+        assert_eq!(router_weight(256.0, 10_000.0, 0.0), 0.0);
     }
 
     #[test]
