@@ -151,7 +151,10 @@ fn branch_and_bound_finds_the_brute_force_optimum_on_small_instances() {
             let brute = search::brute_force(&p);
             let default = search::solve(&p);
             if let (Some(d), Some(b)) = (&default, &brute) {
-                assert!(d.step_s <= b.step_s * (1.0 + search::DEFAULT_GAP) + 1e-12);
+                assert!(
+                    d.step_s <= b.step_s * (1.0 + search::DEFAULT_GAP) + 1e-12,
+                    "{name}: {d:?} {b:?}"
+                );
             }
             match (exact, brute) {
                 (Some(e), Some(b)) => {
@@ -454,4 +457,72 @@ fn more_replicas_never_make_the_predicted_step_slower() {
         let t = predict::step_time(&p, &c).unwrap();
         assert!(t <= t0 * (1.0 + 1e-9), "case {i}: {t} > {t0}");
     }
+}
+
+#[test]
+fn many_one_gpu_replicas_on_a_slowed_pool_are_predicted_slower_than_its_eight_gpu_ones() {
+    // The drift case: the H20s achieve a quarter of their rates. 320 one-GPU replicas each read
+    // the 65.6 GB of weights at 0.8 TB/s (82 ms a token alone) and the router still fills them
+    // by their room, so moving to them must not look like a gain, by either model.
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 192 }\n    - { name: h20, gpu: H20, count: 320 }",
+    );
+    let mut p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let h800 = p.gpu_pools.iter().position(|g| g.name == "h800").unwrap();
+    let h20 = p.gpu_pools.iter().position(|g| g.name == "h20").unwrap();
+    p.gpu_pools[h20].rates.bandwidth *= 0.25;
+    p.gpu_pools[h20].rates.flops *= 0.25;
+    let lone = p.active_weight_bytes / p.gpu_pools[h20].rates.bandwidth;
+    assert!((lone - 0.082).abs() < 0.001, "{lone}");
+    let placement = |h20_tp: u32| predict::Candidate {
+        groups: vec![
+            predict::Group {
+                pool: h800,
+                role: Role::Generate,
+                tp: 8,
+                replicas: 10,
+            },
+            predict::Group {
+                pool: h20,
+                role: Role::Generate,
+                tp: h20_tp,
+                replicas: 320 / h20_tp,
+            },
+        ],
+        trainer_pool: h800,
+        trainer_gpus: 112,
+    };
+    let (tp8, tp1) = (placement(8), placement(1));
+    let (full8, full1) = (
+        predict::predict(&p, &tp8).unwrap(),
+        predict::predict(&p, &tp1).unwrap(),
+    );
+    assert!(
+        full1.step_s > 1.05 * full8.step_s,
+        "{full1:?} against {full8:?}"
+    );
+    // A sequence's mean per-token time is at least its share of the one-GPU replicas' lone
+    // time: far above the H800s' lone 65.6 GB / 21.4 TB/s = 3.1 ms.
+    assert!(
+        full1.token_s > full8.token_s,
+        "{} {}",
+        full1.token_s,
+        full8.token_s
+    );
+    let (obj8, obj1) = (
+        predict::step_time(&p, &tp8).unwrap(),
+        predict::step_time(&p, &tp1).unwrap(),
+    );
+    assert!(obj1 > obj8, "{obj1} against {obj8}");
+    // And the search does not choose one-GPU H20 replicas.
+    let found = search::solve(&p).unwrap();
+    assert!(
+        found
+            .candidate
+            .groups
+            .iter()
+            .all(|g| g.pool != h20 || g.tp > 1),
+        "{found:?}"
+    );
 }
