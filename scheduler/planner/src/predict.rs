@@ -783,6 +783,9 @@ pub(crate) struct Caps {
     local_fastest: f64,
     kinds: Vec<DecodeKind>,
     trainer_flops: f64,
+    /// Nodes the trainer spans: the core updates that many replicas' weights at once (its
+    /// default `max_concurrent_updates`), each node feeding one.
+    trainer_nodes: f64,
 }
 
 /// KV tokens a replica of `tp` GPUs of a pool holds besides the weights (the core's rule).
@@ -820,6 +823,7 @@ fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
         local_fastest: 0.0,
         kinds: Vec::new(),
         trainer_flops: c.trainer_gpus as f64 * trainer.peak_flops,
+        trainer_nodes: c.trainer_gpus.div_ceil(trainer.per_node.max(1)).max(1) as f64,
     };
     for g in c.groups.iter().filter(|g| g.replicas > 0) {
         let pool = p.gpu_pools.get(g.pool)?;
@@ -881,6 +885,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
     let sync_s = p.weight_bytes / p.link_bytes_per_s.max(1.0);
     let window = w.window();
     let transfer_per_token = p.kv_bytes_per_token / p.link_bytes_per_s.max(1.0);
+    let decode_replicas: f64 = kinds.iter().map(|k| k.replicas).sum();
 
     // Seconds a trajectory is alive but not decoding, per token it decodes: at first its
     // environment steps and reward alone; each round of the fixed point below then counts its
@@ -949,6 +954,18 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
             let longest_action = action_mean + expected_max_z(per_replica) * action_sd;
             offline_s = sync_s + longest_action * seen_tau / 2.0;
             let update_wait = offline_s * offline_s / (2.0 * t);
+            // The core updates replicas a trainer node's worth at a time, and a turn whose
+            // replica is draining goes to another one (paying the refill counted below), so a
+            // later turn waits only when every replica updates at once. A first turn under a
+            // staleness bound of 1 must start on the newest weights, which no replica has until
+            // the first of them is updated, so it waits either way.
+            let together = decode_replicas <= caps.trainer_nodes;
+            let later_wait = if together { update_wait } else { 0.0 };
+            let first_wait = if together || w.max_staleness <= 1.0 {
+                update_wait
+            } else {
+                0.0
+            };
             // A sequence's own prefills run where it decodes: each kind of replica gets the
             // share of the trajectories' turns it serves, its share of the tokens (by compute
             // while none decodes).
@@ -980,14 +997,17 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                 let first_tokens = task.prompt;
                 let first = p.flops_per_token * first_tokens
                     + p.attention_flops * first_tokens * first_tokens / 2.0;
-                let first_s = if remote_prefill(p, disaggregated, first_tokens) {
-                    first * remote.s_per_flop + remote.wait_s + first_tokens * transfer_per_token
-                } else {
-                    first * local.s_per_flop + local_wait
-                };
+                let first_s = first_wait
+                    + if remote_prefill(p, disaggregated, first_tokens) {
+                        first * remote.s_per_flop
+                            + remote.wait_s
+                            + first_tokens * transfer_per_token
+                    } else {
+                        first * local.s_per_flop + local_wait
+                    };
                 let obs = task.observation;
                 let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
-                let later_s = later * local.s_per_flop + local_wait + update_wait;
+                let later_s = later * local.s_per_flop + local_wait + later_wait;
                 // Once a step its replica takes new weights and drops its KV cache: its next
                 // turn prefills the whole context again, and queues for it.
                 let whole = context_prefill_flops(p, task.decode_context);

@@ -511,3 +511,37 @@ fn many_one_gpu_replicas_on_a_slowed_pool_are_predicted_slower_than_its_eight_gp
         full8.token_s
     );
 }
+
+#[test]
+fn turns_wait_for_a_weight_update_only_when_every_replica_updates_at_once() {
+    // Two H20 replicas of 4 GPUs and an 8-GPU trainer. The core updates as many replicas at
+    // once as the trainer has nodes: with 4 GPUs a node that is both replicas together, so a
+    // turn arriving during the update waits for it; with 8 a node, one at a time, and the
+    // turn goes to the other replica instead (its refill is paid either way).
+    let predict_with = |per_node: u32| {
+        let job = job(
+            QWEN_7B,
+            &format!(
+                "    - {{ name: a, gpu: H800, count: 8, gpusPerNode: {per_node} }}\n    - {{ name: b, gpu: H20, count: 8, gpusPerNode: {per_node} }}"
+            ),
+        );
+        let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+        let c = predict::Candidate {
+            groups: vec![predict::Group {
+                pool: 1,
+                role: Role::Generate,
+                tp: 4,
+                replicas: 2,
+            }],
+            trainer_pool: 0,
+            trainer_gpus: 8,
+        };
+        predict::predict(&p, &c).unwrap()
+    };
+    let (together, rolling) = (predict_with(4), predict_with(8));
+    assert!(
+        together.slot_lifetime_s > rolling.slot_lifetime_s,
+        "{together:?} against {rolling:?}"
+    );
+    assert!(together.step_s > rolling.step_s);
+}
