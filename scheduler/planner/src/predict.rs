@@ -216,8 +216,12 @@ pub struct Prediction {
     pub binding: Binding,
     /// Each term at the solution, seconds.
     pub terms: Terms,
-    /// Seconds per decoded token at the operating point.
+    /// Seconds per decoded token at the operating point (the mean over the tokens: each kind of
+    /// replica decodes its share at its own pace).
     pub token_s: f64,
+    /// Mean sequences one replica of each serving group decodes at once, as the router fills
+    /// them (parallel to the candidate's groups; 0 for prefill groups and empty ones).
+    pub decode_batch: Vec<f64>,
     /// Mean lifetime of a group's slot (all its attempts, slowest member plus waiting for a
     /// training batch), seconds.
     pub slot_lifetime_s: f64,
@@ -1216,8 +1220,9 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
         *b += c.trainer_gpus as f64 * (train_s / t).min(1.0);
     }
     let mut decode_index = 0;
-    for g in c.groups.iter().filter(|g| g.replicas > 0) {
-        if p.gpu_pools.get(g.pool).is_none() {
+    let mut decode_batch = vec![0.0; c.groups.len()];
+    for (g, batch) in c.groups.iter().zip(decode_batch.iter_mut()) {
+        if g.replicas == 0 || p.gpu_pools.get(g.pool).is_none() {
             continue;
         }
         let gpus = (g.tp * g.replicas) as f64;
@@ -1227,6 +1232,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                 // The decode kinds are the serving groups in order (`capacities`).
                 let b = batches.get(decode_index).copied().unwrap_or(0.0);
                 decode_index += 1;
+                *batch = b;
                 // A replica is busy whenever it holds a sequence (Poisson occupancy).
                 1.0 - (-b).exp()
             }
@@ -1254,6 +1260,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
         binding,
         terms,
         token_s: tau,
+        decode_batch,
         slot_lifetime_s: slot,
         gpu_utilisation,
         env_utilisation: (env_s / t).min(1.0),

@@ -502,6 +502,11 @@ fn many_one_gpu_replicas_on_a_slowed_pool_are_predicted_slower_than_its_eight_gp
         full1.step_s > 1.05 * full8.step_s,
         "{full1:?} against {full8:?}"
     );
+    // The router fills the one-GPU replicas too, by their room (86.4 GB usable less 65.6 GB
+    // of weights: 20.8 GB of KV each), where water-filling left them empty: each decodes
+    // about one sequence at a time (0.87), the H800s' replicas 4.4.
+    assert!(full1.decode_batch[1] > 0.5, "{:?}", full1.decode_batch);
+    assert!(full1.decode_batch[0] > 0.5 && full8.decode_batch[1] > 0.5);
     // The one-GPU replicas' trajectories decode at 82 ms a token or more: the mean over the
     // tokens rises too.
     assert!(
