@@ -27,8 +27,10 @@
 //!   the slowest replica); a sequence sees one more KV cache than the mean batch (Poisson
 //!   occupancy);
 //! - once a step each replica is drained and loads new weights, dropping its KV caches: every
-//!   trajectory alive then prefills its whole context again (a refill), and turns arriving during
-//!   the drain wait for it. Prefills queue (M/G/1) where they run;
+//!   trajectory alive then prefills its whole context again (a refill). A turn arriving during
+//!   the drain goes to another replica, unless every replica updates at once (no more decode
+//!   replicas than trainer nodes) or it is a first turn that must start on the newest weights
+//!   (`maxStaleness: 1`): then it waits. Prefills queue (M/G/1) where they run;
 //! - the staleness bound: a group must be taken by the trainer within `maxStaleness + 1`
 //!   versions of its start, less the share of a step it started into; an attempt that misses is
 //!   thrown away and the group starts again (regeneration), so by Wald's identity it holds its
