@@ -584,7 +584,7 @@ pub fn describe(
             .sum::<f64>()
             / tokens.max(1e-12)
     };
-    for g in c.groups.iter().filter(|g| g.replicas > 0) {
+    for (i, g) in c.groups.iter().enumerate().filter(|(_, g)| g.replicas > 0) {
         let Some(pool) = p.gpu_pools.get(g.pool) else {
             continue;
         };
@@ -597,11 +597,14 @@ pub fn describe(
                 g.pool,
             ),
             Role::Decode | Role::Generate => {
-                let kv_per_seq = p.kv_bytes_per_token * context;
-                let b = ((g.tp as f64 * pool.rates.bandwidth * prediction.token_s
-                    - p.active_weight_bytes)
-                    / kv_per_seq.max(1e-30))
-                .clamp(1.0, p.max_seqs);
+                // The batch the router gives this group's replicas (at least one sequence, as
+                // a replica that decodes at all does).
+                let b = prediction
+                    .decode_batch
+                    .get(i)
+                    .copied()
+                    .unwrap_or(1.0)
+                    .clamp(1.0, p.max_seqs);
                 explain_role(
                     p,
                     "decode",

@@ -16,15 +16,21 @@
 //!
 //! - a group is done when its slowest member is (mean lifetime plus `E[max of n normals]`
 //!   standard deviations), then waits for a training batch to fill;
-//! - each turn decodes at the per-token time a sequence sees: decode replicas batch every running
-//!   sequence, so each token takes `(W + b x KV x c) / bandwidth` for a batch of `b`. The router
-//!   balances replicas so that every busy one runs at the same per-token time `tau`
-//!   (water-filling: a replica too slow to beat `tau` even alone gets nothing), Little's law on
-//!   decoding sequences gives `sum_i b_i(tau) = tokens per second x tau`, and a sequence sees one
-//!   more KV cache than the mean batch (Poisson occupancy);
+//! - each turn decodes at the per-token time of the replica it is on: replicas batch every
+//!   running sequence, so each token takes `max((W + b x KV x c) / bandwidth, b x FLOPs /
+//!   FLOP/s)` for a batch of `b`. The core's router fills replicas by their room (batch slots
+//!   and KV memory), not their speed, and keeps a trajectory on its replica until a weight
+//!   update drops its KV cache ([`routed`]): each kind of replica holds its share of the
+//!   trajectories alive, decodes them at its own per-token time, and the load level is the one
+//!   that decodes the tokens asked for. A trajectory's decode time is the token-weighted mean
+//!   of those times, and varies by their spread (a group's slowest member is often the one on
+//!   the slowest replica); a sequence sees one more KV cache than the mean batch (Poisson
+//!   occupancy);
 //! - once a step each replica is drained and loads new weights, dropping its KV caches: every
-//!   trajectory alive then prefills its whole context again (a refill), and turns arriving during
-//!   the drain wait for it. Prefills queue (M/G/1) where they run;
+//!   trajectory alive then prefills its whole context again (a refill). A turn arriving during
+//!   the drain goes to another replica, unless every replica updates at once (no more decode
+//!   replicas than trainer nodes) or it is a first turn that must start on the newest weights
+//!   (`maxStaleness: 1`): then it waits. Prefills queue (M/G/1) where they run;
 //! - the staleness bound: a group must be taken by the trainer within `maxStaleness + 1`
 //!   versions of its start, less the share of a step it started into; an attempt that misses is
 //!   thrown away and the group starts again (regeneration), so by Wald's identity it holds its
@@ -34,11 +40,14 @@
 //! (bisection). The job's average adds the last step, which waits for the last groups admitted.
 //!
 //! The search does not compare placements by this prediction but by [`step_time`], the
-//! first-order model without regeneration, refills, drains or the closed loop: the full model is
-//! closer to the simulated step everywhere it was checked but ranks a single decode replica too
-//! well (docs/planner.md). Every term of [`step_time`] only shrinks as capacity is added (a
-//! faster or an extra replica never slows it), which is what lets the search bound partial
-//! placements by relaxing the rest.
+//! first-order model without regeneration, refills, drains or the closed loop, whose decode is
+//! still split by water-filling (every busy replica at one per-token time, a replica too slow
+//! to beat it alone getting nothing): the full model ranks a single decode replica too well,
+//! and a router-faithful objective chose a placement that simulates worse for the same reason
+//! (docs/planner.md). Every term of [`step_time`] only shrinks as capacity is added (a faster
+//! or an extra replica never slows it), which is what lets the search bound partial placements
+//! by relaxing the rest. A move the search proposes is judged by this prediction
+//! (`rollfleet sim --replan-on-drift`).
 
 use serde::Serialize;
 
@@ -209,8 +218,12 @@ pub struct Prediction {
     pub binding: Binding,
     /// Each term at the solution, seconds.
     pub terms: Terms,
-    /// Seconds per decoded token at the operating point.
+    /// Seconds per decoded token at the operating point (the mean over the tokens: each kind of
+    /// replica decodes its share at its own pace).
     pub token_s: f64,
+    /// Mean sequences one replica of each serving group decodes at once, as the router fills
+    /// them (parallel to the candidate's groups; 0 for prefill groups and empty ones).
+    pub decode_batch: Vec<f64>,
     /// Mean lifetime of a group's slot (all its attempts, slowest member plus waiting for a
     /// training batch), seconds.
     pub slot_lifetime_s: f64,
@@ -293,6 +306,185 @@ struct DecodeKind {
     bandwidth: f64,
     flops: f64,
     cap: f64,
+    /// Trajectories the core's router puts on one replica of this kind per unit of load (see
+    /// [`router_weight`]).
+    weight: f64,
+}
+
+/// How many trajectories the core's router puts on a replica, relative to the others. It
+/// sends a trajectory that has no KV cache anywhere to the replica with the least load key,
+/// `running / max_seqs + KV reserved / KV capacity` (`rollfleet_core::router::load_key`), and
+/// later turns back to the same replica: so it fills replicas in proportion to their room, not
+/// their speed, and `n` trajectories load a replica by `n (1 / max_seqs + reserved / kv)`.
+/// A replica's share is the inverse of that (counting every held trajectory as running: the
+/// batch-slot half weighs little beside the KV half on small replicas, where it matters).
+fn router_weight(max_seqs: f64, reserved_context: f64, kv_tokens: f64) -> f64 {
+    if kv_tokens <= 0.0 || max_seqs <= 0.0 {
+        return 0.0;
+    }
+    1.0 / (1.0 / max_seqs + reserved_context.max(1.0) / kv_tokens)
+}
+
+/// Per-token time of one replica holding `alive` trajectories, each decoding a share `tau / (tau
+/// + other)` of the time it is alive (`other`: seconds it spends on anything but decoding, per
+/// token it decodes). An iteration takes `max((W + b kv) / bandwidth, b flops / FLOP/s)` for a
+/// batch of `b = alive tau / (tau + other)`: the fixed point of each roof is a root of a
+/// quadratic (bandwidth) or linear (compute) equation in `tau`, and the time is the larger.
+fn replica_token_time(
+    k: &DecodeKind,
+    alive: f64,
+    other: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> f64 {
+    let bw = k.bandwidth.max(1e-30);
+    // bw tau^2 + (bw o - W - kv n) tau - W o = 0; the positive root, computed without the
+    // cancellation of its textbook form when `b` is positive.
+    let b = bw * other - weights - kv_per_seq * alive;
+    let disc = (b * b + 4.0 * bw * weights * other).sqrt();
+    let by_bandwidth = if b >= 0.0 {
+        if b + disc > 0.0 {
+            2.0 * weights * other / (b + disc)
+        } else {
+            0.0
+        }
+    } else {
+        (disc - b) / (2.0 * bw)
+    };
+    let by_compute = alive * flops_per_seq / k.flops.max(1e-30) - other;
+    by_bandwidth.max(by_compute)
+}
+
+/// Where the router puts the decoding sequences, and what each kind of replica then runs at.
+#[derive(Debug, Clone, PartialEq)]
+struct Served {
+    /// Per kind: trajectories alive on one replica, its decoding batch, its per-token time.
+    kinds: Vec<(f64, f64, f64)>,
+    /// Per kind: its share of the tokens decoded (and so of the trajectories, which all decode
+    /// alike wherever they are).
+    token_share: Vec<f64>,
+    /// Token-weighted mean per-token time (`decoding sequences / tokens per second`).
+    tau: f64,
+}
+
+/// The router's split of a decode load over the replicas (in proportion to [`router_weight`],
+/// every kind capped by its batch), at the load level that decodes `rate` tokens a second;
+/// `None` if even full replicas cannot. `other` is the seconds a trajectory is alive without
+/// decoding, per token it decodes: each trajectory alive on a replica makes a token every
+/// `tau + other` seconds, so `sum_i replicas_i n_i / (tau_i + other) = rate`, which is
+/// increasing in the load level; bisection on it.
+fn routed(
+    kinds: &[DecodeKind],
+    rate: f64,
+    other: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> Option<Served> {
+    let other = other.max(0.0);
+    let at = |level: f64| -> (Vec<(f64, f64, f64)>, f64) {
+        let mut made = 0.0;
+        let per: Vec<(f64, f64, f64)> = kinds
+            .iter()
+            .map(|k| {
+                if k.replicas <= 0.0 || k.weight <= 0.0 || k.bandwidth <= 0.0 {
+                    return (0.0, 0.0, 0.0);
+                }
+                let alive = (level * k.weight).min(k.cap.max(0.0));
+                let tau = replica_token_time(k, alive, other, weights, kv_per_seq, flops_per_seq);
+                let batch = if tau + other > 0.0 {
+                    alive * tau / (tau + other)
+                } else {
+                    alive
+                };
+                if tau > 0.0 {
+                    made += k.replicas * alive / (tau + other);
+                }
+                (alive, batch, tau)
+            })
+            .collect();
+        (per, made)
+    };
+    // The level at which every kind is full: no higher level adds a sequence.
+    let full = kinds
+        .iter()
+        .filter(|k| k.weight > 0.0 && k.replicas > 0.0)
+        .map(|k| k.cap / k.weight)
+        .fold(0.0_f64, f64::max);
+    if full <= 0.0 {
+        return None;
+    }
+    let (mut lo, mut hi) = (0.0, full);
+    if rate > 0.0 {
+        if at(hi).1 < rate * (1.0 - 1e-9) {
+            return None;
+        }
+        for _ in 0..100 {
+            let mid = 0.5 * (lo + hi);
+            if at(mid).1 >= rate {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+            if hi - lo <= 1e-12 * hi {
+                break;
+            }
+        }
+    } else {
+        // Nothing to decode: one lone sequence, wherever the router would put it.
+        hi = 1e-9 * full;
+    }
+    let (per, made) = at(hi);
+    let token_share: Vec<f64> = kinds
+        .iter()
+        .zip(&per)
+        .map(|(k, &(alive, _, tau))| {
+            if made > 0.0 && tau > 0.0 {
+                k.replicas * alive / (tau + other) / made
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let tau = per
+        .iter()
+        .zip(&token_share)
+        .map(|(&(_, _, t), q)| q * t)
+        .sum();
+    Some(Served {
+        kinds: per,
+        token_share,
+        tau,
+    })
+}
+
+impl Served {
+    /// The token-weighted mean and variance of the per-token time a sequence sees: its replica's
+    /// at the mean batch, plus its own KV cache read (Poisson occupancy: an arriving sequence
+    /// sees one more than the mean batch).
+    fn seen(&self, kinds: &[DecodeKind], kv_per_seq: f64, flops_per_seq: f64) -> (f64, f64) {
+        let (mut mean, mut second) = (0.0, 0.0);
+        for ((k, &(_, _, tau)), q) in kinds.iter().zip(&self.kinds).zip(&self.token_share) {
+            let own = (kv_per_seq / k.bandwidth.max(1e-30)).max(flops_per_seq / k.flops.max(1e-30));
+            let seen = tau + own;
+            mean += q * seen;
+            second += q * seen * seen;
+        }
+        (mean, (second - mean * mean).max(0.0))
+    }
+
+    /// Mean sequences decoding on a replica that holds any.
+    fn batch_per_replica(&self, kinds: &[DecodeKind]) -> f64 {
+        let (mut held, mut replicas) = (0.0, 0.0);
+        for (k, &(_, b, _)) in kinds.iter().zip(&self.kinds) {
+            if b > 0.0 {
+                held += k.replicas * b;
+                replicas += k.replicas;
+            }
+        }
+        held / replicas.max(1e-12)
+    }
 }
 
 /// Sequences one replica batches at per-token time `tau`.
@@ -358,28 +550,6 @@ fn token_time(
     None
 }
 
-/// The per-token time one more sequence in the batch adds, averaged over the sequences as the
-/// replicas hold them at per-token time `tau`: its KV cache read at the replica's bandwidth.
-fn own_kv_read(
-    kinds: &[DecodeKind],
-    tau: f64,
-    weights: f64,
-    kv_per_seq: f64,
-    flops_per_seq: f64,
-) -> f64 {
-    let (mut sequences, mut added) = (0.0, 0.0);
-    for k in kinds.iter().filter(|k| k.bandwidth > 0.0) {
-        let held = k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq);
-        sequences += held;
-        added += held * (kv_per_seq / k.bandwidth).max(flops_per_seq / k.flops.max(1e-30));
-    }
-    if sequences > 0.0 {
-        added / sequences
-    } else {
-        0.0
-    }
-}
-
 /// The token-weighted mean and standard deviation of one turn's action, over the tasks.
 fn action_spread(w: &Workload) -> (f64, f64) {
     let weight: f64 = w.tasks.iter().map(|k| k.share * k.turns).sum();
@@ -399,22 +569,6 @@ fn action_spread(w: &Workload) -> (f64, f64) {
         .sum::<f64>()
         / weight;
     (mean, (second - mean * mean).max(0.0).sqrt())
-}
-
-/// Mean sequences a busy replica holds at per-token time `tau`.
-fn held_per_replica(
-    kinds: &[DecodeKind],
-    tau: f64,
-    weights: f64,
-    kv_per_seq: f64,
-    flops_per_seq: f64,
-) -> f64 {
-    let replicas: f64 = kinds.iter().map(|k| k.replicas).sum();
-    let held: f64 = kinds
-        .iter()
-        .map(|k| k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq))
-        .sum();
-    held / replicas.max(1e-12)
 }
 
 /// How many standard deviations the largest of `n` normal draws lies above their mean (Blom's
@@ -635,15 +789,31 @@ pub(crate) struct Caps {
     local_fastest: f64,
     kinds: Vec<DecodeKind>,
     trainer_flops: f64,
+    /// Nodes the trainer spans: the core updates that many replicas' weights at once (its
+    /// default `max_concurrent_updates`), each node feeding one.
+    trainer_nodes: f64,
+}
+
+/// KV tokens a replica of `tp` GPUs of a pool holds besides the weights (the core's rule).
+fn kv_tokens(p: &Problem, pool: &GpuPool, tp: f64) -> f64 {
+    ((tp * pool.rates.memory * p.usable_memory - p.weight_bytes) / p.kv_bytes_per_token).max(0.0)
 }
 
 fn kv_cap(p: &Problem, pool: &GpuPool, tp: f64) -> f64 {
-    let kv_tokens = ((tp * pool.rates.memory * p.usable_memory - p.weight_bytes)
-        / p.kv_bytes_per_token)
-        .max(0.0);
-    (kv_tokens / p.reserved_context.max(1.0))
+    (kv_tokens(p, pool, tp) / p.reserved_context.max(1.0))
         .floor()
         .min(p.max_seqs)
+}
+
+/// One replica of `tp` GPUs of a pool, as the decode model sees it.
+fn decode_kind(p: &Problem, pool: &GpuPool, tp: f64, replicas: f64) -> DecodeKind {
+    DecodeKind {
+        replicas,
+        bandwidth: pool.rates.bandwidth * tp,
+        flops: pool.rates.flops * tp,
+        cap: kv_cap(p, pool, tp),
+        weight: router_weight(p.max_seqs, p.reserved_context, kv_tokens(p, pool, tp)),
+    }
 }
 
 fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
@@ -659,6 +829,7 @@ fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
         local_fastest: 0.0,
         kinds: Vec::new(),
         trainer_flops: c.trainer_gpus as f64 * trainer.peak_flops,
+        trainer_nodes: c.trainer_gpus.div_ceil(trainer.per_node.max(1)).max(1) as f64,
     };
     for g in c.groups.iter().filter(|g| g.replicas > 0) {
         let pool = p.gpu_pools.get(g.pool)?;
@@ -673,17 +844,15 @@ fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
             Role::Decode | Role::Generate => {
                 caps.local_flops += n * f;
                 caps.local_fastest = caps.local_fastest.max(f);
-                caps.kinds.push(DecodeKind {
-                    replicas: n,
-                    bandwidth: pool.rates.bandwidth * tp,
-                    flops: f,
-                    cap: kv_cap(p, pool, tp),
-                });
+                caps.kinds.push(decode_kind(p, pool, tp, n));
             }
         }
     }
     Some(caps)
 }
+
+/// The token-weighted mean per-token time, and each decode kind's mean batch.
+type TokenTimes = (f64, Vec<f64>);
 
 fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
     let s = step_work(p);
@@ -722,10 +891,21 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
     let sync_s = p.weight_bytes / p.link_bytes_per_s.max(1.0);
     let window = w.window();
     let transfer_per_token = p.kv_bytes_per_token / p.link_bytes_per_s.max(1.0);
+    let decode_replicas: f64 = kinds.iter().map(|k| k.replicas).sum();
 
+    // Seconds a trajectory is alive but not decoding, per token it decodes: at first its
+    // environment steps and reward alone; each round of the fixed point below then counts its
+    // prefills, queues and refills too.
+    let plain_tokens_per_traj: f64 = w.tasks.iter().map(|k| k.share * k.turns * k.action).sum();
+    let other_first = w
+        .tasks
+        .iter()
+        .map(|k| k.share * ((k.turns + 1.0) * k.env_step_s + k.reward_s))
+        .sum::<f64>()
+        / plain_tokens_per_traj.max(1e-12);
     // Everything that depends on the step time T (through the throughput asked for).
     let (action_mean, action_sd) = action_spread(w);
-    let evaluate = |t: f64| -> Option<(Terms, f64, f64, (f64, f64))> {
+    let evaluate = |t: f64| -> Option<(Terms, TokenTimes, f64, (f64, f64))> {
         let prefill_kinds = [(
             prefill_flops / prefill_fastest.max(1e-30),
             prefill_fastest,
@@ -745,6 +925,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
         let mut alive_s: Vec<f64> = vec![0.0; w.tasks.len()];
         let mut outcome = None;
         let mut offline_s = sync_s;
+        let mut other = other_first;
         for _ in 0..4 {
             // Once a step each replica is drained and loads new weights: it serves nothing for
             // `offline_s`, a share of the step no sequence decodes on it.
@@ -756,39 +937,52 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                     ..*k
                 })
                 .collect();
-            let tau = token_time(
+            // The router fills replicas by room, not speed: each kind decodes at its own
+            // per-token time under the batch it is given, and a trajectory decodes at the time
+            // of the replica it lands on.
+            let served = routed(
                 &scaled,
                 s.decode_tokens * attempts_per_token / t,
+                other,
                 weights,
                 kv_per_seq,
                 flops_per_seq,
             )?;
+            let tau = served.tau;
             // A sequence decodes alongside the others on its replica: Poisson occupancy makes
             // the batch it sees one larger than the mean (PASTA), one more KV cache to read per
             // token than the mean batch pays.
-            let seen_tau = tau + own_kv_read(&scaled, tau, weights, kv_per_seq, flops_per_seq);
+            let (seen_tau, seen_var) = served.seen(&scaled, kv_per_seq, flops_per_seq);
             // Draining waits for the longest of the replica's running actions, caught on
             // average half-way; a turn that arrives meanwhile (probability `offline / T`) waits
             // half of it.
-            let per_replica = held_per_replica(&scaled, tau, weights, kv_per_seq, flops_per_seq);
+            let per_replica = served.batch_per_replica(&scaled);
             let longest_action = action_mean + expected_max_z(per_replica) * action_sd;
             offline_s = sync_s + longest_action * seen_tau / 2.0;
             let update_wait = offline_s * offline_s / (2.0 * t);
+            // The core updates replicas a trainer node's worth at a time, and a turn whose
+            // replica is draining goes to another one (paying the refill counted below), so a
+            // later turn waits only when every replica updates at once. A first turn under a
+            // staleness bound of 1 must start on the newest weights, which no replica has until
+            // the first of them is updated, so it waits either way.
+            let together = decode_replicas <= caps.trainer_nodes;
+            let later_wait = if together { update_wait } else { 0.0 };
+            let first_wait = if together || w.max_staleness <= 1.0 {
+                update_wait
+            } else {
+                0.0
+            };
             // A sequence's own prefills run where it decodes: each kind of replica gets the
-            // share of the sequences it batches at this per-token time (by compute while none
-            // decodes).
-            let held: Vec<f64> = scaled
-                .iter()
-                .map(|k| k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq))
-                .collect();
-            let sequences: f64 = held.iter().sum();
+            // share of the trajectories' turns it serves, its share of the tokens (by compute
+            // while none decodes).
+            let sequences: f64 = served.token_share.iter().sum();
             let local_capacity: f64 = scaled.iter().map(|k| k.replicas * k.flops).sum();
             let at_tau: Vec<(f64, f64, f64)> = scaled
                 .iter()
-                .zip(&held)
-                .map(|(k, h)| {
+                .zip(&served.token_share)
+                .map(|(k, q)| {
                     let share = if sequences > 0.0 {
-                        h / sequences
+                        q / sequences
                     } else {
                         k.replicas * k.flops / local_capacity.max(1e-30)
                     };
@@ -804,18 +998,22 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
             let mut tokens_with_retries = 0.0;
             let mut tail: f64 = 0.0;
             let mut first_ready = f64::INFINITY;
+            let mut not_decoding = 0.0;
             for (task, alive) in w.tasks.iter().zip(alive_s.iter_mut()) {
                 let first_tokens = task.prompt;
                 let first = p.flops_per_token * first_tokens
                     + p.attention_flops * first_tokens * first_tokens / 2.0;
-                let first_s = if remote_prefill(p, disaggregated, first_tokens) {
-                    first * remote.s_per_flop + remote.wait_s + first_tokens * transfer_per_token
-                } else {
-                    first * local.s_per_flop + local_wait
-                };
+                let first_s = first_wait
+                    + if remote_prefill(p, disaggregated, first_tokens) {
+                        first * remote.s_per_flop
+                            + remote.wait_s
+                            + first_tokens * transfer_per_token
+                    } else {
+                        first * local.s_per_flop + local_wait
+                    };
                 let obs = task.observation;
                 let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
-                let later_s = later * local.s_per_flop + local_wait + update_wait;
+                let later_s = later * local.s_per_flop + local_wait + later_wait;
                 // Once a step its replica takes new weights and drops its KV cache: its next
                 // turn prefills the whole context again, and queues for it.
                 let whole = context_prefill_flops(p, task.decode_context);
@@ -840,8 +1038,15 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                 let refill_share = (refill_s / t).min(0.9);
                 let stretch = 1.0 / (1.0 - refill_share);
                 let mean_life = plain_life * stretch;
-                let fresh_var = turns
+                // Where a trajectory decodes is drawn by the router, again after every
+                // weight update (its KV cache is gone, so it is routed afresh): its decode time
+                // varies by the spread of per-token times over the replicas it may land on,
+                // averaged over the steps it lives through.
+                let tokens = turns * task.action;
+                let placements = 1.0 + plain_life * stretch / t;
+                let fresh_var = (turns
                     * (task.env_step_var + seen_tau * seen_tau * task.action_var)
+                    + tokens * tokens * seen_var / placements)
                     * stretch
                     * stretch;
                 let lasting_var = task.turns_var * per_turn * per_turn * stretch * stretch;
@@ -861,11 +1066,13 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                 tail = tail.max(attempt);
                 first_ready = first_ready.min(attempt - wait);
                 *alive = mean_life * regen.attempts;
+                not_decoding += task.share * (mean_life - tokens * seen_tau).max(0.0);
             }
+            other = not_decoding / plain_tokens_per_traj.max(1e-12);
             let plain_tokens: f64 = w.tasks.iter().map(|k| k.share * k.turns * k.action).sum();
             attempts_per_token = (tokens_with_retries / plain_tokens.max(1e-12)).max(1.0);
             outcome = Some((
-                tau,
+                (tau, served.kinds.iter().map(|k| k.1).collect::<Vec<f64>>()),
                 slots,
                 regenerated,
                 tail,
@@ -948,7 +1155,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
         }
     }
     let t = hi;
-    let (mut terms, tau, slot, (last_step, first_ready)) = evaluate(t)?;
+    let (mut terms, (tau, batches), slot, (last_step, first_ready)) = evaluate(t)?;
 
     let steps = w.steps.max(1.0);
     // The window is full from the start, so the first step is no longer than the others; but
@@ -1014,22 +1221,20 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
     if let Some(b) = busy.get_mut(c.trainer_pool) {
         *b += c.trainer_gpus as f64 * (train_s / t).min(1.0);
     }
-    for g in c.groups.iter().filter(|g| g.replicas > 0) {
-        let Some(pool) = p.gpu_pools.get(g.pool) else {
+    let mut decode_index = 0;
+    let mut decode_batch = vec![0.0; c.groups.len()];
+    for (g, batch) in c.groups.iter().zip(decode_batch.iter_mut()) {
+        if g.replicas == 0 || p.gpu_pools.get(g.pool).is_none() {
             continue;
-        };
+        }
         let gpus = (g.tp * g.replicas) as f64;
         let share = match g.role {
             Role::Prefill => (terms.prefill_s / t).min(1.0),
             Role::Decode | Role::Generate => {
-                let tp = g.tp as f64;
-                let k = DecodeKind {
-                    replicas: 1.0,
-                    bandwidth: pool.rates.bandwidth * tp,
-                    flops: pool.rates.flops * tp,
-                    cap: kv_cap(p, pool, tp),
-                };
-                let b = batch_at(&k, tau, weights, kv_per_seq, flops_per_seq);
+                // The decode kinds are the serving groups in order (`capacities`).
+                let b = batches.get(decode_index).copied().unwrap_or(0.0);
+                decode_index += 1;
+                *batch = b;
                 // A replica is busy whenever it holds a sequence (Poisson occupancy).
                 1.0 - (-b).exp()
             }
@@ -1057,6 +1262,7 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
         binding,
         terms,
         token_s: tau,
+        decode_batch,
         slot_lifetime_s: slot,
         gpu_utilisation,
         env_utilisation: (env_s / t).min(1.0),
@@ -1261,12 +1467,8 @@ pub fn relaxed(
         if decodes {
             caps.local_flops += all;
             caps.local_fastest = caps.local_fastest.max(fastest);
-            caps.kinds.push(DecodeKind {
-                replicas: (gpus / smallest) as f64,
-                bandwidth: gp.rates.bandwidth * largest as f64,
-                flops: fastest,
-                cap: kv_cap(p, gp, largest as f64),
-            });
+            caps.kinds
+                .push(decode_kind(p, gp, largest as f64, (gpus / smallest) as f64));
         }
     }
     objective_caps(p, &caps)
@@ -1307,6 +1509,7 @@ mod tests {
             bandwidth,
             flops: 1e18,
             cap: 1e9,
+            weight: 1.0,
         }
     }
 
@@ -1317,6 +1520,98 @@ mod tests {
         // 1e6 tau - 1e3 = 1e5 tau  =>  tau = 1e3 / 9e5 = 1.111 ms.
         let tau = token_time(&[kind(1.0, 1e12)], 1e5, 1e9, 1e6, 1.0).unwrap();
         assert!((tau - 1e3 / 9e5).abs() < 1e-12, "{tau}");
+    }
+
+    #[test]
+    fn the_router_fills_replicas_by_room_so_a_slow_one_decodes_its_share_at_its_own_pace() {
+        // Equal room, 1 GB of weights, 1 MB of KV per sequence, nothing but decoding. At 100
+        // sequences each, the 1 TB/s replica takes (1e9 + 1e8) / 1e12 = 1.1 ms a token and the
+        // 0.1 TB/s one 11 ms: 100 / 1.1e-3 + 100 / 1.1e-2 = 100,000 tokens/s, 10/11 of them
+        // fast. Token-weighted: 10/11 x 1.1 + 1/11 x 11 = 2 ms (= 200 sequences / 1e5 tokens/s),
+        // where water-filling gave the slow replica nothing and 1.11 ms.
+        let served = routed(&[kind(1.0, 1e12), kind(1.0, 1e11)], 1e5, 0.0, 1e9, 1e6, 1.0).unwrap();
+        assert!((served.tau - 2e-3).abs() < 1e-9, "{served:?}");
+        assert!(
+            (served.token_share[0] - 10.0 / 11.0).abs() < 1e-6,
+            "{served:?}"
+        );
+        assert!((served.kinds[1].2 - 1.1e-2).abs() < 1e-8, "{served:?}");
+        let filled = token_time(&[kind(1.0, 1e12), kind(1.0, 1e11)], 1e5, 1e9, 1e6, 1.0).unwrap();
+        assert!((filled - 1e3 / 9e5).abs() < 1e-12, "{filled}");
+    }
+
+    #[test]
+    fn one_gpu_replicas_that_the_router_still_fills_decode_their_share_far_slower_than_tp8() {
+        // 1 GB of weights, 1 MB of KV per sequence. A fast replica (8 TB/s, room for 100 per
+        // unit of load) beside a slow pool's eight GPUs at 0.25 TB/s each, either as one TP8
+        // replica (2 TB/s, room 100) or as eight TP1 ones (room 5 each: the weights fill their
+        // memory). TP8 at load 1: the fast one takes (1e9 + 1e8) / 8e12 = 0.1375 ms a token,
+        // the slow one 1.1e9 / 2e12 = 0.55 ms; 100 / 0.1375e-3 + 100 / 0.55e-3 = 909,090.9
+        // tokens/s, 200 sequences: 0.22 ms a token on average, 0.8 of the tokens fast.
+        let fast = DecodeKind {
+            weight: 100.0,
+            ..kind(1.0, 8e12)
+        };
+        let tp8 = DecodeKind {
+            weight: 100.0,
+            ..kind(1.0, 2e12)
+        };
+        let rate = 100.0 / 0.1375e-3 + 100.0 / 0.55e-3;
+        let a = routed(&[fast, tp8], rate, 0.0, 1e9, 1e6, 1.0).unwrap();
+        assert!((a.tau - 0.22e-3).abs() < 1e-12, "{a:?}");
+        assert!((a.token_share[0] - 0.8).abs() < 1e-9, "{a:?}");
+        // A sequence also reads its own KV cache (1e6 / 8e12 and 1e6 / 2e12 s): it sees
+        // 0.8 x 0.1375 + 0.2 x 0.55 + 0.8 x 0.000125 + 0.2 x 0.0005 = 0.2202 ms, with a
+        // variance of 0.8 x 0.137625^2 + 0.2 x 0.5505^2 - 0.2202^2 = 0.027270 ms^2.
+        let (seen_a, var_a) = a.seen(&[fast, tp8], 1e6, 1.0);
+        assert!((seen_a - 0.2202e-3).abs() < 1e-12, "{seen_a}");
+        let hand =
+            0.8 * 0.137625e-3_f64.powi(2) + 0.2 * 0.5505e-3_f64.powi(2) - 0.2202e-3_f64.powi(2);
+        assert!((var_a - hand).abs() < 1e-18, "{var_a} {hand}");
+        // TP1: each replica reads the whole weights at a quarter of that bandwidth, more than
+        // 4 ms a token (7.3 times the TP8 replica's pace), and the router still gives them
+        // 40 / 140 of the trajectories: the per-token times a group's members see spread out.
+        let tp1 = DecodeKind {
+            weight: 5.0,
+            ..kind(8.0, 0.25e12)
+        };
+        let b = routed(&[fast, tp1], rate, 0.0, 1e9, 1e6, 1.0).unwrap();
+        assert!(b.kinds[1].2 > 4e-3, "{b:?}");
+        assert!(b.token_share[1] > 0.0, "{b:?}");
+        let (_, var_b) = b.seen(&[fast, tp1], 1e6, 1.0);
+        // 1.4% of the tokens at 4.0 ms: a standard deviation of 0.45 ms against 0.165.
+        assert!(var_b.sqrt() > 2.5 * var_a.sqrt(), "{b:?}");
+        // Water-filling gave the slow replicas nothing either way.
+        let wa = token_time(&[fast, tp8], rate, 1e9, 1e6, 1.0).unwrap();
+        let wb = token_time(&[fast, tp1], rate, 1e9, 1e6, 1.0).unwrap();
+        assert!(wb <= a.tau && wa <= a.tau, "{wa} {wb}");
+    }
+
+    #[test]
+    fn a_trajectory_that_is_not_always_decoding_batches_only_while_it_decodes() {
+        // 100 trajectories alive, each 1 ms of other work per token: the batch is 100 tau /
+        // (tau + 1e-3), and (1e9 + 1e6 b) / 1e12 = tau gives tau^2 - 1e-4 tau - 1e-6 = 0:
+        // tau = (1e-4 + sqrt(4.01e-6)) / 2 = 1.051249 ms, a batch of 51.25.
+        let tau = replica_token_time(&kind(1.0, 1e12), 100.0, 1e-3, 1e9, 1e6, 1.0);
+        assert!(
+            (tau - (1e-4 + 4.01e-6_f64.sqrt()) / 2.0).abs() < 1e-12,
+            "{tau}"
+        );
+        let batch = 100.0 * tau / (tau + 1e-3);
+        assert!(((1e9 + 1e6 * batch) / 1e12 - tau).abs() < 1e-12);
+        // Always decoding, it is the plain roofline of the whole batch.
+        let plain = replica_token_time(&kind(1.0, 1e12), 100.0, 0.0, 1e9, 1e6, 1.0);
+        assert!((plain - 1.1e-3).abs() < 1e-12, "{plain}");
+    }
+
+    #[test]
+    fn the_router_gives_a_replica_trajectories_in_proportion_to_its_room() {
+        // 256 batch slots; 10,000 tokens reserved per trajectory. 2.56 M KV tokens: load
+        // 1/256 + 1/256 per trajectory, weight 128; 100,000 KV tokens: 1/256 + 1/10, 9.624.
+        assert!((router_weight(256.0, 10_000.0, 2.56e6) - 128.0).abs() < 1e-9);
+        let small = router_weight(256.0, 10_000.0, 1e5);
+        assert!((small - 1.0 / (1.0 / 256.0 + 0.1)).abs() < 1e-12, "{small}");
+        assert_eq!(router_weight(256.0, 10_000.0, 0.0), 0.0);
     }
 
     #[test]

@@ -151,7 +151,10 @@ fn branch_and_bound_finds_the_brute_force_optimum_on_small_instances() {
             let brute = search::brute_force(&p);
             let default = search::solve(&p);
             if let (Some(d), Some(b)) = (&default, &brute) {
-                assert!(d.step_s <= b.step_s * (1.0 + search::DEFAULT_GAP) + 1e-12);
+                assert!(
+                    d.step_s <= b.step_s * (1.0 + search::DEFAULT_GAP) + 1e-12,
+                    "{name}: {d:?} {b:?}"
+                );
             }
             match (exact, brute) {
                 (Some(e), Some(b)) => {
@@ -455,4 +458,96 @@ fn more_replicas_never_make_the_predicted_step_slower() {
         let t = predict::step_time(&p, &c).unwrap();
         assert!(t <= t0 * (1.0 + 1e-9), "case {i}: {t} > {t0}");
     }
+}
+
+#[test]
+fn many_one_gpu_replicas_on_a_slowed_pool_are_predicted_slower_than_its_eight_gpu_ones() {
+    // The drift case: the H20s achieve a quarter of their rates. 320 one-GPU replicas each read
+    // the 65.6 GB of weights at 0.8 TB/s (82 ms a token alone) and the router still fills them
+    // by their room, so the prediction that gates a move must not see a gain in them.
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 192 }\n    - { name: h20, gpu: H20, count: 320 }",
+    );
+    let mut p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let h800 = p.gpu_pools.iter().position(|g| g.name == "h800").unwrap();
+    let h20 = p.gpu_pools.iter().position(|g| g.name == "h20").unwrap();
+    p.gpu_pools[h20].rates.bandwidth *= 0.25;
+    p.gpu_pools[h20].rates.flops *= 0.25;
+    let lone = p.active_weight_bytes / p.gpu_pools[h20].rates.bandwidth;
+    assert!((lone - 0.082).abs() < 0.001, "{lone}");
+    let placement = |h20_tp: u32| predict::Candidate {
+        groups: vec![
+            predict::Group {
+                pool: h800,
+                role: Role::Generate,
+                tp: 8,
+                replicas: 10,
+            },
+            predict::Group {
+                pool: h20,
+                role: Role::Generate,
+                tp: h20_tp,
+                replicas: 320 / h20_tp,
+            },
+        ],
+        trainer_pool: h800,
+        trainer_gpus: 112,
+    };
+    let (tp8, tp1) = (placement(8), placement(1));
+    let (full8, full1) = (
+        predict::predict(&p, &tp8).unwrap(),
+        predict::predict(&p, &tp1).unwrap(),
+    );
+    assert!(
+        full1.step_s > 1.05 * full8.step_s,
+        "{full1:?} against {full8:?}"
+    );
+    // The router fills the one-GPU replicas too, by their room (86.4 GB usable less 65.6 GB
+    // of weights: 20.8 GB of KV each), where water-filling left them empty: each decodes
+    // about one sequence at a time (0.87), the H800s' replicas 4.4.
+    assert!(full1.decode_batch[1] > 0.5, "{:?}", full1.decode_batch);
+    assert!(full1.decode_batch[0] > 0.5 && full8.decode_batch[1] > 0.5);
+    // The one-GPU replicas' trajectories decode at 82 ms a token or more: the mean over the
+    // tokens rises too.
+    assert!(
+        full1.token_s > full8.token_s,
+        "{} {}",
+        full1.token_s,
+        full8.token_s
+    );
+}
+
+#[test]
+fn turns_wait_for_a_weight_update_only_when_every_replica_updates_at_once() {
+    // Two H20 replicas of 4 GPUs and an 8-GPU trainer. The core updates as many replicas at
+    // once as the trainer has nodes: with 4 GPUs a node that is both replicas together, so a
+    // turn arriving during the update waits for it; with 8 a node, one at a time, and the
+    // turn goes to the other replica instead (its refill is paid either way).
+    let predict_with = |per_node: u32| {
+        let job = job(
+            QWEN_7B,
+            &format!(
+                "    - {{ name: a, gpu: H800, count: 8, gpusPerNode: {per_node} }}\n    - {{ name: b, gpu: H20, count: 8, gpusPerNode: {per_node} }}"
+            ),
+        );
+        let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+        let c = predict::Candidate {
+            groups: vec![predict::Group {
+                pool: 1,
+                role: Role::Generate,
+                tp: 4,
+                replicas: 2,
+            }],
+            trainer_pool: 0,
+            trainer_gpus: 8,
+        };
+        predict::predict(&p, &c).unwrap()
+    };
+    let (together, rolling) = (predict_with(4), predict_with(8));
+    assert!(
+        together.slot_lifetime_s > rolling.slot_lifetime_s,
+        "{together:?} against {rolling:?}"
+    );
+    assert!(together.step_s > rolling.step_s);
 }
