@@ -540,7 +540,7 @@ pub fn plan(
     mean: &dyn Fn(&Distribution) -> f64,
 ) -> Result<Plan, PlanError> {
     let p = problem(spec, catalog, mean, &Efficiency::default())?;
-    let found = search::solve(&p).ok_or_else(|| {
+    let found = search::choose(&p).ok_or_else(|| {
         PlanError::Infeasible(
             "no combination of trainer and serving replicas leaves room to decode".into(),
         )

@@ -255,7 +255,7 @@ pub fn replan_after_loss(
 ) -> Option<(Problem, Candidate, search::Found, Vec<Wave>)> {
     let (smaller, survivor) = after_loss(p, c, pool, lost);
     let survivor = survivor?;
-    let found = search::solve(&smaller)?;
+    let found = search::choose(&smaller)?;
     let waves = if found.candidate.trainer_pool == survivor.trainer_pool {
         migration(&smaller, &survivor, &found.candidate, per_wave)
     } else {

@@ -95,7 +95,7 @@ impl DriftWatch {
     pub fn new(spec: &JobSpec, catalog: &Catalog, margin: f64) -> Result<DriftWatch, String> {
         let planned = plan::problem(spec, catalog, &mean, &Efficiency::default())
             .map_err(|e| e.to_string())?;
-        let running = search::solve(&planned)
+        let running = search::choose(&planned)
             .ok_or("no placement can run the job")?
             .candidate;
         Ok(DriftWatch {
@@ -123,7 +123,7 @@ impl DriftWatch {
         }
         let measured =
             plan::problem_profiled(spec, catalog, &mean, &Efficiency::default(), profiles).ok()?;
-        let found = search::solve(&measured)?;
+        let found = search::choose(&measured)?;
         let target = Candidate {
             trainer_pool: self.running.trainer_pool,
             trainer_gpus: self.running.trainer_gpus,

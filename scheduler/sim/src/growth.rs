@@ -80,11 +80,11 @@ pub fn replan_growth(
 ) -> Result<(Migration, Replan), String> {
     let p =
         plan::problem(spec, catalog, &mean, &Efficiency::default()).map_err(|e| e.to_string())?;
-    let running = search::solve(&p).ok_or("no placement can run the job")?;
+    let running = search::choose(&p).ok_or("no placement can run the job")?;
     let bigger = bigger_spec(spec, growth);
     let p2 = plan::problem(&bigger, catalog, &mean, &Efficiency::default())
         .map_err(|e| e.to_string())?;
-    let new = search::solve(&p2).ok_or("no placement can run the job on the bigger cluster")?;
+    let new = search::choose(&p2).ok_or("no placement can run the job on the bigger cluster")?;
     let target = Candidate {
         trainer_pool: running.candidate.trainer_pool,
         trainer_gpus: running.candidate.trainer_gpus,
@@ -115,7 +115,7 @@ pub fn loss_waves(
     gpus_lost: u32,
 ) -> Option<Vec<MigrationWave>> {
     let p = plan::problem(spec, catalog, &mean, &Efficiency::default()).ok()?;
-    let running = search::solve(&p)?;
+    let running = search::choose(&p)?;
     let index = p
         .gpu_pools
         .iter()

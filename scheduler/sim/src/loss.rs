@@ -133,7 +133,7 @@ pub fn replan(
     gpus_lost: u32,
 ) -> Option<Replan> {
     let p = plan::problem(spec, catalog, &mean, &Efficiency::default()).ok()?;
-    let found = search::solve(&p)?;
+    let found = search::choose(&p)?;
     let pool = p
         .gpu_pools
         .iter()

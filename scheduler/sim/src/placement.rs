@@ -70,7 +70,7 @@ pub fn choose(
     let found = match choice {
         PlacementChoice::Uniform => compare::uniform(&p),
         PlacementChoice::BestGpu => compare::best_gpu(&p),
-        _ => search::solve(&p),
+        _ => search::choose(&p),
     }
     .ok_or_else(|| PlanError::Infeasible(format!("no {} placement can run it", choice.name())))?;
     let described = plan::describe(spec, &p, &found.candidate, found.nodes)?;

@@ -106,7 +106,7 @@ pub fn run(
                 return Ok(exit::INVALID_INPUT);
             }
         };
-    let Some(found) = search::solve(&problem) else {
+    let Some(found) = search::choose(&problem) else {
         writeln!(stderr, "error: no placement can run the job")?;
         return Ok(exit::INVALID_INPUT);
     };
