@@ -101,7 +101,7 @@ fn before_and_after(job: &str, hardware: HardwareModel) -> (f64, f64, f64) {
     let job = rollfleet_spec::load_job_file(std::path::Path::new(&path)).unwrap();
     let spec = job.spec().clone();
     let model = plan::problem(&spec, &job.catalog, &mean, &Efficiency::default()).unwrap();
-    let found = search::solve(&model).unwrap();
+    let found = search::choose(&model).unwrap();
     let planned = plan::describe(&spec, &model, &found.candidate, found.nodes).unwrap();
     let (placement, policy) = Baseline::Rollfleet
         .setup_with(&spec, &job.catalog, planned.placement.clone())
@@ -171,11 +171,16 @@ fn a_profile_measured_on_slower_simulated_hardware_moves_the_prediction_toward_t
 #[test]
 #[ignore = "two runs of the RollArt-like job: about 25 s in a debug build"]
 fn on_the_rollart_like_job_a_measured_profile_moves_the_prediction_toward_the_simulated_step() {
-    // With the simulator's default hardware the measured shares equal the planner's assumptions
-    // (both 60% / 80%), so the prediction does not move: its error there is structural.
+    // With the simulator's default hardware the measured decode shares equal the planner's
+    // assumption (80%, checked in `before_and_after`); a prefill that runs beside decode on the
+    // same replica gets the compute decode leaves (52% of peak on the H20s, not 60%), so the
+    // prediction may move, and only toward the simulated step.
     let (simulated, before, after) = before_and_after("rollart-agentic", HardwareModel::default());
-    assert!((after - before).abs() < 1e-6 * before, "{before} {after}");
     assert!(simulated > before);
+    assert!(
+        (after - simulated).abs() <= (before - simulated).abs(),
+        "before {before}, after {after}, simulated {simulated}"
+    );
     let (simulated, before, after) = before_and_after("rollart-agentic", slow_hardware());
     assert!(
         (after - simulated).abs() < (before - simulated).abs(),
