@@ -127,22 +127,7 @@ impl LoadOrder {
     pub fn refile(&mut self, old: Option<(u64, ReplicaId)>, new: Option<(u64, ReplicaId)>) {
         let from = old.and_then(|o| self.entries.binary_search(&o).ok());
         match (from, new) {
-            (Some(i), Some(new)) => match self.entries.binary_search(&new) {
-                // The same entry: nothing moves.
-                Ok(j) if j == i => {}
-                // Already filed: only the old one goes.
-                Ok(_) => {
-                    self.entries.remove(i);
-                }
-                Err(to) if to > i => {
-                    self.entries[i..to].rotate_left(1);
-                    self.entries[to - 1] = new;
-                }
-                Err(to) => {
-                    self.entries[to..=i].rotate_right(1);
-                    self.entries[to] = new;
-                }
-            },
+            (Some(i), Some(new)) => self.shift(i, new),
             (Some(i), None) => {
                 self.entries.remove(i);
             }
@@ -151,6 +136,35 @@ impl LoadOrder {
             }
             (None, None) => {}
         }
+    }
+
+    /// Puts `new` in place of the entry at `i`, walking it to its sorted place one neighbour at
+    /// a time: a re-filed replica usually moves a few places, and moving the entries it passes
+    /// as it goes costs less than searching for its new place and rotating the stretch between.
+    fn shift(&mut self, i: usize, new: (u64, ReplicaId)) {
+        let e = &mut self.entries;
+        let mut j = i;
+        if new > e[i] {
+            while j + 1 < e.len() && e[j + 1] < new {
+                e[j] = e[j + 1];
+                j += 1;
+            }
+            if j + 1 < e.len() && e[j + 1] == new {
+                // Already filed: only the old one goes (its slot is now `j`).
+                e.remove(j);
+                return;
+            }
+        } else {
+            while j > 0 && e[j - 1] > new {
+                e[j] = e[j - 1];
+                j -= 1;
+            }
+            if j > 0 && e[j - 1] == new {
+                e.remove(j);
+                return;
+            }
+        }
+        e[j] = new;
     }
 }
 
