@@ -70,14 +70,31 @@ pub fn load_key(view: &ReplicaView) -> u64 {
     slots + kv + view.failures as u64 * 250_000 + view.behind.min(16) * 300_000
 }
 
+/// Replica ids below this get a place hint in a [`LoadOrder`]; larger ones (no fleet has them)
+/// are found by a search, so that an odd id cannot make the hints huge.
+const HINTED_IDS: usize = 1 << 20;
+
 /// Replicas in load order: `(load_key, id)` entries, ascending and distinct, in a sorted vector.
-/// A replica re-filed after a change of load usually moves a few places; rotating the stretch
+/// A replica re-filed after a change of load usually moves a few places; moving the entries
 /// between its old and new place costs less than a tree's removal and insertion, and walking the
 /// least-loaded ones is a walk along a slice.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct LoadOrder {
     entries: Vec<(u64, ReplicaId)>,
+    /// Where each replica's entry was last seen in `entries`, by replica id: a hint that saves
+    /// re-filing a search for its old entry. Checked before use (an id may, through `insert`,
+    /// have several entries or none), so a stale hint costs a search, never a wrong answer.
+    hint: Vec<usize>,
 }
+
+/// Two orders are equal when they hold the same entries (hints are not part of the value).
+impl PartialEq for LoadOrder {
+    fn eq(&self, other: &Self) -> bool {
+        self.entries == other.entries
+    }
+}
+
+impl Eq for LoadOrder {}
 
 impl LoadOrder {
     /// An empty order.
@@ -106,6 +123,7 @@ impl LoadOrder {
             Ok(_) => false,
             Err(i) => {
                 self.entries.insert(i, entry);
+                self.rehint(i);
                 true
             }
         }
@@ -113,23 +131,57 @@ impl LoadOrder {
 
     /// Removes an entry; `false` if it was not there.
     pub fn remove(&mut self, entry: &(u64, ReplicaId)) -> bool {
-        match self.entries.binary_search(entry) {
-            Ok(i) => {
+        match self.find(entry) {
+            Some(i) => {
                 self.entries.remove(i);
+                self.rehint(i);
                 true
             }
-            Err(_) => false,
+            None => false,
+        }
+    }
+
+    /// Where `entry` is, if filed: at its hinted place, or found by a search.
+    fn find(&self, entry: &(u64, ReplicaId)) -> Option<usize> {
+        let hinted = self.hint.get(entry.1.0 as usize).copied();
+        if let Some(i) = hinted
+            && self.entries.get(i) == Some(entry)
+        {
+            return Some(i);
+        }
+        self.entries.binary_search(entry).ok()
+    }
+
+    /// Notes that the entry at `i` sits there (for ids a fleet can have: hints are by index).
+    fn note(&mut self, i: usize) {
+        let id = self.entries[i].1.0 as usize;
+        match self.hint.get_mut(id) {
+            Some(hint) => *hint = i,
+            None if id < HINTED_IDS => {
+                self.hint.resize(id + 1, usize::MAX);
+                self.hint[id] = i;
+            }
+            None => {}
+        }
+    }
+
+    /// Notes the places of the entries from `from` on (after an insertion or removal shifted
+    /// them; both are rare next to re-filing).
+    fn rehint(&mut self, from: usize) {
+        for i in from..self.entries.len() {
+            self.note(i);
         }
     }
 
     /// Replaces `old` (when filed) by `new` (when given): the same set as removing one and
     /// inserting the other, by moving only the entries between their two places.
     pub fn refile(&mut self, old: Option<(u64, ReplicaId)>, new: Option<(u64, ReplicaId)>) {
-        let from = old.and_then(|o| self.entries.binary_search(&o).ok());
+        let from = old.and_then(|o| self.find(&o));
         match (from, new) {
             (Some(i), Some(new)) => self.shift(i, new),
             (Some(i), None) => {
                 self.entries.remove(i);
+                self.rehint(i);
             }
             (None, Some(new)) => {
                 self.insert(new);
@@ -142,29 +194,33 @@ impl LoadOrder {
     /// a time: a re-filed replica usually moves a few places, and moving the entries it passes
     /// as it goes costs less than searching for its new place and rotating the stretch between.
     fn shift(&mut self, i: usize, new: (u64, ReplicaId)) {
-        let e = &mut self.entries;
         let mut j = i;
-        if new > e[i] {
-            while j + 1 < e.len() && e[j + 1] < new {
-                e[j] = e[j + 1];
+        if new > self.entries[i] {
+            while j + 1 < self.entries.len() && self.entries[j + 1] < new {
+                self.entries[j] = self.entries[j + 1];
+                self.note(j);
                 j += 1;
             }
-            if j + 1 < e.len() && e[j + 1] == new {
+            if j + 1 < self.entries.len() && self.entries[j + 1] == new {
                 // Already filed: only the old one goes (its slot is now `j`).
-                e.remove(j);
+                self.entries.remove(j);
+                self.rehint(j);
                 return;
             }
         } else {
-            while j > 0 && e[j - 1] > new {
-                e[j] = e[j - 1];
+            while j > 0 && self.entries[j - 1] > new {
+                self.entries[j] = self.entries[j - 1];
+                self.note(j);
                 j -= 1;
             }
-            if j > 0 && e[j - 1] == new {
-                e.remove(j);
+            if j > 0 && self.entries[j - 1] == new {
+                self.entries.remove(j);
+                self.rehint(j);
                 return;
             }
         }
-        e[j] = new;
+        self.entries[j] = new;
+        self.note(j);
     }
 }
 
@@ -173,7 +229,12 @@ impl FromIterator<(u64, ReplicaId)> for LoadOrder {
         let mut entries: Vec<(u64, ReplicaId)> = iter.into_iter().collect();
         entries.sort_unstable();
         entries.dedup();
-        LoadOrder { entries }
+        let mut order = LoadOrder {
+            entries,
+            hint: Vec::new(),
+        };
+        order.rehint(0);
+        order
     }
 }
 
