@@ -70,10 +70,6 @@ pub fn load_key(view: &ReplicaView) -> u64 {
     slots + kv + view.failures as u64 * 250_000 + view.behind.min(16) * 300_000
 }
 
-/// Replica ids below this get a place hint in a [`LoadOrder`]; larger ones (no fleet has them)
-/// are found by a search, so that an odd id cannot make the hints huge.
-const HINTED_IDS: usize = 1 << 20;
-
 /// Places a re-filed entry walks before [`LoadOrder`] searches for the rest of its way.
 const WALK: usize = 8;
 
@@ -81,23 +77,10 @@ const WALK: usize = 8;
 /// A replica re-filed after a change of load usually moves a few places; moving the entries
 /// between its old and new place costs less than a tree's removal and insertion, and walking the
 /// least-loaded ones is a walk along a slice.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LoadOrder {
     entries: Vec<(u64, ReplicaId)>,
-    /// Where each replica's entry was last seen in `entries`, by replica id: a hint that saves
-    /// re-filing a search for its old entry. Checked before use (an id may, through `insert`,
-    /// have several entries or none), so a stale hint costs a search, never a wrong answer.
-    hint: Vec<usize>,
 }
-
-/// Two orders are equal when they hold the same entries (hints are not part of the value).
-impl PartialEq for LoadOrder {
-    fn eq(&self, other: &Self) -> bool {
-        self.entries == other.entries
-    }
-}
-
-impl Eq for LoadOrder {}
 
 impl LoadOrder {
     /// An empty order.
@@ -126,7 +109,6 @@ impl LoadOrder {
             Ok(_) => false,
             Err(i) => {
                 self.entries.insert(i, entry);
-                self.rehint(i);
                 true
             }
         }
@@ -134,57 +116,23 @@ impl LoadOrder {
 
     /// Removes an entry; `false` if it was not there.
     pub fn remove(&mut self, entry: &(u64, ReplicaId)) -> bool {
-        match self.find(entry) {
-            Some(i) => {
+        match self.entries.binary_search(entry) {
+            Ok(i) => {
                 self.entries.remove(i);
-                self.rehint(i);
                 true
             }
-            None => false,
-        }
-    }
-
-    /// Where `entry` is, if filed: at its hinted place, or found by a search.
-    fn find(&self, entry: &(u64, ReplicaId)) -> Option<usize> {
-        let hinted = self.hint.get(entry.1.0 as usize).copied();
-        if let Some(i) = hinted
-            && self.entries.get(i) == Some(entry)
-        {
-            return Some(i);
-        }
-        self.entries.binary_search(entry).ok()
-    }
-
-    /// Notes that the entry at `i` sits there (for ids a fleet can have: hints are by index).
-    fn note(&mut self, i: usize) {
-        let id = self.entries[i].1.0 as usize;
-        match self.hint.get_mut(id) {
-            Some(hint) => *hint = i,
-            None if id < HINTED_IDS => {
-                self.hint.resize(id + 1, usize::MAX);
-                self.hint[id] = i;
-            }
-            None => {}
-        }
-    }
-
-    /// Notes the places of the entries from `from` on (after an insertion or removal shifted
-    /// them; both are rare next to re-filing).
-    fn rehint(&mut self, from: usize) {
-        for i in from..self.entries.len() {
-            self.note(i);
+            Err(_) => false,
         }
     }
 
     /// Replaces `old` (when filed) by `new` (when given): the same set as removing one and
     /// inserting the other, by moving only the entries between their two places.
     pub fn refile(&mut self, old: Option<(u64, ReplicaId)>, new: Option<(u64, ReplicaId)>) {
-        let from = old.and_then(|o| self.find(&o));
+        let from = old.and_then(|o| self.entries.binary_search(&o).ok());
         match (from, new) {
             (Some(i), Some(new)) => self.shift(i, new),
             (Some(i), None) => {
                 self.entries.remove(i);
-                self.rehint(i);
             }
             (None, Some(new)) => {
                 self.insert(new);
@@ -204,47 +152,36 @@ impl LoadOrder {
         if new > self.entries[i] {
             while j + 1 < len && j - i < WALK && self.entries[j + 1] < new {
                 self.entries[j] = self.entries[j + 1];
-                self.note(j);
                 j += 1;
             }
             if j + 1 < len && self.entries[j + 1] < new {
                 // First place at or past `new`: the entries before it move down one.
                 let end = j + 1 + self.entries[j + 1..].partition_point(|e| *e < new);
                 self.entries.copy_within(j + 1..end, j);
-                for k in j..end - 1 {
-                    self.note(k);
-                }
                 j = end - 1;
             }
             if j + 1 < len && self.entries[j + 1] == new {
                 // Already filed: only the old one goes (its slot is now `j`).
                 self.entries.remove(j);
-                self.rehint(j);
                 return;
             }
         } else {
             while j > 0 && i - j < WALK && self.entries[j - 1] > new {
                 self.entries[j] = self.entries[j - 1];
-                self.note(j);
                 j -= 1;
             }
             if j > 0 && self.entries[j - 1] > new {
                 // First place past `new`: from there the entries move up one.
                 let start = self.entries[..j].partition_point(|e| *e <= new);
                 self.entries.copy_within(start..j, start + 1);
-                for k in start + 1..=j {
-                    self.note(k);
-                }
                 j = start;
             }
             if j > 0 && self.entries[j - 1] == new {
                 self.entries.remove(j);
-                self.rehint(j);
                 return;
             }
         }
         self.entries[j] = new;
-        self.note(j);
     }
 }
 
@@ -253,12 +190,7 @@ impl FromIterator<(u64, ReplicaId)> for LoadOrder {
         let mut entries: Vec<(u64, ReplicaId)> = iter.into_iter().collect();
         entries.sort_unstable();
         entries.dedup();
-        let mut order = LoadOrder {
-            entries,
-            hint: Vec::new(),
-        };
-        order.rehint(0);
-        order
+        LoadOrder { entries }
     }
 }
 
