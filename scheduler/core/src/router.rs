@@ -70,8 +70,11 @@ pub fn load_key(view: &ReplicaView) -> u64 {
     slots + kv + view.failures as u64 * 250_000 + view.behind.min(16) * 300_000
 }
 
+/// Places a re-filed entry walks before [`LoadOrder`] searches for the rest of its way.
+const WALK: usize = 8;
+
 /// Replicas in load order: `(load_key, id)` entries, ascending and distinct, in a sorted vector.
-/// A replica re-filed after a change of load usually moves a few places; rotating the stretch
+/// A replica re-filed after a change of load usually moves a few places; moving the entries
 /// between its old and new place costs less than a tree's removal and insertion, and walking the
 /// least-loaded ones is a walk along a slice.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -127,22 +130,7 @@ impl LoadOrder {
     pub fn refile(&mut self, old: Option<(u64, ReplicaId)>, new: Option<(u64, ReplicaId)>) {
         let from = old.and_then(|o| self.entries.binary_search(&o).ok());
         match (from, new) {
-            (Some(i), Some(new)) => match self.entries.binary_search(&new) {
-                // The same entry: nothing moves.
-                Ok(j) if j == i => {}
-                // Already filed: only the old one goes.
-                Ok(_) => {
-                    self.entries.remove(i);
-                }
-                Err(to) if to > i => {
-                    self.entries[i..to].rotate_left(1);
-                    self.entries[to - 1] = new;
-                }
-                Err(to) => {
-                    self.entries[to..=i].rotate_right(1);
-                    self.entries[to] = new;
-                }
-            },
+            (Some(i), Some(new)) => self.shift(i, new),
             (Some(i), None) => {
                 self.entries.remove(i);
             }
@@ -151,6 +139,49 @@ impl LoadOrder {
             }
             (None, None) => {}
         }
+    }
+
+    /// Puts `new` in place of the entry at `i`, walking it to its sorted place one neighbour at
+    /// a time: a re-filed replica usually moves a few places, and moving the entries it passes
+    /// as it goes costs less than searching for its new place. In a large fleet of evenly
+    /// loaded replicas a move can pass hundreds, so past [`WALK`] places the rest of the way
+    /// is found by a search and the stretch passed moved in one copy.
+    fn shift(&mut self, i: usize, new: (u64, ReplicaId)) {
+        let mut j = i;
+        let len = self.entries.len();
+        if new > self.entries[i] {
+            while j + 1 < len && j - i < WALK && self.entries[j + 1] < new {
+                self.entries[j] = self.entries[j + 1];
+                j += 1;
+            }
+            if j + 1 < len && self.entries[j + 1] < new {
+                // First place at or past `new`: the entries before it move down one.
+                let end = j + 1 + self.entries[j + 1..].partition_point(|e| *e < new);
+                self.entries.copy_within(j + 1..end, j);
+                j = end - 1;
+            }
+            if j + 1 < len && self.entries[j + 1] == new {
+                // Already filed: only the old one goes (its slot is now `j`).
+                self.entries.remove(j);
+                return;
+            }
+        } else {
+            while j > 0 && i - j < WALK && self.entries[j - 1] > new {
+                self.entries[j] = self.entries[j - 1];
+                j -= 1;
+            }
+            if j > 0 && self.entries[j - 1] > new {
+                // First place past `new`: from there the entries move up one.
+                let start = self.entries[..j].partition_point(|e| *e <= new);
+                self.entries.copy_within(start..j, start + 1);
+                j = start;
+            }
+            if j > 0 && self.entries[j - 1] == new {
+                self.entries.remove(j);
+                return;
+            }
+        }
+        self.entries[j] = new;
     }
 }
 
@@ -220,24 +251,23 @@ impl RouterView<'_> {
         floor: Version,
         allow_evict: bool,
     ) -> Option<(ReplicaId, bool)> {
-        let fit = set.iter().take(CANDIDATES).map(|&(_, id)| id).find(|&id| {
-            self.view(id)
-                .is_some_and(|v| v.fits(kv_tokens, floor, false))
-        });
-        if let Some(id) = fit {
-            return Some((id, false));
+        // One walk answers both questions: the first fit without eviction wins outright, and
+        // the first fit with eviction seen on the way is the answer when there is none. (When
+        // the fleet is full every routing attempt fails the first question, and looking every
+        // candidate up a second time doubled the cost of the commonest outcome.)
+        let mut evict_fit = None;
+        for &(_, id) in set.iter().take(CANDIDATES) {
+            let Some(view) = self.view(id) else {
+                continue;
+            };
+            if view.fits(kv_tokens, floor, false) {
+                return Some((id, false));
+            }
+            if allow_evict && evict_fit.is_none() && view.fits(kv_tokens, floor, true) {
+                evict_fit = Some(id);
+            }
         }
-        if !allow_evict {
-            return None;
-        }
-        set.iter()
-            .take(CANDIDATES)
-            .map(|&(_, id)| id)
-            .find(|&id| {
-                self.view(id)
-                    .is_some_and(|v| v.fits(kv_tokens, floor, true))
-            })
-            .map(|id| (id, true))
+        evict_fit.map(|id| (id, true))
     }
 
     /// Routes one turn's generation (pure; see the module docs).
@@ -308,19 +338,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn refiling_keeps_the_same_entries_as_a_tree_would() {
+    /// Re-files random replicas to random keys, checking the order against a tree.
+    fn check_refiling(replicas: usize, distinct_keys: u64, rounds: usize) {
         use std::collections::BTreeSet;
         let mut rng = crate::rng::SplitMix64::new(11);
         let mut order = LoadOrder::new();
         let mut tree = BTreeSet::new();
-        let mut keys: Vec<Option<u64>> = vec![None; 40];
-        for _ in 0..20_000 {
-            let id = rng.below(40) as usize;
+        let mut keys: Vec<Option<u64>> = vec![None; replicas];
+        for _ in 0..rounds {
+            let id = rng.below(replicas as u64) as usize;
             let new = match rng.below(8) {
                 0 => None,
                 // Few distinct keys, so that ties broken by id are common.
-                _ => Some(rng.below(12) * 1000),
+                _ => Some(rng.below(distinct_keys) * 1000),
             };
             let old = keys[id];
             let entry = |k: Option<u64>| k.map(|k| (k, ReplicaId(id as u64)));
@@ -336,6 +366,17 @@ mod tests {
         }
         let collected: LoadOrder = tree.iter().rev().copied().collect();
         assert_eq!(collected, order);
+    }
+
+    #[test]
+    fn refiling_keeps_the_same_entries_as_a_tree_would() {
+        check_refiling(40, 12, 20_000);
+    }
+
+    #[test]
+    fn long_moves_in_a_large_fleet_keep_the_same_entries_as_a_tree_would() {
+        // Hundreds of replicas and many keys: most moves pass more than `WALK` entries.
+        check_refiling(400, 200, 5_000);
     }
 
     #[test]

@@ -272,6 +272,9 @@ pub struct Core {
     dirty: Vec<ReplicaId>,
     draining: BTreeSet<ReplicaId>,
     updating: u32,
+    /// Replicas told to retire and not retired yet: while there are none, the admission pass
+    /// need not look for drained ones (it runs on every input, and fleets have many replicas).
+    retiring: u32,
     commands: VecDeque<Command>,
     repump: bool,
     open_groups: BTreeSet<GroupId>,
@@ -316,6 +319,7 @@ impl Core {
             dirty: Vec::new(),
             draining: BTreeSet::new(),
             updating: 0,
+            retiring: 0,
             commands: VecDeque::new(),
             repump: false,
             open_groups: BTreeSet::new(),
@@ -1087,6 +1091,7 @@ impl Core {
             return;
         }
         r.retiring = true;
+        self.retiring += 1;
         // A rolling update it was waiting for or draining for is moot.
         r.draining = false;
         self.pending_update.remove(&id);
@@ -1104,6 +1109,9 @@ impl Core {
     /// Hands back every retiring replica that nothing runs on or waits for any more (a lost one
     /// at once: its work was rescheduled when it was lost).
     fn retire_drained(&mut self) {
+        if self.retiring == 0 {
+            return;
+        }
         for i in 0..self.replicas.len() {
             let r = &self.replicas[i];
             let idle = r.in_flight == 0 && r.held.is_empty() && !r.updating;
@@ -1117,6 +1125,7 @@ impl Core {
             }
             let r = &mut self.replicas[i];
             r.retiring = false;
+            self.retiring = self.retiring.saturating_sub(1);
             r.retired = true;
             r.healthy = false;
             r.version = None;

@@ -268,10 +268,25 @@ struct KvArrival {
 /// was pushed in (a sequence number, unique, in the high bits) over its slot in
 /// [`EventQueue::slots`] (the low `slot_bits` bits, so the slot never decides). The event itself
 /// waits in its slot, and the heap sifts 16-byte entries instead of whole events.
+///
+/// Time and order are packed into one `u128` (time in the high half), whose ordering is the
+/// lexicographic one of `(at, order)`: the heap then compares entries in one branch-free step
+/// instead of two dependent ones, on every level of every sift.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-struct Entry {
-    at: Time,
-    order: u64,
+struct Entry(u128);
+
+impl Entry {
+    fn new(at: Time, order: u64) -> Entry {
+        Entry(((at.0 as u128) << 64) | order as u128)
+    }
+
+    fn at(self) -> Time {
+        Time((self.0 >> 64) as u64)
+    }
+
+    fn order(self) -> u64 {
+        self.0 as u64
+    }
 }
 
 /// The simulator's future events, earliest first (ties in the order they were pushed).
@@ -319,10 +334,10 @@ impl EventQueue {
             self.repack(self.slot_bits);
         }
         self.seq += 1;
-        self.heap.push(Reverse(Entry {
+        self.heap.push(Reverse(Entry::new(
             at,
-            order: (self.seq << self.slot_bits) | slot as u64,
-        }));
+            (self.seq << self.slot_bits) | slot as u64,
+        )));
     }
 
     /// Re-encodes the queued entries with `slot_bits` bits of slot, their sequence numbers
@@ -338,23 +353,23 @@ impl EventQueue {
         self.seq = 0;
         for e in &mut entries {
             self.seq += 1;
-            e.order = (self.seq << slot_bits) | (e.order & mask);
+            *e = Entry::new(e.at(), (self.seq << slot_bits) | (e.order() & mask));
         }
         self.heap = entries.into_iter().map(Reverse).collect();
     }
 
     /// When the earliest event happens (without reading the event itself).
     fn next_time(&self) -> Option<Time> {
-        self.heap.peek().map(|Reverse(entry)| entry.at)
+        self.heap.peek().map(|Reverse(entry)| entry.at())
     }
 
     fn slot(&self, entry: &Entry) -> usize {
-        (entry.order & ((1u64 << self.slot_bits) - 1)) as usize
+        (entry.order() & ((1u64 << self.slot_bits) - 1)) as usize
     }
 
     fn peek(&self) -> Option<(Time, &Event)> {
         let Reverse(entry) = self.heap.peek()?;
-        Some((entry.at, self.slots[self.slot(entry)].as_ref()?))
+        Some((entry.at(), self.slots[self.slot(entry)].as_ref()?))
     }
 
     fn pop(&mut self) -> Option<(Time, Event)> {
@@ -362,7 +377,7 @@ impl EventQueue {
         let slot = self.slot(&entry);
         let event = self.slots[slot].take()?;
         self.free.push(slot);
-        Some((entry.at, event))
+        Some((entry.at(), event))
     }
 
     fn len(&self) -> usize {
