@@ -147,6 +147,18 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
     assert!(train.contains("h800"), "{stdout}");
     assert!(stdout.contains("bandwidth-bound") && stdout.contains("compute-bound"));
     assert!(stdout.contains("best-gpu"), "{stdout}");
+    // RollArt's mapping: prefill on the H800s, decode on the H20s, and the plan says why it is
+    // not the search's own optimum.
+    let role_on = |role: &str, pool: &str| {
+        stdout
+            .lines()
+            .any(|l| l.starts_with(role) && l.split_whitespace().nth(1) == Some(pool))
+    };
+    assert!(
+        role_on("prefill", "h800") && role_on("decode", "h20"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("RollArt's affinity mapping"), "{stdout}");
     let json = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "-o", "json"]);
     let value: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     // Every GPU is used at most once: serving replicas plus the trainer fit in 192 + 320 GPUs.
@@ -157,6 +169,9 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
         .as_u64()
         .unwrap();
     assert!(serving + training <= 512, "{serving} + {training}");
+    let search_s = value["affinity_over_search_s"].as_f64().unwrap();
+    let plan_s = value["plan"]["prediction"]["step_s"].as_f64().unwrap();
+    assert!(plan_s < search_s, "{plan_s} against {search_s}");
 }
 
 #[test]

@@ -50,6 +50,10 @@ struct Output<'a> {
     plan: &'a Plan,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     compared: Vec<Comparison>,
+    /// When the plan is RollArt's affinity placement rather than the search's own optimum: that
+    /// optimum's full prediction, seconds per step (the plan's is lower).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    affinity_over_search_s: Option<f64>,
 }
 
 fn read_inventory(path: &PathBuf) -> Result<Inventory> {
@@ -137,10 +141,16 @@ pub fn run(
             }
         }
     }
+    // `choose` took the affinity placement over the search's optimum: say so, with both figures.
+    let affinity_over_search_s = search::solve(&problem)
+        .filter(|first| first.candidate != found.candidate)
+        .and_then(|first| rollfleet_planner::predict::predict(&problem, &first.candidate))
+        .map(|prediction| prediction.step_s);
     let output = Output {
         job: job.manifest.metadata.name.clone(),
         plan: &planned,
         compared,
+        affinity_over_search_s,
     };
     match format {
         OutputFormat::Json | OutputFormat::Yaml => write_structured(format, &output, stdout)?,
@@ -253,6 +263,15 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
     writeln!(out, "\nwhy:")?;
     for r in &p.roles {
         writeln!(out, "  {} on {}: {}", r.role, r.pool, r.why)?;
+    }
+    if let Some(search_s) = o.affinity_over_search_s {
+        writeln!(
+            out,
+            "\nplacement: RollArt's affinity mapping (prefill on the compute-rich pools, decode on \
+             the others); the full prediction gives it {:.1} s per step against {search_s:.1} s \
+             for the exact search's optimum by its first-order objective",
+            pr.step_s
+        )?;
     }
     if !o.compared.is_empty() {
         writeln!(out, "\ncompared (predicted):")?;
