@@ -101,6 +101,17 @@ pub struct Candidate {
     pub trainer_gpus: u32,
 }
 
+impl Candidate {
+    /// Its serving replicas of `role`, over every pool.
+    pub fn replicas(&self, role: Role) -> u32 {
+        self.groups
+            .iter()
+            .filter(|g| g.role == role)
+            .map(|g| g.replicas)
+            .sum()
+    }
+}
+
 /// A GPU pool the planner may use.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GpuPool {

@@ -305,7 +305,7 @@ mod tests {
             flops: 0.0,
             bytes: 1e9,
         };
-        for _ in 0..(MIN_SAMPLES - 1) {
+        let sample = |store: &mut ProfileStore| {
             store.record(
                 WorkKind::Decode,
                 "h20",
@@ -314,20 +314,15 @@ mod tests {
                 1e12,
                 1.25e-3 / 0.9,
                 Origin::Hardware,
-            );
+            )
+        };
+        for _ in 0..(MIN_SAMPLES - 1) {
+            sample(&mut store);
         }
         let e = store.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
         assert_eq!(e.source, Source::Model);
         assert_eq!(e.share, model.bandwidth);
-        store.record(
-            WorkKind::Decode,
-            "h20",
-            work,
-            1e15,
-            1e12,
-            1.25e-3 / 0.9,
-            Origin::Hardware,
-        );
+        sample(&mut store);
         let e = store.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
         assert_eq!(e.source, Source::Measured);
         assert!((e.share - 0.72).abs() < 1e-9, "{}", e.share);
@@ -390,28 +385,14 @@ mod tests {
             flops: 0.0,
             bytes: 1e9,
         };
-        let mut real = ProfileStore::default();
-        let mut emulated = ProfileStore::default();
-        for _ in 0..MIN_SAMPLES {
-            real.record(
-                WorkKind::Decode,
-                "h20",
-                work,
-                1e15,
-                1e12,
-                1.25e-3,
-                Origin::Hardware,
-            );
-            emulated.record(
-                WorkKind::Decode,
-                "h20",
-                work,
-                1e15,
-                1e12,
-                1.25e-3,
-                Origin::Modelled,
-            );
-        }
+        let store_of = |origin: Origin| {
+            let mut store = ProfileStore::default();
+            for _ in 0..MIN_SAMPLES {
+                store.record(WorkKind::Decode, "h20", work, 1e15, 1e12, 1.25e-3, origin);
+            }
+            store
+        };
+        let (real, emulated) = (store_of(Origin::Hardware), store_of(Origin::Modelled));
         let real = real.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
         let emulated = emulated.effective(WorkKind::Decode, "h20", "H20", 1e15, 1e12, &model);
         assert_eq!((real.source, real.modelled), (Source::Measured, false));

@@ -336,14 +336,7 @@ pub fn choose(p: &Problem) -> Option<Found> {
         .map_or(1, |g| {
             affinity.candidate.trainer_gpus.div_ceil(g.per_node.max(1))
         });
-    let decode_replicas: u32 = affinity
-        .candidate
-        .groups
-        .iter()
-        .filter(|g| g.role == Role::Decode)
-        .map(|g| g.replicas)
-        .sum();
-    if decode_replicas <= trainer_nodes {
+    if affinity.candidate.replicas(Role::Decode) <= trainer_nodes {
         return Some(first);
     }
     let full = |c: &Candidate| predict::predict(p, c).map(|pr| pr.step_s);

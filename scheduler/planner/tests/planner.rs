@@ -613,13 +613,7 @@ fn the_chosen_placement_is_never_predicted_slower_than_the_searchs_optimum() {
                 search::solve_affinity(&p).map(|f| f.candidate).as_ref()
             );
             let nodes = chosen.candidate.trainer_gpus.div_ceil(8);
-            let decode: u32 = chosen
-                .candidate
-                .groups
-                .iter()
-                .filter(|g| g.role == Role::Decode)
-                .map(|g| g.replicas)
-                .sum();
+            let decode = chosen.candidate.replicas(Role::Decode);
             assert!(
                 decode > nodes,
                 "{name}: {decode} decode replicas, {nodes} trainer nodes"
