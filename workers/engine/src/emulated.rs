@@ -179,10 +179,11 @@ enum Msg {
         reply: oneshot::Sender<Result<(), EngineError>>,
     },
     Load(oneshot::Sender<EmulatedLoad>),
-    TakeSamples(oneshot::Sender<Vec<Measured>>),
+    /// The load and the samples measured since the last report, in one round trip.
+    Report(oneshot::Sender<(EmulatedLoad, Vec<Measured>)>),
 }
 
-/// Samples the replica keeps at most between two [`EmulatedEngine::take_samples`] (the oldest
+/// Samples the replica keeps at most between two [`EmulatedEngine::report`]s (the oldest
 /// go first), so that a replica nobody asks keeps bounded memory.
 pub const MAX_SAMPLES: usize = 4096;
 
@@ -326,12 +327,13 @@ impl EmulatedEngine {
         rx.await.map_err(|_| stopped())?
     }
 
-    /// What the replica measured since the last call: one sample per prefill batch and per
-    /// stretch of decode at a constant batch (modelled seconds: this replica is emulated).
-    pub async fn take_samples(&self) -> Vec<Measured> {
+    /// Its load now, and what it measured since the last report: one sample per prefill batch
+    /// and per stretch of decode at a constant batch (modelled seconds: this replica is
+    /// emulated). One round trip, for a worker's heartbeat.
+    pub async fn report(&self) -> (EmulatedLoad, Vec<Measured>) {
         let (reply, rx) = oneshot::channel();
-        if self.shared.tx.send(Msg::TakeSamples(reply)).is_err() {
-            return Vec::new();
+        if self.shared.tx.send(Msg::Report(reply)).is_err() {
+            return Default::default();
         }
         rx.await.unwrap_or_default()
     }
@@ -463,6 +465,16 @@ impl Actor {
         }
     }
 
+    fn current_load(&self) -> EmulatedLoad {
+        EmulatedLoad {
+            queued: self.waiting.len() as u32,
+            running: self.running.len() as u32,
+            kv_used_tokens: self.kv_used,
+            tokens_generated: self.roofline.tokens_generated,
+            tokens_prefilled: self.roofline.tokens_prefilled,
+        }
+    }
+
     fn handle(&mut self, msg: Msg) {
         let now = self.now();
         match msg {
@@ -585,17 +597,12 @@ impl Actor {
                     }));
                 }
             }
-            Msg::TakeSamples(reply) => {
-                let _ = reply.send(std::mem::take(&mut self.roofline.measured));
+            Msg::Report(reply) => {
+                let samples = std::mem::take(&mut self.roofline.measured);
+                let _ = reply.send((self.current_load(), samples));
             }
             Msg::Load(reply) => {
-                let _ = reply.send(EmulatedLoad {
-                    queued: self.waiting.len() as u32,
-                    running: self.running.len() as u32,
-                    kv_used_tokens: self.kv_used,
-                    tokens_generated: self.roofline.tokens_generated,
-                    tokens_prefilled: self.roofline.tokens_prefilled,
-                });
+                let _ = reply.send(self.current_load());
             }
         }
     }

@@ -237,3 +237,29 @@ async fn a_request_aborted_during_its_prefill_keeps_only_what_was_cached() {
     engine.release(partial);
     assert_eq!(engine.load().await.kv_used_tokens, 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_report_hands_over_the_load_and_each_sample_once() {
+    let engine = EmulatedEngine::start(config(100_000, 1.0));
+    let out = engine.run(10, 0, Some(100)).await.unwrap();
+    assert_eq!(out.tokens, 100);
+    let (load, samples) = engine.report().await;
+    assert_eq!(
+        (load.queued, load.running, load.tokens_generated),
+        (0, 0, 100)
+    );
+    // A lone decode at 2 ms a token: every decode sample is that iteration, timed by the model.
+    let decode: Vec<_> = samples
+        .iter()
+        .filter(|m| m.kind == rollfleet_sim::hardware::WorkKind::Decode)
+        .collect();
+    assert!(!decode.is_empty(), "{samples:?}");
+    assert!(
+        decode.iter().all(|m| (m.seconds - 2e-3).abs() < 1e-9),
+        "{decode:?}"
+    );
+    // Taken: the next report has none, and the load is the same.
+    let (again, none) = engine.report().await;
+    assert!(none.is_empty(), "{none:?}");
+    assert_eq!(again, load);
+}

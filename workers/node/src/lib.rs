@@ -707,24 +707,19 @@ impl Node {
         let mut load = WorkerLoad::default();
         for (replica, engine) in engines {
             let gpus = self.plan.replica(replica).map_or(1, |rc| rc.gpus);
-            load.samples.extend(
-                engine
-                    .take_samples()
-                    .await
-                    .into_iter()
-                    .map(|m| ProfileSample {
-                        kind: match m.kind {
-                            WorkKind::Prefill => ProfileKind::Prefill,
-                            _ => ProfileKind::Decode,
-                        } as i32,
-                        flops: m.work.flops,
-                        bytes: m.work.bytes,
-                        seconds: m.seconds,
-                        gpus,
-                        emulated: true,
-                    }),
-            );
-            let l = engine.load().await;
+            let (l, samples) = engine.report().await;
+            load.samples
+                .extend(samples.into_iter().map(|m| ProfileSample {
+                    kind: match m.kind {
+                        WorkKind::Prefill => ProfileKind::Prefill,
+                        _ => ProfileKind::Decode,
+                    } as i32,
+                    flops: m.work.flops,
+                    bytes: m.work.bytes,
+                    seconds: m.seconds,
+                    gpus,
+                    emulated: true,
+                }));
             load.queued_stages += l.queued;
             load.running_stages += l.running;
             load.batch_size += l.running;
