@@ -1176,25 +1176,20 @@ fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_d
             uuid: format!("GPU-test-{index}"),
             memory_bytes: 85_899_345_920,
         };
-        let lease = client
-            .register(RegisterRequest {
-                inventory: Some(HardwareInventory {
-                    hostname: "gpu-peer".into(),
-                    pool: "decode".into(),
-                    gpu_telemetry: Some(GpuTelemetryInfo {
-                        available: true,
-                        unavailable_reason: String::new(),
-                        devices: vec![device(0), device(1)],
-                    }),
-                    ..Default::default()
+        let lease = register_peer(
+            &mut client,
+            HardwareInventory {
+                hostname: "gpu-peer".into(),
+                pool: "decode".into(),
+                gpu_telemetry: Some(GpuTelemetryInfo {
+                    available: true,
+                    unavailable_reason: String::new(),
+                    devices: vec![device(0), device(1)],
                 }),
                 ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .lease
-            .unwrap();
+            },
+        )
+        .await;
         let reading = |index, utilization, memory_used_bytes| GpuReading {
             index,
             utilization,
@@ -1216,25 +1211,20 @@ fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_d
 
         // A peer that registered without GPU telemetry and then sends readings (made up: it has
         // no driver to read them from) is refused and cut off.
-        let liar = client
-            .register(RegisterRequest {
-                inventory: Some(HardwareInventory {
-                    hostname: "liar".into(),
-                    pool: "decode".into(),
-                    gpu_telemetry: Some(GpuTelemetryInfo {
-                        available: false,
-                        unavailable_reason: "no driver".into(),
-                        devices: vec![],
-                    }),
-                    ..Default::default()
+        let liar = register_peer(
+            &mut client,
+            HardwareInventory {
+                hostname: "liar".into(),
+                pool: "decode".into(),
+                gpu_telemetry: Some(GpuTelemetryInfo {
+                    available: false,
+                    unavailable_reason: "no driver".into(),
+                    devices: vec![],
                 }),
                 ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .lease
-            .unwrap();
+            },
+        )
+        .await;
         let zeros = HeartbeatRequest {
             worker_id: liar.worker_id.clone(),
             epoch: 1,
