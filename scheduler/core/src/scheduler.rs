@@ -1048,17 +1048,9 @@ impl Core {
         r.healthy = true;
         r.version = None;
         r.failures = 0;
-        // A recovered replica gets the current weights straight away, whatever the discipline.
-        r.updating = true;
-        self.updating += 1;
-        self.stats.weight_updates += 1;
-        self.commands.push_back(Command::UpdateWeights {
-            replica: id,
-            version: self.version,
-            bytes: self.cfg.weight_bytes,
-            mode: SyncMode::Rolling,
-        });
-        self.touch(id);
+        // A recovered replica gets the current weights straight away, whatever the discipline
+        // (it holds no KV cache: its caches went when it was lost).
+        self.start_update(id, SyncMode::Rolling);
     }
 
     fn replica_added(&mut self, config: crate::placement::ReplicaConfig) {
@@ -1066,20 +1058,11 @@ impl Core {
         let mut r = Replica::new(&config);
         // Like a recovered replica: no weights until it has loaded the current ones.
         r.version = None;
-        r.updating = true;
-        self.updating += 1;
-        self.stats.weight_updates += 1;
         self.stats.replicas_added += 1;
         self.disaggregated |= config.role == ServeRole::Prefill;
         self.replicas.push(r);
         self.cfg.replicas.push(config);
-        self.commands.push_back(Command::UpdateWeights {
-            replica: id,
-            version: self.version,
-            bytes: self.cfg.weight_bytes,
-            mode: SyncMode::Rolling,
-        });
-        self.touch(id);
+        self.start_update(id, SyncMode::Rolling);
     }
 
     fn retire_replica(&mut self, id: ReplicaId) {

@@ -533,7 +533,7 @@ fn explain_role(
     )
 }
 
-/// Plans a job: the exact optimum of the predictor, with explanations.
+/// Plans a job: the placement [`crate::search::choose`] picks, with explanations.
 pub fn plan(
     spec: &JobSpec,
     catalog: &Catalog,

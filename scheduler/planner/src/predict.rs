@@ -865,20 +865,10 @@ fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
 /// The token-weighted mean per-token time, and each decode kind's mean batch.
 type TokenTimes = (f64, Vec<f64>);
 
-fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
-    let s = step_work(p);
+/// The step's environment time over every vCPU, and its rewards' time over the busiest serverless
+/// pool's concurrency, seconds: the terms no GPU placement changes.
+fn cpu_terms(p: &Problem, s: &StepWork) -> (f64, f64) {
     let w = &p.workload;
-    if caps.trainer_flops <= 0.0 {
-        return None;
-    }
-    let disaggregated = caps.disaggregated;
-    let prefill_flops = caps.prefill_flops;
-    let prefill_fastest = caps.prefill_fastest;
-    let kinds = &caps.kinds;
-    if kinds.iter().all(|k| k.cap < 1.0) {
-        return None;
-    }
-    let train_s = s.train_flops / (caps.trainer_flops * w.train_mfu);
     let env_s = if s.env_cpu_s > 0.0 {
         s.env_cpu_s / p.vcpus.max(1e-30)
     } else {
@@ -894,6 +884,24 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
             .sum();
         serverless_s = serverless_s.max(secs / pool.concurrency.max(1e-30));
     }
+    (env_s, serverless_s)
+}
+
+fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
+    let s = step_work(p);
+    let w = &p.workload;
+    if caps.trainer_flops <= 0.0 {
+        return None;
+    }
+    let disaggregated = caps.disaggregated;
+    let prefill_flops = caps.prefill_flops;
+    let prefill_fastest = caps.prefill_fastest;
+    let kinds = &caps.kinds;
+    if kinds.iter().all(|k| k.cap < 1.0) {
+        return None;
+    }
+    let train_s = s.train_flops / (caps.trainer_flops * w.train_mfu);
+    let (env_s, serverless_s) = cpu_terms(p, &s);
     let kv_per_seq = p.kv_bytes_per_token * s.decode_context;
     let flops_per_seq = p.flops_per_token + p.attention_flops * s.decode_context;
     let weights = p.active_weight_bytes;
@@ -1315,21 +1323,7 @@ fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
         0.0
     };
     let local_prefill_s = local_work / local_flops.max(1e-30);
-    let env_s = if s.env_cpu_s > 0.0 {
-        s.env_cpu_s / p.vcpus.max(1e-30)
-    } else {
-        0.0
-    };
-    let mut serverless_s: f64 = 0.0;
-    for pool in &p.serverless {
-        let secs: f64 = w
-            .tasks
-            .iter()
-            .filter(|t| t.serverless_pool == Some(pool.spec_index))
-            .map(|t| w.batch * t.share * t.reward_s)
-            .sum();
-        serverless_s = serverless_s.max(secs / pool.concurrency.max(1e-30));
-    }
+    let (env_s, serverless_s) = cpu_terms(p, &s);
     let kv_per_seq = p.kv_bytes_per_token * s.decode_context;
     let flops_per_seq = p.flops_per_token + p.attention_flops * s.decode_context;
     let weights = p.active_weight_bytes;

@@ -20,7 +20,8 @@ use crate::workload::mean;
 )]
 #[serde(rename_all = "kebab-case")]
 pub enum PlacementChoice {
-    /// The planner's exact optimum of its predicted step time.
+    /// The planner's choice: the exact optimum of its search's objective, or RollArt's affinity
+    /// placement when the full prediction says it is faster (`search::choose`).
     #[default]
     Plan,
     /// The core's stand-in rule: the highest ridge point prefills and trains, the rest decode.
