@@ -155,6 +155,24 @@ struct Request {
 }
 
 impl Request {
+    /// A new request (nothing parked for it yet).
+    fn new(
+        id: u64,
+        cached: u64,
+        prefill: u64,
+        decode: Option<u64>,
+        reply: oneshot::Sender<Result<EmulatedOutput, EngineError>>,
+    ) -> Request {
+        Request {
+            id,
+            cached,
+            prefill,
+            decode,
+            parked: 0,
+            reply,
+        }
+    }
+
     fn kv_needed(&self) -> u64 {
         self.cached + self.prefill + self.decode.unwrap_or(0)
     }
@@ -269,14 +287,9 @@ impl EmulatedEngine {
     pub fn submit(&self, cached: u64, prefill: u64, decode: Option<u64>) -> InFlight {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, rx) = oneshot::channel();
-        let _ = self.shared.tx.send(Msg::Submit(Request {
-            id,
-            cached,
-            prefill,
-            decode,
-            parked: 0,
-            reply,
-        }));
+        let _ = self.shared.tx.send(Msg::Submit(Request::new(
+            id, cached, prefill, decode, reply,
+        )));
         self.in_flight(id, rx)
     }
 
@@ -362,28 +375,21 @@ async fn submit(
     prefill: u64,
     decode: Option<u64>,
 ) -> Result<EmulatedOutput, EngineError> {
-    {
-        let (reply, rx) = oneshot::channel();
-        shared
-            .tx
-            .send(Msg::Submit(Request {
-                id,
-                cached,
-                prefill,
-                decode,
-                parked: 0,
-                reply,
-            }))
-            .map_err(|_| stopped())?;
-        let mut guard = AbortOnDrop {
-            tx: shared.tx.clone(),
-            id,
-            armed: true,
-        };
-        let result = rx.await.map_err(|_| stopped())?;
-        guard.armed = false;
-        result
-    }
+    let (reply, rx) = oneshot::channel();
+    shared
+        .tx
+        .send(Msg::Submit(Request::new(
+            id, cached, prefill, decode, reply,
+        )))
+        .map_err(|_| stopped())?;
+    let mut guard = AbortOnDrop {
+        tx: shared.tx.clone(),
+        id,
+        armed: true,
+    };
+    let result = rx.await.map_err(|_| stopped())?;
+    guard.armed = false;
+    result
 }
 
 struct AbortOnDrop {
