@@ -1075,6 +1075,13 @@ impl Core {
         }
         r.retiring = true;
         self.retiring += 1;
+        // With the last prefill replica going, long inputs are prefilled where they decode, as
+        // on a colocated placement; otherwise they would wait for a prefill replica forever.
+        self.disaggregated = self
+            .replicas
+            .iter()
+            .any(|r| r.role == ServeRole::Prefill && !r.retiring && !r.retired);
+        let r = &mut self.replicas[id.0 as usize];
         // A rolling update it was waiting for or draining for is moot.
         r.draining = false;
         self.pending_update.remove(&id);
@@ -1279,6 +1286,15 @@ impl Core {
         }
     }
 
+    /// The most rollout batches the continuous discipline keeps started and not yet trained on,
+    /// however loose the staleness bound. Every trajectory alive when its replica takes new
+    /// weights (once a step) loses its KV cache and prefills its whole context again, so a
+    /// trajectory that waits more steps for the trainer costs more prefill and buys no
+    /// throughput once the trainer is fed (measured on the RollArt-like job with `maxStaleness:
+    /// 8`, on the placement planned for 2: 95.4 s per step with a window of 4 batches, 75.0 s
+    /// with 2; docs/simulator.md).
+    pub const MAX_WINDOW_BATCHES: u64 = 2;
+
     fn admit_groups(&mut self) {
         let n = self.cfg.group_size as u64;
         let b = self.cfg.rollout_batch_size as u64;
@@ -1302,8 +1318,10 @@ impl Core {
                 // members (about twice the mean), hence half of that, but at least three quarters
                 // of a batch so that a small bound still keeps the trainer fed (both measured:
                 // docs/simulator.md), and never less than one training batch, or the trainer
-                // would wait for trajectories that are never started.
+                // would wait for trajectories that are never started. A loose bound does not
+                // widen it past `MAX_WINDOW_BATCHES`: see there.
                 let window = (self.cfg.policy.max_staleness * b / 2)
+                    .min(Self::MAX_WINDOW_BATCHES * b)
                     .max(3 * b / 4)
                     .max(self.cfg.train_batch_size as u64)
                     .max(n);

@@ -186,6 +186,36 @@ fn a_trajectory_goes_from_reset_through_its_turns_to_its_reward_and_is_trained_o
 }
 
 #[test]
+fn a_loose_staleness_bound_keeps_at_most_two_batches_started_and_untrained() {
+    let started = |max_staleness: u64| {
+        let cfg = config(
+            vec![replica(ServeRole::Generate, 10_000)],
+            policy(
+                Discipline::Continuous,
+                max_staleness,
+                0.0,
+                SyncMode::Rolling,
+            ),
+            1,
+            4,
+            10,
+        );
+        let mut core = Core::new(cfg);
+        core.handle_timeout(Time::ZERO);
+        drain(&mut core);
+        core.stats().groups_started
+    };
+    // `S x B / 2` while that is under two batches ...
+    assert_eq!(started(2), 4);
+    assert_eq!(started(3), 6);
+    // ... and two batches however loose the bound: more would only wait for the trainer,
+    // losing their KV caches at every weight update.
+    assert_eq!(started(4), 8);
+    assert_eq!(started(8), 8);
+    assert_eq!(started(100), 8);
+}
+
+#[test]
 fn a_later_turn_returns_to_the_replica_holding_its_kv_cache_and_prefills_only_the_new_tokens() {
     let cfg = config(
         vec![
@@ -268,6 +298,53 @@ fn a_long_context_is_prefilled_on_the_prefill_pool_and_its_kv_cache_pulled_by_a_
             }
         ),
         "{decode:?}"
+    );
+}
+
+#[test]
+fn with_its_last_prefill_replica_retired_a_long_input_is_prefilled_where_it_decodes() {
+    let cfg = config(
+        vec![
+            replica(ServeRole::Prefill, 10_000),
+            replica(ServeRole::Decode, 10_000),
+        ],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        1,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let reset = runs(&drain(&mut core));
+    core.handle_input(
+        Time(1),
+        Input::RetireReplica {
+            replica: ReplicaId(0),
+        },
+    );
+    let retired = drain(&mut core);
+    assert!(
+        retired.iter().any(|c| matches!(
+            c,
+            Command::ReplicaRetired {
+                replica: ReplicaId(0)
+            }
+        )),
+        "{retired:?}"
+    );
+    // 2,000 tokens is over `pd_min_prefill_tokens`: with a prefill replica it would go there.
+    let generate = runs(&finish(&mut core, reset[0].stage, observed(2_000, false)));
+    assert!(
+        matches!(
+            generate[0].work,
+            StageWork::Generate {
+                replica: ReplicaId(1),
+                cached_tokens: 0,
+                prefill_tokens: 2_000,
+                ..
+            }
+        ),
+        "{generate:?}"
     );
 }
 

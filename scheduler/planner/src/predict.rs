@@ -40,7 +40,8 @@
 //! (bisection). The job's average adds the last step, which waits for the last groups admitted.
 //!
 //! The search does not compare placements by this prediction but by [`step_time`], the
-//! first-order model without regeneration, refills, drains or the closed loop, whose decode is
+//! first-order model without regeneration, drains or the closed loop (it counts refills as load
+//! on the prefill queues, and the burst they arrive in as a wait), whose decode is
 //! still split by water-filling (every busy replica at one per-token time, a replica too slow
 //! to beat it alone getting nothing): the full model ranks a single decode replica too well,
 //! and a router-faithful objective chose a placement that simulates worse for the same reason
@@ -1350,38 +1351,75 @@ fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
             kv_per_seq,
             flops_per_seq,
         )?;
-        let q_first = queue(prefill_s / t);
-        let q_local = queue(local_prefill_s / t);
-        let mut slots = 0.0;
-        let mut longest: f64 = 0.0;
-        let fill = w.train_batch / w.batch;
-        for task in &w.tasks {
-            let first_tokens = task.prompt;
-            let first = p.flops_per_token * first_tokens
-                + p.attention_flops * first_tokens * first_tokens / 2.0;
-            let first_s = if disaggregated {
-                first / prefill_fastest.max(1e-30) * q_first + first_tokens * transfer_per_token
+        // Every trajectory alive when its replica takes new weights (once a step) loses its KV
+        // cache and prefills its whole context again (a refill), where a turn without a cache
+        // goes: by Little's law `B / T x life` are alive. Refills load the prefill queues, which
+        // lengthen lives, which make more refills: two rounds, from none.
+        let refill_flops = context_prefill_flops(p, s.decode_context);
+        let refills_remote = remote_prefill(p, disaggregated, s.decode_context);
+        let mut refill = (0.0, 0.0);
+        let mut outcome = (0.0, 0.0);
+        for _ in 0..2 {
+            let (refill_remote_s, refill_local_s) = refill;
+            let q_first = queue((prefill_s + refill_remote_s) / t);
+            let q_local = queue((local_prefill_s + refill_local_s) / t);
+            let mut slots = 0.0;
+            let mut longest: f64 = 0.0;
+            let mut alive = 0.0;
+            for task in &w.tasks {
+                let first_tokens = task.prompt;
+                let first = p.flops_per_token * first_tokens
+                    + p.attention_flops * first_tokens * first_tokens / 2.0;
+                let first_s = if disaggregated {
+                    first / prefill_fastest.max(1e-30) * q_first + first_tokens * transfer_per_token
+                } else {
+                    first / local_fastest.max(1e-30) * q_local
+                };
+                let obs = task.observation;
+                let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
+                let later_s = later / local_fastest.max(1e-30) * q_local;
+                // A group is trained when its slowest member is done: the mean lifetime plus
+                // `group_max_z` standard deviations of it (turns vary, and so does every step).
+                let turns = task.turns;
+                let per_turn = task.env_step_s + later_s + task.action * tau;
+                let mean_life = (turns + 1.0) * task.env_step_s
+                    + first_s
+                    + (turns - 1.0).max(0.0) * later_s
+                    + turns * task.action * tau
+                    + task.reward_s;
+                // Refills come in a burst as each wave of replicas loads new weights, so a
+                // trajectory alive at an update queues behind about half of the step's refills
+                // as well as paying for its own, once for every step it lives.
+                let own_refill = refill_flops
+                    / if refills_remote {
+                        prefill_fastest
+                    } else {
+                        local_fastest
+                    }
+                    .max(1e-30);
+                let burst = refill_remote_s.max(refill_local_s) / 2.0;
+                let stretch = 1.0 / (1.0 - ((own_refill + burst) / t).min(0.9));
+                let mean_life = mean_life * stretch;
+                let var_life = (turns * (task.env_step_var + tau * tau * task.action_var)
+                    + task.turns_var * per_turn * per_turn)
+                    * stretch
+                    * stretch;
+                let life = mean_life + w.group_max_z * var_life.sqrt();
+                longest = longest.max(life);
+                slots += task.share * life;
+                alive += task.share * mean_life;
+            }
+            let refill_work = w.batch / t * alive * refill_flops;
+            refill = if refills_remote {
+                (refill_work / prefill_flops.max(1e-30), 0.0)
             } else {
-                first / local_fastest.max(1e-30) * q_local
+                (0.0, refill_work / local_flops.max(1e-30))
             };
-            let obs = task.observation;
-            let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
-            let later_s = later / local_fastest.max(1e-30) * q_local;
-            // A group is trained when its slowest member is done: the mean lifetime plus
-            // `group_max_z` standard deviations of it (turns vary, and so does every step).
-            let turns = task.turns;
-            let per_turn = task.env_step_s + later_s + task.action * tau;
-            let mean_life = (turns + 1.0) * task.env_step_s
-                + first_s
-                + (turns - 1.0).max(0.0) * later_s
-                + turns * task.action * tau
-                + task.reward_s;
-            let var_life = turns * (task.env_step_var + tau * tau * task.action_var)
-                + task.turns_var * per_turn * per_turn;
-            let life = mean_life + w.group_max_z * var_life.sqrt();
-            longest = longest.max(life);
-            slots += task.share * life;
+            outcome = (slots, longest);
         }
+        let (slots, longest) = outcome;
+        let (refill_remote_s, refill_local_s) = refill;
+        let fill = w.train_batch / w.batch;
         // A finished group waits for a training batch to fill and for the trainer, which
         // queues batches like any server: a trainer busy nearly all the step makes every group
         // wait (M/D/1), holding its slot and ageing towards the staleness bound.
@@ -1390,8 +1428,8 @@ fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
         let staleness_s = longest / w.max_staleness.max(1.0);
         let terms = Terms {
             train_s,
-            prefill_s,
-            local_prefill_s,
+            prefill_s: prefill_s + refill_remote_s,
+            local_prefill_s: local_prefill_s + refill_local_s,
             decode_s: 0.0,
             env_s,
             serverless_s,
@@ -1404,8 +1442,15 @@ fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
         .into_iter()
         .fold(0.0_f64, f64::max);
     let fits = |t: f64| -> bool {
-        evaluate(t)
-            .is_some_and(|(terms, _, _)| terms.latency_s.max(terms.staleness_s).max(fixed) <= t)
+        evaluate(t).is_some_and(|(terms, _, _)| {
+            let refilled = terms.prefill_s.max(terms.local_prefill_s);
+            terms
+                .latency_s
+                .max(terms.staleness_s)
+                .max(refilled)
+                .max(fixed)
+                <= t
+        })
     };
     let mut hi = fixed.max(1.0);
     let mut tries = 0;

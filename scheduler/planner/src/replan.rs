@@ -245,7 +245,8 @@ pub fn migration(p: &Problem, from: &Candidate, to: &Candidate, per_wave: u32) -
 }
 
 /// Plans again after pool `pool` loses `lost` GPUs: the surviving placement, the new plan on the
-/// smaller inventory, and the waves between them.
+/// smaller inventory, and the waves between them. When the full prediction gives the new plan
+/// no gain over running on the survivors, the survivors are the plan and nothing moves.
 pub fn replan_after_loss(
     p: &Problem,
     c: &Candidate,
@@ -256,6 +257,17 @@ pub fn replan_after_loss(
     let (smaller, survivor) = after_loss(p, c, pool, lost);
     let survivor = survivor?;
     let found = search::choose(&smaller)?;
+    let full = |c: &Candidate| crate::predict::predict(&smaller, c).map(|pr| pr.step_s);
+    if let (Some(new), Some(old)) = (full(&found.candidate), full(&survivor))
+        && old <= new
+    {
+        let stay = search::Found {
+            step_s: crate::predict::step_time(&smaller, &survivor)?,
+            candidate: survivor.clone(),
+            nodes: found.nodes,
+        };
+        return Some((smaller, survivor, stay, Vec::new()));
+    }
     let waves = if found.candidate.trainer_pool == survivor.trainer_pool {
         migration(&smaller, &survivor, &found.candidate, per_wave)
     } else {

@@ -150,12 +150,13 @@ impl Workload {
     }
 
     /// Trajectories the core lets be started and not yet consumed: the core's admission rule
-    /// (`Core::admit_groups`: `max(S x B / 2, 3 B / 4, trainBatch, groupSize)` plus the
+    /// (`Core::admit_groups`: `max(min(S x B / 2, 2 B), 3 B / 4, trainBatch, groupSize)` plus the
     /// over-provisioning), rounded down to whole groups as the core admits them.
     pub fn window(&self) -> f64 {
         let b = self.batch;
         let core = (self.max_staleness * b / 2.0)
             .floor()
+            .min(rollfleet_core::Core::MAX_WINDOW_BATCHES as f64 * b)
             .max((3.0 * b / 4.0).floor())
             .max(self.train_batch)
             .max(self.group_size);
@@ -381,6 +382,9 @@ mod tests {
         };
         // max(2 x 1024 / 2, 768, 256, 8) + 256.
         assert_eq!(w.window(), 1280.0);
+        // A loose bound keeps two batches, not `S / 2` of them.
+        w.max_staleness = 8.0;
+        assert_eq!(w.window(), 2048.0 + 256.0);
         // A staleness bound of 1 keeps three quarters of a batch, not a whole one.
         w.max_staleness = 1.0;
         assert_eq!(w.window(), 768.0 + 256.0);
