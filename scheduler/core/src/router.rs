@@ -227,19 +227,39 @@ pub enum Route {
     Generate(ReplicaId, bool),
 }
 
+/// Where the router looks replicas up: any `Fn(ReplicaId) -> Option<ReplicaView>`, or a type
+/// of the caller's over its own replica table.
+pub trait ReplicaLookup {
+    /// The replica `id` as the router sees it.
+    fn view(&self, id: ReplicaId) -> Option<ReplicaView>;
+}
+
+impl<F: Fn(ReplicaId) -> Option<ReplicaView>> ReplicaLookup for F {
+    #[inline]
+    fn view(&self, id: ReplicaId) -> Option<ReplicaView> {
+        self(id)
+    }
+}
+
 /// The replica sets, in load order, that the router walks.
-pub struct RouterView<'a> {
+///
+/// Generic over the lookup (not a `&dyn Fn`): a routing decision looks up to [`CANDIDATES`]
+/// replicas up, and a lookup the compiler can inline builds only the parts of a
+/// [`ReplicaView`] that [`ReplicaView::fits`] reads, instead of a whole view through an
+/// indirect call per candidate.
+pub struct RouterView<'a, L: ReplicaLookup + ?Sized> {
     /// Looks a replica up by id.
-    pub lookup: &'a dyn Fn(ReplicaId) -> Option<ReplicaView>,
+    pub lookup: &'a L,
     /// Available prefill replicas by `(load_key, id)`.
     pub prefill: &'a LoadOrder,
     /// Available decode/generate replicas by `(load_key, id)`.
     pub decode: &'a LoadOrder,
 }
 
-impl RouterView<'_> {
+impl<L: ReplicaLookup + ?Sized> RouterView<'_, L> {
+    #[inline]
     fn view(&self, id: ReplicaId) -> Option<ReplicaView> {
-        (self.lookup)(id)
+        self.lookup.view(id)
     }
 
     /// The least-loaded replica of `set` that fits (no eviction), then, failing that, the
