@@ -2036,6 +2036,10 @@ impl Core {
                 tokens += traj.context;
                 let staleness =
                     traj.oldest().map_or(0, |v| self.version.saturating_sub(v)) as usize;
+                // Nothing reads a consumed trajectory's turns again: freed now, their memory
+                // goes to the turns of trajectories started later instead of the heap growing
+                // (and page-faulting) through the whole run.
+                traj.turns = Vec::new();
                 if self.stats.staleness_histogram.len() <= staleness {
                     self.stats.staleness_histogram.resize(staleness + 1, 0);
                 }
