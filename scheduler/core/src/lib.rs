@@ -17,6 +17,7 @@
 //! - [`scheduler`]: the state machine itself.
 
 pub mod config;
+pub mod idset;
 pub mod placement;
 pub mod protocol;
 /// The seeded generator, re-exported so the simulator draws from the same implementation.

@@ -77,10 +77,24 @@ const WALK: usize = 8;
 /// A replica re-filed after a change of load usually moves a few places; moving the entries
 /// between its old and new place costs less than a tree's removal and insertion, and walking the
 /// least-loaded ones is a walk along a slice.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct LoadOrder {
     entries: Vec<(u64, ReplicaId)>,
+    /// Per replica id, where its entry was last put. Entries passed by a move shift by one
+    /// place, so a hint is often off by a little, and is only ever a guess checked against the
+    /// entry it points at: finding the entry to re-file is then a look or two instead of a
+    /// binary search with a mispredicted branch per level, on every re-filing.
+    hints: Vec<u32>,
 }
+
+/// Two orders are equal when they hold the same entries (the hints are only a cache).
+impl PartialEq for LoadOrder {
+    fn eq(&self, other: &Self) -> bool {
+        self.entries == other.entries
+    }
+}
+
+impl Eq for LoadOrder {}
 
 impl LoadOrder {
     /// An empty order.
@@ -109,6 +123,7 @@ impl LoadOrder {
             Ok(_) => false,
             Err(i) => {
                 self.entries.insert(i, entry);
+                self.hint(entry.1, i);
                 true
             }
         }
@@ -116,19 +131,51 @@ impl LoadOrder {
 
     /// Removes an entry; `false` if it was not there.
     pub fn remove(&mut self, entry: &(u64, ReplicaId)) -> bool {
-        match self.entries.binary_search(entry) {
-            Ok(i) => {
+        match self.find(entry) {
+            Some(i) => {
                 self.entries.remove(i);
                 true
             }
-            Err(_) => false,
+            None => false,
         }
+    }
+
+    /// Notes that replica `id`'s entry was put at `place`.
+    #[inline]
+    fn hint(&mut self, id: ReplicaId, place: usize) {
+        let index = id.0 as usize;
+        if index >= self.hints.len() {
+            // Ids are dense (replica indices), so the table stays the size of the fleet.
+            self.hints.resize(index + 1, 0);
+        }
+        self.hints[index] = place as u32;
+    }
+
+    /// Where `entry` is: at its replica's hint or a place or two away from it, or else found
+    /// by a binary search.
+    #[inline]
+    fn find(&self, entry: &(u64, ReplicaId)) -> Option<usize> {
+        if let Some(&hint) = self.hints.get(entry.1.0 as usize) {
+            let hint = hint as usize;
+            for place in [
+                hint,
+                hint.wrapping_sub(1),
+                hint + 1,
+                hint.wrapping_sub(2),
+                hint + 2,
+            ] {
+                if self.entries.get(place) == Some(entry) {
+                    return Some(place);
+                }
+            }
+        }
+        self.entries.binary_search(entry).ok()
     }
 
     /// Replaces `old` (when filed) by `new` (when given): the same set as removing one and
     /// inserting the other, by moving only the entries between their two places.
     pub fn refile(&mut self, old: Option<(u64, ReplicaId)>, new: Option<(u64, ReplicaId)>) {
-        let from = old.and_then(|o| self.entries.binary_search(&o).ok());
+        let from = old.and_then(|o| self.find(&o));
         match (from, new) {
             (Some(i), Some(new)) => self.shift(i, new),
             (Some(i), None) => {
@@ -182,6 +229,7 @@ impl LoadOrder {
             }
         }
         self.entries[j] = new;
+        self.hint(new.1, j);
     }
 }
 
@@ -190,7 +238,14 @@ impl FromIterator<(u64, ReplicaId)> for LoadOrder {
         let mut entries: Vec<(u64, ReplicaId)> = iter.into_iter().collect();
         entries.sort_unstable();
         entries.dedup();
-        LoadOrder { entries }
+        let mut order = LoadOrder {
+            entries,
+            hints: Vec::new(),
+        };
+        for place in 0..order.entries.len() {
+            order.hint(order.entries[place].1, place);
+        }
+        order
     }
 }
 
@@ -227,19 +282,39 @@ pub enum Route {
     Generate(ReplicaId, bool),
 }
 
+/// Where the router looks replicas up: any `Fn(ReplicaId) -> Option<ReplicaView>`, or a type
+/// of the caller's over its own replica table.
+pub trait ReplicaLookup {
+    /// The replica `id` as the router sees it.
+    fn view(&self, id: ReplicaId) -> Option<ReplicaView>;
+}
+
+impl<F: Fn(ReplicaId) -> Option<ReplicaView>> ReplicaLookup for F {
+    #[inline]
+    fn view(&self, id: ReplicaId) -> Option<ReplicaView> {
+        self(id)
+    }
+}
+
 /// The replica sets, in load order, that the router walks.
-pub struct RouterView<'a> {
+///
+/// Generic over the lookup (not a `&dyn Fn`): a routing decision looks up to [`CANDIDATES`]
+/// replicas up, and a lookup the compiler can inline builds only the parts of a
+/// [`ReplicaView`] that [`ReplicaView::fits`] reads, instead of a whole view through an
+/// indirect call per candidate.
+pub struct RouterView<'a, L: ReplicaLookup + ?Sized> {
     /// Looks a replica up by id.
-    pub lookup: &'a dyn Fn(ReplicaId) -> Option<ReplicaView>,
+    pub lookup: &'a L,
     /// Available prefill replicas by `(load_key, id)`.
     pub prefill: &'a LoadOrder,
     /// Available decode/generate replicas by `(load_key, id)`.
     pub decode: &'a LoadOrder,
 }
 
-impl RouterView<'_> {
+impl<L: ReplicaLookup + ?Sized> RouterView<'_, L> {
+    #[inline]
     fn view(&self, id: ReplicaId) -> Option<ReplicaView> {
-        (self.lookup)(id)
+        self.lookup.view(id)
     }
 
     /// The least-loaded replica of `set` that fits (no eviction), then, failing that, the

@@ -25,13 +25,16 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, Discipline, RewardRoute};
+use crate::idset::IdSet;
 use crate::placement::ServeRole;
 use crate::protocol::{
     BatchId, Command, GroupId, Input, ReplicaId, StageCommand, StageId, StageOutcome, StageWork,
     SyncMode, TrajId, Version,
 };
 use crate::rng::SplitMix64;
-use crate::router::{LoadOrder, ReplicaView, Route, RouteRequest, RouterView, load_key};
+use crate::router::{
+    LoadOrder, ReplicaLookup, ReplicaView, Route, RouteRequest, RouterView, load_key,
+};
 use crate::slab::IdSlab;
 use crate::time::Time;
 
@@ -140,7 +143,7 @@ struct Traj {
     phase: Phase,
     env_pool: Option<u32>,
     kv: Kv,
-    queued: Option<(Queue, u64)>,
+    queued: Option<Queue>,
     /// Oldest version among `turns` (`Version::MAX` when there are none).
     min_version: Version,
     /// Its stages' failures and timeouts since its last stage that finished.
@@ -213,6 +216,22 @@ impl Replica {
     }
 }
 
+/// The replica table as the router looks it up: a named type (not a closure), so the router's
+/// walk over candidates is compiled for it and inlines each lookup.
+struct Replicas<'a> {
+    replicas: &'a [Replica],
+    latest: Version,
+}
+
+impl ReplicaLookup for Replicas<'_> {
+    #[inline]
+    fn view(&self, id: ReplicaId) -> Option<ReplicaView> {
+        self.replicas
+            .get(id.0 as usize)
+            .map(|r| Core::view(r, self.latest))
+    }
+}
+
 #[derive(Debug, Clone)]
 enum StageKind {
     EnvReset,
@@ -257,7 +276,9 @@ pub struct Core {
     stages: IdSlab<StageRec>,
     next_stage: u64,
     /// The queues, indexed by [`Queue`] (an array: one is looked up on every enqueue).
-    queues: [BTreeSet<(u64, TrajId)>; 4],
+    /// Each holds trajectory ids, so it is walked oldest group first: trajectories are numbered
+    /// group by group, in the order groups start ([`Core::start_group`]).
+    queues: [IdSet; 4],
     ready: BTreeSet<(Version, GroupId)>,
     batch_complete: BTreeMap<u64, u32>,
     batch_done: BTreeMap<u64, u32>,
@@ -583,16 +604,16 @@ impl Core {
         self.dequeue(t);
         // Oldest group first, everywhere: a straggler of an old group overtakes fresh work, so
         // groups complete (and can be trained on) before their first turns fall out of the bound.
-        let prio = self.trajs[t.0 as usize].group.0;
-        self.queues[queue as usize].insert((prio, t));
+        // Ids follow groups, so the id order of the queue is that order.
+        self.queues[queue as usize].insert(t.0);
         let traj = &mut self.trajs[t.0 as usize];
-        traj.queued = Some((queue, prio));
+        traj.queued = Some(queue);
         traj.phase = phase;
     }
 
     fn dequeue(&mut self, t: TrajId) {
-        if let Some((q, prio)) = self.trajs[t.0 as usize].queued.take() {
-            self.queues[q as usize].remove(&(prio, t));
+        if let Some(q) = self.trajs[t.0 as usize].queued.take() {
+            self.queues[q as usize].remove(t.0);
         }
     }
 
@@ -1401,29 +1422,25 @@ impl Core {
         }
     }
 
-    /// The queue entry after `after` (the first one for `None`).
-    fn queue_next(&self, q: Queue, after: Option<(u64, TrajId)>) -> Option<(u64, TrajId)> {
+    /// The queued trajectory after `after` (the first one for `None`).
+    fn queue_next(&self, q: Queue, after: Option<TrajId>) -> Option<TrajId> {
         let set = &self.queues[q as usize];
         match after {
-            None => set.first().copied(),
-            Some(key) => set
-                .range((std::ops::Bound::Excluded(key), std::ops::Bound::Unbounded))
-                .next()
-                .copied(),
+            None => set.first(),
+            Some(t) => set.after(t.0),
         }
+        .map(TrajId)
     }
 
     /// Runs `f` with a read-only view of the replicas for the router (selection has no side
     /// effects; the caller books what it picks).
-    fn with_router<R>(&mut self, f: impl FnOnce(&RouterView) -> R) -> R {
+    fn with_router<R>(&mut self, f: impl FnOnce(&RouterView<'_, Replicas<'_>>) -> R) -> R {
         self.refile();
-        let lookup = |id: ReplicaId| {
-            self.replicas
-                .get(id.0 as usize)
-                .map(|r| Self::view(r, self.version))
-        };
         f(&RouterView {
-            lookup: &lookup,
+            lookup: &Replicas {
+                replicas: &self.replicas,
+                latest: self.version,
+            },
             prefill: &self.prefill_set,
             decode: &self.decode_set,
         })
@@ -1437,11 +1454,11 @@ impl Core {
         let mut cursor = None;
         let mut misses = 0;
         while misses < LOOKAHEAD {
-            let Some(key) = self.queue_next(queue, cursor) else {
+            let Some(t) = self.queue_next(queue, cursor) else {
                 return;
             };
-            cursor = Some(key);
-            match visit(self, key.1) {
+            cursor = Some(t);
+            match visit(self, t) {
                 Visit::Progressed => {}
                 Visit::Missed => misses += 1,
                 Visit::Stop => return,
@@ -2037,6 +2054,10 @@ impl Core {
                 tokens += traj.context;
                 let staleness =
                     traj.oldest().map_or(0, |v| self.version.saturating_sub(v)) as usize;
+                // Nothing reads a consumed trajectory's turns again: freed now, their memory
+                // goes to the turns of trajectories started later instead of the heap growing
+                // (and page-faulting) through the whole run.
+                traj.turns = Vec::new();
                 if self.stats.staleness_histogram.len() <= staleness {
                     self.stats.staleness_histogram.resize(staleness + 1, 0);
                 }

@@ -5,7 +5,9 @@
 //! - the time to simulate one RL step of a 3,000-GPU job with 100,000 trajectories in flight
 //!   (`benches/scale-3000.yaml`).
 //!
-//! `ROLLFLEET_BENCH_RUNS` sets the repetitions (default 3).
+//! `ROLLFLEET_BENCH_RUNS` sets the repetitions (default 3). A plain argument
+//! (`cargo bench -p rollfleet-sim -- rollfleet`) keeps only the benches whose name contains it, so a
+//! profiler can look at one policy alone.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -19,6 +21,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn bench(name: &str, path: PathBuf, baseline: Baseline, steps: Option<i64>, runs: usize) {
+    // Cargo passes `--bench` to a harness-less bench; only a plain word selects.
+    let selected = std::env::args()
+        .skip(1)
+        .filter(|arg| !arg.starts_with('-'))
+        .all(|filter| name.contains(&filter));
+    if !selected {
+        return;
+    }
     let job = match rollfleet_spec::load_job_file(&path) {
         Ok(job) => job,
         Err(e) => {
