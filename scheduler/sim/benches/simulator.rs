@@ -1,7 +1,8 @@
 //! Simulator benchmarks (`cargo bench -p rollfleet-sim`): a `harness = false` bench that prints
 //! medians, so it needs no benchmarking framework.
 //!
-//! - scheduler events per second of wall time, on the RollArt-like example (every policy);
+//! - scheduler events per second of wall time, on the RollArt-like example (every policy, on the
+//!   core's default placement, and rollfleet on the planner's, which `rollfleet sim` runs);
 //! - the time to simulate one RL step of a 3,000-GPU job with 100,000 trajectories in flight
 //!   (`benches/scale-3000.yaml`).
 //!
@@ -12,15 +13,16 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use rollfleet_sim::Baseline;
+use rollfleet_sim::placement::choose;
 use rollfleet_sim::sim::{SimOptions, simulate, workload_means};
+use rollfleet_sim::{Baseline, PlacementChoice};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-fn bench(name: &str, path: PathBuf, baseline: Baseline, steps: Option<i64>, runs: usize) {
+fn bench(name: &str, path: PathBuf, baseline: Baseline, on_plan: bool, runs: usize) {
     // Cargo passes `--bench` to a harness-less bench; only a plain word selects.
     let selected = std::env::args()
         .skip(1)
@@ -36,16 +38,22 @@ fn bench(name: &str, path: PathBuf, baseline: Baseline, steps: Option<i64>, runs
             return;
         }
     };
-    let mut spec = job.spec().clone();
-    if let Some(steps) = steps {
-        spec.rl.steps = steps;
-    }
+    let spec = job.spec().clone();
     let mut walls = Vec::new();
     let mut rates = Vec::new();
     let mut last = None;
     for _ in 0..runs {
-        let Ok((placement, policy)) = baseline.setup(&spec, &job.catalog, &workload_means(&spec))
-        else {
+        // Planning is part of neither policy's run: it happens before the clock starts.
+        let setup = if on_plan {
+            choose(PlacementChoice::Plan, &spec, &job.catalog)
+                .ok()
+                .and_then(|(placement, _)| baseline.setup_with(&spec, &job.catalog, placement).ok())
+        } else {
+            baseline
+                .setup(&spec, &job.catalog, &workload_means(&spec))
+                .ok()
+        };
+        let Some((placement, policy)) = setup else {
             eprintln!("{name}: no placement");
             return;
         };
@@ -97,15 +105,22 @@ fn main() {
             &format!("rollart-agentic, 20 steps, {}", baseline.name()),
             rollart.clone(),
             baseline,
-            None,
+            false,
             runs,
         );
     }
     bench(
+        "rollart-agentic, 20 steps, rollfleet, on the plan",
+        rollart.clone(),
+        Baseline::Rollfleet,
+        true,
+        runs,
+    );
+    bench(
         "scale-3000 (3,000 GPUs, 100k in flight), 1 step",
         root.join("benches/scale-3000.yaml"),
         Baseline::Rollfleet,
-        None,
+        false,
         runs,
     );
 }
