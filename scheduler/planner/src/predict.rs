@@ -1292,8 +1292,9 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
 
 /// The search's objective: the steady-state step time of the first-order model (Little's law
 /// through the window with an M/D/1 trainer queue, and the slowest group inside `maxStaleness`
-/// steps), without the terms [`predict`] adds (regeneration, refills after weight updates,
-/// drains, the closed loop with the trainer). Those bring the prediction closer to the
+/// steps), with the refills after weight updates as prefill load and a burst wait, and without
+/// the other terms [`predict`] adds (regeneration, the refills' own queueing model, drains, the
+/// closed loop with the trainer). Those bring the prediction closer to the
 /// simulated step on every placement checked, but rank one pair the wrong way round (a single
 /// decode replica, whose stalls they underrate: docs/planner.md), so the search keeps this one.
 fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
@@ -1357,12 +1358,24 @@ fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
         // lengthen lives, which make more refills: two rounds, from none.
         let refill_flops = context_prefill_flops(p, s.decode_context);
         let refills_remote = remote_prefill(p, disaggregated, s.decode_context);
+        let own_refill = refill_flops
+            / if refills_remote {
+                prefill_fastest
+            } else {
+                local_fastest
+            }
+            .max(1e-30);
         let mut refill = (0.0, 0.0);
         let mut outcome = (0.0, 0.0);
         for _ in 0..2 {
             let (refill_remote_s, refill_local_s) = refill;
             let q_first = queue((prefill_s + refill_remote_s) / t);
             let q_local = queue((local_prefill_s + refill_local_s) / t);
+            // Refills come in a burst as each wave of replicas loads new weights, so a
+            // trajectory alive at an update queues behind about half of the step's refills as
+            // well as paying for its own, once for every step it lives.
+            let burst = refill_remote_s.max(refill_local_s) / 2.0;
+            let stretch = 1.0 / (1.0 - ((own_refill + burst) / t).min(0.9));
             let mut slots = 0.0;
             let mut longest: f64 = 0.0;
             let mut alive = 0.0;
@@ -1387,18 +1400,6 @@ fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
                     + (turns - 1.0).max(0.0) * later_s
                     + turns * task.action * tau
                     + task.reward_s;
-                // Refills come in a burst as each wave of replicas loads new weights, so a
-                // trajectory alive at an update queues behind about half of the step's refills
-                // as well as paying for its own, once for every step it lives.
-                let own_refill = refill_flops
-                    / if refills_remote {
-                        prefill_fastest
-                    } else {
-                        local_fastest
-                    }
-                    .max(1e-30);
-                let burst = refill_remote_s.max(refill_local_s) / 2.0;
-                let stretch = 1.0 / (1.0 - ((own_refill + burst) / t).min(0.9));
                 let mean_life = mean_life * stretch;
                 let var_life = (turns * (task.env_step_var + tau * tau * task.action_var)
                     + task.turns_var * per_turn * per_turn)

@@ -38,19 +38,19 @@ fn bench(name: &str, path: PathBuf, baseline: Baseline, on_plan: bool, runs: usi
             return;
         }
     };
-    let spec = job.spec().clone();
+    let spec = job.spec();
     let mut walls = Vec::new();
     let mut rates = Vec::new();
     let mut last = None;
     for _ in 0..runs {
-        // Planning is part of neither policy's run: it happens before the clock starts.
+        // Planning happens before the clock starts: only the simulated run is timed.
         let setup = if on_plan {
-            choose(PlacementChoice::Plan, &spec, &job.catalog)
+            choose(PlacementChoice::Plan, spec, &job.catalog)
                 .ok()
-                .and_then(|(placement, _)| baseline.setup_with(&spec, &job.catalog, placement).ok())
+                .and_then(|(placement, _)| baseline.setup_with(spec, &job.catalog, placement).ok())
         } else {
             baseline
-                .setup(&spec, &job.catalog, &workload_means(&spec))
+                .setup(spec, &job.catalog, &workload_means(spec))
                 .ok()
         };
         let Some((placement, policy)) = setup else {
@@ -59,7 +59,7 @@ fn bench(name: &str, path: PathBuf, baseline: Baseline, on_plan: bool, runs: usi
         };
         let start = Instant::now();
         let run = simulate(
-            &spec,
+            spec,
             &job.catalog,
             placement,
             policy,
