@@ -222,6 +222,84 @@ fn a_job_completes_with_every_trajectory_once_after_workers_are_killed_mid_run()
 }
 
 #[test]
+fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_the_new_plan() {
+    let dir = temp_dir("replan");
+    // The quick-start job, long enough to lose a node and gain one mid-run, with its decode
+    // pool as two nodes of two H20s: one TP2 decode replica on each.
+    let job = job_file(&dir, 24);
+    let yaml = std::fs::read_to_string(&job).unwrap();
+    let decode = "      gpu: H20\n      count: 2\n";
+    assert!(yaml.contains(decode));
+    std::fs::write(
+        &job,
+        yaml.replace(
+            decode,
+            "      gpu: H20\n      count: 4\n      gpusPerNode: 2\n",
+        ),
+    )
+    .unwrap();
+    let report = dir.join("report.json");
+    let pools = [
+        ("prefill", 1),
+        ("decode", 2),
+        ("train", 1),
+        ("envs", 1),
+        ("rewards", 1),
+    ];
+    let expect: usize = pools.iter().map(|(_, n)| n).sum();
+    let (sched, url) = scheduler(&job, &report, expect, &[]);
+    let mut procs = Procs(vec![sched]);
+    let mut victim = 0;
+    for (pool, n) in pools {
+        for i in 0..n {
+            if (pool, i) == ("decode", 0) {
+                victim = procs.0.len();
+            }
+            procs.0.push(worker(&url, pool, &format!("{pool}-{i}")));
+        }
+    }
+    wait_status(&url, "the first step trained", |s| s.policy_version >= 1);
+    procs.0[victim].kill().unwrap();
+    wait_status(&url, "the decode node's loss noticed", |s| {
+        s.pools.iter().any(|p| p.pool == "decode" && p.workers == 1)
+    });
+    procs.0.push(worker(&url, "decode", "decode-2"));
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    let report = check_report(&report, 24, 1);
+    let replans = report["replans"].as_array().unwrap();
+    assert_eq!(
+        replans.len(),
+        2,
+        "a re-plan on the loss and one on the join: {report:#}"
+    );
+    let (loss, join) = (&replans[0], &replans[1]);
+    // The loss: two GPUs left, the replica on the lost node retired with it.
+    assert_eq!(loss["pool"], "decode");
+    assert_eq!(
+        (loss["gpus_before"].as_u64(), loss["gpus_after"].as_u64()),
+        (Some(4), Some(2))
+    );
+    assert_eq!(loss["replicas_lost"], 1, "{loss:#}");
+    // The join: four GPUs again, and the new plan's replica started on the new node, loaded
+    // with the weights, before the job ended.
+    assert_eq!(
+        (join["gpus_before"].as_u64(), join["gpus_after"].as_u64()),
+        (Some(2), Some(4))
+    );
+    assert!(
+        join["planned_step_s"].as_f64().unwrap() < join["running_step_s"].as_f64().unwrap(),
+        "{join:#}"
+    );
+    assert!(join["replicas_started"].as_u64().unwrap() >= 1, "{join:#}");
+    assert_eq!(join["waves_done"], join["waves"], "{join:#}");
+    let done = join["done_at_s"]
+        .as_f64()
+        .expect("the move to the new plan ended");
+    assert!(done < report["wall_s"].as_f64().unwrap(), "{report:#}");
+}
+
+#[test]
 fn a_worker_that_reports_a_stage_it_was_never_given_is_cut_off_and_its_work_redone() {
     let dir = temp_dir("rogue");
     let job = job_file(&dir, 2);

@@ -13,6 +13,13 @@
 //!   another worker of the pool, its CPU and serverless stages are reported failed (retried,
 //!   never scored), and a training batch it held goes to another trainer;
 //! - the core itself ignores reports about stages it no longer expects.
+//!
+//! When a GPU pool's nodes come or go mid-run so that the GPUs present differ from the ones the
+//! running plan was made for, the planner plans again ([`crate::replan`]): replicas on a lost
+//! node are retired (their GPUs are gone), and the run moves to the new plan in waves, each
+//! starting replicas on free GPUs (`ReplicaStart` to the node, `ReplicaAdded` to the core) before
+//! retiring others, so rollout never stops as a whole. A lost node whose GPUs a spare of the pool
+//! covers is not a change: its replicas move to the spare as they are.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
@@ -20,15 +27,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rollfleet_core::{
-    BatchId, Command, Core, Input, ReplicaId, StageCommand, StageId, StageOutcome, StageWork, Time,
-    TrajId,
+    BatchId, Command, Core, Input, ReplicaConfig, ReplicaId, ServeRole, StageCommand, StageId,
+    StageOutcome, StageWork, Time, TrajId,
 };
 use rollfleet_proto::v1::{
     CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
-    HeartbeatResponse, JobPhase, JobStatus, Lease, PoolStatus, RegisterResponse, RewardWork,
-    SchedulerMessage, StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment,
-    WorkResult, WorkerLoad, WorkerMessage, hardware_inventory::Device, scheduler_message,
-    work_assignment, work_result, worker_message,
+    HeartbeatResponse, JobPhase, JobStatus, Lease, PoolStatus, RegisterResponse, ReplicaStart,
+    RewardWork, SchedulerMessage, StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork,
+    WorkAssignment, WorkResult, WorkerLoad, WorkerMessage, hardware_inventory::Device,
+    scheduler_message, work_assignment, work_result, worker_message,
 };
 use rollfleet_sim::hardware::Meter;
 use serde::{Deserialize, Serialize};
@@ -39,6 +46,7 @@ use tonic::Status;
 use crate::feed::FeedLog;
 use crate::metrics::Metrics;
 use crate::plan::{JobPlan, PoolRole, episode_seed};
+use crate::replan::Replanner;
 
 /// The sending half of a worker's work stream.
 pub type Outbox = mpsc::UnboundedSender<Result<SchedulerMessage, Status>>;
@@ -201,11 +209,58 @@ pub struct Report {
     /// Inference replicas handed to another worker of their pool after theirs was lost.
     #[serde(default)]
     pub replicas_moved: u64,
+    /// Re-plans after a GPU pool's nodes came or went, in order.
+    #[serde(default)]
+    pub replans: Vec<ReplanRecord>,
     /// What each worker said at registration about GPU telemetry.
     #[serde(default)]
     pub gpu_telemetry: Vec<WorkerTelemetry>,
     /// Per pool.
     pub pools: Vec<PoolSummary>,
+}
+
+/// One re-plan of a running job, and how far moving to it got.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReplanRecord {
+    /// Wall seconds after the start.
+    pub at_s: f64,
+    /// What changed.
+    pub reason: String,
+    /// The pool whose GPUs changed.
+    pub pool: String,
+    /// Its GPUs the running plan was made for.
+    pub gpus_before: u32,
+    /// Its GPUs present now.
+    pub gpus_after: u32,
+    /// The planner's full prediction of the step (modelled seconds) for the replicas that were
+    /// still running; `None` when they could not run the job.
+    pub running_step_s: Option<f64>,
+    /// The same for the new plan.
+    pub planned_step_s: f64,
+    /// Replicas retired because their node was gone.
+    pub replicas_lost: u32,
+    /// Waves of the move to the new plan (0: the replicas that run are the plan).
+    pub waves: usize,
+    /// Waves finished.
+    pub waves_done: usize,
+    /// Replicas started by the waves.
+    pub replicas_started: u32,
+    /// Replicas retired by the waves.
+    pub replicas_retired: u32,
+    /// Wall seconds after the start at which the last wave ended (`None`: still under way, or
+    /// superseded by a later re-plan).
+    pub done_at_s: Option<f64>,
+}
+
+/// A move to a new plan under way.
+struct Migration {
+    waves: Vec<rollfleet_sim::sim::MigrationWave>,
+    /// The next wave to start.
+    next: usize,
+    /// Replicas of the wave under way still loading their weights or draining.
+    waiting: BTreeSet<u64>,
+    /// Its record in `Actor::replans`.
+    record: usize,
 }
 
 /// A group the core gave up.
@@ -268,6 +323,8 @@ struct Worker {
     assignments: BTreeSet<u64>,
     cancelled: BTreeSet<u64>,
     replicas: BTreeSet<u64>,
+    /// GPUs it declared (`GpuInventory.count`); 0 when it did not say.
+    gpus: u32,
 }
 
 #[derive(Default)]
@@ -301,6 +358,21 @@ pub struct Actor {
     workers: BTreeMap<u64, Worker>,
     next_worker: u64,
     owner: Vec<Option<u64>>,
+    /// Every serving replica: the job's placement, then those re-plans started.
+    replicas: Vec<ReplicaConfig>,
+    /// Replicas told to retire, not yet handed back by the core.
+    retiring: BTreeSet<u64>,
+    /// Replicas handed back: they serve nothing any more.
+    retired: BTreeSet<u64>,
+    /// GPUs a worker of a GPU pool that did not declare its own stands for: the pool's count
+    /// over the workers it started with.
+    gpu_share: BTreeMap<u32, u32>,
+    /// GPUs per GPU pool the running plan was made for.
+    planned_gpus: BTreeMap<u32, u32>,
+    /// The job's planning problem (`None`: the planner cannot pose it; nothing is re-planned).
+    replanner: Option<Replanner>,
+    migration: Option<Migration>,
+    replans: Vec<ReplanRecord>,
     assignments: BTreeMap<u64, Assignment>,
     next_assignment: u64,
     by_stage: BTreeMap<StageId, u64>,
@@ -383,6 +455,14 @@ impl Actor {
             workers: BTreeMap::new(),
             next_worker: 1,
             owner: vec![None; replicas],
+            replicas: plan.placement.replicas.clone(),
+            retiring: BTreeSet::new(),
+            retired: BTreeSet::new(),
+            gpu_share: BTreeMap::new(),
+            planned_gpus: BTreeMap::new(),
+            replanner: Replanner::new(plan.spec(), plan.catalog(), &plan.placement.trainer),
+            migration: None,
+            replans: Vec::new(),
             assignments: BTreeMap::new(),
             next_assignment: 1,
             by_stage: BTreeMap::new(),
@@ -590,6 +670,10 @@ impl Actor {
                 assignments: BTreeSet::new(),
                 cancelled: BTreeSet::new(),
                 replicas: BTreeSet::new(),
+                gpus: match &inventory.device {
+                    Some(Device::Gpu(g)) => g.count,
+                    _ => 0,
+                },
             },
         );
         self.metrics.workers_registered.inc();
@@ -707,7 +791,11 @@ impl Actor {
         eprintln!("scheduler: worker {} attached its work stream", w.name);
         self.update_worker_gauges();
         if self.started.is_some() {
-            self.adopt_orphans(pool);
+            let name = self
+                .workers
+                .get(&id)
+                .map_or_else(String::new, |w| w.name.clone());
+            self.pool_changed(pool, &format!("worker {name} joined"));
             self.flush_pending(pool);
         }
         Ok(id)
@@ -746,10 +834,20 @@ impl Actor {
             );
             return;
         }
+        for pool in 0..self.plan.spec().pools.len() as u32 {
+            if self.plan.pool_role(pool) != Some(PoolRole::Gpu) {
+                continue;
+            }
+            let count = self.pool_gpus(pool);
+            let workers = self.attached(pool).count() as u32;
+            self.gpu_share
+                .insert(pool, count.div_ceil(workers.max(1)).max(1));
+            self.planned_gpus.insert(pool, count);
+        }
         // Replicas go round-robin over the workers of their pool.
         let mut cursor: BTreeMap<u32, usize> = BTreeMap::new();
         for r in 0..self.owner.len() {
-            let pool = self.plan.placement.replicas[r].pool;
+            let pool = self.replicas[r].pool;
             let candidates: Vec<u64> = self.attached(pool).map(|(id, _)| id).collect();
             let k = cursor.entry(pool).or_default();
             let id = candidates[*k % candidates.len()];
@@ -770,9 +868,318 @@ impl Actor {
         self.core.handle_timeout(Time::ZERO);
     }
 
+    /// GPUs the job gives a pool.
+    fn pool_gpus(&self, pool: u32) -> u32 {
+        self.plan
+            .spec()
+            .pools
+            .get(pool as usize)
+            .and_then(|p| p.count)
+            .map_or(0, |c| u32::try_from(c.max(0)).unwrap_or(u32::MAX))
+    }
+
+    /// GPUs a worker stands for: what it declared, else its pool's share.
+    fn worker_gpus(&self, w: &Worker) -> u32 {
+        if w.gpus > 0 {
+            w.gpus
+        } else {
+            self.gpu_share.get(&w.pool).copied().unwrap_or(1)
+        }
+    }
+
+    /// GPUs of a pool its attached workers stand for, at most what the job gives it.
+    fn gpus_present(&self, pool: u32) -> u32 {
+        let sum: u32 = self
+            .attached(pool)
+            .map(|(_, w)| self.worker_gpus(w))
+            .fold(0u32, u32::saturating_add);
+        sum.min(self.pool_gpus(pool))
+    }
+
+    /// Whether replica `r` still serves or will (not retiring, not retired).
+    fn in_service(&self, r: usize) -> bool {
+        let id = r as u64;
+        !self.retiring.contains(&id) && !self.retired.contains(&id)
+    }
+
+    /// GPUs a pool's replicas in service (those no worker holds included) and its trainer take.
+    fn gpus_wanted(&self, pool: u32) -> u32 {
+        let replicas: u32 = (0..self.replicas.len())
+            .filter(|&r| self.replicas[r].pool == pool && self.in_service(r))
+            .map(|r| self.replicas[r].gpus)
+            .sum();
+        let trainer = &self.plan.placement.trainer;
+        replicas
+            + if trainer.pool == pool {
+                trainer.gpus
+            } else {
+                0
+            }
+    }
+
+    /// A worker of `pool` came or went. If the GPUs present are still those the running plan was
+    /// made for (a spare covers a lost node, a node comes back), replicas no worker holds move to
+    /// a worker of the pool as they are; otherwise the planner plans again.
+    fn pool_changed(&mut self, pool: u32, why: &str) {
+        let present = self.gpus_present(pool);
+        let changed = self.plan.pool_role(pool) == Some(PoolRole::Gpu)
+            && self.replanner.is_some()
+            && self.planned_gpus.get(&pool).is_some_and(|&p| p != present);
+        if changed {
+            self.replan(pool, present, why);
+        } else {
+            self.adopt_orphans(pool);
+        }
+    }
+
+    /// Plans again for `present` GPUs in `pool`: replicas on a node that is gone are retired,
+    /// and the move to the new plan starts (superseding one under way). When no placement fits
+    /// what is left, nothing changes: the replicas wait for a node of the pool, as before.
+    fn replan(&mut self, pool: u32, present: u32, why: &str) {
+        let before = self.planned_gpus.get(&pool).copied().unwrap_or(0);
+        if present >= self.gpus_wanted(pool) {
+            self.adopt_orphans(pool);
+        }
+        let mut gpus = self.planned_gpus.clone();
+        gpus.insert(pool, present);
+        let running: Vec<ReplicaConfig> = (0..self.replicas.len())
+            .filter(|&r| self.in_service(r) && self.owner[r].is_some())
+            .map(|r| self.replicas[r].clone())
+            .collect();
+        let name = self.plan.pool_name(pool).to_owned();
+        let Some(decision) = self
+            .replanner
+            .as_ref()
+            .and_then(|p| p.decide(&gpus, &running))
+        else {
+            eprintln!(
+                "scheduler: {why}; no placement fits the {present} GPUs of pool {name} left, so \
+                 its replicas wait for a node"
+            );
+            self.adopt_orphans(pool);
+            return;
+        };
+        self.planned_gpus.insert(pool, present);
+        // Replicas of the pool that no worker holds now were on the GPUs that are gone.
+        let orphans: Vec<usize> = (0..self.replicas.len())
+            .filter(|&r| {
+                self.replicas[r].pool == pool && self.owner[r].is_none() && self.in_service(r)
+            })
+            .collect();
+        for &r in &orphans {
+            self.retiring.insert(r as u64);
+            self.deferred.push_back(Input::RetireReplica {
+                replica: ReplicaId(r as u64),
+            });
+        }
+        let fmt_step =
+            |s: Option<f64>| s.map_or_else(|| "none".to_owned(), |s| format!("{s:.1} s"));
+        eprintln!(
+            "scheduler: {why}: pool {name} has {present} GPUs (the plan had {before}); re-plan: \
+             replicas retired with their node: {}; predicted step (modelled) {} as it runs, {} on \
+             the new plan; {}",
+            orphans.len(),
+            fmt_step(decision.running_step_s),
+            fmt_step(Some(decision.planned_step_s)),
+            match decision.waves.len() {
+                0 => "nothing moves".to_owned(),
+                n => format!("moving in {n} waves"),
+            }
+        );
+        self.metrics.replans.inc();
+        self.replans.push(ReplanRecord {
+            at_s: self.now().as_secs_f64(),
+            reason: why.to_owned(),
+            pool: name,
+            gpus_before: before,
+            gpus_after: present,
+            running_step_s: decision.running_step_s,
+            planned_step_s: decision.planned_step_s,
+            replicas_lost: orphans.len() as u32,
+            waves: decision.waves.len(),
+            waves_done: 0,
+            replicas_started: 0,
+            replicas_retired: 0,
+            done_at_s: None,
+        });
+        self.migration = Some(Migration {
+            waves: decision.waves,
+            next: 0,
+            waiting: BTreeSet::new(),
+            record: self.replans.len() - 1,
+        });
+        self.start_wave();
+    }
+
+    /// Starts the next wave of the move under way (ending the move when there is none): its
+    /// replicas are started, then its others retired; the wave lasts until each new one has
+    /// loaded the weights and each retired one has drained.
+    fn start_wave(&mut self) {
+        loop {
+            let Some(m) = self.migration.as_mut() else {
+                return;
+            };
+            let record = m.record;
+            let Some(wave) = m.waves.get(m.next).cloned() else {
+                let moved = m.next > 0;
+                self.migration = None;
+                let now = self.now().as_secs_f64();
+                if let Some(r) = self.replans.get_mut(record) {
+                    r.done_at_s = Some(now);
+                }
+                if moved {
+                    eprintln!("scheduler: the move to the new plan is done");
+                }
+                return;
+            };
+            m.next += 1;
+            let mut waiting = BTreeSet::new();
+            for config in wave.start {
+                if let Some(r) = self.start_replica(config) {
+                    waiting.insert(r);
+                }
+            }
+            let started = waiting.len() as u32;
+            let mut retired = 0;
+            for group in &wave.stop {
+                let mut left = group.replicas;
+                for r in (0..self.replicas.len()).rev() {
+                    if left == 0 {
+                        break;
+                    }
+                    let rc = &self.replicas[r];
+                    let fits =
+                        rc.pool == group.pool && rc.role == group.role && rc.gpus == group.gpus;
+                    let id = r as u64;
+                    if !fits
+                        || self.owner[r].is_none()
+                        || !self.in_service(r)
+                        || waiting.contains(&id)
+                    {
+                        continue;
+                    }
+                    self.retiring.insert(id);
+                    waiting.insert(id);
+                    left -= 1;
+                    retired += 1;
+                    self.deferred.push_back(Input::RetireReplica {
+                        replica: ReplicaId(id),
+                    });
+                }
+            }
+            if let Some(r) = self.replans.get_mut(record) {
+                r.replicas_started += started;
+                r.replicas_retired += retired;
+            }
+            if let Some(m) = self.migration.as_mut()
+                && !waiting.is_empty()
+            {
+                m.waiting = waiting;
+                return;
+            }
+            // A wave with nothing to wait for is over at once.
+            if let Some(r) = self.replans.get_mut(record) {
+                r.waves_done += 1;
+            }
+        }
+    }
+
+    /// Replica `r` loaded its weights or was handed back: the wave it belongs to may be over.
+    fn migration_progress(&mut self, r: u64) {
+        let Some(m) = self.migration.as_mut() else {
+            return;
+        };
+        if !m.waiting.remove(&r) || !m.waiting.is_empty() {
+            return;
+        }
+        if let Some(rec) = self.replans.get_mut(m.record) {
+            rec.waves_done += 1;
+        }
+        self.start_wave();
+    }
+
+    /// Starts a replica of a new plan on the worker of its pool with the most free GPUs (at
+    /// least the replica's): the worker hears of it before any work for it, the core books it.
+    /// `None` when no worker has the room.
+    fn start_replica(&mut self, config: ReplicaConfig) -> Option<u64> {
+        let free = |w: &Worker| {
+            let used: u32 = w
+                .replicas
+                .iter()
+                .filter_map(|&r| self.replicas.get(r as usize))
+                .map(|rc| rc.gpus)
+                .sum();
+            self.worker_gpus(w).saturating_sub(used)
+        };
+        let Some((_, worker)) = self
+            .attached(config.pool)
+            .map(|(id, w)| (free(w), id))
+            .filter(|&(f, _)| f >= config.gpus)
+            .max_by_key(|&(f, id)| (f, std::cmp::Reverse(id)))
+        else {
+            eprintln!(
+                "scheduler: no worker of pool {} has {} GPUs free: a replica of the new plan is not \
+                 started",
+                self.plan.pool_name(config.pool),
+                config.gpus
+            );
+            return None;
+        };
+        let id = self.replicas.len() as u64;
+        let role = match config.role {
+            ServeRole::Prefill => "prefill",
+            ServeRole::Decode => "decode",
+            ServeRole::Generate => "generate",
+        };
+        let message = SchedulerMessage {
+            message: Some(scheduler_message::Message::StartReplica(ReplicaStart {
+                replica: id,
+                gpus: config.gpus,
+                kv_capacity_tokens: config.kv_capacity_tokens,
+                max_seqs: config.max_seqs,
+                role: role.into(),
+            })),
+        };
+        self.replicas.push(config.clone());
+        self.owner.push(Some(worker));
+        self.replica_running.push(0);
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.replicas.insert(id);
+            // A closed stream is noticed by its reader, which reports the worker lost.
+            if let Some(outbox) = &w.outbox {
+                let _ = outbox.send(Ok(message));
+            }
+            eprintln!(
+                "scheduler: replica {id} ({role}, {} GPUs) starts on worker {}",
+                config.gpus, w.name
+            );
+        }
+        self.deferred.push_back(Input::ReplicaAdded { config });
+        Some(id)
+    }
+
+    /// The core handed a retired replica back: its worker stops serving it.
+    fn replica_retired(&mut self, r: u64) {
+        self.retiring.remove(&r);
+        self.retired.insert(r);
+        if let Some(owner) = self.owner.get_mut(r as usize).and_then(Option::take)
+            && let Some(w) = self.workers.get_mut(&owner)
+        {
+            w.replicas.remove(&r);
+            let message = SchedulerMessage {
+                message: Some(scheduler_message::Message::StopReplica(r)),
+            };
+            if let Some(outbox) = &w.outbox {
+                let _ = outbox.send(Ok(message));
+            }
+        }
+        self.migration_progress(r);
+    }
+
     fn adopt_orphans(&mut self, pool: u32) {
         for r in 0..self.owner.len() {
-            if self.owner[r].is_some() || self.plan.placement.replicas[r].pool != pool {
+            let gone = self.retiring.contains(&(r as u64)) || self.retired.contains(&(r as u64));
+            if self.owner[r].is_some() || self.replicas[r].pool != pool || gone {
                 continue;
             }
             let Some(id) = self
@@ -852,7 +1259,7 @@ impl Actor {
                     // The replica is lost; the core was told and will update it on recovery.
                     return;
                 };
-                let pool = self.plan.placement.replicas[r].pool;
+                let pool = self.replicas[r].pool;
                 let message = WorkAssignment {
                     kind: StageKind::WeightSync as i32,
                     policy_version: version,
@@ -871,9 +1278,7 @@ impl Actor {
             // engine's prefix cache evicts on its own.
             Command::ReleaseKv { .. } => {}
             Command::Cancel { stage } => self.cancel(stage),
-            // The server never asks the core to retire a replica (re-planning runs in the
-            // simulator only), so none is ever handed back.
-            Command::ReplicaRetired { .. } => {}
+            Command::ReplicaRetired { replica } => self.replica_retired(replica.0),
             Command::AbandonGroup {
                 group,
                 trajectories,
@@ -1217,7 +1622,7 @@ impl Actor {
 
     fn dispatch_replica(&mut self, replica: ReplicaId, what: What, message: WorkAssignment) {
         let r = replica.0 as usize;
-        let pool = self.plan.placement.replicas.get(r).map_or(0, |c| c.pool);
+        let pool = self.replicas.get(r).map_or(0, |c| c.pool);
         let stage = match &what {
             What::Stage { stage, .. } => *stage,
             _ => return,
@@ -1227,8 +1632,7 @@ impl Actor {
                 let id = self.new_assignment(pool, what, message);
                 self.replica_running[r] += 1;
                 if self.replica_running[r] == 1 {
-                    *self.gpus_busy.entry(pool).or_default() +=
-                        u64::from(self.plan.placement.replicas[r].gpus);
+                    *self.gpus_busy.entry(pool).or_default() += u64::from(self.replicas[r].gpus);
                 }
                 self.level_changed(pool);
                 self.send_to(id, owner);
@@ -1419,7 +1823,7 @@ impl Actor {
                 let r = r.0 as usize;
                 if self.replica_running[r] == 1 {
                     let busy = self.gpus_busy.entry(a.pool).or_default();
-                    *busy = busy.saturating_sub(u64::from(self.plan.placement.replicas[r].gpus));
+                    *busy = busy.saturating_sub(u64::from(self.replicas[r].gpus));
                 }
                 self.replica_running[r] = self.replica_running[r].saturating_sub(1);
                 self.level_changed(a.pool);
@@ -1580,9 +1984,11 @@ impl Actor {
                     .push_back(Input::StageFinished { stage, outcome });
             }
             What::Weights { replica, version } => match output {
-                Some(_) => self
-                    .deferred
-                    .push_back(Input::WeightsUpdated { replica, version }),
+                Some(_) => {
+                    self.deferred
+                        .push_back(Input::WeightsUpdated { replica, version });
+                    self.migration_progress(replica.0);
+                }
                 None => {
                     // The core has no "update failed" fact: treat the replica as lost and back,
                     // which makes it load the current weights again.
@@ -1828,7 +2234,7 @@ impl Actor {
             }
         }
         if self.started.is_some() {
-            self.adopt_orphans(pool);
+            self.pool_changed(pool, &format!("worker {name} was lost ({reason})"));
         }
     }
 
@@ -2056,6 +2462,7 @@ impl Actor {
             profile_samples: self.profile_samples,
             workers_lost: self.lost.clone(),
             replicas_moved: self.replicas_moved,
+            replans: self.replans.clone(),
             gpu_telemetry: self
                 .workers
                 .values()

@@ -7,13 +7,15 @@
 //!   `JobService` (submit, status, cancel, watch) in front of the actor;
 //! - [`feed`]: the trainer feed (`TrainerFeed`): trajectories handed to training, sequenced,
 //!   resent until acknowledged;
-//! - [`metrics`]: Prometheus metrics and their HTTP endpoint.
+//! - [`metrics`]: Prometheus metrics and their HTTP endpoint;
+//! - [`replan`]: what to run when a GPU pool's nodes come or go mid-run.
 
 pub mod actor;
 pub mod feed;
 pub mod grpc;
 pub mod metrics;
 pub mod plan;
+pub mod replan;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

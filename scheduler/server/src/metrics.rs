@@ -24,6 +24,8 @@ pub struct Metrics {
     pub workers_registered: IntCounter,
     /// Workers lost or cut off.
     pub workers_lost: IntCounter,
+    /// Re-plans after a GPU pool's nodes came or went.
+    pub replans: IntCounter,
     /// Workers with an open work stream, per pool.
     pub workers: IntGaugeVec,
     /// Share of the pool's capacity in use over the last second, per pool.
@@ -68,6 +70,11 @@ impl Metrics {
         let workers_lost = IntCounter::new(
             "workers_lost_total",
             "Workers lost (stream closed, lease expired) or cut off (protocol violation).",
+        )?;
+        let replans = IntCounter::new(
+            "replans_total",
+            "Re-plans after a GPU pool's nodes came or went mid-run (the planner planned again for \
+             the GPUs present; replicas move in waves).",
         )?;
         let workers = IntGaugeVec::new(
             Opts::new("workers", "Workers with an open work stream, per pool."),
@@ -125,6 +132,7 @@ impl Metrics {
         registry.register(Box::new(groups_abandoned.clone()))?;
         registry.register(Box::new(workers_registered.clone()))?;
         registry.register(Box::new(workers_lost.clone()))?;
+        registry.register(Box::new(replans.clone()))?;
         registry.register(Box::new(workers.clone()))?;
         registry.register(Box::new(pool_busy.clone()))?;
         registry.register(Box::new(policy_version.clone()))?;
@@ -140,6 +148,7 @@ impl Metrics {
             groups_abandoned,
             workers_registered,
             workers_lost,
+            replans,
             workers,
             pool_busy,
             policy_version,

@@ -151,7 +151,7 @@ fn serve_role(c: &Candidate, role: Role) -> ServeRole {
 
 /// The planner's waves in the simulator's terms: started replicas with their configuration as
 /// the target placement has it, stopped ones by pool, role and size as the running one has them.
-pub(crate) fn sim_waves(
+pub fn sim_waves(
     p: &Problem,
     from: &Candidate,
     to: &Candidate,

@@ -161,6 +161,8 @@ struct Node {
     pool: u32,
     time_scale: f64,
     engines: Mutex<BTreeMap<u64, Arc<EmulatedEngine>>>,
+    /// Replicas a re-plan started on this node mid-run (the job's own placement has the rest).
+    started_replicas: Mutex<BTreeMap<u64, rollfleet_core::ReplicaConfig>>,
     openai: Option<OpenAiBackend>,
     host: EnvHost,
     episodes: Mutex<BTreeMap<(u64, u32), (EpisodeId, usize)>>,
@@ -397,6 +399,7 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
         pool,
         time_scale,
         engines: Mutex::new(BTreeMap::new()),
+        started_replicas: Mutex::new(BTreeMap::new()),
         openai,
         host: env_host(&opts),
         episodes: Mutex::new(BTreeMap::new()),
@@ -499,6 +502,20 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
                     }
                 }
                 scheduler_message::Message::Drain(_) => break Ok(WorkerExit::Drained),
+                scheduler_message::Message::StartReplica(start) => {
+                    if let Err(reason) = node.start_replica(&start) {
+                        eprintln!("worker: {reason}");
+                    } else {
+                        eprintln!(
+                            "worker: serves replica {} from now on ({} x {} GPUs)",
+                            start.replica, start.role, start.gpus
+                        );
+                    }
+                }
+                scheduler_message::Message::StopReplica(replica) => {
+                    node.stop_replica(replica);
+                    eprintln!("worker: replica {replica} retired");
+                }
             },
         }
     };
@@ -706,7 +723,7 @@ impl Node {
         let kv_bytes = self.plan.costs.kv_bytes_per_token;
         let mut load = WorkerLoad::default();
         for (replica, engine) in engines {
-            let gpus = self.plan.replica(replica).map_or(1, |rc| rc.gpus);
+            let gpus = self.replica_config(replica).map_or(1, |rc| rc.gpus);
             let (l, samples) = engine.report().await;
             load.samples
                 .extend(samples.into_iter().map(|m| ProfileSample {
@@ -739,11 +756,77 @@ impl Node {
         load
     }
 
-    /// The placement's replica `replica`, if it belongs to this worker's pool.
-    fn own_replica(&self, replica: u64) -> Result<&rollfleet_core::ReplicaConfig, String> {
+    /// Replica `replica` as the job's placement has it, or as a re-plan started it here.
+    fn replica_config(&self, replica: u64) -> Option<rollfleet_core::ReplicaConfig> {
+        self.plan.replica(replica).cloned().or_else(|| {
+            self.started_replicas
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&replica)
+                .cloned()
+        })
+    }
+
+    /// Takes on a replica a re-plan started on this node. A shape that cannot be served (no
+    /// GPUs, no KV cache, an unknown role, an id the placement already has) is refused, naming
+    /// the field.
+    fn start_replica(&self, start: &rollfleet_proto::v1::ReplicaStart) -> Result<(), String> {
+        use rollfleet_core::ServeRole;
+        let role = match start.role.as_str() {
+            "prefill" => ServeRole::Prefill,
+            "decode" => ServeRole::Decode,
+            "generate" => ServeRole::Generate,
+            other => {
+                return Err(format!(
+                    "start_replica.role: {other:?} is not prefill, decode or generate"
+                ));
+            }
+        };
+        if start.gpus == 0 || start.kv_capacity_tokens == 0 || start.max_seqs == 0 {
+            return Err(format!(
+                "start_replica: replica {} has {} GPUs, {} KV tokens and {} sequences; each must \
+                 be positive",
+                start.replica, start.gpus, start.kv_capacity_tokens, start.max_seqs
+            ));
+        }
+        if self.plan.replica(start.replica).is_some() {
+            return Err(format!(
+                "start_replica.replica: {} is a replica of the job's own placement",
+                start.replica
+            ));
+        }
+        self.started_replicas
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                start.replica,
+                rollfleet_core::ReplicaConfig {
+                    pool: self.pool,
+                    role,
+                    gpus: start.gpus,
+                    kv_capacity_tokens: start.kv_capacity_tokens,
+                    max_seqs: start.max_seqs,
+                },
+            );
+        Ok(())
+    }
+
+    /// Drops a replica a re-plan retired: its engine (and the memory it models) goes.
+    fn stop_replica(&self, replica: u64) {
+        self.engines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&replica);
+        self.started_replicas
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&replica);
+    }
+
+    /// Replica `replica`, if it belongs to this worker's pool.
+    fn own_replica(&self, replica: u64) -> Result<rollfleet_core::ReplicaConfig, String> {
         let rc = self
-            .plan
-            .replica(replica)
+            .replica_config(replica)
             .ok_or_else(|| format!("generation.replica: no replica {replica} in the placement"))?;
         if rc.pool != self.pool {
             return Err(format!(

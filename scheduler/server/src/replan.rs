@@ -1,0 +1,268 @@
+//! Re-planning in the running scheduler: when a GPU pool's nodes come or go mid-run, plan again
+//! for the GPUs that are there, and move from the replicas that run to the new plan in waves.
+//!
+//! This is the decision only (pure, deterministic); the actor carries it out. It is the
+//! simulator's re-plan after a loss or a growth (`rollfleet sim --lose/--grow`) applied to what
+//! actually runs: the running placement is read off the live replicas instead of being assumed,
+//! the planner's search picks the plan for the GPUs present, and the planner's full prediction
+//! decides whether moving is worth it at all (the survivors are often the new plan). The trainer
+//! keeps its pool and size, as in the simulator.
+
+use std::collections::BTreeMap;
+
+use rollfleet_catalog::Catalog;
+use rollfleet_core::{ReplicaConfig, ServeRole, TrainerConfig};
+use rollfleet_planner::plan;
+use rollfleet_planner::predict::{self, Candidate, Group, Problem, Role};
+use rollfleet_planner::replan;
+use rollfleet_planner::roofline::Efficiency;
+use rollfleet_planner::search;
+use rollfleet_sim::sim::MigrationWave;
+use rollfleet_sim::workload::mean;
+use rollfleet_spec::JobSpec;
+
+/// Serving replicas changed per wave, at most: the simulator's figure.
+pub use rollfleet_sim::loss::PER_WAVE;
+
+/// What the planner decided for the GPUs present.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// The waves from the running replicas to the new plan (empty: keep what runs).
+    pub waves: Vec<MigrationWave>,
+    /// The full prediction's step for what runs (`None`: it cannot run the job, e.g. no replica
+    /// left to decode).
+    pub running_step_s: Option<f64>,
+    /// The full prediction's step for the new plan.
+    pub planned_step_s: f64,
+}
+
+/// The planning problem of a job, kept for re-planning while it runs.
+#[derive(Debug, Clone)]
+pub struct Replanner {
+    problem: Problem,
+    trainer_pool: usize,
+    trainer_gpus: u32,
+}
+
+impl Replanner {
+    /// The job's problem on its full inventory, with the model's profiles (as the plan it
+    /// started with was made); `None` if the planner cannot pose it or the trainer's pool is not
+    /// one of its GPU pools.
+    pub fn new(spec: &JobSpec, catalog: &Catalog, trainer: &TrainerConfig) -> Option<Replanner> {
+        let problem = plan::problem(spec, catalog, &mean, &Efficiency::default()).ok()?;
+        let trainer_pool = problem
+            .gpu_pools
+            .iter()
+            .position(|g| g.spec_index == trainer.pool as usize)?;
+        Some(Replanner {
+            problem,
+            trainer_pool,
+            trainer_gpus: trainer.gpus,
+        })
+    }
+
+    /// Plans for `gpus` GPUs present per spec pool (pools not named keep the job's count; no pool
+    /// gets more than the job gives it), from the `running` serving replicas. `None` when no
+    /// placement fits the GPUs present.
+    pub fn decide(&self, gpus: &BTreeMap<u32, u32>, running: &[ReplicaConfig]) -> Option<Decision> {
+        let mut present = self.problem.clone();
+        for pool in &mut present.gpu_pools {
+            if let Some(&n) = gpus.get(&(pool.spec_index as u32)) {
+                pool.count = pool.count.min(n);
+            }
+        }
+        let running = self.candidate(&present, running);
+        let found = search::choose(&present)?;
+        let target = colocated_as_generate(Candidate {
+            trainer_pool: self.trainer_pool,
+            trainer_gpus: self.trainer_gpus,
+            ..found.candidate
+        });
+        let full = |c: &Candidate| predict::predict(&present, c).map(|p| p.step_s);
+        let planned_step_s = full(&target)?;
+        let running_step_s = full(&running);
+        let waves = match running_step_s {
+            Some(now) if now <= planned_step_s => Vec::new(),
+            _ => {
+                let waves = replan::migration(&present, &running, &target, PER_WAVE);
+                rollfleet_sim::growth::sim_waves(&present, &running, &target, &waves)
+            }
+        };
+        Some(Decision {
+            waves,
+            running_step_s,
+            planned_step_s,
+        })
+    }
+
+    /// The running replicas as the planner sees a placement.
+    fn candidate(&self, present: &Problem, running: &[ReplicaConfig]) -> Candidate {
+        let mut counts: BTreeMap<(usize, Role, u32), u32> = BTreeMap::new();
+        for rc in running {
+            let Some(pool) = present
+                .gpu_pools
+                .iter()
+                .position(|g| g.spec_index == rc.pool as usize)
+            else {
+                continue;
+            };
+            let role = match rc.role {
+                ServeRole::Prefill => Role::Prefill,
+                ServeRole::Decode => Role::Decode,
+                ServeRole::Generate => Role::Generate,
+            };
+            *counts.entry((pool, role, rc.gpus)).or_default() += 1;
+        }
+        Candidate {
+            groups: counts
+                .into_iter()
+                .map(|((pool, role, tp), replicas)| Group {
+                    pool,
+                    role,
+                    tp,
+                    replicas,
+                })
+                .collect(),
+            trainer_pool: self.trainer_pool,
+            trainer_gpus: self.trainer_gpus,
+        }
+    }
+}
+
+/// Decode groups of a placement without prefill replicas are colocated generation (as
+/// `plan::placement` starts them): named so, a migration does not swap them for themselves.
+fn colocated_as_generate(mut c: Candidate) -> Candidate {
+    if c.replicas(Role::Prefill) > 0 {
+        return c;
+    }
+    let mut counts: BTreeMap<(usize, u32), u32> = BTreeMap::new();
+    for g in &c.groups {
+        *counts.entry((g.pool, g.tp)).or_default() += g.replicas;
+    }
+    c.groups = counts
+        .into_iter()
+        .map(|((pool, tp), replicas)| Group {
+            pool,
+            role: Role::Generate,
+            tp,
+            replicas,
+        })
+        .collect();
+    c
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+    use crate::plan::JobPlan;
+
+    /// The quick-start job with its decode pool as two nodes of two H20s.
+    fn two_node_decode_job() -> JobPlan {
+        let yaml = include_str!("../../../examples/jobs/quickstart.yaml");
+        let decode = "      gpu: H20\n      count: 2\n";
+        assert!(yaml.contains(decode));
+        let yaml = yaml.replace(
+            decode,
+            "      gpu: H20\n      count: 4\n      gpusPerNode: 2\n",
+        );
+        JobPlan::from_yaml(&yaml, "test", 0).unwrap()
+    }
+
+    fn replanner(plan: &JobPlan) -> Replanner {
+        Replanner::new(plan.spec(), plan.catalog(), &plan.placement.trainer).unwrap()
+    }
+
+    fn decode_pool(plan: &JobPlan) -> u32 {
+        plan.pool_index("decode").unwrap()
+    }
+
+    #[test]
+    fn with_every_gpu_present_the_running_placement_is_the_plan_and_nothing_moves() {
+        let plan = two_node_decode_job();
+        let decision = replanner(&plan)
+            .decide(&BTreeMap::new(), &plan.placement.replicas)
+            .unwrap();
+        assert!(decision.waves.is_empty(), "{decision:?}");
+        assert_eq!(decision.running_step_s, Some(decision.planned_step_s));
+    }
+
+    #[test]
+    fn after_a_lost_node_the_plan_fits_the_gpus_left_and_starts_nothing_on_gpus_that_are_gone() {
+        let plan = two_node_decode_job();
+        let decode = decode_pool(&plan);
+        let on_decode: Vec<&ReplicaConfig> = plan
+            .placement
+            .replicas
+            .iter()
+            .filter(|r| r.pool == decode)
+            .collect();
+        assert_eq!(on_decode.len(), 2, "the plan serves decode as 2 x TP2");
+        // The node holding the last decode replica is gone.
+        let last = plan
+            .placement
+            .replicas
+            .iter()
+            .rposition(|r| r.pool == decode)
+            .unwrap();
+        let mut survivors = plan.placement.replicas.clone();
+        survivors.remove(last);
+        let full = replanner(&plan)
+            .decide(&BTreeMap::new(), &plan.placement.replicas)
+            .unwrap();
+        let gpus = BTreeMap::from([(decode, 2)]);
+        let decision = replanner(&plan).decide(&gpus, &survivors).unwrap();
+        assert!(
+            decision.planned_step_s >= full.planned_step_s,
+            "{decision:?}"
+        );
+        // Moving is only worth it for a shorter predicted step than the survivors give.
+        let running = decision.running_step_s.unwrap();
+        assert_eq!(
+            decision.waves.is_empty(),
+            running <= decision.planned_step_s,
+            "{decision:?}"
+        );
+        let started: u32 = decision
+            .waves
+            .iter()
+            .flat_map(|w| &w.start)
+            .filter(|r| r.pool == decode)
+            .map(|r| r.gpus)
+            .sum();
+        let stopped: u32 = decision
+            .waves
+            .iter()
+            .flat_map(|w| &w.stop)
+            .filter(|g| g.pool == decode)
+            .map(|g| g.gpus * g.replicas)
+            .sum();
+        assert!(
+            2 + started - stopped <= 2,
+            "the decode pool would use more than its 2 GPUs left: {decision:?}"
+        );
+    }
+
+    #[test]
+    fn when_the_node_comes_back_the_new_plan_starts_a_replica_on_its_gpus() {
+        let plan = two_node_decode_job();
+        let decode = decode_pool(&plan);
+        let last = plan
+            .placement
+            .replicas
+            .iter()
+            .rposition(|r| r.pool == decode)
+            .unwrap();
+        let mut survivors = plan.placement.replicas.clone();
+        let gone = survivors.remove(last);
+        let gpus = BTreeMap::from([(decode, 4)]);
+        let decision = replanner(&plan).decide(&gpus, &survivors).unwrap();
+        assert!(
+            decision.planned_step_s < decision.running_step_s.unwrap(),
+            "{decision:?}"
+        );
+        let first = decision.waves.first().expect("a wave");
+        assert_eq!(first.start, vec![gone], "{decision:?}");
+        assert!(first.stop.is_empty(), "{decision:?}");
+    }
+}
