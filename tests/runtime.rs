@@ -299,6 +299,86 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
     assert!(done < report["wall_s"].as_f64().unwrap(), "{report:#}");
 }
 
+/// Runs the quick-start for `steps` steps with `--replan-on-drift 0.2` and its decode worker's
+/// emulated GPUs at `slowdown` of their modelled rates; returns the checked report.
+fn run_watching_drift(name: &str, steps: u32, slowdown: &str) -> Value {
+    let dir = temp_dir(name);
+    let job = job_file(&dir, steps);
+    let report = dir.join("report.json");
+    let pools = ["prefill", "decode", "train", "envs", "rewards"];
+    let (sched, url) = scheduler(&job, &report, pools.len(), &["--replan-on-drift", "0.2"]);
+    let mut procs = Procs(vec![sched]);
+    for pool in pools {
+        let mut worker = Command::new(BIN);
+        worker
+            .args([
+                "worker",
+                "--scheduler",
+                &url,
+                "--pool",
+                pool,
+                "--name",
+                pool,
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        if pool == "decode" {
+            worker.args(["--emulate-slowdown", slowdown]);
+        }
+        procs.0.push(worker.spawn().unwrap());
+    }
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    check_report(&report, u64::from(steps), 0)
+}
+
+#[test]
+fn a_decode_node_slower_than_planned_is_measured_and_the_job_is_planned_again_with_its_profile() {
+    // The emulated replicas measure the model's own shares of peak: nothing drifts.
+    let report = run_watching_drift("drift-none", 6, "1");
+    assert_eq!(report["replans"].as_array().unwrap().len(), 0, "{report:#}");
+    // A decode node whose GPUs reach a third of the modelled rates: a throttled node.
+    let report = run_watching_drift("drift", 12, "0.33");
+    let replans = report["replans"].as_array().unwrap();
+    let drift = replans
+        .first()
+        .unwrap_or_else(|| panic!("no re-plan on drift: {report:#}"));
+    let reason = drift["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("drifted") && reason.contains("decode on decode at 26% of peak"),
+        "decode measured at 0.33 x the model's 80% of peak bandwidth: {reason}"
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    for replan in replans {
+        let reason = replan["reason"].as_str().unwrap();
+        // Only the slowed node's pool drifts (its local prefill too, once it has samples).
+        assert!(
+            !reason.contains("on prefill"),
+            "the prefill pool is as planned: {reason}"
+        );
+        // The measured profile is the reference from then on: a drift re-plans once.
+        let (_, drifts) = reason.split_once(": ").unwrap();
+        for drift in drifts.split(", ") {
+            let what = drift.split(" at ").next().unwrap().to_owned();
+            assert!(
+                seen.insert(what.clone()),
+                "{what} re-planned twice: {report:#}"
+            );
+        }
+        // The running placement is predicted with the measured profile; it is left as is
+        // unless the new plan saves 5% of the step.
+        let (now, new) = (
+            replan["running_step_s"].as_f64().unwrap(),
+            replan["planned_step_s"].as_f64().unwrap(),
+        );
+        assert_eq!(
+            replan["waves"].as_u64() == Some(0),
+            new >= now * 0.95,
+            "{replan:#}"
+        );
+    }
+}
+
 #[test]
 fn a_worker_that_reports_a_stage_it_was_never_given_is_cut_off_and_its_work_redone() {
     let dir = temp_dir("rogue");

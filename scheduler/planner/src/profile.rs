@@ -82,11 +82,17 @@ impl Estimate {
         self.total += 1;
     }
 
-    /// Adds one measured duration of `work` on hardware of the given peaks, as the share of
-    /// peak it achieved (what [`ProfileStore::record`] does for its kind and pool). Durations
-    /// that are not finite and positive are ignored.
+    /// Adds one measured duration of `work` of `kind` on hardware of the given peaks, as the
+    /// share of peak it achieved (what [`ProfileStore::record`] does for its kind and pool).
+    /// Durations that are not finite and positive are ignored, and so is work the other
+    /// resource bounds at the model's shares of peak: a prefill or training pass limited by
+    /// memory bandwidth says nothing of the share of FLOP/s the estimate is of (it would read
+    /// as the bandwidth share), nor a decode step limited by compute of the bandwidth share.
+    /// (The model's shares, not the peaks, draw the line: work just past the ridge point at
+    /// peak is still bound by compute once compute reaches a smaller share of its peak.)
     pub fn add_measured(
         &mut self,
+        kind: WorkKind,
         work: crate::roofline::Work,
         peak_flops: f64,
         peak_bandwidth: f64,
@@ -94,6 +100,17 @@ impl Estimate {
         origin: Origin,
     ) {
         if !(seconds.is_finite() && seconds > 0.0) {
+            return;
+        }
+        let model = Efficiency::default();
+        let compute_bound = work.flops / (peak_flops * model.compute)
+            >= work.bytes / (peak_bandwidth * model.bandwidth);
+        let bound_by_its_resource = match kind {
+            WorkKind::Prefill | WorkKind::Train => compute_bound,
+            WorkKind::Decode => !compute_bound,
+            WorkKind::WeightTransfer => true,
+        };
+        if !bound_by_its_resource {
             return;
         }
         let at_peak = work.seconds(peak_flops, peak_bandwidth);
@@ -208,7 +225,7 @@ impl ProfileStore {
             .or_default()
             .entry(pool.to_owned())
             .or_default()
-            .add_measured(work, peak_flops, peak_bandwidth, seconds, origin);
+            .add_measured(kind, work, peak_flops, peak_bandwidth, seconds, origin);
     }
 
     /// The share of peak to use for `kind` on `pool` (a `gpu` product with the given peaks):
@@ -338,6 +355,51 @@ mod tests {
         assert!((e.share - 0.9).abs() < 1e-12);
         let e = store.effective(WorkKind::Prefill, "h20", "H20", 1e15, 1e12, &model);
         assert!((e.share - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn work_bound_by_the_other_resource_says_nothing_of_the_share_an_estimate_is_of() {
+        let model = Efficiency::default();
+        let mut store = ProfileStore::default();
+        // A short prefill on a 1 PFLOP/s, 1 TB/s GPU: 1 ms of weights to read, 0.2 ms of FLOPs.
+        // Measured at 80% of the bandwidth, it would read as 80% of the FLOP/s.
+        let short = Work {
+            flops: 0.2e12,
+            bytes: 1e9,
+        };
+        // A long one: 10 ms of FLOPs against 1 ms of bytes, measured at 60% of the FLOP/s.
+        let long = Work {
+            flops: 10e12,
+            bytes: 1e9,
+        };
+        // A decode step of a huge batch, bound by compute, and a plain one bound by bandwidth.
+        let crowded = Work {
+            flops: 2e12,
+            bytes: 1e9,
+        };
+        let plain = Work {
+            flops: 1e9,
+            bytes: 1e9,
+        };
+        for _ in 0..MIN_SAMPLES {
+            let h = Origin::Hardware;
+            store.record(WorkKind::Prefill, "p", short, 1e15, 1e12, 1e-3 / 0.8, h);
+            store.record(WorkKind::Decode, "d", crowded, 1e15, 1e12, 2e-3 / 0.5, h);
+        }
+        let e = store.effective(WorkKind::Prefill, "p", "H800", 1e15, 1e12, &model);
+        assert_eq!((e.source, e.share), (Source::Model, model.compute));
+        let e = store.effective(WorkKind::Decode, "d", "H20", 1e15, 1e12, &model);
+        assert_eq!((e.source, e.share), (Source::Model, model.bandwidth));
+        for _ in 0..MIN_SAMPLES {
+            let h = Origin::Hardware;
+            store.record(WorkKind::Prefill, "p", long, 1e15, 1e12, 10e-3 / 0.6, h);
+            store.record(WorkKind::Decode, "d", plain, 1e15, 1e12, 1e-3 / 0.7, h);
+        }
+        let e = store.effective(WorkKind::Prefill, "p", "H800", 1e15, 1e12, &model);
+        assert_eq!(e.source, Source::Measured);
+        assert!((e.share - 0.6).abs() < 1e-12, "{}", e.share);
+        let e = store.effective(WorkKind::Decode, "d", "H20", 1e15, 1e12, &model);
+        assert!((e.share - 0.7).abs() < 1e-12, "{}", e.share);
     }
 
     #[test]

@@ -132,6 +132,7 @@ fn run_once() -> (f64, Report) {
             stage_timeout: Duration::from_secs(120),
             report: None,
             metrics_addr: None,
+            replan_on_drift: None,
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {

@@ -119,6 +119,9 @@ pub struct ActorOptions {
     pub expect_workers: usize,
     /// Where to write the final report (JSON).
     pub report: Option<PathBuf>,
+    /// Re-plan when a measured share of peak drifts from the running plan's by more than this
+    /// (relative); `None`: never on drift.
+    pub replan_on_drift: Option<f64>,
 }
 
 /// One line of the final report per pool.
@@ -373,6 +376,8 @@ pub struct Actor {
     replanner: Option<Replanner>,
     migration: Option<Migration>,
     replans: Vec<ReplanRecord>,
+    /// The policy version at which the profiles were last checked for drift.
+    drift_checked: u64,
     assignments: BTreeMap<u64, Assignment>,
     next_assignment: u64,
     by_stage: BTreeMap<StageId, u64>,
@@ -463,6 +468,7 @@ impl Actor {
             replanner: Replanner::new(plan.spec(), plan.catalog(), &plan.placement.trainer),
             migration: None,
             replans: Vec::new(),
+            drift_checked: 0,
             assignments: BTreeMap::new(),
             next_assignment: 1,
             by_stage: BTreeMap::new(),
@@ -942,15 +948,12 @@ impl Actor {
         }
         let mut gpus = self.planned_gpus.clone();
         gpus.insert(pool, present);
-        let running: Vec<ReplicaConfig> = (0..self.replicas.len())
-            .filter(|&r| self.in_service(r) && self.owner[r].is_some())
-            .map(|r| self.replicas[r].clone())
-            .collect();
+        let running = self.running_replicas();
         let name = self.plan.pool_name(pool).to_owned();
         let Some(decision) = self
             .replanner
             .as_ref()
-            .and_then(|p| p.decide(&gpus, &running))
+            .and_then(|p| p.decide(&gpus, &running, 0.0))
         else {
             eprintln!(
                 "scheduler: {why}; no placement fits the {present} GPUs of pool {name} left, so \
@@ -972,22 +975,7 @@ impl Actor {
                 replica: ReplicaId(r as u64),
             });
         }
-        let fmt_step =
-            |s: Option<f64>| s.map_or_else(|| "none".to_owned(), |s| format!("{s:.1} s"));
-        eprintln!(
-            "scheduler: {why}: pool {name} has {present} GPUs (the plan had {before}); re-plan: \
-             replicas retired with their node: {}; predicted step (modelled) {} as it runs, {} on \
-             the new plan; {}",
-            orphans.len(),
-            fmt_step(decision.running_step_s),
-            fmt_step(Some(decision.planned_step_s)),
-            match decision.waves.len() {
-                0 => "nothing moves".to_owned(),
-                n => format!("moving in {n} waves"),
-            }
-        );
-        self.metrics.replans.inc();
-        self.replans.push(ReplanRecord {
+        let record = ReplanRecord {
             at_s: self.now().as_secs_f64(),
             reason: why.to_owned(),
             pool: name,
@@ -1001,9 +989,112 @@ impl Actor {
             replicas_started: 0,
             replicas_retired: 0,
             done_at_s: None,
-        });
+        };
+        self.begin_move(record, decision.waves);
+    }
+
+    /// The replicas in service that a live worker holds.
+    fn running_replicas(&self) -> Vec<ReplicaConfig> {
+        (0..self.replicas.len())
+            .filter(|&r| self.in_service(r) && self.owner[r].is_some())
+            .map(|r| self.replicas[r].clone())
+            .collect()
+    }
+
+    /// At a new policy version, with `--replan-on-drift`: if a share of peak the workers
+    /// measured drifted past the margin from the one the running plan assumed, plans again with
+    /// the measured profiles, which are from then on what the next check compares with. Not
+    /// while a move is under way.
+    fn check_drift(&mut self) {
+        let Some(margin) = self.opts.replan_on_drift else {
+            return;
+        };
+        let version = self.core.version();
+        let idle = self.started.is_some() && self.ended.is_none() && self.migration.is_none();
+        if !idle || version <= self.drift_checked {
+            return;
+        }
+        self.drift_checked = version;
+        let Some(replanner) = &self.replanner else {
+            return;
+        };
+        let drifts = replanner.drift(&self.profiles, margin);
+        let Some(first) = drifts.first() else {
+            return;
+        };
+        let Some(remeasured) =
+            replanner.remeasured(self.plan.spec(), self.plan.catalog(), &self.profiles)
+        else {
+            return;
+        };
+        let why = drifts
+            .iter()
+            .map(|d| {
+                format!(
+                    "{} on {} at {:.0}% of peak (the plan assumed {:.0}%)",
+                    d.kind.name(),
+                    d.pool,
+                    d.now * 100.0,
+                    d.planned * 100.0
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let why = format!("measured profiles drifted at version {version}: {why}");
+        let pool = first.pool.clone();
+        let gpus = self
+            .plan
+            .pool_index(&pool)
+            .and_then(|p| self.planned_gpus.get(&p).copied())
+            .unwrap_or(0);
+        let running = self.running_replicas();
+        let decision = remeasured.decide(&self.planned_gpus, &running, crate::replan::MIN_GAIN);
+        self.replanner = Some(remeasured);
+        let Some(decision) = decision else {
+            eprintln!("scheduler: {why}; no placement fits with the measured profiles");
+            return;
+        };
+        let record = ReplanRecord {
+            at_s: self.now().as_secs_f64(),
+            reason: why,
+            pool,
+            gpus_before: gpus,
+            gpus_after: gpus,
+            running_step_s: decision.running_step_s,
+            planned_step_s: decision.planned_step_s,
+            replicas_lost: 0,
+            waves: decision.waves.len(),
+            waves_done: 0,
+            replicas_started: 0,
+            replicas_retired: 0,
+            done_at_s: None,
+        };
+        self.begin_move(record, decision.waves);
+    }
+
+    /// Records a re-plan and starts moving to it in `waves` (superseding a move under way).
+    fn begin_move(&mut self, record: ReplanRecord, waves: Vec<rollfleet_sim::sim::MigrationWave>) {
+        let fmt_step =
+            |s: Option<f64>| s.map_or_else(|| "none".to_owned(), |s| format!("{s:.1} s"));
+        eprintln!(
+            "scheduler: {}: pool {} has {} GPUs (the plan had {}); re-plan: replicas retired \
+             with their node: {}; predicted step (modelled) {} as it runs, {} on the new plan; {}",
+            record.reason,
+            record.pool,
+            record.gpus_after,
+            record.gpus_before,
+            record.replicas_lost,
+            fmt_step(record.running_step_s),
+            fmt_step(Some(record.planned_step_s)),
+            match waves.len() {
+                0 => "nothing moves".to_owned(),
+                n => format!("moving in {n} waves"),
+            }
+        );
+        self.metrics.replans.inc();
+        self.replans.push(record);
         self.migration = Some(Migration {
-            waves: decision.waves,
+            waves,
             next: 0,
             waiting: BTreeSet::new(),
             record: self.replans.len() - 1,
@@ -2249,6 +2340,7 @@ impl Actor {
         for (id, ttl) in expired {
             self.cut_off(id, &format!("lease expired: no heartbeat within {ttl:?}"));
         }
+        self.check_drift();
         self.pump();
         let t = self.now();
         for (&pool, m) in &mut self.meters {

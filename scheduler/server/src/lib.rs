@@ -79,6 +79,9 @@ pub struct ServerOptions {
     pub report: Option<PathBuf>,
     /// Where to serve Prometheus metrics.
     pub metrics_addr: Option<SocketAddr>,
+    /// Re-plan when a share of peak the workers measure drifts from the running plan's by more
+    /// than this (relative); `None`: re-plan only when GPUs come or go.
+    pub replan_on_drift: Option<f64>,
 }
 
 /// Serves the job on `listener` until it ends (or is cancelled); returns its report.
@@ -125,6 +128,7 @@ pub async fn serve_until(
             lease_ttl: opts.lease_ttl,
             expect_workers: opts.expect_workers,
             report: opts.report.clone(),
+            replan_on_drift: opts.replan_on_drift,
         },
         status_tx,
         metrics,

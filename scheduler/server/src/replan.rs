@@ -1,6 +1,10 @@
 //! Re-planning in the running scheduler: when a GPU pool's nodes come or go mid-run, plan again
 //! for the GPUs that are there, and move from the replicas that run to the new plan in waves.
 //!
+//! It also re-plans when the profiles the workers measure drift from those the running plan
+//! assumed (`rollfleet scheduler --replan-on-drift MARGIN`, as `rollfleet sim
+//! --replan-on-drift`).
+//!
 //! This is the decision only (pure, deterministic); the actor carries it out. It is the
 //! simulator's re-plan after a loss or a growth (`rollfleet sim --lose/--grow`) applied to what
 //! actually runs: the running placement is read off the live replicas instead of being assumed,
@@ -14,7 +18,8 @@ use rollfleet_catalog::Catalog;
 use rollfleet_core::{ReplicaConfig, ServeRole, TrainerConfig};
 use rollfleet_planner::plan;
 use rollfleet_planner::predict::{self, Candidate, Group, Problem, Role};
-use rollfleet_planner::replan;
+use rollfleet_planner::profile::ProfileStore;
+use rollfleet_planner::replan::{self, Drift};
 use rollfleet_planner::roofline::Efficiency;
 use rollfleet_planner::search;
 use rollfleet_sim::sim::MigrationWave;
@@ -35,6 +40,10 @@ pub struct Decision {
     /// The full prediction's step for the new plan.
     pub planned_step_s: f64,
 }
+
+/// Share of the predicted step a new plan must save for a drift to move replicas (the
+/// simulator's figure): on drift the search often finds another placement of the same step.
+pub use rollfleet_sim::drift::MIN_GAIN;
 
 /// The planning problem of a job, kept for re-planning while it runs.
 #[derive(Debug, Clone)]
@@ -61,10 +70,35 @@ impl Replanner {
         })
     }
 
+    /// The pools whose share of peak in `profiles` moved from the one this plan assumed by
+    /// more than `margin` (relative).
+    pub fn drift(&self, profiles: &ProfileStore, margin: f64) -> Vec<Drift> {
+        replan::drift(&self.problem, profiles, margin)
+    }
+
+    /// The same job with the shares of peak `profiles` measured (where they have enough
+    /// samples) instead of the model's.
+    pub fn remeasured(
+        &self,
+        spec: &JobSpec,
+        catalog: &Catalog,
+        profiles: &ProfileStore,
+    ) -> Option<Replanner> {
+        let problem =
+            plan::problem_profiled(spec, catalog, &mean, &Efficiency::default(), profiles).ok()?;
+        Some(Replanner { problem, ..*self })
+    }
+
     /// Plans for `gpus` GPUs present per spec pool (pools not named keep the job's count; no pool
-    /// gets more than the job gives it), from the `running` serving replicas. `None` when no
-    /// placement fits the GPUs present.
-    pub fn decide(&self, gpus: &BTreeMap<u32, u32>, running: &[ReplicaConfig]) -> Option<Decision> {
+    /// gets more than the job gives it), from the `running` serving replicas. The new plan is
+    /// moved to only if its predicted step is shorter than what runs by more than `min_gain`
+    /// (a share). `None` when no placement fits the GPUs present.
+    pub fn decide(
+        &self,
+        gpus: &BTreeMap<u32, u32>,
+        running: &[ReplicaConfig],
+        min_gain: f64,
+    ) -> Option<Decision> {
         let mut present = self.problem.clone();
         for pool in &mut present.gpu_pools {
             if let Some(&n) = gpus.get(&(pool.spec_index as u32)) {
@@ -82,7 +116,7 @@ impl Replanner {
         let planned_step_s = full(&target)?;
         let running_step_s = full(&running);
         let waves = match running_step_s {
-            Some(now) if now <= planned_step_s => Vec::new(),
+            Some(now) if planned_step_s >= now * (1.0 - min_gain) => Vec::new(),
             _ => {
                 let waves = replan::migration(&present, &running, &target, PER_WAVE);
                 rollfleet_sim::growth::sim_waves(&present, &running, &target, &waves)
@@ -181,7 +215,7 @@ mod tests {
     fn with_every_gpu_present_the_running_placement_is_the_plan_and_nothing_moves() {
         let plan = two_node_decode_job();
         let decision = replanner(&plan)
-            .decide(&BTreeMap::new(), &plan.placement.replicas)
+            .decide(&BTreeMap::new(), &plan.placement.replicas, 0.0)
             .unwrap();
         assert!(decision.waves.is_empty(), "{decision:?}");
         assert_eq!(decision.running_step_s, Some(decision.planned_step_s));
@@ -208,10 +242,10 @@ mod tests {
         let mut survivors = plan.placement.replicas.clone();
         survivors.remove(last);
         let full = replanner(&plan)
-            .decide(&BTreeMap::new(), &plan.placement.replicas)
+            .decide(&BTreeMap::new(), &plan.placement.replicas, 0.0)
             .unwrap();
         let gpus = BTreeMap::from([(decode, 2)]);
-        let decision = replanner(&plan).decide(&gpus, &survivors).unwrap();
+        let decision = replanner(&plan).decide(&gpus, &survivors, 0.0).unwrap();
         assert!(
             decision.planned_step_s >= full.planned_step_s,
             "{decision:?}"
@@ -256,7 +290,7 @@ mod tests {
         let mut survivors = plan.placement.replicas.clone();
         let gone = survivors.remove(last);
         let gpus = BTreeMap::from([(decode, 4)]);
-        let decision = replanner(&plan).decide(&gpus, &survivors).unwrap();
+        let decision = replanner(&plan).decide(&gpus, &survivors, 0.0).unwrap();
         assert!(
             decision.planned_step_s < decision.running_step_s.unwrap(),
             "{decision:?}"

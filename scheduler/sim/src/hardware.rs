@@ -324,10 +324,14 @@ impl Engine {
                 + self.costs.attention_flops_per_context * t * (job.cached as f64 + t / 2.0);
             bytes += self.costs.kv_bytes_per_token * (job.cached as f64 + t);
         }
-        let compute = self.flops * (1.0 - self.decode_compute_share());
+        let decode_share = self.decode_compute_share();
+        let compute = self.flops * (1.0 - decode_share);
         let secs = (flops / compute).max(bytes / self.bandwidth);
         self.batch = Some((now.plus(rollfleet_core::Span::from_secs_f64(secs)), jobs));
-        self.batch_work = Some(Measured {
+        // A prefill that shares the GPU with running decodes also pays for them: its duration
+        // is not a sample of the prefill rate (it would read as a slower GPU), so only one that
+        // ran alone is reported.
+        self.batch_work = (decode_share == 0.0).then_some(Measured {
             kind: WorkKind::Prefill,
             work: RooflineWork { flops, bytes },
             seconds: secs,

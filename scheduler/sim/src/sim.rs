@@ -722,6 +722,7 @@ impl<'a> Sim<'a> {
                 }
             };
             self.estimates[i].2.add_measured(
+                m.kind,
                 m.work,
                 e.peak_flops,
                 e.peak_bandwidth,

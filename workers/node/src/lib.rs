@@ -118,6 +118,8 @@ pub struct WorkerOptions {
     pub remote_envs: Vec<(String, String)>,
     /// The LLM engine of a GPU pool's generation stages.
     pub engine: EngineChoice,
+    /// Share of the modelled rates the emulated GPUs achieve, in (0, 1] (1: as modelled).
+    pub slowdown: f64,
 }
 
 /// How a worker ended without error.
@@ -163,6 +165,8 @@ struct Node {
     engines: Mutex<BTreeMap<u64, Arc<EmulatedEngine>>>,
     /// Replicas a re-plan started on this node mid-run (the job's own placement has the rest).
     started_replicas: Mutex<BTreeMap<u64, rollfleet_core::ReplicaConfig>>,
+    /// Share of the modelled rates its emulated GPUs achieve.
+    slowdown: f64,
     openai: Option<OpenAiBackend>,
     host: EnvHost,
     episodes: Mutex<BTreeMap<(u64, u32), (EpisodeId, usize)>>,
@@ -400,6 +404,7 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
         time_scale,
         engines: Mutex::new(BTreeMap::new()),
         started_replicas: Mutex::new(BTreeMap::new()),
+        slowdown: opts.slowdown,
         openai,
         host: env_host(&opts),
         episodes: Mutex::new(BTreeMap::new()),
@@ -847,8 +852,8 @@ impl Node {
         let (peak, bw) = self.plan.gpu_peaks(rc.pool);
         let engine = Arc::new(EmulatedEngine::start(EmulatedConfig {
             gpus: rc.gpus,
-            peak_flops: peak,
-            bandwidth: bw,
+            peak_flops: peak * self.slowdown,
+            bandwidth: bw * self.slowdown,
             hardware: self.plan.hardware,
             costs: self.plan.costs,
             kv_capacity_tokens: rc.kv_capacity_tokens,

@@ -52,6 +52,12 @@ pub struct SchedulerArgs {
     /// Serve Prometheus metrics here (e.g. 127.0.0.1:9464).
     #[arg(long)]
     pub metrics_addr: Option<SocketAddr>,
+    /// Also re-plan when a share of peak the workers measure (prefill FLOP/s, decode
+    /// bandwidth) drifts from the one the running plan assumed by more than this relative
+    /// margin, e.g. 0.2; replicas move only if the new plan saves 5% of the predicted step.
+    /// (GPUs that come or go always re-plan.)
+    #[arg(long, value_name = "MARGIN")]
+    pub replan_on_drift: Option<f64>,
 }
 
 /// `rollfleet worker`.
@@ -77,6 +83,10 @@ pub struct WorkerArgs {
     /// `guess=http://127.0.0.1:8765` (protocol: docs/remote-environments.md).
     #[arg(long = "remote-env", value_parser = parse_remote_env)]
     pub remote_envs: Vec<(String, String)>,
+    /// Emulated GPUs achieve only this share of the rates the model gives them, in (0, 1], as
+    /// a throttled or badly driven node would (their profile samples show it). Default: 1.
+    #[arg(long, value_name = "SHARE", default_value_t = 1.0)]
+    pub emulate_slowdown: f64,
     /// Which LLM engine generates.
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -188,6 +198,15 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
         writeln!(stderr, "error: --time-scale must be a positive number")?;
         return Ok(exit::INVALID_INPUT);
     }
+    if let Some(margin) = args.replan_on_drift
+        && !(margin.is_finite() && margin > 0.0)
+    {
+        writeln!(
+            stderr,
+            "error: --replan-on-drift {margin}: the margin must be a positive share, e.g. 0.2"
+        )?;
+        return Ok(exit::INVALID_INPUT);
+    }
     let yaml = match std::fs::read_to_string(&args.job) {
         Ok(y) => y,
         Err(e) => {
@@ -219,6 +238,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             stage_timeout: Duration::from_secs(args.stage_timeout_s.max(1)),
             report: args.report.clone(),
             metrics_addr: args.metrics_addr,
+            replan_on_drift: args.replan_on_drift,
         };
         let (cancel, cancelled) = tokio::sync::oneshot::channel();
         // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.
@@ -253,6 +273,14 @@ async fn shutdown_signal() {
 
 /// Runs `rollfleet worker`.
 pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
+    let slowdown = args.emulate_slowdown;
+    if !(slowdown.is_finite() && slowdown > 0.0 && slowdown <= 1.0) {
+        writeln!(
+            stderr,
+            "error: --emulate-slowdown {slowdown}: the share must be in (0, 1]"
+        )?;
+        return Ok(exit::INVALID_INPUT);
+    }
     let name = args.name.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_owned())
@@ -268,6 +296,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         connect_timeout: Duration::from_secs(30),
         model_environments: args.model_environments,
         remote_envs: args.remote_envs.clone(),
+        slowdown: args.emulate_slowdown,
         engine: match (args.engine.engine, &args.engine.engine_url) {
             (EngineKind::Openai, Some(url)) => {
                 if !url.starts_with("http://") {
