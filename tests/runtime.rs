@@ -891,6 +891,12 @@ const ENGINE_ANSWERS: [(&str, &str); 5] = [
 ];
 
 const CHATML_SYSTEM: &str = "<|im_start|>system\n";
+
+/// Where the fake engine's answer pauses (never sent): after its first chunk.
+const PAUSE: &str = "\u{0}pause\u{0}";
+
+/// How long the fake engine takes from an answer's first chunk to the rest of it.
+const DECODE_STRETCH: Duration = Duration::from_millis(20);
 const CHATML_ASSISTANT: &str = "<|im_start|>assistant\n";
 
 /// A deterministic engine speaking vLLM's OpenAI-compatible wire format, byte by byte, over plain
@@ -999,6 +1005,10 @@ fn fake_engine_answering(completes: bool) -> FakeEngine {
                         ] {
                             let event = format!("data: {data}\n\n");
                             out.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
+                            if out.matches(PAUSE).count() == 0 {
+                                // The rest of the answer comes one decode stretch later.
+                                out.push_str(PAUSE);
+                            }
                         }
                         out.push_str("0\r\n\r\n");
                         out
@@ -1009,8 +1019,17 @@ fn fake_engine_answering(completes: bool) -> FakeEngine {
                             body.len()
                         )
                     };
-                    if stream.write_all(answer.as_bytes()).is_err() {
-                        return;
+                    for (i, part) in answer.split(PAUSE).enumerate() {
+                        if i > 0 {
+                            std::thread::sleep(DECODE_STRETCH);
+                        }
+                        if stream
+                            .write_all(part.as_bytes())
+                            .and_then(|()| stream.flush())
+                            .is_err()
+                        {
+                            return;
+                        }
                     }
                 }
             });
@@ -1065,6 +1084,21 @@ fn workers_with_an_openai_engine_send_the_rendered_turns_and_the_environment_app
     let generations = report["engine_generations"].as_u64().unwrap();
     assert!(generations >= 64, "{report:#}");
     assert_eq!(report["emulated_gpus"], false);
+    // The engine's timings came back as decode samples, marked as measured on an engine (not
+    // modelled), each under the hardware's peak.
+    let decode = report["profiles"]["measured"]["decode"]
+        .as_object()
+        .unwrap();
+    assert!(!decode.is_empty(), "no decode samples: {report:#}");
+    for (pool, estimate) in decode {
+        let samples = estimate["samples"].as_array().unwrap();
+        assert!(!samples.is_empty(), "{pool}: {estimate}");
+        assert_eq!(estimate["modelled"], 0, "{pool}: {estimate}");
+        for share in samples {
+            let share = share.as_f64().unwrap();
+            assert!(share > 0.0 && share <= 1.0, "{pool}: {share}");
+        }
+    }
     for pool in report["pools"].as_array().unwrap() {
         if pool["pool"] == "prefill" || pool["pool"] == "decode" {
             assert!(pool["kind"].as_str().unwrap().contains("openai"), "{pool}");

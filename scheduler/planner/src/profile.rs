@@ -89,7 +89,8 @@ impl Estimate {
     /// memory bandwidth says nothing of the share of FLOP/s the estimate is of (it would read
     /// as the bandwidth share), nor a decode step limited by compute of the bandwidth share.
     /// (The model's shares, not the peaks, draw the line: work just past the ridge point at
-    /// peak is still bound by compute once compute reaches a smaller share of its peak.)
+    /// peak is still bound by compute once compute reaches a smaller share of its peak.) A
+    /// duration shorter than the work takes at peak is ignored too.
     pub fn add_measured(
         &mut self,
         kind: WorkKind,
@@ -114,6 +115,10 @@ impl Estimate {
             return;
         }
         let at_peak = work.seconds(peak_flops, peak_bandwidth);
+        // Faster than peak is no measurement of the hardware but a clock or accounting error.
+        if at_peak > seconds {
+            return;
+        }
         self.add(at_peak / seconds, origin);
     }
 
@@ -400,6 +405,18 @@ mod tests {
         assert!((e.share - 0.6).abs() < 1e-12, "{}", e.share);
         let e = store.effective(WorkKind::Decode, "d", "H20", 1e15, 1e12, &model);
         assert!((e.share - 0.7).abs() < 1e-12, "{}", e.share);
+        // Faster than the peak allows: no measurement at all.
+        let before = store.measured[&WorkKind::Decode]["d"].total;
+        store.record(
+            WorkKind::Decode,
+            "d",
+            plain,
+            1e15,
+            1e12,
+            0.5e-3,
+            Origin::Hardware,
+        );
+        assert_eq!(store.measured[&WorkKind::Decode]["d"].total, before);
     }
 
     #[test]

@@ -50,7 +50,7 @@ use rollfleet_proto::v1::{
     worker_service_client::WorkerServiceClient,
 };
 use rollfleet_server::plan::{JobPlan, PoolRole};
-use rollfleet_sim::hardware::WorkKind;
+use rollfleet_sim::hardware::{ModelCosts, WorkKind};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tokio_stream::StreamExt;
@@ -137,10 +137,70 @@ struct OpenAiBackend {
     temperature: f32,
     /// Requests in flight (the node's load).
     in_flight: AtomicU32,
+    /// Decode timings measured since the last load report (see [`decode_sample`]).
+    samples: Mutex<Vec<ProfileSample>>,
 }
 
 /// Profile samples one load report carries at most (the scheduler refuses more).
 const MAX_SAMPLES_PER_REPORT: usize = rollfleet_server::MAX_PROFILE_SAMPLES_PER_REPORT;
+
+/// When a real engine's streamed answer arrived, chunk by chunk, and how many of this worker's
+/// requests were in flight meanwhile: enough for one decode sample per generation.
+///
+/// An engine that streams a token a chunk (vLLM, SGLang) decodes the tokens after the first
+/// one iteration apart, so the time from the first chunk to the last over the tokens after the
+/// first is the iteration time of the batch it ran in. The batch is taken as this worker's
+/// requests in flight, averaged over the chunks: right when the engine serves this worker
+/// alone, as one engine per replica does, and too small (so the share of peak too low) when it
+/// serves others too. Time to the first chunk (queueing plus prefill) gives no prefill sample:
+/// behind other requests it is not the prefill's.
+#[derive(Debug, Default)]
+struct DecodeTiming {
+    first: Option<tokio::time::Instant>,
+    last: Option<tokio::time::Instant>,
+    chunks: u32,
+    in_flight_sum: u64,
+}
+
+impl DecodeTiming {
+    fn chunk(&mut self, at: tokio::time::Instant, in_flight: u32) {
+        self.first.get_or_insert(at);
+        self.last = Some(at);
+        self.chunks += 1;
+        self.in_flight_sum += u64::from(in_flight.max(1));
+    }
+
+    /// The decode sample of a generation of `tokens` tokens after a `prompt`-token context, on a
+    /// replica of `gpus` GPUs: one iteration's work at the mean batch and mean context, by the
+    /// model's own accounting (as the emulated engine's), and its measured duration. `None`
+    /// for an answer of fewer than two chunks or tokens (no iteration to time).
+    fn sample(
+        &self,
+        costs: &ModelCosts,
+        prompt: u64,
+        tokens: u64,
+        gpus: u32,
+    ) -> Option<ProfileSample> {
+        let (first, last) = (self.first?, self.last?);
+        if self.chunks < 2 || tokens < 2 {
+            return None;
+        }
+        let seconds = last.duration_since(first).as_secs_f64() / (tokens - 1) as f64;
+        if !(seconds.is_finite() && seconds > 0.0) {
+            return None;
+        }
+        let batch = self.in_flight_sum as f64 / f64::from(self.chunks);
+        let context = prompt as f64 + tokens as f64 / 2.0;
+        Some(ProfileSample {
+            kind: ProfileKind::Decode as i32,
+            flops: batch * (costs.flops_per_token + costs.attention_flops_per_context * context),
+            bytes: costs.active_weight_bytes + costs.kv_bytes_per_token * batch * context,
+            seconds,
+            gpus: gpus.max(1),
+            emulated: false,
+        })
+    }
+}
 
 /// Counts a request in flight for as long as it lives (an abort drops it too).
 struct InFlight<'a>(&'a AtomicU32);
@@ -243,6 +303,7 @@ async fn openai_backend(
         engine: engine(model)?,
         temperature,
         in_flight: AtomicU32::new(0),
+        samples: Mutex::new(Vec::new()),
     })
 }
 
@@ -585,6 +646,8 @@ async fn generate_openai(
     backend: &OpenAiBackend,
     a: &WorkAssignment,
     g: &GenerationWork,
+    costs: &ModelCosts,
+    gpus: u32,
 ) -> Result<StageOutput, work_result::Outcome> {
     let engine = &backend.engine;
     if g.prefill_only {
@@ -622,12 +685,19 @@ async fn generate_openai(
     let mut stream = engine.generate(request);
     let mut text = String::new();
     let mut token_ids = Vec::new();
+    let mut timing = DecodeTiming::default();
     while let Some(event) = stream.next().await {
         match event.map_err(engine_failure)? {
             GenerateEvent::Delta {
                 text: delta,
                 token_ids: ids,
             } => {
+                if !delta.is_empty() || !ids.is_empty() {
+                    timing.chunk(
+                        tokio::time::Instant::now(),
+                        backend.in_flight.load(Ordering::Relaxed),
+                    );
+                }
                 text.push_str(&delta);
                 token_ids.extend(ids);
             }
@@ -637,6 +707,14 @@ async fn generate_openai(
                     .map(u64::from)
                     .or_else(|| (!token_ids.is_empty()).then_some(token_ids.len() as u64))
                     .unwrap_or_else(|| tokens_of(&text));
+                let prompt = done.prompt_tokens.map_or(g.prefill_token_count, u64::from);
+                if let Some(sample) = timing.sample(costs, prompt, token_count, gpus) {
+                    let mut samples = backend.samples.lock().unwrap_or_else(|p| p.into_inner());
+                    if samples.len() >= MAX_SAMPLES_PER_REPORT {
+                        samples.remove(0);
+                    }
+                    samples.push(sample);
+                }
                 return Ok(StageOutput {
                     tokens: token_ids,
                     text,
@@ -748,15 +826,17 @@ impl Node {
             load.kv_cache_used_bytes += (l.kv_used_tokens as f64 * kv_bytes) as u64;
             load.kv_cache_capacity_bytes += (engine.kv_capacity() as f64 * kv_bytes) as u64;
         }
-        // The latest samples, within what one report carries.
-        if load.samples.len() > MAX_SAMPLES_PER_REPORT {
-            load.samples
-                .drain(..load.samples.len() - MAX_SAMPLES_PER_REPORT);
-        }
         load.running_stages += self.host.busy() as u32;
         if let Some(b) = &self.openai {
             // A real engine's queue and KV cache are its own; only the requests in flight are known.
             load.running_stages += b.in_flight.load(Ordering::Relaxed);
+            load.samples
+                .append(&mut b.samples.lock().unwrap_or_else(|p| p.into_inner()));
+        }
+        // The latest samples, within what one report carries.
+        if load.samples.len() > MAX_SAMPLES_PER_REPORT {
+            load.samples
+                .drain(..load.samples.len() - MAX_SAMPLES_PER_REPORT);
         }
         load
     }
@@ -893,8 +973,8 @@ impl Node {
                     return Err(invalid("generation work sent to a non-GPU pool".into()));
                 }
                 if let Some(backend) = &self.openai {
-                    self.own_replica(g.replica).map_err(invalid)?;
-                    return generate_openai(backend, a, g).await;
+                    let gpus = self.own_replica(g.replica).map_err(invalid)?.gpus;
+                    return generate_openai(backend, a, g, &self.plan.costs, gpus).await;
                 }
                 let engine = self.engine(g.replica).map_err(invalid)?;
                 if g.prefill_only {
