@@ -83,7 +83,8 @@ impl Estimate {
     }
 
     /// Adds one measured duration of `work` of `kind` on hardware of the given peaks, as the
-    /// share of peak it achieved (what [`ProfileStore::record`] does for its kind and pool).
+    /// share of its resource's peak it achieved (what [`ProfileStore::record`] does for its kind
+    /// and pool).
     /// Durations that are not finite and positive are ignored, and so is work the other
     /// resource bounds at the model's shares of peak: a prefill or training pass limited by
     /// memory bandwidth says nothing of the share of FLOP/s the estimate is of (it would read
@@ -119,7 +120,14 @@ impl Estimate {
         if at_peak > seconds {
             return;
         }
-        self.add(at_peak / seconds, origin);
+        // The share of the resource the estimate is of: FLOP/s for prefill and training, bytes/s
+        // for decode (near the ridge point the other roof can be the higher one at peak).
+        let own = match kind {
+            WorkKind::Prefill | WorkKind::Train => work.flops / peak_flops,
+            WorkKind::Decode => work.bytes / peak_bandwidth,
+            WorkKind::WeightTransfer => at_peak,
+        };
+        self.add(own / seconds, origin);
     }
 
     /// Whether any of its samples came from emulated or simulated hardware.
