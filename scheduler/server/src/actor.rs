@@ -212,7 +212,8 @@ pub struct Report {
     /// Inference replicas handed to another worker of their pool after theirs was lost.
     #[serde(default)]
     pub replicas_moved: u64,
-    /// Re-plans after a GPU pool's nodes came or went, in order.
+    /// Re-plans while the job ran (a GPU pool's nodes came or went, or, with
+    /// `--replan-on-drift`, measured profiles drifted), in order.
     #[serde(default)]
     pub replans: Vec<ReplanRecord>,
     /// What each worker said at registration about GPU telemetry.
@@ -229,7 +230,7 @@ pub struct ReplanRecord {
     pub at_s: f64,
     /// What changed.
     pub reason: String,
-    /// The pool whose GPUs changed.
+    /// The pool whose GPUs changed (on drift: the first pool that drifted).
     pub pool: String,
     /// Its GPUs the running plan was made for.
     pub gpus_before: u32,

@@ -24,7 +24,7 @@ pub struct Metrics {
     pub workers_registered: IntCounter,
     /// Workers lost or cut off.
     pub workers_lost: IntCounter,
-    /// Re-plans after a GPU pool's nodes came or went.
+    /// Re-plans while the job runs (nodes came or went, or profiles drifted).
     pub replans: IntCounter,
     /// Workers with an open work stream, per pool.
     pub workers: IntGaugeVec,
@@ -73,8 +73,8 @@ impl Metrics {
         )?;
         let replans = IntCounter::new(
             "replans_total",
-            "Re-plans after a GPU pool's nodes came or went mid-run (the planner planned again for \
-             the GPUs present; replicas move in waves).",
+            "Re-plans mid-run: a GPU pool's nodes came or went, or (with --replan-on-drift) the \
+             measured profiles drifted; replicas move to the new plan in waves when it is worth it.",
         )?;
         let workers = IntGaugeVec::new(
             Opts::new("workers", "Workers with an open work stream, per pool."),
