@@ -137,7 +137,7 @@ struct OpenAiBackend {
     temperature: f32,
     /// Requests in flight (the node's load).
     in_flight: AtomicU32,
-    /// Decode timings measured since the last load report (see [`decode_sample`]).
+    /// Decode timings measured since the last load report (see [`DecodeTiming`]).
     samples: Mutex<Vec<ProfileSample>>,
 }
 
@@ -1283,5 +1283,38 @@ mod tests {
                 info.unavailable_reason
             );
         }
+    }
+
+    #[test]
+    fn a_streamed_answer_gives_one_decode_sample_at_the_batch_in_flight() {
+        let costs = ModelCosts {
+            flops_per_token: 3e9,
+            attention_flops_per_context: 1e5,
+            active_weight_bytes: 3e9,
+            kv_bytes_per_token: 3e4,
+        };
+        let start = tokio::time::Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let mut timing = DecodeTiming::default();
+        timing.chunk(at(0), 1);
+        assert!(
+            timing.sample(&costs, 100, 5, 2).is_none(),
+            "one chunk times no iteration"
+        );
+        timing.chunk(at(20), 3);
+        timing.chunk(at(40), 2);
+        // 5 tokens: the 4 after the first came over 40 ms, 10 ms an iteration; the batch is the
+        // mean of 1, 3 and 2 requests in flight; the context the prompt plus half the answer.
+        let s = timing.sample(&costs, 100, 5, 2).unwrap();
+        assert!((s.seconds - 0.010).abs() < 1e-12, "{}", s.seconds);
+        let (batch, context) = (2.0, 102.5);
+        assert!((s.flops - batch * (3e9 + 1e5 * context)).abs() < 1.0);
+        assert!((s.bytes - (3e9 + 3e4 * batch * context)).abs() < 1.0);
+        assert_eq!((s.gpus, s.emulated), (2, false));
+        assert_eq!(s.kind, ProfileKind::Decode as i32);
+        assert!(
+            timing.sample(&costs, 100, 1, 2).is_none(),
+            "one token, no iteration"
+        );
     }
 }
