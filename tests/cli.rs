@@ -509,6 +509,46 @@ fn sim_of_an_invalid_job_exits_3_naming_the_field() {
 }
 
 #[test]
+fn run_refuses_a_slowdown_of_a_pool_the_job_has_no_gpus_in_or_a_share_past_one() {
+    let out = rollfleet(&[
+        "run",
+        "examples/jobs/quickstart.yaml",
+        "--emulate-slowdown",
+        "envs=0.5",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        text(&out.stderr).contains("job quickstart has no GPU pool \"envs\""),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = rollfleet(&[
+        "run",
+        "examples/jobs/quickstart.yaml",
+        "--emulate-slowdown",
+        "decode=1.5",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a malformed flag is a usage error"
+    );
+    assert!(
+        text(&out.stderr).contains("SHARE in (0, 1]"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = rollfleet(&[
+        "scheduler",
+        "examples/jobs/quickstart.yaml",
+        "--replan-on-drift",
+        "0",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(text(&out.stderr).contains("--replan-on-drift 0: the margin must be a positive share"));
+}
+
+#[test]
 fn serverless_serve_answers_the_lambda_invoke_api_and_stops_on_ctrl_c() {
     use std::io::{BufRead, BufReader, Read, Write};
     use std::process::Stdio;

@@ -183,6 +183,26 @@ pub struct RunArgs {
     /// profile file, for `rollfleet plan --profiles` and `rollfleet profile`.
     #[arg(long, value_name = "FILE")]
     pub profiles_out: Option<PathBuf>,
+    /// Re-plan when a measured share of peak drifts by more than this relative margin (passed
+    /// to the scheduler; see `rollfleet scheduler --replan-on-drift`).
+    #[arg(long, value_name = "MARGIN")]
+    pub replan_on_drift: Option<f64>,
+    /// A GPU pool whose emulated GPUs reach only SHARE of their modelled rates, as POOL=SHARE
+    /// (repeatable): its workers run with `--emulate-slowdown SHARE`, to watch a drift.
+    #[arg(long = "emulate-slowdown", value_name = "POOL=SHARE", value_parser = parse_slowdown)]
+    pub emulate_slowdown: Vec<(String, f64)>,
+}
+
+fn parse_slowdown(s: &str) -> std::result::Result<(String, f64), String> {
+    let (pool, share) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected POOL=SHARE, got {s:?}"))?;
+    match share.parse::<f64>() {
+        Ok(x) if !pool.is_empty() && x > 0.0 && x <= 1.0 => Ok((pool.to_owned(), x)),
+        _ => Err(format!(
+            "expected POOL=SHARE with SHARE in (0, 1], got {s:?}"
+        )),
+    }
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -397,6 +417,28 @@ pub fn run(
         name,
         std::process::id()
     ));
+    for (pool, _) in &args.emulate_slowdown {
+        let gpu = plan
+            .pool_index(pool)
+            .is_some_and(|p| plan.pool_role(p) == Some(rollfleet_server::PoolRole::Gpu));
+        if !gpu {
+            writeln!(
+                stderr,
+                "error: --emulate-slowdown {pool}=...: job {} has no GPU pool {pool:?}",
+                job.manifest.metadata.name
+            )?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    }
+    if let Some(margin) = args.replan_on_drift
+        && !(margin.is_finite() && margin > 0.0)
+    {
+        writeln!(
+            stderr,
+            "error: --replan-on-drift {margin}: the margin must be a positive share, e.g. 0.2"
+        )?;
+        return Ok(exit::INVALID_INPUT);
+    }
     let pools = plan.pools_needed();
     let per_pool = args.workers_per_pool.max(1);
     let mut children = Children(Vec::new());
@@ -415,6 +457,9 @@ pub fn run(
         .stderr(log.try_clone()?);
     if let Some(m) = args.metrics_addr {
         scheduler.args(["--metrics-addr", &m.to_string()]);
+    }
+    if let Some(margin) = args.replan_on_drift {
+        scheduler.args(["--replan-on-drift", &margin.to_string()]);
     }
     let mut child = scheduler.spawn().context("starting the scheduler")?;
     let out = child
@@ -455,6 +500,9 @@ pub fn run(
             }
             if plan.pool_role(p) == Some(rollfleet_server::PoolRole::Gpu) {
                 worker.args(args.engine.to_args());
+            }
+            if let Some((_, share)) = args.emulate_slowdown.iter().find(|(name, _)| *name == pool) {
+                worker.args(["--emulate-slowdown", &share.to_string()]);
             }
             let child = worker
                 .args(["--scheduler", &url])
@@ -713,6 +761,25 @@ fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> {
         report.regenerated_turns,
         report.workers_lost.len()
     )?;
+    for r in &report.replans {
+        writeln!(
+            out,
+            "re-plan at {:.1} s: {}; pool {} {} -> {} GPUs; predicted step (modelled) {} as it \
+             ran, {:.2} s planned; {} of {} waves, {} replicas started, {} retired",
+            r.at_s,
+            r.reason,
+            r.pool,
+            r.gpus_before,
+            r.gpus_after,
+            r.running_step_s
+                .map_or_else(|| "none".to_owned(), |s| format!("{s:.2} s")),
+            r.planned_step_s,
+            r.waves_done,
+            r.waves,
+            r.replicas_started,
+            r.replicas_retired + r.replicas_lost
+        )?;
+    }
     if !report.groups_abandoned.is_empty() {
         writeln!(
             out,
