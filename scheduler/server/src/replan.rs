@@ -211,6 +211,15 @@ mod tests {
         plan.pool_index("decode").unwrap()
     }
 
+    /// The placement's replicas but the last decode one, and that one.
+    fn without_the_last_decode_replica(plan: &JobPlan) -> (Vec<ReplicaConfig>, ReplicaConfig) {
+        let decode = decode_pool(plan);
+        let mut replicas = plan.placement.replicas.clone();
+        let last = replicas.iter().rposition(|r| r.pool == decode).unwrap();
+        let gone = replicas.remove(last);
+        (replicas, gone)
+    }
+
     #[test]
     fn with_every_gpu_present_the_running_placement_is_the_plan_and_nothing_moves() {
         let plan = two_node_decode_job();
@@ -233,14 +242,7 @@ mod tests {
             .collect();
         assert_eq!(on_decode.len(), 2, "the plan serves decode as 2 x TP2");
         // The node holding the last decode replica is gone.
-        let last = plan
-            .placement
-            .replicas
-            .iter()
-            .rposition(|r| r.pool == decode)
-            .unwrap();
-        let mut survivors = plan.placement.replicas.clone();
-        survivors.remove(last);
+        let (survivors, _) = without_the_last_decode_replica(&plan);
         let full = replanner(&plan)
             .decide(&BTreeMap::new(), &plan.placement.replicas, 0.0)
             .unwrap();
@@ -281,14 +283,7 @@ mod tests {
     fn when_the_node_comes_back_the_new_plan_starts_a_replica_on_its_gpus() {
         let plan = two_node_decode_job();
         let decode = decode_pool(&plan);
-        let last = plan
-            .placement
-            .replicas
-            .iter()
-            .rposition(|r| r.pool == decode)
-            .unwrap();
-        let mut survivors = plan.placement.replicas.clone();
-        let gone = survivors.remove(last);
+        let (survivors, gone) = without_the_last_decode_replica(&plan);
         let gpus = BTreeMap::from([(decode, 4)]);
         let decision = replanner(&plan).decide(&gpus, &survivors, 0.0).unwrap();
         assert!(

@@ -212,19 +212,21 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// What is wrong with a `--replan-on-drift` margin, if anything.
+fn bad_drift_margin(margin: Option<f64>) -> Option<String> {
+    margin
+        .filter(|m| !(m.is_finite() && *m > 0.0))
+        .map(|m| format!("--replan-on-drift {m}: the margin must be a positive share, e.g. 0.2"))
+}
+
 /// Runs `rollfleet scheduler`.
 pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
     if !(args.time_scale.is_finite() && args.time_scale > 0.0) {
         writeln!(stderr, "error: --time-scale must be a positive number")?;
         return Ok(exit::INVALID_INPUT);
     }
-    if let Some(margin) = args.replan_on_drift
-        && !(margin.is_finite() && margin > 0.0)
-    {
-        writeln!(
-            stderr,
-            "error: --replan-on-drift {margin}: the margin must be a positive share, e.g. 0.2"
-        )?;
+    if let Some(problem) = bad_drift_margin(args.replan_on_drift) {
+        writeln!(stderr, "error: {problem}")?;
         return Ok(exit::INVALID_INPUT);
     }
     let yaml = match std::fs::read_to_string(&args.job) {
@@ -430,13 +432,8 @@ pub fn run(
             return Ok(exit::INVALID_INPUT);
         }
     }
-    if let Some(margin) = args.replan_on_drift
-        && !(margin.is_finite() && margin > 0.0)
-    {
-        writeln!(
-            stderr,
-            "error: --replan-on-drift {margin}: the margin must be a positive share, e.g. 0.2"
-        )?;
+    if let Some(problem) = bad_drift_margin(args.replan_on_drift) {
+        writeln!(stderr, "error: {problem}")?;
         return Ok(exit::INVALID_INPUT);
     }
     let pools = plan.pools_needed();
