@@ -53,12 +53,16 @@ const RING: usize = 2048;
 
 /// Future events, earliest first (ties in the order they were pushed).
 ///
-/// Where a key is: `front` holds, sorted latest first, the keys of bucket `cur` and any pushed
+/// Where a key is: `front` holds from `head` on, sorted, the keys of bucket `cur` and any pushed
 /// into an earlier bucket since; `ring[b % RING]` the keys of bucket `b` for `cur < b < cur +
 /// RING`; `far` the others, all in buckets after `cur`. So every key of `front` comes before
 /// every other, and a bucket of the ring before every later one.
 pub(crate) struct EventQueue<E> {
     front: Vec<Key>,
+    /// The keys of `front` before this one were popped. Popping moves it on rather than
+    /// removing the first key, and keeping `front` in ascending order puts a key pushed into the
+    /// bucket being served (usually one of the latest) near its end: inserting it moves few keys.
+    head: usize,
     ring: Vec<Vec<Key>>,
     /// Bit `i % 64` of word `i / 64` is set when `ring[i]` is not empty.
     occupied: Vec<u64>,
@@ -83,6 +87,7 @@ impl<E> EventQueue<E> {
     pub(crate) fn with_slot_bits(slot_bits: u32) -> Self {
         EventQueue {
             front: Vec::new(),
+            head: 0,
             ring: (0..RING).map(|_| Vec::new()).collect(),
             occupied: vec![0; RING / 64],
             far: BinaryHeap::new(),
@@ -121,8 +126,8 @@ impl<E> EventQueue<E> {
         let b = key.bucket();
         if b <= self.cur {
             // The bucket being served (or, after the clock stopped short of it, an earlier
-            // one): in order among the few keys of `front`, latest first.
-            let at = self.front.partition_point(|k| *k > key);
+            // one): in order among the keys of `front` not yet popped.
+            let at = self.head + self.front[self.head..].partition_point(|k| *k < key);
             self.front.insert(at, key);
         } else if b - self.cur < RING as u64 {
             let i = (b % RING as u64) as usize;
@@ -140,7 +145,9 @@ impl<E> EventQueue<E> {
     /// 2^40 pushed. Every key ends up in `front`, which is sorted, so the invariant holds.
     fn repack(&mut self, slot_bits: u32) {
         let mask = (1u64 << self.slot_bits) - 1;
-        let mut keys = std::mem::take(&mut self.front);
+        let mut keys: Vec<Key> = self.front.drain(self.head..).collect();
+        self.front.clear();
+        self.head = 0;
         for bucket in &mut self.ring {
             keys.append(bucket);
         }
@@ -153,10 +160,9 @@ impl<E> EventQueue<E> {
             self.seq += 1;
             *key = Key::new(key.at(), (self.seq << slot_bits) | (key.order() & mask));
         }
-        keys.reverse();
         // `front` serves up to its latest key's bucket, so that a later push into an earlier
         // one is sorted in among them.
-        if let Some(latest) = keys.first() {
+        if let Some(latest) = keys.last() {
             self.cur = self.cur.max(latest.bucket());
         }
         self.front = keys;
@@ -186,9 +192,11 @@ impl<E> EventQueue<E> {
     /// Moves on to the next busy bucket once `front` is empty: its keys, from the ring and
     /// from `far`, become `front`.
     fn advance(&mut self) {
-        if !self.front.is_empty() {
+        if self.head < self.front.len() {
             return;
         }
+        self.front.clear();
+        self.head = 0;
         let ring = self.next_in_ring();
         let far = self.far.peek().map(|Reverse(k)| k.bucket());
         let next = match (ring, far) {
@@ -210,14 +218,14 @@ impl<E> EventQueue<E> {
         }
         self.cur = next;
         if self.front.len() > 1 {
-            self.front.sort_unstable_by(|a, b| b.cmp(a));
+            self.front.sort_unstable();
         }
     }
 
     /// When the earliest event happens (without reading the event itself).
     pub(crate) fn next_time(&mut self) -> Option<Time> {
         self.advance();
-        self.front.last().map(|k| k.at())
+        self.front.get(self.head).map(|k| k.at())
     }
 
     fn slot(&self, key: Key) -> usize {
@@ -226,14 +234,15 @@ impl<E> EventQueue<E> {
 
     pub(crate) fn peek(&mut self) -> Option<(Time, &E)> {
         self.advance();
-        let key = *self.front.last()?;
+        let key = *self.front.get(self.head)?;
         let slot = self.slot(key);
         Some((key.at(), self.slots[slot].as_ref()?))
     }
 
     pub(crate) fn pop(&mut self) -> Option<(Time, E)> {
         self.advance();
-        let key = self.front.pop()?;
+        let key = *self.front.get(self.head)?;
+        self.head += 1;
         self.len -= 1;
         let slot = self.slot(key);
         let event = self.slots[slot].take()?;
