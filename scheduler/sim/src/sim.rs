@@ -10,7 +10,8 @@
 //! replicas actually served), a pool given more than its capacity (KV cache, batch slots, vCPUs,
 //! serverless concurrency), a sticky turn sent where its KV cache is not.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::BuildHasherDefault;
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::rng::SplitMix64;
@@ -24,7 +25,7 @@ use rollfleet_planner::roofline::WorkKind;
 use rollfleet_spec::{JobSpec, PoolKind};
 
 use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
-use crate::hardware::{Engine, EngineDone, HardwareModel, Meter, ModelCosts, PrefillJob};
+use crate::hardware::{Engine, EngineDone, HardwareModel, IdHasher, Meter, ModelCosts, PrefillJob};
 use crate::queue::EventQueue;
 use crate::report::latency_rates;
 use crate::workload::{Sampler, mean, sample, stream};
@@ -419,7 +420,9 @@ struct Sim<'a> {
     drift: Option<crate::drift::DriftWatch>,
     /// Which migration each re-plan on drift started.
     drift_migrations: Vec<(usize, usize)>,
-    prefill_versions: BTreeMap<TrajId, u64>,
+    /// The version that prefilled a trajectory's pulled KV cache, until its generation starts
+    /// (looked up, never iterated: a hash map, see [`IdHasher`]).
+    prefill_versions: HashMap<TrajId, u64, BuildHasherDefault<IdHasher>>,
     /// Every stage the simulated workers were given, by id: one slab, so that a stage's
     /// start and end each touch one entry.
     stages: IdSlab<StageState>,
@@ -428,7 +431,8 @@ struct Sim<'a> {
     meters: Vec<Meter>,
     capacity: BTreeMap<u32, f64>,
     sync_seconds: BTreeMap<u32, f64>,
-    cpu_in_use: BTreeMap<u32, u64>,
+    /// Milli-vCPUs in use per spec pool, indexed by pool (grown on first use).
+    cpu_in_use: Vec<u64>,
     serverless: BTreeMap<u32, ServerlessState>,
     ledger: Vec<TrajLedger>,
     version: u64,
@@ -751,9 +755,12 @@ impl<'a> Sim<'a> {
     }
 
     fn cpu_take(&mut self, pool: u32, millicpus: u64) {
-        let used = self.cpu_in_use.entry(pool).or_default();
-        *used += millicpus;
-        let used = *used;
+        let p = pool as usize;
+        if self.cpu_in_use.len() <= p {
+            self.cpu_in_use.resize(p + 1, 0);
+        }
+        self.cpu_in_use[p] += millicpus;
+        let used = self.cpu_in_use[p];
         let cap = self.capacity.get(&pool).copied().unwrap_or(0.0);
         if used as f64 > cap * 1000.0 + 0.5 {
             self.violation(format!(
@@ -767,7 +774,7 @@ impl<'a> Sim<'a> {
     }
 
     fn cpu_release(&mut self, pool: u32, millicpus: u64) {
-        if let Some(used) = self.cpu_in_use.get_mut(&pool) {
+        if let Some(used) = self.cpu_in_use.get_mut(pool as usize) {
             *used = used.saturating_sub(millicpus);
         }
         let now = self.now;
@@ -1782,12 +1789,12 @@ pub fn simulate(
             None => None,
         },
         drift_migrations: Vec::new(),
-        prefill_versions: BTreeMap::new(),
+        prefill_versions: HashMap::default(),
         stages: IdSlab::new(),
         meters,
         capacity,
         sync_seconds: BTreeMap::new(),
-        cpu_in_use: BTreeMap::new(),
+        cpu_in_use: Vec::new(),
         serverless,
         ledger: Vec::new(),
         version: 0,
