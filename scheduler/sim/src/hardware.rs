@@ -17,11 +17,35 @@
 //! - **KV-cache transfer**: tokens x KV bytes per token over the cross-pool link.
 //! - **Training** and **weight transfer**: in `sim.rs`, from the formulas of the issue.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use rollfleet_core::slab::IdSlab;
 use rollfleet_core::{StageId, Time, TrajId};
 pub use rollfleet_planner::roofline::{Work as RooflineWork, WorkKind};
+
+/// Hashes a trajectory id with one multiplication (Fibonacci hashing) for [`Engine::kv_held`],
+/// which every stage start and end looks up: a tree walk there was a few percent of a run.
+/// The map is never iterated, so its order cannot reach a result, and the hash has no random
+/// seed: runs stay reproducible.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
 
 /// Tokens one prefill batch takes at most.
 pub const PREFILL_BATCH_TOKENS: u64 = 16_384;
@@ -124,8 +148,8 @@ pub struct Engine {
     costs: ModelCosts,
     /// KV tokens it can hold.
     pub kv_capacity: u64,
-    /// KV tokens held, per trajectory (the sim's own books).
-    pub kv_held: BTreeMap<TrajId, u64>,
+    /// KV tokens held, per trajectory (the sim's own books). Looked up, never iterated.
+    pub kv_held: HashMap<TrajId, u64, BuildHasherDefault<IdHasher>>,
     /// Sum of `kv_held`.
     pub kv_used: u64,
     /// Version of the weights.
@@ -174,7 +198,7 @@ impl Engine {
             },
             costs,
             kv_capacity,
-            kv_held: BTreeMap::new(),
+            kv_held: HashMap::default(),
             kv_used: 0,
             version: Some(0),
             epoch: 0,

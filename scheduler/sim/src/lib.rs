@@ -16,6 +16,7 @@ pub mod growth;
 pub mod hardware;
 pub mod loss;
 pub mod placement;
+mod queue;
 pub mod report;
 pub mod sim;
 pub mod svg;

@@ -10,8 +10,8 @@
 //! replicas actually served), a pool given more than its capacity (KV cache, batch slots, vCPUs,
 //! serverless concurrency), a sticky turn sent where its KV cache is not.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::BuildHasherDefault;
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::rng::SplitMix64;
@@ -25,7 +25,8 @@ use rollfleet_planner::roofline::WorkKind;
 use rollfleet_spec::{JobSpec, PoolKind};
 
 use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
-use crate::hardware::{Engine, EngineDone, HardwareModel, Meter, ModelCosts, PrefillJob};
+use crate::hardware::{Engine, EngineDone, HardwareModel, IdHasher, Meter, ModelCosts, PrefillJob};
+use crate::queue::EventQueue;
 use crate::report::latency_rates;
 use crate::workload::{Sampler, mean, sample, stream};
 
@@ -264,127 +265,6 @@ struct KvArrival {
     action: u64,
 }
 
-/// An event's place in the queue: ordered by time, then by `order`, which packs the order it
-/// was pushed in (a sequence number, unique, in the high bits) over its slot in
-/// [`EventQueue::slots`] (the low `slot_bits` bits, so the slot never decides). The event itself
-/// waits in its slot, and the heap sifts 16-byte entries instead of whole events.
-///
-/// Time and order are packed into one `u128` (time in the high half), whose ordering is the
-/// lexicographic one of `(at, order)`: the heap then compares entries in one branch-free step
-/// instead of two dependent ones, on every level of every sift.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-struct Entry(u128);
-
-impl Entry {
-    fn new(at: Time, order: u64) -> Entry {
-        Entry(((at.0 as u128) << 64) | order as u128)
-    }
-
-    fn at(self) -> Time {
-        Time((self.0 >> 64) as u64)
-    }
-
-    fn order(self) -> u64 {
-        self.0 as u64
-    }
-}
-
-/// The simulator's future events, earliest first (ties in the order they were pushed).
-struct EventQueue {
-    heap: BinaryHeap<Reverse<Entry>>,
-    slots: Vec<Option<Event>>,
-    free: Vec<usize>,
-    seq: u64,
-    /// Low bits of [`Entry::order`] holding the slot: widened when the slots outgrow them.
-    slot_bits: u32,
-}
-
-impl Default for EventQueue {
-    fn default() -> Self {
-        EventQueue::with_slot_bits(24)
-    }
-}
-
-impl EventQueue {
-    fn with_slot_bits(slot_bits: u32) -> Self {
-        EventQueue {
-            heap: BinaryHeap::new(),
-            slots: Vec::new(),
-            free: Vec::new(),
-            seq: 0,
-            slot_bits,
-        }
-    }
-
-    fn push(&mut self, at: Time, event: Event) {
-        let slot = match self.free.pop() {
-            Some(slot) => {
-                self.slots[slot] = Some(event);
-                slot
-            }
-            None => {
-                self.slots.push(Some(event));
-                self.slots.len() - 1
-            }
-        };
-        if (slot as u64) >> self.slot_bits != 0 {
-            self.repack(self.slot_bits + 8);
-        }
-        if self.seq + 1 >= 1 << (64 - self.slot_bits) {
-            self.repack(self.slot_bits);
-        }
-        self.seq += 1;
-        self.heap.push(Reverse(Entry::new(
-            at,
-            (self.seq << self.slot_bits) | slot as u64,
-        )));
-    }
-
-    /// Re-encodes the queued entries with `slot_bits` bits of slot, their sequence numbers
-    /// renumbered from 1 in the same order: neither the slots nor the sequence numbers overflow
-    /// their bits (as long as fewer than 2^(64 - `slot_bits`) events are pending), and the order
-    /// of events does not change. Never needed in practice: 2^24 events pending at once, or
-    /// 2^40 pushed.
-    fn repack(&mut self, slot_bits: u32) {
-        let mask = (1u64 << self.slot_bits) - 1;
-        let mut entries: Vec<Entry> = self.heap.drain().map(|Reverse(e)| e).collect();
-        entries.sort_unstable();
-        self.slot_bits = slot_bits;
-        self.seq = 0;
-        for e in &mut entries {
-            self.seq += 1;
-            *e = Entry::new(e.at(), (self.seq << slot_bits) | (e.order() & mask));
-        }
-        self.heap = entries.into_iter().map(Reverse).collect();
-    }
-
-    /// When the earliest event happens (without reading the event itself).
-    fn next_time(&self) -> Option<Time> {
-        self.heap.peek().map(|Reverse(entry)| entry.at())
-    }
-
-    fn slot(&self, entry: &Entry) -> usize {
-        (entry.order() & ((1u64 << self.slot_bits) - 1)) as usize
-    }
-
-    fn peek(&self) -> Option<(Time, &Event)> {
-        let Reverse(entry) = self.heap.peek()?;
-        Some((entry.at(), self.slots[self.slot(entry)].as_ref()?))
-    }
-
-    fn pop(&mut self) -> Option<(Time, Event)> {
-        let Reverse(entry) = self.heap.pop()?;
-        let slot = self.slot(&entry);
-        let event = self.slots[slot].take()?;
-        self.free.push(slot);
-        Some((entry.at(), event))
-    }
-
-    fn len(&self) -> usize {
-        self.heap.len()
-    }
-}
-
 #[derive(Debug, Clone, Default)]
 struct ServerlessState {
     in_use: u64,
@@ -515,7 +395,7 @@ struct Sim<'a> {
     opts: &'a SimOptions,
     core: Core,
     now: Time,
-    heap: EventQueue,
+    heap: EventQueue<Event>,
     engines: Vec<Engine>,
     engine_pool: Vec<u32>,
     engine_max_seqs: Vec<u32>,
@@ -540,7 +420,9 @@ struct Sim<'a> {
     drift: Option<crate::drift::DriftWatch>,
     /// Which migration each re-plan on drift started.
     drift_migrations: Vec<(usize, usize)>,
-    prefill_versions: BTreeMap<TrajId, u64>,
+    /// The version that prefilled a trajectory's pulled KV cache, until its generation starts
+    /// (looked up, never iterated: a hash map, see [`IdHasher`]).
+    prefill_versions: HashMap<TrajId, u64, BuildHasherDefault<IdHasher>>,
     /// Every stage the simulated workers were given, by id: one slab, so that a stage's
     /// start and end each touch one entry.
     stages: IdSlab<StageState>,
@@ -549,7 +431,8 @@ struct Sim<'a> {
     meters: Vec<Meter>,
     capacity: BTreeMap<u32, f64>,
     sync_seconds: BTreeMap<u32, f64>,
-    cpu_in_use: BTreeMap<u32, u64>,
+    /// Milli-vCPUs in use per spec pool, indexed by pool (grown on first use).
+    cpu_in_use: Vec<u64>,
     serverless: BTreeMap<u32, ServerlessState>,
     ledger: Vec<TrajLedger>,
     version: u64,
@@ -873,9 +756,12 @@ impl<'a> Sim<'a> {
     }
 
     fn cpu_take(&mut self, pool: u32, millicpus: u64) {
-        let used = self.cpu_in_use.entry(pool).or_default();
-        *used += millicpus;
-        let used = *used;
+        let p = pool as usize;
+        if self.cpu_in_use.len() <= p {
+            self.cpu_in_use.resize(p + 1, 0);
+        }
+        self.cpu_in_use[p] += millicpus;
+        let used = self.cpu_in_use[p];
         let cap = self.capacity.get(&pool).copied().unwrap_or(0.0);
         if used as f64 > cap * 1000.0 + 0.5 {
             self.violation(format!(
@@ -889,7 +775,7 @@ impl<'a> Sim<'a> {
     }
 
     fn cpu_release(&mut self, pool: u32, millicpus: u64) {
-        if let Some(used) = self.cpu_in_use.get_mut(&pool) {
+        if let Some(used) = self.cpu_in_use.get_mut(pool as usize) {
             *used = used.saturating_sub(millicpus);
         }
         let now = self.now;
@@ -1904,12 +1790,12 @@ pub fn simulate(
             None => None,
         },
         drift_migrations: Vec::new(),
-        prefill_versions: BTreeMap::new(),
+        prefill_versions: HashMap::default(),
         stages: IdSlab::new(),
         meters,
         capacity,
         sync_seconds: BTreeMap::new(),
-        cpu_in_use: BTreeMap::new(),
+        cpu_in_use: Vec::new(),
         serverless,
         ledger: Vec::new(),
         version: 0,
@@ -2070,50 +1956,4 @@ pub fn simulate(
             .and_then(|i| sim.migrations.get(i).cloned()),
         drift_replans,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Pushes and pops a mix of times and ties on a queue, checking every pop against the
-    /// order the queue promises: by time, then by push order.
-    fn check(mut q: EventQueue) {
-        let mut pending: Vec<(Time, u64)> = Vec::new();
-        let mut pushed = 0u64;
-        let mut rng = SplitMix64::new(5);
-        for round in 0..6_000u64 {
-            for _ in 0..rng.below(4) {
-                let at = Time(round + rng.below(20));
-                q.push(at, Event::Recover(pushed as u32));
-                pending.push((at, pushed));
-                pushed += 1;
-            }
-            for _ in 0..rng.below(4) {
-                pending.sort();
-                let popped = q.pop().map(|(at, e)| match e {
-                    Event::Recover(i) => (at, i as u64),
-                    _ => (at, u64::MAX),
-                });
-                let expected = (!pending.is_empty()).then(|| pending.remove(0));
-                assert_eq!(popped, expected);
-            }
-        }
-    }
-
-    #[test]
-    fn events_come_out_by_time_then_push_order() {
-        check(EventQueue::default());
-    }
-
-    #[test]
-    fn the_order_survives_slots_outgrowing_their_bits() {
-        check(EventQueue::with_slot_bits(2));
-    }
-
-    #[test]
-    fn the_order_survives_sequence_numbers_running_out() {
-        // 2^12 sequence numbers: renumbered about twice in 9,000 pushes.
-        check(EventQueue::with_slot_bits(52));
-    }
 }
