@@ -345,7 +345,7 @@ mod tests {
             match rng.below(8) {
                 0 => u64::MAX - rng.below(3),
                 1 => now.saturating_add(1 << 62),
-                _ => now + rng.below(1_000),
+                _ => now.saturating_add(rng.below(1_000)),
             }
         });
     }
