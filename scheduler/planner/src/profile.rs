@@ -84,8 +84,7 @@ impl Estimate {
 
     /// Adds one measured duration of `work` of `kind` on hardware of the given peaks, as the
     /// share of its resource's peak it achieved (what [`ProfileStore::record`] does for its kind
-    /// and pool).
-    /// Durations that are not finite and positive are ignored, and so is work the other
+    /// and pool). Durations that are not finite and positive are ignored, and so is work the other
     /// resource bounds at the model's shares of peak: a prefill or training pass limited by
     /// memory bandwidth says nothing of the share of FLOP/s the estimate is of (it would read
     /// as the bandwidth share), nor a decode step limited by compute of the bandwidth share.
