@@ -941,7 +941,8 @@ impl Actor {
 
     /// Plans again for `present` GPUs in `pool`: replicas on a node that is gone are retired,
     /// and the move to the new plan starts (superseding one under way). When no placement fits
-    /// what is left, nothing changes: the replicas wait for a node of the pool, as before.
+    /// what is left, nothing is re-planned: as before, the lost node's replicas move as they are
+    /// to the pool's other workers, or wait for a node if none is left.
     fn replan(&mut self, pool: u32, present: u32, why: &str) {
         let before = self.planned_gpus.get(&pool).copied().unwrap_or(0);
         if present >= self.gpus_wanted(pool) {
@@ -958,7 +959,8 @@ impl Actor {
         else {
             eprintln!(
                 "scheduler: {why}; no placement fits the {present} GPUs of pool {name} left, so \
-                 its replicas wait for a node"
+                 nothing is re-planned: its replicas move as they are to the pool's other \
+                 workers, or wait for a node"
             );
             self.adopt_orphans(pool);
             return;
