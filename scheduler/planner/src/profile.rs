@@ -149,6 +149,13 @@ impl Estimate {
     pub fn ready(&self) -> bool {
         self.samples.len() >= MIN_SAMPLES
     }
+
+    /// Forgets the window (the hardware changed under it: its samples describe what was), so
+    /// that the estimate is the model's again until [`MIN_SAMPLES`] new ones are in. The counts
+    /// of samples ever added stay.
+    pub fn restart(&mut self) {
+        self.samples.clear();
+    }
 }
 
 fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -238,6 +245,21 @@ impl ProfileStore {
             .entry(pool.to_owned())
             .or_default()
             .add_measured(kind, work, peak_flops, peak_bandwidth, seconds, origin);
+    }
+
+    /// Forgets the measured window of `kind` on `pool` ([`Estimate::restart`]).
+    pub fn restart(&mut self, kind: WorkKind, pool: &str) {
+        if let Some(e) = self.measured.get_mut(&kind).and_then(|m| m.get_mut(pool)) {
+            e.restart();
+        }
+    }
+
+    /// Whether `kind` on `pool` has enough measured samples to replace the model.
+    pub fn measured_ready(&self, kind: WorkKind, pool: &str) -> bool {
+        self.measured
+            .get(&kind)
+            .and_then(|m| m.get(pool))
+            .is_some_and(Estimate::ready)
     }
 
     /// The share of peak to use for `kind` on `pool` (a `gpu` product with the given peaks):

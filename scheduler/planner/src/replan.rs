@@ -3,6 +3,8 @@
 //!
 //! - [`drift`]: the pools whose measured (or probed) share of peak has moved from the one the plan
 //!   was made with by more than a relative margin;
+//! - [`Settling`]: when a drift is acted on: after forgetting the drifted pool's estimates that
+//!   may predate the change, and once they are measured again;
 //! - [`after_loss`]: the placement that remains when a pool loses GPUs (replicas on lost GPUs are
 //!   gone, the trainer shrinks to whole surviving nodes), which is what runs until the new plan
 //!   is in place, and the new plan for the smaller inventory;
@@ -10,9 +12,9 @@
 //!   number of serving replicas, adding before removing, so that serving capacity never drops by
 //!   more than one wave's worth and rollout never stops as a whole.
 //!
-//! Pure functions. The simulator applies the waves of a growth through the core's
-//! `ReplicaAdded` and `RetireReplica` inputs (`rollfleet sim --grow`); the server does not
-//! re-plan yet: see `docs/planner.md`.
+//! Pure functions and plain state. The simulator applies the waves through the core's
+//! `ReplicaAdded` and `RetireReplica` inputs (`rollfleet sim --grow`, `--lose`,
+//! `--replan-on-drift`), and so does the scheduler server while a job runs.
 
 use std::collections::BTreeMap;
 
@@ -76,6 +78,97 @@ pub fn drift(planned: &Problem, profiles: &ProfileStore, margin: f64) -> Vec<Dri
         }
     }
     out
+}
+
+/// Policy versions a drifted pool waits for fresh samples of every kind it had measured before
+/// the planner is asked anyway (a kind it no longer runs may never send one).
+pub const SETTLE_VERSIONS: u64 = 4;
+
+/// What a drift check says to do ([`Settling::check`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settle {
+    /// Nothing drifted, and no pool is waiting.
+    Quiet,
+    /// Pools drifted for the first time. The estimates of their kinds of work that did not
+    /// drift may still describe the hardware as it was: the caller forgets them
+    /// ([`ProfileStore::restart`]), and then plans again at once when `wait` is false, or waits
+    /// for fresh samples of those it trusted.
+    Restart {
+        /// Per pool, the kinds of work whose samples to forget.
+        forget: Vec<(String, Vec<WorkKind>)>,
+        /// Whether to wait for fresh samples before planning.
+        wait: bool,
+    },
+    /// Drifted pools are still waiting for fresh samples.
+    Waiting,
+    /// Plan again if the profiles still drift: the drifted pools have fresh samples (or waited
+    /// [`SETTLE_VERSIONS`]), or a pool that drifted before drifted again.
+    Ready,
+}
+
+/// Makes a re-plan on drift wait for samples taken after the change it shows. A pool's kinds of
+/// work are measured at different rates: when its decode share drifts, the estimate of its
+/// prefill share (the median of a window of samples that can span many steps) can still read
+/// the hardware as it was, and a plan made with half of the change moves replicas for the wrong
+/// reason (measured: `docs/planner.md`, re-planning on drift). So at a pool's first drift the
+/// estimates of its other kinds are forgotten, and the re-plan waits until those it had trusted
+/// are measured again. A pool that drifts again later re-plans at once: its estimates were
+/// measured afresh since.
+#[derive(Debug, Clone, Default)]
+pub struct Settling {
+    /// Per pool waiting: the version it drifted at, and the kinds of work to measure again.
+    pending: BTreeMap<String, (u64, Vec<WorkKind>)>,
+    /// Pools that drifted before.
+    drifted: std::collections::BTreeSet<String>,
+}
+
+impl Settling {
+    /// At version `version`, with the `drifts` the current `profiles` show: what to do.
+    pub fn check(&mut self, drifts: &[Drift], profiles: &ProfileStore, version: u64) -> Settle {
+        if !self.pending.is_empty() {
+            self.pending.retain(|pool, (since, kinds)| {
+                let fresh = kinds.iter().all(|&k| profiles.measured_ready(k, pool));
+                !fresh && version < since.saturating_add(SETTLE_VERSIONS)
+            });
+            return if self.pending.is_empty() {
+                Settle::Ready
+            } else {
+                Settle::Waiting
+            };
+        }
+        if drifts.is_empty() {
+            return Settle::Quiet;
+        }
+        let mut forget = Vec::new();
+        for d in drifts {
+            if self.drifted.contains(&d.pool) || forget.iter().any(|(p, _)| p == &d.pool) {
+                continue;
+            }
+            let others: Vec<WorkKind> = [WorkKind::Prefill, WorkKind::Decode]
+                .into_iter()
+                .filter(|&k| !drifts.iter().any(|o| o.pool == d.pool && o.kind == k))
+                .collect();
+            let trusted: Vec<WorkKind> = others
+                .iter()
+                .copied()
+                .filter(|&k| profiles.measured_ready(k, &d.pool))
+                .collect();
+            if !trusted.is_empty() {
+                self.pending.insert(d.pool.clone(), (version, trusted));
+            }
+            forget.push((d.pool.clone(), others));
+        }
+        if forget.is_empty() {
+            return Settle::Ready;
+        }
+        for (pool, _) in &forget {
+            self.drifted.insert(pool.clone());
+        }
+        Settle::Restart {
+            forget,
+            wait: !self.pending.is_empty(),
+        }
+    }
 }
 
 /// What remains of `c` when pool `pool` of `p` loses `lost` GPUs: the problem with the smaller

@@ -308,6 +308,124 @@ fn a_measured_share_beyond_the_margin_is_drift_and_one_within_it_is_not() {
     assert!((moved[0].planned - 0.8).abs() < 1e-12 && (moved[0].now - 0.4).abs() < 1e-12);
 }
 
+/// A store with `n` samples of each `(kind, pool, share)`.
+fn measured(
+    entries: &[(rollfleet_planner::roofline::WorkKind, &str, f64, usize)],
+) -> rollfleet_planner::profile::ProfileStore {
+    use rollfleet_planner::profile::{Estimate, Origin, ProfileStore};
+    let mut s = ProfileStore::default();
+    for &(kind, pool, share, n) in entries {
+        let mut e = Estimate::default();
+        for _ in 0..n {
+            e.add(share, Origin::Hardware);
+        }
+        s.measured.entry(kind).or_default().insert(pool.into(), e);
+    }
+    s
+}
+
+#[test]
+fn a_pool_that_drifts_forgets_its_other_kinds_and_re_plans_only_once_they_are_measured_afresh() {
+    use rollfleet_planner::replan::{Settle, Settling, drift};
+    use rollfleet_planner::roofline::WorkKind::{Decode, Prefill};
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let mut gate = Settling::default();
+    // As planned: nothing to do.
+    let as_planned = measured(&[(Prefill, "h20", 0.6, 30), (Decode, "h20", 0.8, 30)]);
+    assert_eq!(
+        gate.check(&drift(&p, &as_planned, 0.2), &as_planned, 3),
+        Settle::Quiet
+    );
+    // Decode drifted; the prefill window still reads the hardware as it was: it is forgotten,
+    // and the re-plan waits for it.
+    let mut half_stale = measured(&[(Prefill, "h20", 0.6, 30), (Decode, "h20", 0.4, 30)]);
+    let drifts = drift(&p, &half_stale, 0.2);
+    assert_eq!(
+        gate.check(&drifts, &half_stale, 4),
+        Settle::Restart {
+            forget: vec![("h20".into(), vec![Prefill])],
+            wait: true
+        }
+    );
+    half_stale.restart(Prefill, "h20");
+    assert!(!half_stale.measured_ready(Prefill, "h20") && half_stale.measured_ready(Decode, "h20"));
+    assert_eq!(
+        gate.check(&drift(&p, &half_stale, 0.2), &half_stale, 4),
+        Settle::Waiting
+    );
+    // Too few fresh prefill samples: still waiting.
+    let few = measured(&[(Prefill, "h20", 0.24, 5), (Decode, "h20", 0.4, 30)]);
+    assert_eq!(gate.check(&drift(&p, &few, 0.2), &few, 5), Settle::Waiting);
+    // Enough: ready, and the drift now has both halves of the change.
+    let fresh = measured(&[(Prefill, "h20", 0.24, 25), (Decode, "h20", 0.4, 30)]);
+    assert_eq!(
+        gate.check(&drift(&p, &fresh, 0.2), &fresh, 6),
+        Settle::Ready
+    );
+    let now = drift(&p, &fresh, 0.2);
+    assert_eq!(now.len(), 2, "{now:?}");
+    assert!(
+        now.iter()
+            .any(|d| d.kind == Prefill && (d.now - 0.24).abs() < 1e-12)
+    );
+    // The pool drifts again later (measured afresh since its first drift): at once.
+    assert_eq!(gate.check(&now, &fresh, 9), Settle::Ready);
+}
+
+#[test]
+fn a_pool_that_drifts_with_nothing_else_trusted_re_plans_at_once() {
+    use rollfleet_planner::replan::{Settle, Settling, drift};
+    use rollfleet_planner::roofline::WorkKind::{Decode, Prefill};
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let mut gate = Settling::default();
+    // Five prefill samples are too few to trust: they are forgotten, nothing is waited for.
+    let store = measured(&[(Prefill, "h20", 0.6, 5), (Decode, "h20", 0.4, 30)]);
+    assert_eq!(
+        gate.check(&drift(&p, &store, 0.2), &store, 2),
+        Settle::Restart {
+            forget: vec![("h20".into(), vec![Prefill])],
+            wait: false
+        }
+    );
+}
+
+#[test]
+fn a_drifted_pool_whose_other_kind_sends_no_fresh_samples_is_planned_for_after_the_wait() {
+    use rollfleet_planner::replan::{SETTLE_VERSIONS, Settle, Settling, drift};
+    use rollfleet_planner::roofline::WorkKind::{Decode, Prefill};
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let mut gate = Settling::default();
+    let before = measured(&[(Prefill, "h20", 0.6, 30), (Decode, "h20", 0.4, 30)]);
+    assert!(matches!(
+        gate.check(&drift(&p, &before, 0.2), &before, 7),
+        Settle::Restart { wait: true, .. }
+    ));
+    let after = measured(&[(Decode, "h20", 0.4, 30)]);
+    for v in 7..7 + SETTLE_VERSIONS {
+        assert_eq!(
+            gate.check(&drift(&p, &after, 0.2), &after, v),
+            Settle::Waiting,
+            "version {v}"
+        );
+    }
+    assert_eq!(
+        gate.check(&drift(&p, &after, 0.2), &after, 7 + SETTLE_VERSIONS),
+        Settle::Ready
+    );
+}
+
 #[test]
 fn after_losing_a_third_of_the_decode_pool_the_new_plan_is_reached_in_waves_without_stopping() {
     use rollfleet_planner::replan::replan_after_loss;

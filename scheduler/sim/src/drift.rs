@@ -15,7 +15,7 @@ use rollfleet_planner::plan;
 use rollfleet_planner::predict::{Candidate, Problem};
 use rollfleet_planner::profile::ProfileStore;
 use rollfleet_planner::replan;
-use rollfleet_planner::roofline::Efficiency;
+use rollfleet_planner::roofline::{Efficiency, WorkKind};
 use rollfleet_planner::search;
 use rollfleet_spec::JobSpec;
 use serde::Serialize;
@@ -59,11 +59,24 @@ pub fn parse(arg: &str, spec: &JobSpec) -> Result<Slowdown, String> {
     })
 }
 
+/// What a drift check at a publication found ([`DriftWatch::check`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DriftCheck {
+    /// Per pool that drifted for the first time, the kinds of work whose measured samples to
+    /// forget (they may describe the hardware as it was).
+    pub forget: Vec<(String, Vec<WorkKind>)>,
+    /// Planned again: the waves to the new plan (empty when moving is not worth it). `None`:
+    /// no re-plan (nothing drifted, or waiting for fresh samples).
+    pub waves: Option<Vec<MigrationWave>>,
+}
+
 /// One re-plan on drift.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DriftReplan {
-    /// The version whose publication triggered it.
+    /// The version whose publication triggered it (fresh samples were in).
     pub step: u64,
+    /// The version at which the drift was first seen, and the drifted pools' samples forgotten.
+    pub seen_at_step: u64,
     /// Virtual seconds.
     pub at_s: f64,
     /// What drifted: pool, kind of work, the share the plan assumed and the measured one.
@@ -85,6 +98,9 @@ pub struct DriftWatch {
     margin: f64,
     planned: Problem,
     running: Candidate,
+    settling: replan::Settling,
+    /// The version at which the drift being settled was first seen.
+    seen_at: Option<u64>,
     /// The re-plans so far.
     pub replans: Vec<DriftReplan>,
 }
@@ -102,13 +118,18 @@ impl DriftWatch {
             margin,
             planned,
             running,
+            settling: replan::Settling::default(),
+            seen_at: None,
             replans: Vec::new(),
         })
     }
 
-    /// At a publication: if a profile drifted past the margin, plans again with the measured
-    /// profiles and returns the waves to the new plan (none if it does not save [`MIN_GAIN`] of
-    /// the running placement's predicted step); `None` if nothing drifted.
+    /// At a publication: if a profile drifted past the margin, the estimates of the drifted
+    /// pools' other kinds of work are forgotten first ([`DriftCheck::forget`]: the caller
+    /// forgets them in its own store) and the re-plan waits for fresh samples of those that
+    /// were trusted ([`replan::Settling`]); then, if the drift is still there, the planner
+    /// plans again with the measured profiles and the waves to the new plan are returned (none
+    /// if it does not save [`MIN_GAIN`] of the running placement's predicted step).
     pub fn check(
         &mut self,
         spec: &JobSpec,
@@ -116,14 +137,42 @@ impl DriftWatch {
         profiles: &ProfileStore,
         step: u64,
         at_s: f64,
-    ) -> Option<Vec<MigrationWave>> {
+    ) -> DriftCheck {
+        let mut out = DriftCheck::default();
+        let drifts = replan::drift(&self.planned, profiles, self.margin);
+        let restarted;
+        let profiles = match self.settling.check(&drifts, profiles, step) {
+            replan::Settle::Quiet | replan::Settle::Waiting => return out,
+            replan::Settle::Restart { forget, wait } => {
+                self.seen_at.get_or_insert(step);
+                let mut store = profiles.clone();
+                for (pool, kinds) in &forget {
+                    for &kind in kinds {
+                        store.restart(kind, pool);
+                    }
+                }
+                out.forget = forget;
+                if wait {
+                    return out;
+                }
+                restarted = store;
+                &restarted
+            }
+            replan::Settle::Ready => profiles,
+        };
+        let seen_at_step = self.seen_at.take().unwrap_or(step);
         let drifts = replan::drift(&self.planned, profiles, self.margin);
         if drifts.is_empty() {
-            return None;
+            return out;
         }
-        let measured =
-            plan::problem_profiled(spec, catalog, &mean, &Efficiency::default(), profiles).ok()?;
-        let found = search::choose(&measured)?;
+        let Ok(measured) =
+            plan::problem_profiled(spec, catalog, &mean, &Efficiency::default(), profiles)
+        else {
+            return out;
+        };
+        let Some(found) = search::choose(&measured) else {
+            return out;
+        };
         let target = Candidate {
             trainer_pool: self.running.trainer_pool,
             trainer_gpus: self.running.trainer_gpus,
@@ -144,6 +193,7 @@ impl DriftWatch {
         };
         self.replans.push(DriftReplan {
             step,
+            seen_at_step,
             at_s,
             drifts,
             running_step_s,
@@ -157,7 +207,8 @@ impl DriftWatch {
         if worth_it {
             self.running = target;
         }
-        Some(waves)
+        out.waves = Some(waves);
+        out
     }
 }
 
@@ -188,7 +239,7 @@ mod tests {
     }
 
     #[test]
-    fn profiles_as_planned_trigger_nothing_and_a_slower_pool_triggers_a_re_plan() {
+    fn profiles_as_planned_trigger_nothing_and_a_slower_pool_re_plans_once_fresh_samples_are_in() {
         use rollfleet_planner::roofline::{Work, WorkKind};
         let text = include_str!("../../../examples/jobs/rollart-agentic.yaml");
         let job = rollfleet_spec::parse_job(text.as_bytes(), "rollart-agentic.yaml").unwrap();
@@ -212,39 +263,107 @@ mod tests {
                 Origin::Hardware,
             );
         }
-        assert!(
-            watch
-                .check(job.spec(), &job.catalog, &profiles, 3, 10.0)
-                .is_none()
+        assert_eq!(
+            watch.check(job.spec(), &job.catalog, &profiles, 3, 10.0),
+            DriftCheck::default()
         );
-        // At 40%: the plan is made again with the measured share.
-        let mut slow = ProfileStore::default();
-        for _ in 0..64 {
-            slow.record(
-                WorkKind::Decode,
-                "h20",
-                work,
-                peak_flops,
-                peak_bandwidth,
-                at_peak / 0.4,
-                Origin::Hardware,
-            );
-        }
+        // At 40%, with a trusted prefill estimate from before: the prefill samples are
+        // forgotten, and the plan waits for fresh ones.
+        let at = |decode: f64, prefill: Option<f64>| {
+            let mut store = ProfileStore::default();
+            for _ in 0..64 {
+                store.record(
+                    WorkKind::Decode,
+                    "h20",
+                    work,
+                    peak_flops,
+                    peak_bandwidth,
+                    at_peak / decode,
+                    Origin::Hardware,
+                );
+                if let Some(share) = prefill {
+                    let flops = Work {
+                        flops: 1e15,
+                        bytes: 1.0,
+                    };
+                    store.record(
+                        WorkKind::Prefill,
+                        "h20",
+                        flops,
+                        peak_flops,
+                        peak_bandwidth,
+                        1.0 / share,
+                        Origin::Hardware,
+                    );
+                }
+            }
+            store
+        };
+        let slow = at(0.4, Some(0.6));
+        let checked = watch.check(job.spec(), &job.catalog, &slow, 4, 20.0);
+        assert_eq!(
+            checked,
+            DriftCheck {
+                forget: vec![("h20".into(), vec![WorkKind::Prefill])],
+                waves: None
+            }
+        );
+        assert_eq!(
+            watch.check(job.spec(), &job.catalog, &at(0.4, None), 5, 25.0),
+            DriftCheck::default()
+        );
+        assert!(watch.replans.is_empty());
+        // Fresh prefill samples, slowed alike: the plan is made again with both measured shares.
+        let fresh = at(0.4, Some(0.24));
         assert!(
             watch
-                .check(job.spec(), &job.catalog, &slow, 4, 20.0)
+                .check(job.spec(), &job.catalog, &fresh, 6, 30.0)
+                .waves
                 .is_some()
         );
         let replan = &watch.replans[0];
-        assert_eq!(replan.step, 4);
-        assert_eq!(replan.drifts.len(), 1);
-        assert_eq!(replan.drifts[0].pool, "h20");
-        assert!((replan.drifts[0].now - 0.4).abs() < 1e-9);
-        // The same measured profiles again: the new plan assumed them, so no more drift.
-        assert!(
-            watch
-                .check(job.spec(), &job.catalog, &slow, 5, 30.0)
-                .is_none()
+        assert_eq!((replan.seen_at_step, replan.step), (4, 6));
+        let kinds: Vec<(&str, WorkKind)> = replan
+            .drifts
+            .iter()
+            .map(|d| (d.pool.as_str(), d.kind))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![("h20", WorkKind::Prefill), ("h20", WorkKind::Decode)]
         );
+        // The same measured profiles again: the new plan assumed them, so no more drift.
+        assert_eq!(
+            watch.check(job.spec(), &job.catalog, &fresh, 7, 40.0),
+            DriftCheck::default()
+        );
+    }
+
+    #[test]
+    fn a_pool_that_drifts_with_nothing_else_measured_re_plans_at_once() {
+        use rollfleet_planner::roofline::Work;
+        let text = include_str!("../../../examples/jobs/rollart-agentic.yaml");
+        let job = rollfleet_spec::parse_job(text.as_bytes(), "rollart-agentic.yaml").unwrap();
+        let mut watch = DriftWatch::new(job.spec(), &job.catalog, 0.2).unwrap();
+        let work = Work {
+            flops: 0.0,
+            bytes: 1e9,
+        };
+        let mut store = ProfileStore::default();
+        for _ in 0..64 {
+            store.record(
+                WorkKind::Decode,
+                "h20",
+                work,
+                1e15,
+                1e12,
+                1e-3 / 0.4,
+                Origin::Hardware,
+            );
+        }
+        let checked = watch.check(job.spec(), &job.catalog, &store, 2, 1.0);
+        assert!(checked.waves.is_some(), "{checked:?}");
+        assert_eq!(watch.replans.len(), 1);
+        assert_eq!(watch.replans[0].seen_at_step, 2);
     }
 }

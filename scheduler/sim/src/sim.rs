@@ -1539,7 +1539,7 @@ impl<'a> Sim<'a> {
             self.drain_samples(r);
         }
         let profiles = self.profiles_now();
-        let waves = watch.check(
+        let checked = watch.check(
             self.spec,
             self.catalog,
             &profiles,
@@ -1548,7 +1548,14 @@ impl<'a> Sim<'a> {
         );
         let replan = watch.replans.len().saturating_sub(1);
         self.drift = Some(watch);
-        if let Some(waves) = waves.filter(|w| !w.is_empty()) {
+        for (pool, kinds) in &checked.forget {
+            for (kind, name, estimate) in &mut self.estimates {
+                if kinds.contains(kind) && self.pool_names.get(*name) == Some(pool) {
+                    estimate.restart();
+                }
+            }
+        }
+        if let Some(waves) = checked.waves.filter(|w| !w.is_empty()) {
             let index = self.begin_migration(waves);
             self.drift_migrations.push((replan, index));
         }
