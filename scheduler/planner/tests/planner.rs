@@ -308,6 +308,15 @@ fn a_measured_share_beyond_the_margin_is_drift_and_one_within_it_is_not() {
     assert!((moved[0].planned - 0.8).abs() < 1e-12 && (moved[0].now - 0.4).abs() < 1e-12);
 }
 
+/// The 32B model on 64 H800s and 96 H20s.
+fn h800_h20_problem() -> predict::Problem {
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap()
+}
+
 /// A store with `n` samples of each `(kind, pool, share)`.
 fn measured(
     entries: &[(rollfleet_planner::roofline::WorkKind, &str, f64, usize)],
@@ -328,11 +337,7 @@ fn measured(
 fn a_pool_that_drifts_forgets_its_other_kinds_and_re_plans_only_once_they_are_measured_afresh() {
     use rollfleet_planner::replan::{Settle, Settling, drift};
     use rollfleet_planner::roofline::WorkKind::{Decode, Prefill};
-    let job = job(
-        QWEN_32B,
-        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
-    );
-    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let p = h800_h20_problem();
     let mut gate = Settling::default();
     // As planned: nothing to do.
     let as_planned = measured(&[(Prefill, "h20", 0.6, 30), (Decode, "h20", 0.8, 30)]);
@@ -380,11 +385,7 @@ fn a_pool_that_drifts_forgets_its_other_kinds_and_re_plans_only_once_they_are_me
 fn a_pool_that_drifts_with_nothing_else_trusted_re_plans_at_once() {
     use rollfleet_planner::replan::{Settle, Settling, drift};
     use rollfleet_planner::roofline::WorkKind::{Decode, Prefill};
-    let job = job(
-        QWEN_32B,
-        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
-    );
-    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let p = h800_h20_problem();
     let mut gate = Settling::default();
     // Five prefill samples are too few to trust: they are forgotten, nothing is waited for.
     let store = measured(&[(Prefill, "h20", 0.6, 5), (Decode, "h20", 0.4, 30)]);
@@ -401,11 +402,7 @@ fn a_pool_that_drifts_with_nothing_else_trusted_re_plans_at_once() {
 fn a_drifted_pool_whose_other_kind_sends_no_fresh_samples_is_planned_for_after_the_wait() {
     use rollfleet_planner::replan::{SETTLE_VERSIONS, Settle, Settling, drift};
     use rollfleet_planner::roofline::WorkKind::{Decode, Prefill};
-    let job = job(
-        QWEN_32B,
-        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
-    );
-    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let p = h800_h20_problem();
     let mut gate = Settling::default();
     let before = measured(&[(Prefill, "h20", 0.6, 30), (Decode, "h20", 0.4, 30)]);
     assert!(matches!(

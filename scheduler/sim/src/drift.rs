@@ -238,68 +238,66 @@ mod tests {
         assert_eq!((ok.share, ok.at_step), (0.5, 3));
     }
 
-    #[test]
-    fn profiles_as_planned_trigger_nothing_and_a_slower_pool_re_plans_once_fresh_samples_are_in() {
-        use rollfleet_planner::roofline::{Work, WorkKind};
+    fn rollart_job() -> rollfleet_spec::ValidatedJob {
         let text = include_str!("../../../examples/jobs/rollart-agentic.yaml");
-        let job = rollfleet_spec::parse_job(text.as_bytes(), "rollart-agentic.yaml").unwrap();
-        let mut watch = DriftWatch::new(job.spec(), &job.catalog, 0.2).unwrap();
-        let work = Work {
-            flops: 0.0,
-            bytes: 1e9,
-        };
-        // Decode on the H20s at the model's 80% of peak bandwidth: no drift.
+        rollfleet_spec::parse_job(text.as_bytes(), "rollart-agentic.yaml").unwrap()
+    }
+
+    /// 64 samples on the H20s (peaks of 1 PFLOP/s and 1 TB/s): decode at `decode` of peak
+    /// bandwidth and, if given, prefill at `prefill` of peak FLOP/s.
+    fn h20_samples(decode: f64, prefill: Option<f64>) -> ProfileStore {
+        use rollfleet_planner::roofline::Work;
         let (peak_flops, peak_bandwidth) = (1e15, 1e12);
-        let at_peak = 1e9 / peak_bandwidth;
-        let mut profiles = ProfileStore::default();
+        let mut store = ProfileStore::default();
         for _ in 0..64 {
-            profiles.record(
-                WorkKind::Decode,
+            let bytes = Work {
+                flops: 0.0,
+                bytes: 1e9,
+            };
+            let seconds = 1e9 / peak_bandwidth / decode;
+            let kind = WorkKind::Decode;
+            store.record(
+                kind,
                 "h20",
-                work,
+                bytes,
                 peak_flops,
                 peak_bandwidth,
-                at_peak / 0.8,
+                seconds,
                 Origin::Hardware,
             );
+            if let Some(share) = prefill {
+                let flops = Work {
+                    flops: 1e15,
+                    bytes: 1.0,
+                };
+                let seconds = 1e15 / peak_flops / share;
+                let kind = WorkKind::Prefill;
+                store.record(
+                    kind,
+                    "h20",
+                    flops,
+                    peak_flops,
+                    peak_bandwidth,
+                    seconds,
+                    Origin::Hardware,
+                );
+            }
         }
+        store
+    }
+
+    #[test]
+    fn profiles_as_planned_trigger_nothing_and_a_slower_pool_re_plans_once_fresh_samples_are_in() {
+        let job = rollart_job();
+        let mut watch = DriftWatch::new(job.spec(), &job.catalog, 0.2).unwrap();
+        // Decode on the H20s at the model's 80% of peak bandwidth: no drift.
         assert_eq!(
-            watch.check(job.spec(), &job.catalog, &profiles, 3, 10.0),
+            watch.check(job.spec(), &job.catalog, &h20_samples(0.8, None), 3, 10.0),
             DriftCheck::default()
         );
         // At 40%, with a trusted prefill estimate from before: the prefill samples are
         // forgotten, and the plan waits for fresh ones.
-        let at = |decode: f64, prefill: Option<f64>| {
-            let mut store = ProfileStore::default();
-            for _ in 0..64 {
-                store.record(
-                    WorkKind::Decode,
-                    "h20",
-                    work,
-                    peak_flops,
-                    peak_bandwidth,
-                    at_peak / decode,
-                    Origin::Hardware,
-                );
-                if let Some(share) = prefill {
-                    let flops = Work {
-                        flops: 1e15,
-                        bytes: 1.0,
-                    };
-                    store.record(
-                        WorkKind::Prefill,
-                        "h20",
-                        flops,
-                        peak_flops,
-                        peak_bandwidth,
-                        1.0 / share,
-                        Origin::Hardware,
-                    );
-                }
-            }
-            store
-        };
-        let slow = at(0.4, Some(0.6));
+        let slow = h20_samples(0.4, Some(0.6));
         let checked = watch.check(job.spec(), &job.catalog, &slow, 4, 20.0);
         assert_eq!(
             checked,
@@ -309,12 +307,12 @@ mod tests {
             }
         );
         assert_eq!(
-            watch.check(job.spec(), &job.catalog, &at(0.4, None), 5, 25.0),
+            watch.check(job.spec(), &job.catalog, &h20_samples(0.4, None), 5, 25.0),
             DriftCheck::default()
         );
         assert!(watch.replans.is_empty());
         // Fresh prefill samples, slowed alike: the plan is made again with both measured shares.
-        let fresh = at(0.4, Some(0.24));
+        let fresh = h20_samples(0.4, Some(0.24));
         assert!(
             watch
                 .check(job.spec(), &job.catalog, &fresh, 6, 30.0)
@@ -341,27 +339,9 @@ mod tests {
 
     #[test]
     fn a_pool_that_drifts_with_nothing_else_measured_re_plans_at_once() {
-        use rollfleet_planner::roofline::Work;
-        let text = include_str!("../../../examples/jobs/rollart-agentic.yaml");
-        let job = rollfleet_spec::parse_job(text.as_bytes(), "rollart-agentic.yaml").unwrap();
+        let job = rollart_job();
         let mut watch = DriftWatch::new(job.spec(), &job.catalog, 0.2).unwrap();
-        let work = Work {
-            flops: 0.0,
-            bytes: 1e9,
-        };
-        let mut store = ProfileStore::default();
-        for _ in 0..64 {
-            store.record(
-                WorkKind::Decode,
-                "h20",
-                work,
-                1e15,
-                1e12,
-                1e-3 / 0.4,
-                Origin::Hardware,
-            );
-        }
-        let checked = watch.check(job.spec(), &job.catalog, &store, 2, 1.0);
+        let checked = watch.check(job.spec(), &job.catalog, &h20_samples(0.4, None), 2, 1.0);
         assert!(checked.waves.is_some(), "{checked:?}");
         assert_eq!(watch.replans.len(), 1);
         assert_eq!(watch.replans[0].seen_at_step, 2);
