@@ -314,7 +314,8 @@ fn h800_h20_problem() -> predict::Problem {
         QWEN_32B,
         "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
     );
-    plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap()
+    plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default())
+        .expect("the 32B model fits these pools")
 }
 
 /// A store with `n` samples of each `(kind, pool, share)`.
