@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
 use rollfleet_proto::v1::{
-    HardwareInventory, HeartbeatRequest, JobPhase, JobRef, RegisterRequest, StageOutput,
-    WorkResult, WorkerHello, WorkerMessage, scheduler_message, work_result, worker_message,
+    GpuInventory, HardwareInventory, HeartbeatRequest, JobPhase, JobRef, RegisterRequest,
+    StageOutput, WorkResult, WorkerHello, WorkerMessage, hardware_inventory, scheduler_message,
+    work_result, worker_message,
 };
 use serde_json::Value;
 
@@ -263,7 +264,17 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
     wait_status(&url, "the decode node's loss noticed", |s| {
         s.pools.iter().any(|p| p.pool == "decode" && p.workers == 1)
     });
-    procs.0.push(worker(&url, "decode", "decode-2"));
+    // The new node says how many GPUs it brings (the first two are counted as an equal share of
+    // the pool's four).
+    procs.0.push(
+        Command::new(BIN)
+            .args(["worker", "--scheduler", &url, "--pool", "decode"])
+            .args(["--name", "decode-2", "--gpus", "2"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success(), "the scheduler failed: {status:?}");
     let report = check_report(&report, 24, 1);
@@ -406,6 +417,37 @@ fn a_worker_that_reports_a_stage_it_was_never_given_is_cut_off_and_its_work_redo
             .await
             .unwrap_err();
         assert!(bad.message().contains("inventory.pool"), "{bad:?}");
+        // A node that declares more GPUs than its pool has, or another product.
+        for (gpu, field) in [
+            (
+                GpuInventory {
+                    count: 99,
+                    ..Default::default()
+                },
+                "inventory.gpu.count",
+            ),
+            (
+                GpuInventory {
+                    product: "B200".into(),
+                    count: 1,
+                    ..Default::default()
+                },
+                "inventory.gpu.product",
+            ),
+        ] {
+            let bad = client
+                .register(RegisterRequest {
+                    inventory: Some(HardwareInventory {
+                        pool: "decode".into(),
+                        device: Some(hardware_inventory::Device::Gpu(gpu)),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert!(bad.message().contains(field), "{bad:?}");
+        }
 
         let lease = register_peer(
             &mut client,

@@ -663,6 +663,23 @@ impl Actor {
                 }
             )));
         }
+        if let Some(Device::Gpu(gpu)) = &inventory.device {
+            let spec = &self.plan.spec().pools[pool as usize];
+            let product = spec.gpu.as_deref().unwrap_or_default();
+            if !gpu.product.is_empty() && !gpu.product.eq_ignore_ascii_case(product) {
+                return Err(Status::invalid_argument(format!(
+                    "inventory.gpu.product: pool {:?} is of {product} GPUs; the worker offers {:?}",
+                    inventory.pool, gpu.product
+                )));
+            }
+            let count = spec.count.unwrap_or(0).max(0) as u64;
+            if u64::from(gpu.count) > count {
+                return Err(Status::invalid_argument(format!(
+                    "inventory.gpu.count: the worker offers {} GPUs; pool {:?} has {count}",
+                    gpu.count, inventory.pool
+                )));
+            }
+        }
         if self.ended.is_some() {
             return Err(Status::failed_precondition("the job has ended"));
         }
@@ -853,9 +870,16 @@ impl Actor {
                 continue;
             }
             let count = self.pool_gpus(pool);
-            let workers = self.attached(pool).count() as u32;
+            // Workers that did not declare their GPUs share what those that did left.
+            let (declared, silent) =
+                self.attached(pool)
+                    .fold((0u32, 0u32), |(gpus, silent), (_, w)| match w.gpus {
+                        0 => (gpus, silent + 1),
+                        n => (gpus.saturating_add(n), silent),
+                    });
+            let left = count.saturating_sub(declared);
             self.gpu_share
-                .insert(pool, count.div_ceil(workers.max(1)).max(1));
+                .insert(pool, left.div_ceil(silent.max(1)).max(1));
             self.planned_gpus.insert(pool, count);
         }
         // Replicas go round-robin over the workers of their pool.

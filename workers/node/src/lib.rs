@@ -43,11 +43,11 @@ use rollfleet_engine::openai::{OpenAiConfig, OpenAiEngine, WeightUpdate};
 use rollfleet_engine::{Engine, EngineError, GenerateEvent, GenerateRequest, Prompt};
 use rollfleet_envhost::{EnvHost, EpisodeId, Factory, HostConfig};
 use rollfleet_proto::v1::{
-    GenerationWork, GpuDevice, GpuReading, GpuTelemetryInfo, HardwareInventory, HeartbeatRequest,
-    ProfileKind, ProfileSample, RegisterRequest, SchedulerMessage, StageFailure, StageOutput,
-    WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage, scheduler_message,
-    stage_failure::Cause, work_assignment::Work, work_result, worker_message,
-    worker_service_client::WorkerServiceClient,
+    GenerationWork, GpuDevice, GpuInventory, GpuReading, GpuTelemetryInfo, HardwareInventory,
+    HeartbeatRequest, ProfileKind, ProfileSample, RegisterRequest, SchedulerMessage, StageFailure,
+    StageOutput, WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage,
+    hardware_inventory, scheduler_message, stage_failure::Cause, work_assignment::Work,
+    work_result, worker_message, worker_service_client::WorkerServiceClient,
 };
 use rollfleet_server::plan::{JobPlan, PoolRole};
 use rollfleet_sim::hardware::{ModelCosts, WorkKind};
@@ -120,6 +120,9 @@ pub struct WorkerOptions {
     pub engine: EngineChoice,
     /// Share of the modelled rates the emulated GPUs achieve, in (0, 1] (1: as modelled).
     pub slowdown: f64,
+    /// GPUs this node offers its pool, declared at registration (`GpuInventory.count`); `None`:
+    /// not said, and the scheduler counts the node as an equal share of the pool.
+    pub gpus: Option<u32>,
 }
 
 /// How a worker ended without error.
@@ -390,7 +393,13 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
             inventory: Some(HardwareInventory {
                 hostname: opts.hostname.clone(),
                 pool: opts.pool.clone(),
-                device: None,
+                device: opts.gpus.map(|count| {
+                    hardware_inventory::Device::Gpu(GpuInventory {
+                        count,
+                        emulated: openai.is_none(),
+                        ..Default::default()
+                    })
+                }),
                 backend: backend.into(),
                 backend_version,
                 gpu_telemetry: Some(telemetry_info.clone()),

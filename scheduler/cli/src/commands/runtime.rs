@@ -87,6 +87,10 @@ pub struct WorkerArgs {
     /// a throttled or badly driven node would (their profile samples show it). Default: 1.
     #[arg(long, value_name = "SHARE", default_value_t = 1.0)]
     pub emulate_slowdown: f64,
+    /// GPUs this node offers its pool (at most the pool's count). Re-planning counts a pool's
+    /// GPUs by what its nodes declare; without it, a node counts as an equal share of the pool.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub gpus: Option<u32>,
     /// Which LLM engine generates.
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -319,6 +323,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         model_environments: args.model_environments,
         remote_envs: args.remote_envs.clone(),
         slowdown: args.emulate_slowdown,
+        gpus: args.gpus,
         engine: match (args.engine.engine, &args.engine.engine_url) {
             (EngineKind::Openai, Some(url)) => {
                 if !url.starts_with("http://") {
