@@ -13,9 +13,8 @@
 //!   more than one wave's worth and rollout never stops as a whole.
 //!
 //! Pure functions and plain state. The simulator applies the waves through the core's
-//! `ReplicaAdded` and `RetireReplica` inputs (`rollfleet sim --grow` and
-//! `--replan-on-drift`; after `--lose` the re-plan is computed and reported), and so does the
-//! scheduler server while a job runs.
+//! `ReplicaAdded` and `RetireReplica` inputs (`rollfleet sim --lose`, `--grow` and
+//! `--replan-on-drift`), and so does the scheduler server while a job runs.
 
 use std::collections::BTreeMap;
 
