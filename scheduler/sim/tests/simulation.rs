@@ -586,3 +586,61 @@ fn a_pool_that_slows_down_is_seen_in_the_measured_profiles_and_re_planned_for() 
         .unwrap_or_else(|| panic!("{:#?}", run.drift_replans));
     assert!(seen.running_step_s.is_some());
 }
+
+#[test]
+fn a_pool_that_slows_down_is_re_planned_for_only_once_both_kinds_of_its_work_are_measured_afresh() {
+    // On the RollArt-like job the H20s decode and prefill (short turns) and have trusted
+    // estimates of both; decode shows the slowdown first, while the prefill window still holds
+    // samples from before it.
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/jobs/rollart-agentic.yaml");
+    let job = rollfleet_spec::load_job_file(&path).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = 8;
+    let (planned, _) =
+        rollfleet_sim::placement::choose(rollfleet_sim::PlacementChoice::Plan, &spec, &job.catalog)
+            .unwrap();
+    let (placement, policy) = Baseline::Rollfleet
+        .setup_with(&spec, &job.catalog, planned)
+        .unwrap();
+    let opts = SimOptions {
+        seed: 0,
+        slowdown: Some(rollfleet_sim::drift::parse("h20:0.4@3", &spec).unwrap()),
+        replan_on_drift: Some(0.2),
+        ..SimOptions::default()
+    };
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    assert_eq!(run.trajectories, 8 * 1024);
+    // One re-plan, after the drift was first seen, with both halves of the change: decode at
+    // 40% of the 80% planned, prefill at 40% of the 60% planned.
+    let [replan] = run.drift_replans.as_slice() else {
+        panic!("{:#?}", run.drift_replans)
+    };
+    assert!(
+        replan.seen_at_step > 3 && replan.step > replan.seen_at_step,
+        "{replan:#?}"
+    );
+    let share = |kind| {
+        replan
+            .drifts
+            .iter()
+            .find(|d| d.pool == "h20" && d.kind == kind)
+            .map(|d| d.now)
+            .unwrap_or_else(|| panic!("{replan:#?}"))
+    };
+    use rollfleet_planner::roofline::WorkKind;
+    assert!((share(WorkKind::Decode) - 0.32).abs() < 0.02, "{replan:#?}");
+    assert!(
+        (share(WorkKind::Prefill) - 0.24).abs() < 0.02,
+        "{replan:#?}"
+    );
+}
