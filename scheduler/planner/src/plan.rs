@@ -434,6 +434,7 @@ pub fn problem_with(
         usable_memory: USABLE_MEMORY_FRACTION,
         reserved_context,
         serverless_gb_s_per_step: gb_s,
+        pinned_trainer: None,
     })
 }
 

@@ -193,6 +193,18 @@ pub struct Problem {
     /// Memory bytes each serverless task's reward uses, per spec pool, times its seconds: the
     /// GB-seconds a step is billed for.
     pub serverless_gb_s_per_step: f64,
+    /// A trainer every placement must keep, as `(index in gpu_pools, GPUs)`: re-planning a
+    /// running job, whose trainer cannot be resized or moved mid-run (its GPUs are not free for
+    /// serving replicas either). `None`: the search chooses the trainer too.
+    pub pinned_trainer: Option<(usize, u32)>,
+}
+
+impl Problem {
+    /// The same problem with its trainer pinned to `(pool, gpus)` ([`Problem::pinned_trainer`]).
+    pub fn with_trainer(mut self, pool: usize, gpus: u32) -> Problem {
+        self.pinned_trainer = Some((pool, gpus));
+        self
+    }
 }
 
 /// Which term sets the step time.

@@ -337,6 +337,24 @@ pub fn migration(p: &Problem, from: &Candidate, to: &Candidate, per_wave: u32) -
     waves
 }
 
+/// The new plan `found` for a running job on `p`, if it trains on the pool the running placement
+/// trains on (a resize is carried out by [`migration`]'s waves); otherwise the best plan that
+/// keeps the running trainer as it is. A trainer does not move between pools mid-run: its
+/// weights and optimizer state would have to move with it.
+pub fn on_trainer_pool(
+    p: &Problem,
+    running: &Candidate,
+    found: search::Found,
+) -> Option<search::Found> {
+    if found.candidate.trainer_pool == running.trainer_pool {
+        return Some(found);
+    }
+    search::choose(
+        &p.clone()
+            .with_trainer(running.trainer_pool, running.trainer_gpus),
+    )
+}
+
 /// Plans again after pool `pool` loses `lost` GPUs: the surviving placement, the new plan on the
 /// smaller inventory, and the waves between them. When the full prediction gives the new plan
 /// no gain over running on the survivors, the survivors are the plan and nothing moves.
@@ -349,7 +367,7 @@ pub fn replan_after_loss(
 ) -> Option<(Problem, Candidate, search::Found, Vec<Wave>)> {
     let (smaller, survivor) = after_loss(p, c, pool, lost);
     let survivor = survivor?;
-    let found = search::choose(&smaller)?;
+    let found = on_trainer_pool(&smaller, &survivor, search::choose(&smaller)?)?;
     let full = |c: &Candidate| crate::predict::predict(&smaller, c).map(|pr| pr.step_s);
     if let (Some(new), Some(old)) = (full(&found.candidate), full(&survivor))
         && old <= new
@@ -361,10 +379,6 @@ pub fn replan_after_loss(
         };
         return Some((smaller, survivor, stay, Vec::new()));
     }
-    let waves = if found.candidate.trainer_pool == survivor.trainer_pool {
-        migration(&smaller, &survivor, &found.candidate, per_wave)
-    } else {
-        Vec::new()
-    };
+    let waves = migration(&smaller, &survivor, &found.candidate, per_wave);
     Some((smaller, survivor, found, waves))
 }

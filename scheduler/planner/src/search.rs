@@ -77,11 +77,19 @@ fn options(
     out
 }
 
-/// Trainer sizes a pool allows: whole nodes, at least the memory minimum.
+/// Trainer sizes a pool allows: whole nodes, at least the memory minimum; only the pinned one
+/// on its own pool when the problem pins the trainer (and none elsewhere).
 pub fn trainer_sizes(p: &Problem, pool: usize) -> Vec<u32> {
     let Some(gp) = p.gpu_pools.get(pool) else {
         return Vec::new();
     };
+    if let Some((pinned, gpus)) = p.pinned_trainer {
+        return if pinned == pool && gpus <= gp.count {
+            vec![gpus]
+        } else {
+            Vec::new()
+        };
+    }
     if !gp.may_train || gp.count == 0 {
         return Vec::new();
     }

@@ -754,3 +754,38 @@ fn the_chosen_placement_is_never_predicted_slower_than_the_searchs_optimum() {
     );
     assert_ne!(chosen.candidate, search::solve(&p).unwrap().candidate);
 }
+
+#[test]
+fn a_pinned_trainer_is_kept_and_the_serving_replicas_fit_on_the_gpus_it_leaves() {
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 192 }\n    - { name: h20, gpu: H20, count: 32 }",
+    );
+    let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let free = search::choose(&p).unwrap().candidate;
+    // Pinned to a size the free plan does not choose: kept, and nothing over-commits its pool.
+    let pinned_gpus = if free.trainer_gpus == 128 { 112 } else { 128 };
+    let pinned = p.clone().with_trainer(0, pinned_gpus);
+    let found = search::choose(&pinned).unwrap().candidate;
+    assert_eq!((found.trainer_pool, found.trainer_gpus), (0, pinned_gpus));
+    let on_h800: u32 = found
+        .groups
+        .iter()
+        .filter(|g| g.pool == 0)
+        .map(|g| g.replicas * g.tp)
+        .sum();
+    assert!(on_h800 + pinned_gpus <= 192, "{found:?}");
+    // A pin on a pool that cannot hold it leaves nothing to plan.
+    assert!(search::choose(&p.clone().with_trainer(1, 64)).is_none());
+    // A re-plan that would move the trainer to another pool keeps it where it runs instead.
+    let running = predict::Candidate {
+        trainer_pool: 1,
+        trainer_gpus: 16,
+        ..free.clone()
+    };
+    let kept =
+        rollfleet_planner::replan::on_trainer_pool(&p, &running, search::choose(&p).unwrap())
+            .unwrap()
+            .candidate;
+    assert_eq!((kept.trainer_pool, kept.trainer_gpus), (1, 16));
+}

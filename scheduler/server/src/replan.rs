@@ -10,7 +10,8 @@
 //! actually runs: the running placement is read off the live replicas instead of being assumed,
 //! the planner's search picks the plan for the GPUs present, and the planner's full prediction
 //! decides whether moving is worth it at all (the survivors are often the new plan). The trainer
-//! keeps its pool and size, as in the simulator.
+//! keeps its pool and size, and the search plans the serving replicas around it (the simulator
+//! can resize it on its pool; a worker's trainer cannot be resized mid-run).
 
 use std::collections::BTreeMap;
 
@@ -99,7 +100,12 @@ impl Replanner {
         running: &[ReplicaConfig],
         min_gain: f64,
     ) -> Option<Decision> {
-        let mut present = self.problem.clone();
+        // The trainer keeps its pool and size (the server cannot resize it mid-run), so the
+        // search plans the serving replicas around it, on the GPUs it leaves.
+        let mut present = self
+            .problem
+            .clone()
+            .with_trainer(self.trainer_pool, self.trainer_gpus);
         for pool in &mut present.gpu_pools {
             if let Some(&n) = gpus.get(&(pool.spec_index as u32)) {
                 pool.count = pool.count.min(n);
@@ -107,11 +113,7 @@ impl Replanner {
         }
         let running = self.candidate(&present, running);
         let found = search::choose(&present)?;
-        let target = colocated_as_generate(Candidate {
-            trainer_pool: self.trainer_pool,
-            trainer_gpus: self.trainer_gpus,
-            ..found.candidate
-        });
+        let target = colocated_as_generate(found.candidate);
         let full = |c: &Candidate| predict::predict(&present, c).map(|p| p.step_s);
         let planned_step_s = full(&target)?;
         let running_step_s = full(&running);

@@ -8,7 +8,7 @@
 //! one the running plan assumed ([`rollfleet_planner::replan::drift`]). Past the margin, the
 //! planner plans again with the measured profiles and the run moves to the new plan in waves, as
 //! for a pool that grows ([`crate::growth`]); the new plan's assumptions are then the reference
-//! for the next check. The trainer keeps its GPUs.
+//! for the next check. The trainer stays on its pool and may be resized there.
 
 use rollfleet_catalog::Catalog;
 use rollfleet_planner::plan;
@@ -170,14 +170,12 @@ impl DriftWatch {
         else {
             return out;
         };
-        let Some(found) = search::choose(&measured) else {
+        let Some(found) = search::choose(&measured)
+            .and_then(|found| replan::on_trainer_pool(&measured, &self.running, found))
+        else {
             return out;
         };
-        let target = Candidate {
-            trainer_pool: self.running.trainer_pool,
-            trainer_gpus: self.running.trainer_gpus,
-            ..found.candidate
-        };
+        let target = found.candidate;
         // The search ranks by its first-order objective; whether moving is worth it is judged
         // by the full prediction of both placements (regeneration, refills, drains, the loop
         // with the trainer), which a placement the first-order objective favours can lose.

@@ -6,8 +6,9 @@
 //! The planner decides ([`rollfleet_planner::replan::migration`]: at most [`PER_WAVE`] serving
 //! replicas per wave, starting before stopping); the simulator carries the waves out through the
 //! core's `Input::ReplicaAdded` and `Input::RetireReplica` ([`crate::sim::Migration`]). The
-//! trainer keeps its GPUs: the core cannot resize it mid-run, so a new plan that trains
-//! elsewhere or on more GPUs is followed for its serving replicas only, on the GPUs left free.
+//! trainer stays on its pool ([`replan::on_trainer_pool`]) and may be resized there: a wave
+//! that resizes it says so ([`MigrationWave::trainer_gpus`]), and training batches dispatched
+//! after the wave run on the new size.
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::ServeRole;
@@ -65,14 +66,14 @@ pub fn bigger_spec(spec: &JobSpec, growth: &PoolGrowth) -> JobSpec {
 pub struct Replan {
     /// Predicted seconds per step of the running plan (the planner's full prediction).
     pub before_step_s: f64,
-    /// Predicted seconds per step of the new plan (keeping the trainer), the same way.
+    /// Predicted seconds per step of the new plan (the trainer on its pool), the same way.
     pub new_plan_step_s: f64,
     /// The waves, as the simulator applies them.
     pub waves: Vec<MigrationWave>,
 }
 
 /// Re-plans for the bigger cluster: the new plan, and the waves from the running plan (the
-/// plan of `spec`) to it, keeping the trainer where it is.
+/// plan of `spec`) to it, the trainer on its pool.
 pub fn replan_growth(
     spec: &JobSpec,
     catalog: &Catalog,
@@ -84,12 +85,10 @@ pub fn replan_growth(
     let bigger = bigger_spec(spec, growth);
     let p2 = plan::problem(&bigger, catalog, &mean, &Efficiency::default())
         .map_err(|e| e.to_string())?;
-    let new = search::choose(&p2).ok_or("no placement can run the job on the bigger cluster")?;
-    let target = Candidate {
-        trainer_pool: running.candidate.trainer_pool,
-        trainer_gpus: running.candidate.trainer_gpus,
-        ..new.candidate.clone()
-    };
+    let new = search::choose(&p2)
+        .and_then(|found| replan::on_trainer_pool(&p2, &running.candidate, found))
+        .ok_or("no placement can run the job on the bigger cluster")?;
+    let target = new.candidate.clone();
     let waves = replan::migration(&p2, &running.candidate, &target, PER_WAVE);
     let waves = sim_waves(&p2, &running.candidate, &target, &waves);
     Ok((
@@ -122,12 +121,7 @@ pub fn loss_waves(
         .position(|g| g.spec_index == pool as usize)?;
     let (smaller, survivor, new, waves) =
         replan::replan_after_loss(&p, &running.candidate, index, gpus_lost, PER_WAVE)?;
-    let target = Candidate {
-        trainer_pool: survivor.trainer_pool,
-        trainer_gpus: survivor.trainer_gpus,
-        ..new.candidate
-    };
-    Some(sim_waves(&smaller, &survivor, &target, &waves))
+    Some(sim_waves(&smaller, &survivor, &new.candidate, &waves))
 }
 
 /// The planner's full prediction of a placement's steady-state step (the search ranks by its
@@ -159,9 +153,14 @@ pub fn sim_waves(
 ) -> Vec<MigrationWave> {
     let target = plan::placement(p, to);
     let spec_index = |pool: usize| p.gpu_pools.get(pool).map_or(0, |g| g.spec_index as u32);
+    let mut trainer = from.trainer_gpus;
     waves
         .iter()
         .map(|w| MigrationWave {
+            trainer_gpus: (w.trainer_gpus != trainer).then(|| {
+                trainer = w.trainer_gpus;
+                trainer
+            }),
             start: w
                 .start
                 .iter()

@@ -75,6 +75,10 @@ pub struct MigrationWave {
     pub start: Vec<ReplicaConfig>,
     /// Replicas to retire: so many of the given pool, role and size (highest-numbered first).
     pub stop: Vec<RetireGroup>,
+    /// The trainer's GPUs once the wave is done, when the wave resizes it (on its own pool):
+    /// training batches dispatched from then on run on that many.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trainer_gpus: Option<u32>,
 }
 
 /// Replicas of one kind to retire.
@@ -103,6 +107,9 @@ pub struct MigrationReport {
     pub retired: u32,
     /// Virtual seconds at which the last wave ended (`None`: still going when the run ended).
     pub done_at_s: Option<f64>,
+    /// The trainer's GPUs after the migration, when it resized the trainer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trainer_gpus: Option<u32>,
 }
 
 /// A deterministic, permanent loss of part of a GPU pool's serving replicas.
@@ -445,7 +452,10 @@ struct Sim<'a> {
     scheduler_events: u64,
     sim_events: u64,
     trainer_pool: u32,
+    /// GPUs the trainer runs its next batch on (a migration can resize it).
     trainer_gpus: f64,
+    /// GPUs the batch in training runs on.
+    training_gpus: f64,
     train_peak: f64,
     costs: ModelCosts,
     link_bytes_per_s: f64,
@@ -1211,6 +1221,7 @@ impl<'a> Sim<'a> {
             / (self.trainer_gpus * self.train_peak * mfu);
         let now = self.now;
         let gpus = self.trainer_gpus;
+        self.training_gpus = gpus;
         if let Some(m) = self.meters.get_mut(self.trainer_pool as usize) {
             m.add(now, gpus);
         }
@@ -1315,7 +1326,7 @@ impl<'a> Sim<'a> {
             }
             Event::TrainDone(batch, publishes) => {
                 let now = self.now;
-                let gpus = self.trainer_gpus;
+                let gpus = self.training_gpus;
                 if let Some(m) = self.meters.get_mut(self.trainer_pool as usize) {
                     m.add(now, -gpus);
                 }
@@ -1504,6 +1515,7 @@ impl<'a> Sim<'a> {
             started: 0,
             retired: 0,
             done_at_s: None,
+            trainer_gpus: None,
         });
         let index = self.migrations.len() - 1;
         self.active_migration = Some(index);
@@ -1646,8 +1658,17 @@ impl<'a> Sim<'a> {
         waiting.remove(&r);
         if waiting.is_empty() {
             let next = *index + 1;
+            let resize = self.active_waves.get(*index).and_then(|w| w.trainer_gpus);
+            if let Some(gpus) = resize {
+                // Its GPUs change hands between training batches: the one running (if any)
+                // finishes on the GPUs it started on.
+                self.trainer_gpus = f64::from(gpus.max(1));
+            }
             if let Some(report) = self.migration_report() {
                 report.waves_done = next;
+                if resize.is_some() {
+                    report.trainer_gpus = resize;
+                }
             }
             self.start_wave(next);
         }
@@ -1816,6 +1837,7 @@ pub fn simulate(
         sim_events: 0,
         trainer_pool: placement.trainer.pool,
         trainer_gpus: placement.trainer.gpus.max(1) as f64,
+        training_gpus: 0.0,
         train_peak,
         costs,
         link_bytes_per_s: (spec.network.cross_pool_gbps * 1e9 * opts.hardware.link_efficiency)

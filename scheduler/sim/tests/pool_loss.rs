@@ -123,6 +123,7 @@ fn a_re_plan_after_a_loss_starts_once_the_lost_replicas_are_gone() {
                     gpus: serving.gpus,
                     replicas: 1,
                 }],
+                trainer_gpus: None,
             }],
         }),
         ..SimOptions::default()

@@ -644,3 +644,66 @@ fn a_pool_that_slows_down_is_re_planned_for_only_once_both_kinds_of_its_work_are
         "{replan:#?}"
     );
 }
+
+#[test]
+fn a_wave_that_shrinks_the_trainer_makes_the_batches_after_it_train_on_fewer_gpus() {
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/jobs/rollart-agentic.yaml");
+    let job = rollfleet_spec::load_job_file(&path).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = 5;
+    let run_with = |trainer_gpus: Option<u32>| {
+        let (planned, _) = rollfleet_sim::placement::choose(
+            rollfleet_sim::PlacementChoice::Plan,
+            &spec,
+            &job.catalog,
+        )
+        .unwrap();
+        let (placement, policy) = Baseline::Rollfleet
+            .setup_with(&spec, &job.catalog, planned)
+            .unwrap();
+        let opts = SimOptions {
+            seed: 0,
+            migration: Some(rollfleet_sim::sim::Migration {
+                at_step: 2,
+                added_gpus: Vec::new(),
+                waves: vec![rollfleet_sim::sim::MigrationWave {
+                    start: Vec::new(),
+                    stop: Vec::new(),
+                    trainer_gpus,
+                }],
+            }),
+            ..SimOptions::default()
+        };
+        let gpus = placement.trainer.gpus;
+        let run = simulate(
+            &spec,
+            &job.catalog,
+            placement,
+            policy,
+            &opts,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        (gpus, run)
+    };
+    let (gpus, kept) = run_with(None);
+    assert_eq!(gpus, 112, "the RollArt-like plan trains on 112 H800s");
+    let (_, shrunk) = run_with(Some(gpus / 2));
+    for run in [&kept, &shrunk] {
+        assert!(run.violations.is_empty(), "{:?}", run.violations);
+        assert_eq!(run.trajectories, 5 * 1024);
+    }
+    let moved = shrunk.migration.as_ref().unwrap();
+    assert_eq!(moved.trainer_gpus, Some(gpus / 2));
+    assert_eq!(kept.migration.as_ref().unwrap().trainer_gpus, None);
+    // The first two steps are the same run; the later ones train at half the FLOP/s.
+    assert_eq!(kept.publish_times_s[..2], shrunk.publish_times_s[..2]);
+    assert!(
+        shrunk.makespan_s > kept.makespan_s,
+        "{} s with {} GPUs against {} s with {gpus}",
+        shrunk.makespan_s,
+        gpus / 2,
+        kept.makespan_s
+    );
+}
