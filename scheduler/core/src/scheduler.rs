@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, Discipline, RewardRoute};
 use crate::idset::IdSet;
+use crate::lru::{LruList, Slot};
 use crate::placement::ServeRole;
 use crate::protocol::{
     BatchId, Command, GroupId, Input, ReplicaId, StageCommand, StageId, StageOutcome, StageWork,
@@ -117,8 +118,9 @@ enum Queue {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kv {
     None,
-    /// Kept on a decode/generate replica between turns (evictable).
-    Retained(ReplicaId, u64),
+    /// Kept on a decode/generate replica between turns (evictable), with its slot in the
+    /// replica's [`Replica::retained`] list.
+    Retained(ReplicaId, u64, Slot),
     /// Prefilled on a prefill replica, waiting to be pulled; with the prefill's version.
     Held(ReplicaId, u64, Version),
 }
@@ -177,8 +179,9 @@ struct Replica {
     updating: bool,
     in_flight: u32,
     kv_reserved: u64,
-    retained: BTreeMap<TrajId, (u64, Time)>,
-    lru: BTreeSet<(Time, TrajId)>,
+    /// Idle KV caches kept between turns, least recently used first (ties by trajectory): the
+    /// eviction order. Each trajectory's `Kv::Retained` holds its slot.
+    retained: LruList<(Time, TrajId), u64>,
     retained_tokens: u64,
     held: BTreeSet<TrajId>,
     failures: u32,
@@ -192,6 +195,14 @@ struct Replica {
 }
 
 impl Replica {
+    /// The trajectories whose caches it keeps, by id (the order a map by trajectory walked
+    /// them in, which the commands dropping them follow).
+    fn retained_by_id(&self) -> Vec<TrajId> {
+        let mut ids: Vec<TrajId> = self.retained.iter().map(|((_, t), _)| t).collect();
+        ids.sort_unstable();
+        ids
+    }
+
     fn new(config: &crate::placement::ReplicaConfig) -> Replica {
         Replica {
             role: config.role,
@@ -203,8 +214,7 @@ impl Replica {
             updating: false,
             in_flight: 0,
             kv_reserved: 0,
-            retained: BTreeMap::new(),
-            lru: BTreeSet::new(),
+            retained: LruList::new(),
             retained_tokens: 0,
             held: BTreeSet::new(),
             failures: 0,
@@ -687,11 +697,14 @@ impl Core {
         let kv = std::mem::replace(&mut self.trajs[t.0 as usize].kv, Kv::None);
         let (replica, tokens) = match kv {
             Kv::None => return,
-            Kv::Retained(r, n) => {
+            Kv::Retained(r, n, slot) => {
                 if let Some(rep) = self.replicas.get_mut(r.0 as usize)
-                    && let Some((_, used)) = rep.retained.remove(&t)
+                    && rep
+                        .retained
+                        .get(slot)
+                        .is_some_and(|((_, kept), _)| kept == t)
                 {
-                    rep.lru.remove(&(used, t));
+                    rep.retained.remove(slot);
                     rep.retained_tokens = rep.retained_tokens.saturating_sub(n);
                 }
                 (r, n)
@@ -722,7 +735,7 @@ impl Core {
             if r.kv_capacity.saturating_sub(r.kv_reserved) >= needed {
                 return;
             }
-            let Some(&(_, victim)) = r.lru.first() else {
+            let Some((_, (_, victim), _)) = r.retained.first() else {
                 return;
             };
             self.drop_kv(victim, true);
@@ -820,10 +833,9 @@ impl Core {
                     && rep.kv_reserved + keep <= rep.kv_capacity
                 {
                     rep.kv_reserved += keep;
-                    rep.retained.insert(t, (keep, self.now));
-                    rep.lru.insert((self.now, t));
+                    let slot = rep.retained.insert((self.now, t), keep);
                     rep.retained_tokens += keep;
-                    self.trajs[ti].kv = Kv::Retained(replica, keep);
+                    self.trajs[ti].kv = Kv::Retained(replica, keep, slot);
                     self.touch(replica);
                 } else {
                     self.commands
@@ -1007,7 +1019,8 @@ impl Core {
             self.fail_stage(sid, true);
         }
         let r = &self.replicas[id.0 as usize];
-        let cached: Vec<TrajId> = r.retained.keys().chain(r.held.iter()).copied().collect();
+        let mut cached = r.retained_by_id();
+        cached.extend(r.held.iter().copied());
         for t in cached {
             self.drop_kv(t, false);
             if self.trajs[t.0 as usize].phase == Phase::QueuedDecode {
@@ -1109,8 +1122,7 @@ impl Core {
         self.draining.remove(&id);
         // The caches it keeps between turns would pin trajectories to it: their next turns
         // prefill elsewhere instead.
-        let retained: Vec<TrajId> = r.retained.keys().copied().collect();
-        for t in retained {
+        for t in r.retained_by_id() {
             self.drop_kv(t, true);
         }
         self.touch(id);
@@ -1130,8 +1142,7 @@ impl Core {
                 continue;
             }
             let id = ReplicaId(i as u64);
-            let retained: Vec<TrajId> = r.retained.keys().copied().collect();
-            for t in retained {
+            for t in r.retained_by_id() {
                 self.drop_kv(t, true);
             }
             let r = &mut self.replicas[i];
@@ -1270,12 +1281,7 @@ impl Core {
 
     fn start_update(&mut self, id: ReplicaId, mode: SyncMode) {
         // Loading weights drops the replica's KV cache.
-        let retained: Vec<TrajId> = self.replicas[id.0 as usize]
-            .retained
-            .keys()
-            .copied()
-            .collect();
-        for t in retained {
+        for t in self.replicas[id.0 as usize].retained_by_id() {
             self.drop_kv(t, false);
         }
         let r = &mut self.replicas[id.0 as usize];
@@ -1657,7 +1663,7 @@ impl Core {
                 .min(task.context_limit - traj.context - traj.input)
                 .max(1);
             let sticky = match traj.kv {
-                Kv::Retained(r, _) => Some(r),
+                Kv::Retained(r, _, _) => Some(r),
                 _ => None,
             };
             let req = RouteRequest {
@@ -1708,14 +1714,18 @@ impl Core {
         let (replica, kind, work, kv_tokens) = match route {
             Route::Sticky(r) => {
                 // The retained cache becomes part of this stage's reservation.
-                let kept = match self.trajs[t.0 as usize].kv {
-                    Kv::Retained(_, n) => n,
-                    _ => 0,
+                let (kept, slot) = match self.trajs[t.0 as usize].kv {
+                    Kv::Retained(_, n, slot) => (n, Some(slot)),
+                    _ => (0, None),
                 };
                 if let Some(rep) = self.replicas.get_mut(r.0 as usize)
-                    && let Some((_, used)) = rep.retained.remove(&t)
+                    && let Some(slot) = slot
+                    && rep
+                        .retained
+                        .get(slot)
+                        .is_some_and(|((_, kept), _)| kept == t)
                 {
-                    rep.lru.remove(&(used, t));
+                    rep.retained.remove(slot);
                     rep.retained_tokens = rep.retained_tokens.saturating_sub(kept);
                     rep.kv_reserved = rep.kv_reserved.saturating_sub(kept);
                 }
