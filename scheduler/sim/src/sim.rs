@@ -461,9 +461,13 @@ struct Sim<'a> {
     /// Distinct names of the engines' pools (`""` for an unknown pool), and each engine's.
     pool_names: Vec<String>,
     engine_pool_name: Vec<usize>,
-    /// Measured shares of peak by work kind and index in `pool_names`: a short list searched
-    /// in place of the profile store's maps of names, once per sample.
+    /// Measured shares of peak by work kind and index in `pool_names`: a short list in place
+    /// of the profile store's maps of names, in the order of their first samples.
     estimates: Vec<(WorkKind, usize, Estimate)>,
+    /// Per pool name and work kind (`name * WorkKind::ALL.len() + kind`), the index of its
+    /// entry in `estimates` (`u32::MAX` before its first sample): one look per sample instead
+    /// of a search of the list.
+    estimate_index: Vec<u32>,
     loss: Option<LossReport>,
 }
 
@@ -593,16 +597,17 @@ impl<'a> Sim<'a> {
             if !(m.seconds.is_finite() && m.seconds > 0.0) {
                 continue;
             }
-            let i = match self
-                .estimates
-                .iter()
-                .position(|(kind, n, _)| *kind == m.kind && *n == name)
-            {
-                Some(i) => i,
-                None => {
+            let at = name * WorkKind::ALL.len() + m.kind as usize;
+            if self.estimate_index.len() <= at {
+                self.estimate_index.resize(at + 1, u32::MAX);
+            }
+            let i = match self.estimate_index[at] {
+                u32::MAX => {
                     self.estimates.push((m.kind, name, Estimate::default()));
+                    self.estimate_index[at] = (self.estimates.len() - 1) as u32;
                     self.estimates.len() - 1
                 }
+                i => i as usize,
             };
             self.estimates[i].2.add_measured(
                 m.kind,
@@ -635,6 +640,7 @@ impl<'a> Sim<'a> {
     /// same order).
     fn profiles(&mut self) -> ProfileStore {
         let mut store = ProfileStore::default();
+        self.estimate_index.clear();
         for (kind, name, estimate) in self.estimates.drain(..) {
             let pool = self.pool_names.get(name).map_or("", String::as_str);
             store
@@ -1832,6 +1838,7 @@ pub fn simulate(
         pool_names,
         engine_pool_name,
         estimates: Vec::new(),
+        estimate_index: Vec::new(),
         loss: None,
     };
     sim.schedule_failure();
