@@ -187,7 +187,7 @@ struct TrajLedger {
     reward_s: f64,
     inputs: Vec<u64>,
     consumed: bool,
-    /// Turns the episode lasts (sampled on its first environment step).
+    /// Turns the episode lasts (drawn on its first environment stage, the reset).
     turns_wanted: Option<u32>,
     /// The context after the last of `turns` (0 with none), kept here so that generating the
     /// next turn does not read the turns back (a cache miss per turn).
@@ -843,6 +843,24 @@ impl<'a> Sim<'a> {
                     return;
                 }
                 let cpu_s = ms / 1000.0 * millicpus as f64 / 1000.0;
+                // The episode's length is a draw of its own stream (by trajectory only), the same
+                // whenever it is drawn: drawn at the reset, it sizes the books before their
+                // first entries instead of moving them once they have some.
+                let seed = self.opts.seed;
+                let wanted = *self.ledger_mut(traj).turns_wanted.get_or_insert_with(|| {
+                    let max = task_spec.max_turns.max(1) as f64;
+                    let t = task_spec.turns.as_ref().map_or(max, |d| {
+                        sample(d, &mut SplitMix64::keyed(seed, &[stream::TURNS, traj.0])).round()
+                    });
+                    t.clamp(1.0, max) as u32
+                });
+                // Room for every turn the episode will have, so its books grow once.
+                if let Some(l) = Some(self.ledger_mut(traj)) {
+                    let more = (wanted as usize + 1).saturating_sub(l.turns.len());
+                    l.turns.reserve(more);
+                    let more = (wanted as usize + 1).saturating_sub(l.inputs.len());
+                    l.inputs.reserve(more);
+                }
                 let outcome = if reset {
                     let tokens = samplers
                         .prompt
@@ -858,22 +876,6 @@ impl<'a> Sim<'a> {
                         done: false,
                     }
                 } else {
-                    let seed = self.opts.seed;
-                    let wanted = *self.ledger_mut(traj).turns_wanted.get_or_insert_with(|| {
-                        let max = task_spec.max_turns.max(1) as f64;
-                        let t = task_spec.turns.as_ref().map_or(max, |d| {
-                            sample(d, &mut SplitMix64::keyed(seed, &[stream::TURNS, traj.0]))
-                                .round()
-                        });
-                        t.clamp(1.0, max) as u32
-                    });
-                    // Room for every turn the episode will have, so its books grow once.
-                    if let Some(l) = Some(self.ledger_mut(traj)) {
-                        let more = (wanted as usize + 1).saturating_sub(l.turns.len());
-                        l.turns.reserve(more);
-                        let more = (wanted as usize + 1).saturating_sub(l.inputs.len());
-                        l.inputs.reserve(more);
-                    }
                     let tokens = samplers
                         .observation
                         .sample(&mut self.rng(&[stream::OBSERVATION, traj.0, turn as u64]))
