@@ -812,6 +812,12 @@ impl Core {
                 let before = traj.context;
                 let input = traj.input;
                 let tokens = tokens.min(task.max_action_tokens);
+                if traj.turns.capacity() == 0 {
+                    // A trajectory never has more turns than its task allows: room for them all
+                    // at once (up to a sane cap), instead of the vector moving as it doubles.
+                    traj.turns
+                        .reserve_exact((task.max_turns as usize).clamp(1, 64));
+                }
                 traj.turns.push(TurnRec {
                     version,
                     context_before: before,
