@@ -552,12 +552,21 @@ impl<'a> Sim<'a> {
         Some((loc, s.info))
     }
 
+    /// A trajectory's books (made on first use). Inlined where it is called, several times
+    /// per stage, with the rare growth of the table kept out of line.
+    #[inline]
     fn ledger_mut(&mut self, traj: TrajId) -> &mut TrajLedger {
         let i = traj.0 as usize;
         if self.ledger.len() <= i {
-            self.ledger.resize_with(i + 1, TrajLedger::default);
+            self.grow_ledger(i);
         }
         &mut self.ledger[i]
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn grow_ledger(&mut self, i: usize) {
+        self.ledger.resize_with(i + 1, TrajLedger::default);
     }
 
     fn violation(&mut self, what: String) {
