@@ -273,6 +273,9 @@ struct TrainBatch {
 #[derive(Debug, Clone)]
 pub struct Core {
     cfg: Config,
+    /// [`Core::admission_terms`] of `cfg`: `(window, over-provisioning)`, in trajectories
+    /// (continuous discipline; zeros, unused, otherwise).
+    admission_terms: (u64, u64),
     now: Time,
     version: Version,
     trajs: Vec<Traj>,
@@ -322,7 +325,13 @@ impl Core {
     pub fn new(cfg: Config) -> Core {
         let replicas: Vec<Replica> = cfg.replicas.iter().map(Replica::new).collect();
         let disaggregated = replicas.iter().any(|r| r.role == ServeRole::Prefill);
+        // Worked out for the discipline that uses them only, as before they were kept.
+        let admission_terms = match cfg.policy.discipline {
+            Discipline::Continuous => Self::admission_terms(&cfg),
+            Discipline::Batched { .. } => (0, 0),
+        };
         let mut core = Core {
+            admission_terms,
             cpu_free: cfg.cpu_pools.iter().map(|p| p.millicpus).collect(),
             serverless_free: cfg.serverless_pools.iter().map(|p| p.concurrency).collect(),
             cfg,
@@ -1328,13 +1337,35 @@ impl Core {
     /// with 2; docs/simulator.md).
     pub const MAX_WINDOW_BATCHES: u64 = 2;
 
+    /// The continuous discipline's admission window and over-provisioning, in trajectories
+    /// (see [`Core::admit_groups`]): they depend on the configuration alone, so they are worked
+    /// out once, not on every admission pass (which runs on every input).
+    fn admission_terms(cfg: &Config) -> (u64, u64) {
+        let n = cfg.group_size as u64;
+        let b = cfg.rollout_batch_size as u64;
+        let extra = (cfg.policy.over_provisioning * b as f64).ceil().max(0.0) as u64;
+        // Little's law: with N trajectories generating, a step takes about B / (N / L) for a
+        // lifetime L, so a trajectory spans N / B versions; to finish within the bound, N must
+        // stay below S * B, and a group lives as long as the slowest of its members (about
+        // twice the mean), hence half of that, but at least three quarters of a batch so that a
+        // small bound still keeps the trainer fed (both measured: docs/simulator.md), and never
+        // less than one training batch, or the trainer would wait for trajectories that are
+        // never started. A loose bound does not widen it past `MAX_WINDOW_BATCHES`: see there.
+        let window = (cfg.policy.max_staleness * b / 2)
+            .min(Self::MAX_WINDOW_BATCHES * b)
+            .max(3 * b / 4)
+            .max(cfg.train_batch_size as u64)
+            .max(n);
+        (window, extra)
+    }
+
     fn admit_groups(&mut self) {
         let n = self.cfg.group_size as u64;
         let b = self.cfg.rollout_batch_size as u64;
         let groups_per_batch = (b / n).max(1);
         match self.cfg.policy.discipline {
             Discipline::Continuous => {
-                // Started but not consumed: a window of batches (below) plus the
+                // Started but not consumed: a window of batches plus the
                 // over-provisioning, in the spirit of AReaL's `(version + maxStaleness + 1) *
                 // batch`. The window stays full through the last step too: the last batches
                 // then take the first groups to finish, as every earlier one does, instead of
@@ -1342,22 +1373,7 @@ impl Core {
                 // step of the RollArt-like job took 258 s instead of about 120, docs/simulator.md).
                 // Nothing new starts once the last batch went to the trainer; groups still
                 // running then are dropped untrained.
-                let extra = (self.cfg.policy.over_provisioning * b as f64)
-                    .ceil()
-                    .max(0.0) as u64;
-                // Little's law: with N trajectories generating, a step takes about B / (N / L)
-                // for a lifetime L, so a trajectory spans N / B versions; to finish within the
-                // bound, N must stay below S * B, and a group lives as long as the slowest of its
-                // members (about twice the mean), hence half of that, but at least three quarters
-                // of a batch so that a small bound still keeps the trainer fed (both measured:
-                // docs/simulator.md), and never less than one training batch, or the trainer
-                // would wait for trajectories that are never started. A loose bound does not
-                // widen it past `MAX_WINDOW_BATCHES`: see there.
-                let window = (self.cfg.policy.max_staleness * b / 2)
-                    .min(Self::MAX_WINDOW_BATCHES * b)
-                    .max(3 * b / 4)
-                    .max(self.cfg.train_batch_size as u64)
-                    .max(n);
+                let (window, extra) = self.admission_terms;
                 if self.stats.trajectories_consumed >= self.cfg.steps * b {
                     return;
                 }
