@@ -18,6 +18,7 @@
 
 pub mod config;
 pub mod idset;
+pub mod lru;
 pub mod placement;
 pub mod protocol;
 /// The seeded generator, re-exported so the simulator draws from the same implementation.

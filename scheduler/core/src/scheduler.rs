@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, Discipline, RewardRoute};
 use crate::idset::IdSet;
+use crate::lru::{LruList, Slot};
 use crate::placement::ServeRole;
 use crate::protocol::{
     BatchId, Command, GroupId, Input, ReplicaId, StageCommand, StageId, StageOutcome, StageWork,
@@ -117,8 +118,9 @@ enum Queue {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kv {
     None,
-    /// Kept on a decode/generate replica between turns (evictable).
-    Retained(ReplicaId, u64),
+    /// Kept on a decode/generate replica between turns (evictable), with its slot in the
+    /// replica's [`Replica::retained`] list.
+    Retained(ReplicaId, u64, Slot),
     /// Prefilled on a prefill replica, waiting to be pulled; with the prefill's version.
     Held(ReplicaId, u64, Version),
 }
@@ -177,8 +179,9 @@ struct Replica {
     updating: bool,
     in_flight: u32,
     kv_reserved: u64,
-    retained: BTreeMap<TrajId, (u64, Time)>,
-    lru: BTreeSet<(Time, TrajId)>,
+    /// Idle KV caches kept between turns, least recently used first (ties by trajectory): the
+    /// eviction order. Each trajectory's `Kv::Retained` holds its slot.
+    retained: LruList<(Time, TrajId), u64>,
     retained_tokens: u64,
     held: BTreeSet<TrajId>,
     failures: u32,
@@ -192,6 +195,14 @@ struct Replica {
 }
 
 impl Replica {
+    /// The trajectories whose caches it keeps, by id (the order a map by trajectory walked
+    /// them in, which the commands dropping them follow).
+    fn retained_by_id(&self) -> Vec<TrajId> {
+        let mut ids: Vec<TrajId> = self.retained.iter().map(|((_, t), _)| t).collect();
+        ids.sort_unstable();
+        ids
+    }
+
     fn new(config: &crate::placement::ReplicaConfig) -> Replica {
         Replica {
             role: config.role,
@@ -203,8 +214,7 @@ impl Replica {
             updating: false,
             in_flight: 0,
             kv_reserved: 0,
-            retained: BTreeMap::new(),
-            lru: BTreeSet::new(),
+            retained: LruList::new(),
             retained_tokens: 0,
             held: BTreeSet::new(),
             failures: 0,
@@ -263,6 +273,9 @@ struct TrainBatch {
 #[derive(Debug, Clone)]
 pub struct Core {
     cfg: Config,
+    /// [`Core::admission_terms`] of `cfg`: `(window, over-provisioning)`, in trajectories
+    /// (continuous discipline; zeros, unused, otherwise).
+    admission_terms: (u64, u64),
     now: Time,
     version: Version,
     trajs: Vec<Traj>,
@@ -312,7 +325,13 @@ impl Core {
     pub fn new(cfg: Config) -> Core {
         let replicas: Vec<Replica> = cfg.replicas.iter().map(Replica::new).collect();
         let disaggregated = replicas.iter().any(|r| r.role == ServeRole::Prefill);
+        // Worked out for the discipline that uses them only, as before they were kept.
+        let admission_terms = match cfg.policy.discipline {
+            Discipline::Continuous => Self::admission_terms(&cfg),
+            Discipline::Batched { .. } => (0, 0),
+        };
         let mut core = Core {
+            admission_terms,
             cpu_free: cfg.cpu_pools.iter().map(|p| p.millicpus).collect(),
             serverless_free: cfg.serverless_pools.iter().map(|p| p.concurrency).collect(),
             cfg,
@@ -687,11 +706,14 @@ impl Core {
         let kv = std::mem::replace(&mut self.trajs[t.0 as usize].kv, Kv::None);
         let (replica, tokens) = match kv {
             Kv::None => return,
-            Kv::Retained(r, n) => {
+            Kv::Retained(r, n, slot) => {
                 if let Some(rep) = self.replicas.get_mut(r.0 as usize)
-                    && let Some((_, used)) = rep.retained.remove(&t)
+                    && rep
+                        .retained
+                        .get(slot)
+                        .is_some_and(|((_, kept), _)| kept == t)
                 {
-                    rep.lru.remove(&(used, t));
+                    rep.retained.remove(slot);
                     rep.retained_tokens = rep.retained_tokens.saturating_sub(n);
                 }
                 (r, n)
@@ -722,7 +744,7 @@ impl Core {
             if r.kv_capacity.saturating_sub(r.kv_reserved) >= needed {
                 return;
             }
-            let Some(&(_, victim)) = r.lru.first() else {
+            let Some((_, (_, victim), _)) = r.retained.first() else {
                 return;
             };
             self.drop_kv(victim, true);
@@ -799,6 +821,12 @@ impl Core {
                 let before = traj.context;
                 let input = traj.input;
                 let tokens = tokens.min(task.max_action_tokens);
+                if traj.turns.capacity() == 0 {
+                    // A trajectory never has more turns than its task allows: room for them all
+                    // at once (up to a sane cap), instead of the vector moving as it doubles.
+                    traj.turns
+                        .reserve_exact((task.max_turns as usize).clamp(1, 64));
+                }
                 traj.turns.push(TurnRec {
                     version,
                     context_before: before,
@@ -820,10 +848,9 @@ impl Core {
                     && rep.kv_reserved + keep <= rep.kv_capacity
                 {
                     rep.kv_reserved += keep;
-                    rep.retained.insert(t, (keep, self.now));
-                    rep.lru.insert((self.now, t));
+                    let slot = rep.retained.insert((self.now, t), keep);
                     rep.retained_tokens += keep;
-                    self.trajs[ti].kv = Kv::Retained(replica, keep);
+                    self.trajs[ti].kv = Kv::Retained(replica, keep, slot);
                     self.touch(replica);
                 } else {
                     self.commands
@@ -1007,7 +1034,8 @@ impl Core {
             self.fail_stage(sid, true);
         }
         let r = &self.replicas[id.0 as usize];
-        let cached: Vec<TrajId> = r.retained.keys().chain(r.held.iter()).copied().collect();
+        let mut cached = r.retained_by_id();
+        cached.extend(r.held.iter().copied());
         for t in cached {
             self.drop_kv(t, false);
             if self.trajs[t.0 as usize].phase == Phase::QueuedDecode {
@@ -1109,8 +1137,7 @@ impl Core {
         self.draining.remove(&id);
         // The caches it keeps between turns would pin trajectories to it: their next turns
         // prefill elsewhere instead.
-        let retained: Vec<TrajId> = r.retained.keys().copied().collect();
-        for t in retained {
+        for t in r.retained_by_id() {
             self.drop_kv(t, true);
         }
         self.touch(id);
@@ -1130,8 +1157,7 @@ impl Core {
                 continue;
             }
             let id = ReplicaId(i as u64);
-            let retained: Vec<TrajId> = r.retained.keys().copied().collect();
-            for t in retained {
+            for t in r.retained_by_id() {
                 self.drop_kv(t, true);
             }
             let r = &mut self.replicas[i];
@@ -1270,12 +1296,7 @@ impl Core {
 
     fn start_update(&mut self, id: ReplicaId, mode: SyncMode) {
         // Loading weights drops the replica's KV cache.
-        let retained: Vec<TrajId> = self.replicas[id.0 as usize]
-            .retained
-            .keys()
-            .copied()
-            .collect();
-        for t in retained {
+        for t in self.replicas[id.0 as usize].retained_by_id() {
             self.drop_kv(t, false);
         }
         let r = &mut self.replicas[id.0 as usize];
@@ -1316,13 +1337,35 @@ impl Core {
     /// with 2; docs/simulator.md).
     pub const MAX_WINDOW_BATCHES: u64 = 2;
 
+    /// The continuous discipline's admission window and over-provisioning, in trajectories
+    /// (see [`Core::admit_groups`]): they depend on the configuration alone, so they are worked
+    /// out once, not on every admission pass (which runs on every input).
+    fn admission_terms(cfg: &Config) -> (u64, u64) {
+        let n = cfg.group_size as u64;
+        let b = cfg.rollout_batch_size as u64;
+        let extra = (cfg.policy.over_provisioning * b as f64).ceil().max(0.0) as u64;
+        // Little's law: with N trajectories generating, a step takes about B / (N / L) for a
+        // lifetime L, so a trajectory spans N / B versions; to finish within the bound, N must
+        // stay below S * B, and a group lives as long as the slowest of its members (about
+        // twice the mean), hence half of that, but at least three quarters of a batch so that a
+        // small bound still keeps the trainer fed (both measured: docs/simulator.md), and never
+        // less than one training batch, or the trainer would wait for trajectories that are
+        // never started. A loose bound does not widen it past `MAX_WINDOW_BATCHES`: see there.
+        let window = (cfg.policy.max_staleness * b / 2)
+            .min(Self::MAX_WINDOW_BATCHES * b)
+            .max(3 * b / 4)
+            .max(cfg.train_batch_size as u64)
+            .max(n);
+        (window, extra)
+    }
+
     fn admit_groups(&mut self) {
         let n = self.cfg.group_size as u64;
         let b = self.cfg.rollout_batch_size as u64;
         let groups_per_batch = (b / n).max(1);
         match self.cfg.policy.discipline {
             Discipline::Continuous => {
-                // Started but not consumed: a window of batches (below) plus the
+                // Started but not consumed: a window of batches plus the
                 // over-provisioning, in the spirit of AReaL's `(version + maxStaleness + 1) *
                 // batch`. The window stays full through the last step too: the last batches
                 // then take the first groups to finish, as every earlier one does, instead of
@@ -1330,22 +1373,7 @@ impl Core {
                 // step of the RollArt-like job took 258 s instead of about 120, docs/simulator.md).
                 // Nothing new starts once the last batch went to the trainer; groups still
                 // running then are dropped untrained.
-                let extra = (self.cfg.policy.over_provisioning * b as f64)
-                    .ceil()
-                    .max(0.0) as u64;
-                // Little's law: with N trajectories generating, a step takes about B / (N / L)
-                // for a lifetime L, so a trajectory spans N / B versions; to finish within the
-                // bound, N must stay below S * B, and a group lives as long as the slowest of its
-                // members (about twice the mean), hence half of that, but at least three quarters
-                // of a batch so that a small bound still keeps the trainer fed (both measured:
-                // docs/simulator.md), and never less than one training batch, or the trainer
-                // would wait for trajectories that are never started. A loose bound does not
-                // widen it past `MAX_WINDOW_BATCHES`: see there.
-                let window = (self.cfg.policy.max_staleness * b / 2)
-                    .min(Self::MAX_WINDOW_BATCHES * b)
-                    .max(3 * b / 4)
-                    .max(self.cfg.train_batch_size as u64)
-                    .max(n);
+                let (window, extra) = self.admission_terms;
                 if self.stats.trajectories_consumed >= self.cfg.steps * b {
                     return;
                 }
@@ -1657,7 +1685,7 @@ impl Core {
                 .min(task.context_limit - traj.context - traj.input)
                 .max(1);
             let sticky = match traj.kv {
-                Kv::Retained(r, _) => Some(r),
+                Kv::Retained(r, _, _) => Some(r),
                 _ => None,
             };
             let req = RouteRequest {
@@ -1708,14 +1736,18 @@ impl Core {
         let (replica, kind, work, kv_tokens) = match route {
             Route::Sticky(r) => {
                 // The retained cache becomes part of this stage's reservation.
-                let kept = match self.trajs[t.0 as usize].kv {
-                    Kv::Retained(_, n) => n,
-                    _ => 0,
+                let (kept, slot) = match self.trajs[t.0 as usize].kv {
+                    Kv::Retained(_, n, slot) => (n, Some(slot)),
+                    _ => (0, None),
                 };
                 if let Some(rep) = self.replicas.get_mut(r.0 as usize)
-                    && let Some((_, used)) = rep.retained.remove(&t)
+                    && let Some(slot) = slot
+                    && rep
+                        .retained
+                        .get(slot)
+                        .is_some_and(|((_, kept), _)| kept == t)
                 {
-                    rep.lru.remove(&(used, t));
+                    rep.retained.remove(slot);
                     rep.retained_tokens = rep.retained_tokens.saturating_sub(kept);
                     rep.kv_reserved = rep.kv_reserved.saturating_sub(kept);
                 }

@@ -17,7 +17,8 @@
 //! - **KV-cache transfer**: tokens x KV bytes per token over the cross-pool link.
 //! - **Training** and **weight transfer**: in `sim.rs`, from the formulas of the issue.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use rollfleet_core::slab::IdSlab;
@@ -162,7 +163,11 @@ pub struct Engine {
     spare_jobs: Vec<PrefillJob>,
     /// Running sequences by join order (keys only grow: a slab, not a tree).
     seqs: IdSlab<Seq>,
-    finish: BTreeSet<(u64, u64)>,
+    /// Running sequences by `(target progress as bits, key)`, smallest on top: the next to
+    /// finish. A heap, not a tree: a sequence is pushed once and popped once (a cancel, rare,
+    /// filters the heap), and only the smallest is ever looked at. Targets are not negative, so
+    /// their bits order as the numbers do; keys are distinct, so the order is total.
+    finish: BinaryHeap<Reverse<(u64, u64)>>,
     next_seq: u64,
     progress: f64,
     last: Time,
@@ -206,7 +211,7 @@ impl Engine {
             batch: None,
             spare_jobs: Vec::new(),
             seqs: IdSlab::new(),
-            finish: BTreeSet::new(),
+            finish: BinaryHeap::new(),
             next_seq: 0,
             progress: 0.0,
             last: Time::ZERO,
@@ -322,7 +327,7 @@ impl Engine {
                 ctx_base,
             },
         );
-        self.finish.insert((target.to_bits(), key));
+        self.finish.push(Reverse((target.to_bits(), key)));
     }
 
     fn start_batch(&mut self, now: Time) {
@@ -365,7 +370,7 @@ impl Engine {
     /// When it next finishes something.
     pub fn next_wake(&self) -> Option<Time> {
         let batch = self.batch.as_ref().map(|(t, _)| *t);
-        let decode = self.finish.first().map(|&(bits, _)| {
+        let decode = self.finish.peek().map(|&Reverse((bits, _))| {
             let remaining = (f64::from_bits(bits) - self.progress).max(0.0);
             self.last
                 .plus(rollfleet_core::Span::from_secs_f64(remaining * self.t_iter))
@@ -410,11 +415,11 @@ impl Engine {
         } else {
             0.0
         };
-        while let Some(&(bits, key)) = self.finish.first() {
+        while let Some(&Reverse((bits, key))) = self.finish.peek() {
             if f64::from_bits(bits) > self.progress + slack + 1e-9 {
                 break;
             }
-            self.finish.remove(&(bits, key));
+            self.finish.pop();
             if let Some(seq) = self.seqs.remove(key) {
                 self.sum_ctx_base -= seq.ctx_base;
                 self.tokens_generated += seq.tokens;
@@ -461,11 +466,13 @@ impl Engine {
             .filter(|(_, s)| s.stage == stage)
             .map(|(k, _)| k)
             .collect();
-        for key in keys {
+        for &key in &keys {
             if let Some(seq) = self.seqs.remove(key) {
-                self.finish.remove(&(seq.target.to_bits(), key));
                 self.sum_ctx_base -= seq.ctx_base;
             }
+        }
+        if !keys.is_empty() {
+            self.finish.retain(|Reverse((_, key))| !keys.contains(key));
         }
         self.recompute();
         generated

@@ -194,7 +194,7 @@ struct TrajLedger {
     reward_s: f64,
     inputs: Vec<u64>,
     consumed: bool,
-    /// Turns the episode lasts (sampled on its first environment step).
+    /// Turns the episode lasts (drawn on its first environment stage, the reset).
     turns_wanted: Option<u32>,
     /// The context after the last of `turns` (0 with none), kept here so that generating the
     /// next turn does not read the turns back (a cache miss per turn).
@@ -471,9 +471,13 @@ struct Sim<'a> {
     /// Distinct names of the engines' pools (`""` for an unknown pool), and each engine's.
     pool_names: Vec<String>,
     engine_pool_name: Vec<usize>,
-    /// Measured shares of peak by work kind and index in `pool_names`: a short list searched
-    /// in place of the profile store's maps of names, once per sample.
+    /// Measured shares of peak by work kind and index in `pool_names`: a short list in place
+    /// of the profile store's maps of names, in the order of their first samples.
     estimates: Vec<(WorkKind, usize, Estimate)>,
+    /// Per pool name and work kind (`name * WorkKind::ALL.len() + kind`), the index of its
+    /// entry in `estimates` (`u32::MAX` before its first sample): one look per sample instead
+    /// of a search of the list.
+    estimate_index: Vec<u32>,
     loss: Option<LossReport>,
 }
 
@@ -558,12 +562,21 @@ impl<'a> Sim<'a> {
         Some((loc, s.info))
     }
 
+    /// A trajectory's books (made on first use). Inlined where it is called, several times
+    /// per stage, with the rare growth of the table kept out of line.
+    #[inline]
     fn ledger_mut(&mut self, traj: TrajId) -> &mut TrajLedger {
         let i = traj.0 as usize;
         if self.ledger.len() <= i {
-            self.ledger.resize_with(i + 1, TrajLedger::default);
+            self.grow_ledger(i);
         }
         &mut self.ledger[i]
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn grow_ledger(&mut self, i: usize) {
+        self.ledger.resize_with(i + 1, TrajLedger::default);
     }
 
     fn violation(&mut self, what: String) {
@@ -603,16 +616,17 @@ impl<'a> Sim<'a> {
             if !(m.seconds.is_finite() && m.seconds > 0.0) {
                 continue;
             }
-            let i = match self
-                .estimates
-                .iter()
-                .position(|(kind, n, _)| *kind == m.kind && *n == name)
-            {
-                Some(i) => i,
-                None => {
+            let at = name * WorkKind::ALL.len() + m.kind as usize;
+            if self.estimate_index.len() <= at {
+                self.estimate_index.resize(at + 1, u32::MAX);
+            }
+            let i = match self.estimate_index[at] {
+                u32::MAX => {
                     self.estimates.push((m.kind, name, Estimate::default()));
+                    self.estimate_index[at] = (self.estimates.len() - 1) as u32;
                     self.estimates.len() - 1
                 }
+                i => i as usize,
             };
             self.estimates[i].2.add_measured(
                 m.kind,
@@ -645,6 +659,7 @@ impl<'a> Sim<'a> {
     /// same order).
     fn profiles(&mut self) -> ProfileStore {
         let mut store = ProfileStore::default();
+        self.estimate_index.clear();
         for (kind, name, estimate) in self.estimates.drain(..) {
             let pool = self.pool_names.get(name).map_or("", String::as_str);
             store
@@ -847,6 +862,24 @@ impl<'a> Sim<'a> {
                     return;
                 }
                 let cpu_s = ms / 1000.0 * millicpus as f64 / 1000.0;
+                // The episode's length is a draw of its own stream (by trajectory only), the same
+                // whenever it is drawn: drawn at the reset, it sizes the books before their
+                // first entries instead of moving them once they have some.
+                let seed = self.opts.seed;
+                let wanted = *self.ledger_mut(traj).turns_wanted.get_or_insert_with(|| {
+                    let max = task_spec.max_turns.max(1) as f64;
+                    let t = task_spec.turns.as_ref().map_or(max, |d| {
+                        sample(d, &mut SplitMix64::keyed(seed, &[stream::TURNS, traj.0])).round()
+                    });
+                    t.clamp(1.0, max) as u32
+                });
+                // Room for every turn the episode will have, so its books grow once.
+                if let Some(l) = Some(self.ledger_mut(traj)) {
+                    let more = (wanted as usize + 1).saturating_sub(l.turns.len());
+                    l.turns.reserve(more);
+                    let more = (wanted as usize + 1).saturating_sub(l.inputs.len());
+                    l.inputs.reserve(more);
+                }
                 let outcome = if reset {
                     let tokens = samplers
                         .prompt
@@ -862,22 +895,6 @@ impl<'a> Sim<'a> {
                         done: false,
                     }
                 } else {
-                    let seed = self.opts.seed;
-                    let wanted = *self.ledger_mut(traj).turns_wanted.get_or_insert_with(|| {
-                        let max = task_spec.max_turns.max(1) as f64;
-                        let t = task_spec.turns.as_ref().map_or(max, |d| {
-                            sample(d, &mut SplitMix64::keyed(seed, &[stream::TURNS, traj.0]))
-                                .round()
-                        });
-                        t.clamp(1.0, max) as u32
-                    });
-                    // Room for every turn the episode will have, so its books grow once.
-                    if let Some(l) = Some(self.ledger_mut(traj)) {
-                        let more = (wanted as usize + 1).saturating_sub(l.turns.len());
-                        l.turns.reserve(more);
-                        let more = (wanted as usize + 1).saturating_sub(l.inputs.len());
-                        l.inputs.reserve(more);
-                    }
                     let tokens = samplers
                         .observation
                         .sample(&mut self.rng(&[stream::OBSERVATION, traj.0, turn as u64]))
@@ -1861,6 +1878,7 @@ pub fn simulate(
         pool_names,
         engine_pool_name,
         estimates: Vec::new(),
+        estimate_index: Vec::new(),
         loss: None,
     };
     sim.schedule_failure();
