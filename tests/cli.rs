@@ -299,6 +299,63 @@ fn profiles_show_the_roofline_export_without_fake_probes_and_import_measured_sam
         "{}",
         text(&out.stderr)
     );
+
+    // Measured environment steps: 20 of a task at 9 s replace the job spec's mean in the plan
+    // and are shown as in effect; a negative duration, or a sum that makes no mean duration, is
+    // refused naming the entry.
+    let samples = vec!["9.0"; 20].join(", ");
+    let timed = scratch(
+        "timed.json",
+        &format!(
+            r#"{{"environmentSteps": {{"swe-bench-style": {{"samples": [{samples}], "total": 20, "sum": 180.0}}}}}}"#
+        ),
+    );
+    let shown = rollfleet(&[
+        "profile",
+        "show",
+        "examples/jobs/rollart-agentic.yaml",
+        "--profiles",
+        timed.to_str().unwrap(),
+    ]);
+    assert_eq!(shown.status.code(), Some(0), "{}", text(&shown.stderr));
+    let shown = text(&shown.stdout);
+    let line = shown
+        .lines()
+        .find(|l| l.starts_with("environment-step") && l.contains("swe-bench-style"))
+        .unwrap_or_else(|| panic!("{shown}"));
+    assert!(
+        line.contains("9.0000") && line.contains("measured"),
+        "{line}"
+    );
+    let longer = rollfleet(&[
+        "plan",
+        "examples/jobs/rollart-agentic.yaml",
+        "-o",
+        "json",
+        "--profiles",
+        timed.to_str().unwrap(),
+    ]);
+    assert!(
+        step(&longer) > step(&base),
+        "{} vs {}",
+        step(&longer),
+        step(&base)
+    );
+    for (body, entry) in [
+        (
+            r#"{"environmentSteps": {"webshop": {"samples": [0.5, -1.0], "total": 2, "sum": 1.0}}}"#,
+            "environmentSteps.webshop",
+        ),
+        (
+            r#"{"rewards": {"unit-tests": {"samples": [4.0], "total": 1, "sum": 1e300}}}"#,
+            "rewards.unit-tests",
+        ),
+    ] {
+        let bad = scratch("bad-timed.json", body);
+        let out = rollfleet(&["profile", "import", bad.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(3), "{body}");
+        assert!(text(&out.stderr).contains(entry), "{}", text(&out.stderr));
+    }
 }
 
 #[test]

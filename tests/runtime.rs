@@ -807,6 +807,19 @@ fn the_workers_replicas_measure_profiles_that_the_planner_then_plans_with() {
             assert!((share - 0.6).abs() < 1e-9, "prefill on {pool}: {store:#}");
         }
     }
+    // The environment steps ran for real (not modelled) and were timed per task; one reward
+    // function (the calculator's exact answer) ran in the reward pool.
+    let steps = store["environmentSteps"].as_object().unwrap();
+    for task in ["sokoban", "frozenlake", "unit-conversion"] {
+        let e = &steps[task];
+        assert!(e["total"].as_u64().unwrap() >= 1, "{task}: {store:#}");
+        assert_eq!(e["modelled"], 0, "{task} ran for real: {store:#}");
+    }
+    assert!(
+        steps.values().any(|e| e["total"].as_u64().unwrap() >= 20),
+        "{store:#}"
+    );
+    assert!(store["rewards"]["exact-answer"]["total"].as_u64().unwrap() >= 1);
     // The planner takes them as measured figures and says they came from emulated replicas (which
     // measure the model's own figures, so the shares are the model's).
     let out = Command::new(BIN)

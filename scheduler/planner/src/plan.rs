@@ -394,7 +394,8 @@ pub fn problem_with(
     if vcpus <= 0.0 {
         return Err(PlanError::NoEnvironmentPool);
     }
-    let workload = Workload::from_spec(spec, mean);
+    let mut workload = Workload::from_spec(spec, mean);
+    workload.measured(spec, profiles);
     let reserved_context = {
         let mut total = 0.0;
         for (t, task) in workload.tasks.iter().zip(&spec.tasks) {

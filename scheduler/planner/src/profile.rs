@@ -64,6 +64,9 @@ pub struct Estimate {
     /// ([`Origin::Modelled`]).
     #[serde(default)]
     pub modelled: u64,
+    /// The sum of every sample ever added (for [`Estimate::lifetime_mean`]).
+    #[serde(default)]
+    pub sum: f64,
 }
 
 impl Estimate {
@@ -80,6 +83,7 @@ impl Estimate {
         }
         self.samples.push_back(value);
         self.total += 1;
+        self.sum += value;
     }
 
     /// Adds one measured duration of `work` of `kind` on hardware of the given peaks, as the
@@ -139,6 +143,14 @@ impl Estimate {
         median(self.samples.iter().copied().collect())
     }
 
+    /// The mean of every sample ever added. The planner's workload model takes means of
+    /// durations (a heavy tail included, which a median leaves out), and the mean of a window of
+    /// a heavy-tailed duration swings by a tenth from one window to the next (a lognormal step
+    /// with a p99 of 12 times its median, over 256 samples): this one settles as samples come.
+    pub fn lifetime_mean(&self) -> Option<f64> {
+        (self.total > 0).then(|| self.sum / self.total as f64)
+    }
+
     /// The median absolute deviation from the median (the spread).
     pub fn mad(&self) -> Option<f64> {
         let m = self.median()?;
@@ -148,6 +160,20 @@ impl Estimate {
     /// Whether there are enough samples to trust it.
     pub fn ready(&self) -> bool {
         self.samples.len() >= MIN_SAMPLES
+    }
+
+    /// Takes in another estimate of the same thing (another run's, from a file): its window
+    /// after this one's (the most recent [`WINDOW`] kept), and its counts and sum.
+    pub fn absorb(&mut self, other: &Estimate) {
+        for &v in &other.samples {
+            if self.samples.len() == WINDOW {
+                self.samples.pop_front();
+            }
+            self.samples.push_back(v);
+        }
+        self.total += other.total;
+        self.modelled += other.modelled;
+        self.sum += other.sum;
     }
 
     /// Forgets the window (the hardware changed under it: its samples describe what was), so
@@ -191,6 +217,21 @@ pub struct ProfileStore {
     /// Probed rates, per GPU product (catalogue name).
     #[serde(default)]
     pub probed: BTreeMap<String, Probed>,
+    /// Measured seconds of one environment step, per task (by name).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub environment_steps: BTreeMap<String, Estimate>,
+    /// Measured seconds of one reward, per reward function (by the job's name for it).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rewards: BTreeMap<String, Estimate>,
+}
+
+/// Work whose duration is measured in seconds rather than as a share of a GPU's peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Timed {
+    /// One environment step of a task.
+    EnvironmentStep,
+    /// One reward of a reward function.
+    Reward,
 }
 
 /// One effective figure and its source.
@@ -245,6 +286,36 @@ impl ProfileStore {
             .entry(pool.to_owned())
             .or_default()
             .add_measured(kind, work, peak_flops, peak_bandwidth, seconds, origin);
+    }
+
+    /// Records one measured duration of an environment step of task `name`, or of a reward of
+    /// reward function `name`; not finite or negative durations are ignored (zero is a duration:
+    /// a reward computed in the environment step).
+    pub fn record_timed(&mut self, what: Timed, name: &str, seconds: f64, origin: Origin) {
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return;
+        }
+        let map = match what {
+            Timed::EnvironmentStep => &mut self.environment_steps,
+            Timed::Reward => &mut self.rewards,
+        };
+        // `Estimate::add` keeps positive values only; a zero duration is kept as the smallest
+        // positive one.
+        map.entry(name.to_owned())
+            .or_default()
+            .add(seconds.max(f64::MIN_POSITIVE), origin);
+    }
+
+    /// The measured mean seconds of `what` named `name` (over every sample), once it has
+    /// [`MIN_SAMPLES`].
+    pub fn timed_mean(&self, what: Timed, name: &str) -> Option<f64> {
+        let map = match what {
+            Timed::EnvironmentStep => &self.environment_steps,
+            Timed::Reward => &self.rewards,
+        };
+        map.get(name)
+            .filter(|e| e.ready())
+            .and_then(Estimate::lifetime_mean)
     }
 
     /// Forgets the measured window of `kind` on `pool` ([`Estimate::restart`]).

@@ -8,6 +8,8 @@
 use rollfleet_spec::{Distribution, JobSpec, RewardPlacement, lognormal_sigma};
 use serde::Serialize;
 
+use crate::profile::{ProfileStore, Timed};
+
 /// One task's averages.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TaskLoad {
@@ -74,6 +76,21 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// Takes the measured mean of each task's environment step and of each reward function's
+    /// latency in place of the job spec's distribution, where `profiles` has enough samples of
+    /// it. (Their variances stay the spec's: a window of a few hundred samples of a heavy tail
+    /// says little about it.)
+    pub fn measured(&mut self, spec: &JobSpec, profiles: &ProfileStore) {
+        for (t, task) in self.tasks.iter_mut().zip(&spec.tasks) {
+            if let Some(s) = profiles.timed_mean(Timed::EnvironmentStep, &task.name) {
+                t.env_step_s = s;
+            }
+            if let Some(s) = profiles.timed_mean(Timed::Reward, &task.reward) {
+                t.reward_s = s;
+            }
+        }
+    }
+
     /// The workload of a job; `mean` gives the mean of any distribution (including traces).
     pub fn from_spec(spec: &JobSpec, mean: &dyn Fn(&Distribution) -> f64) -> Workload {
         let total: f64 = spec

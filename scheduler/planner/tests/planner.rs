@@ -789,3 +789,43 @@ fn a_pinned_trainer_is_kept_and_the_serving_replicas_fit_on_the_gpus_it_leaves()
             .candidate;
     assert_eq!((kept.trainer_pool, kept.trainer_gpus), (1, 16));
 }
+
+#[test]
+fn measured_environment_steps_and_rewards_replace_the_job_specs_means_once_there_are_enough() {
+    use rollfleet_planner::profile::{MIN_SAMPLES, Origin, ProfileStore, Timed};
+    let job = job(
+        QWEN_32B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 96 }",
+    );
+    let spec = spec(&job);
+    let task = &spec.tasks[0];
+    let planned = |store: &ProfileStore| {
+        let p = plan::problem_profiled(spec, &job.catalog, &mean, &Efficiency::default(), store)
+            .unwrap();
+        (p.workload.tasks[0].env_step_s, p.workload.tasks[0].reward_s)
+    };
+    let from_spec = planned(&ProfileStore::default());
+    let mut store = ProfileStore::default();
+    // One fewer than enough: still the spec's.
+    for _ in 0..MIN_SAMPLES - 1 {
+        store.record_timed(Timed::EnvironmentStep, &task.name, 7.0, Origin::Hardware);
+        store.record_timed(Timed::Reward, &task.reward, 0.5, Origin::Hardware);
+    }
+    assert_eq!(planned(&store), from_spec);
+    // Enough: their mean, over every sample (not the window's median).
+    store.record_timed(
+        Timed::EnvironmentStep,
+        &task.name,
+        7.0 + 20.0,
+        Origin::Hardware,
+    );
+    store.record_timed(Timed::Reward, &task.reward, 0.5, Origin::Hardware);
+    let (env, reward) = planned(&store);
+    let n = MIN_SAMPLES as f64;
+    assert!((env - (7.0 * n + 20.0) / n).abs() < 1e-9, "{env}");
+    assert!((reward - 0.5).abs() < 1e-12, "{reward}");
+    // A malformed duration is no sample.
+    store.record_timed(Timed::Reward, &task.reward, f64::NAN, Origin::Hardware);
+    store.record_timed(Timed::Reward, &task.reward, -1.0, Origin::Hardware);
+    assert_eq!(store.rewards[&task.reward].total, MIN_SAMPLES as u64);
+}

@@ -2051,10 +2051,53 @@ impl Actor {
                 None
             }
         };
+        if let (
+            What::Stage {
+                traj, kind, reset, ..
+            },
+            Some(o),
+        ) = (&a.what, &output)
+        {
+            self.record_timed(*traj, kind, *reset, o.emulated, result.duration_us);
+        }
         self.settle(worker, id, a, output);
         if let Some(reason) = violation {
             self.cut_off(worker, &reason);
         }
+    }
+
+    /// Records how long a worker took for an environment step (not a reset) or a reward, in the
+    /// job's time (the wall time over the time scale), as the task's or reward function's online
+    /// profile.
+    fn record_timed(
+        &mut self,
+        traj: TrajId,
+        kind: &StageKindOf,
+        reset: bool,
+        emulated: bool,
+        duration_us: u64,
+    ) {
+        use rollfleet_planner::profile::{Origin, Timed};
+        let Some(task) = self
+            .trajs
+            .get(&traj)
+            .and_then(|t| self.plan.spec().tasks.get(t.task as usize))
+        else {
+            return;
+        };
+        let (what, name) = match kind {
+            StageKindOf::Env { .. } if !reset => (Timed::EnvironmentStep, &task.name),
+            StageKindOf::Reward { .. } => (Timed::Reward, &task.reward),
+            _ => return,
+        };
+        let seconds = duration_us as f64 / 1e6 / self.opts.time_scale.max(1e-9);
+        let origin = if emulated {
+            Origin::Modelled
+        } else {
+            Origin::Hardware
+        };
+        let name = name.clone();
+        self.profiles.record_timed(what, &name, seconds, origin);
     }
 
     /// Turns a finished or failed assignment into the core's input (or a redo).

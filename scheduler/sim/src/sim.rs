@@ -20,7 +20,7 @@ use rollfleet_core::{
     BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaConfig, ReplicaId, ServeRole,
     Span, StageCommand, StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
 };
-use rollfleet_planner::profile::{Estimate, ProfileStore};
+use rollfleet_planner::profile::{Estimate, Origin, ProfileStore};
 use rollfleet_planner::roofline::WorkKind;
 use rollfleet_spec::{JobSpec, PoolKind};
 
@@ -478,6 +478,10 @@ struct Sim<'a> {
     /// entry in `estimates` (`u32::MAX` before its first sample): one look per sample instead
     /// of a search of the list.
     estimate_index: Vec<u32>,
+    /// Measured seconds of an environment step, per task (spec order), and of a reward, per
+    /// reward function (spec order): the profiles' timed work.
+    env_step_estimates: Vec<Estimate>,
+    reward_estimates: Vec<Estimate>,
     loss: Option<LossReport>,
 }
 
@@ -635,14 +639,31 @@ impl<'a> Sim<'a> {
                 e.peak_bandwidth,
                 m.seconds,
                 // The simulator's durations are its own roofline's.
-                rollfleet_planner::profile::Origin::Modelled,
+                Origin::Modelled,
             );
         }
+    }
+
+    /// The measured durations of environment steps and rewards, by task and reward function.
+    fn timed_profiles(&self, store: &mut ProfileStore) {
+        let named = |estimates: &[Estimate], names: Vec<&String>| {
+            names
+                .into_iter()
+                .zip(estimates)
+                .filter(|(_, e)| e.total > 0)
+                .map(|(n, e)| (n.clone(), e.clone()))
+                .collect()
+        };
+        let tasks = self.spec.tasks.iter().map(|t| &t.name).collect();
+        store.environment_steps = named(&self.env_step_estimates, tasks);
+        let rewards = self.spec.rewards.iter().map(|r| &r.name).collect();
+        store.rewards = named(&self.reward_estimates, rewards);
     }
 
     /// The measured profiles so far (the estimates stay).
     fn profiles_now(&self) -> ProfileStore {
         let mut store = ProfileStore::default();
+        self.timed_profiles(&mut store);
         for (kind, name, estimate) in &self.estimates {
             let pool = self.pool_names.get(*name).map_or("", String::as_str);
             store
@@ -659,6 +680,7 @@ impl<'a> Sim<'a> {
     /// same order).
     fn profiles(&mut self) -> ProfileStore {
         let mut store = ProfileStore::default();
+        self.timed_profiles(&mut store);
         self.estimate_index.clear();
         for (kind, name, estimate) in self.estimates.drain(..) {
             let pool = self.pool_names.get(name).map_or("", String::as_str);
@@ -861,6 +883,9 @@ impl<'a> Sim<'a> {
                     self.push(at, Event::Failed(stage));
                     return;
                 }
+                if !reset && let Some(e) = self.env_step_estimates.get_mut(task as usize) {
+                    e.add((ms / 1000.0).max(f64::MIN_POSITIVE), Origin::Modelled);
+                }
                 let cpu_s = ms / 1000.0 * millicpus as f64 / 1000.0;
                 // The episode's length is a draw of its own stream (by trajectory only), the same
                 // whenever it is drawn: drawn at the reset, it sizes the books before their
@@ -1015,13 +1040,17 @@ impl<'a> Sim<'a> {
                     .spec
                     .rewards
                     .iter()
-                    .find(|rw| rw.name == task_spec.reward);
-                let latency = reward.map_or(0.0, |rw| {
+                    .position(|rw| rw.name == task_spec.reward);
+                let latency = reward.map_or(0.0, |i| {
                     sample(
-                        &rw.latency_ms,
+                        &self.spec.rewards[i].latency_ms,
                         &mut self.rng(&[stream::REWARD, traj.0, attempt as u64]),
                     ) / 1000.0
                 });
+                // The function's own latency; a cold start is modelled apart (below).
+                if let Some(e) = reward.and_then(|i| self.reward_estimates.get_mut(i)) {
+                    e.add(latency.max(f64::MIN_POSITIVE), Origin::Modelled);
+                }
                 let mut secs = latency;
                 if serverless {
                     let keepalive = self.opts.hardware.serverless_keepalive_s;
@@ -1879,6 +1908,8 @@ pub fn simulate(
         engine_pool_name,
         estimates: Vec::new(),
         estimate_index: Vec::new(),
+        env_step_estimates: vec![Estimate::default(); spec.tasks.len()],
+        reward_estimates: vec![Estimate::default(); spec.rewards.len()],
         loss: None,
     };
     sim.schedule_failure();

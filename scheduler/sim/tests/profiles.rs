@@ -1,6 +1,7 @@
 //! Measured profiles from the simulator: every simulated prefill batch and decode iteration is
-//! reported as a sample per (work kind, pool), and a store measured on a run corrects the
-//! planner's prediction where the planner's assumed efficiencies are wrong.
+//! reported as a sample per (work kind, pool), every environment step and reward as a duration
+//! per task and reward function, and a store measured on a run corrects the planner's
+//! prediction where the planner's assumed efficiencies are wrong.
 #![allow(clippy::unwrap_used)]
 
 use rollfleet_planner::plan;
@@ -48,7 +49,8 @@ fn slow_hardware() -> HardwareModel {
 }
 
 #[test]
-fn the_simulator_reports_prefill_and_decode_at_the_simulated_hardwares_share_of_peak() {
+fn the_simulator_reports_prefill_and_decode_at_the_hardwares_share_of_peak_and_environment_steps_as_drawn()
+ {
     let job = rollfleet_spec::parse_job(HAND_JOB.as_bytes(), "hand.yaml").unwrap();
     let spec = job.spec().clone();
     let (placement, policy) = Baseline::Rollfleet
@@ -84,6 +86,14 @@ fn the_simulator_reports_prefill_and_decode_at_the_simulated_hardwares_share_of_
         assert!((s - 0.6).abs() < 1e-9, "{s}");
     }
     assert!(!run.profiles.measured[&WorkKind::Decode].contains_key("train"));
+    // The one environment step of each step's trajectory (the reset is not one) takes the
+    // spec's 1,000 ms, and says it was simulated.
+    let env = &run.profiles.environment_steps["t"];
+    assert_eq!((env.total, env.modelled), (2, 2));
+    assert!(
+        env.samples.iter().all(|&s| (s - 1.0).abs() < 1e-12),
+        "{env:?}"
+    );
 }
 
 /// Plans `job` with the model, simulates the plan on `hardware`, and predicts the same placement

@@ -1181,6 +1181,7 @@ impl Node {
                     StageOutput {
                         token_count: tokens as u64,
                         observation: "[modelled environment]".into(),
+                        emulated: true,
                         ..Default::default()
                     }
                 } else {
@@ -1199,6 +1200,7 @@ impl Node {
                         done: a.turn >= wanted,
                         observation: "[modelled environment]".into(),
                         text: "[modelled action]".into(),
+                        emulated: true,
                         ..Default::default()
                     }
                 }
@@ -1212,7 +1214,10 @@ impl Node {
                     .find(|r| r.name == task.reward)?;
                 let ms = sample(&reward.latency_ms, &mut keyed(5));
                 tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0 * self.time_scale)).await;
-                StageOutput::default()
+                StageOutput {
+                    emulated: true,
+                    ..Default::default()
+                }
             }
             _ => return None,
         };

@@ -100,6 +100,32 @@ pub fn read_store(path: &Path) -> Result<ProfileStore> {
             }
         }
     }
+    // A day is no environment step or reward of an RL rollout, only a unit mistake.
+    const MAX_TIMED_S: f64 = 86_400.0;
+    for (section, map) in [
+        ("environmentSteps", &store.environment_steps),
+        ("rewards", &store.rewards),
+    ] {
+        for (name, e) in map {
+            let seconds = |v: f64| v.is_finite() && v > 0.0 && v <= MAX_TIMED_S;
+            if let Some(bad) = e.samples.iter().find(|v| !seconds(**v)) {
+                anyhow::bail!(
+                    "{}: {section}.{name}: sample {bad} is not a duration in (0, {MAX_TIMED_S}] s",
+                    path.display()
+                );
+            }
+            let mean_ok = e.lifetime_mean().is_none_or(seconds);
+            if !(e.sum.is_finite() && e.sum >= 0.0 && mean_ok) {
+                anyhow::bail!(
+                    "{}: {section}.{name}: sum {} over {} samples is not a mean duration in (0, \
+                     {MAX_TIMED_S}] s",
+                    path.display(),
+                    e.sum,
+                    e.total
+                );
+            }
+        }
+    }
     for (gpu, p) in &store.probed {
         let positive = |v: f64| v.is_finite() && v > 0.0;
         if !(positive(p.gemm_flops) && positive(p.memory_bandwidth_bytes_per_s)) {
@@ -126,6 +152,76 @@ struct Row {
     label: &'static str,
     spread: Option<f64>,
     samples: usize,
+}
+
+/// A duration profile of `rollfleet profile show`: an environment step of a task or a reward of
+/// a reward function, from the job spec or measured.
+#[derive(Debug, Serialize)]
+struct TimedRow {
+    /// `environment-step` or `reward`.
+    work: &'static str,
+    /// The task or reward function.
+    name: String,
+    /// Mean seconds of the job spec's distribution.
+    spec_mean_s: f64,
+    /// Mean seconds of the measured window, once it has enough samples.
+    measured_mean_s: Option<f64>,
+    /// Median and median absolute deviation of the measured window.
+    measured_median_s: Option<f64>,
+    spread_s: Option<f64>,
+    samples: usize,
+    /// What the planner uses: the measured mean once there are enough samples, else the spec's.
+    in_effect_s: f64,
+    source: &'static str,
+}
+
+/// The timed profiles of a job: every task's environment step, every reward function.
+fn timed_rows(spec: &rollfleet_spec::JobSpec, store: &ProfileStore) -> Vec<TimedRow> {
+    use rollfleet_planner::profile::{Estimate, Timed};
+    let row = |work, what, name: &str, spec_mean_s: f64, e: Option<&Estimate>| {
+        let measured = store.timed_mean(what, name);
+        let samples = e.map_or(0, |e| e.samples.len());
+        let source = match measured {
+            None if samples > 0 => "job spec (too few samples)",
+            None => "job spec",
+            Some(_) if e.is_some_and(Estimate::modelled) => "measured (emulated or simulated)",
+            Some(_) => "measured",
+        };
+        TimedRow {
+            work,
+            name: name.to_owned(),
+            spec_mean_s,
+            measured_mean_s: measured,
+            measured_median_s: e.and_then(Estimate::median),
+            spread_s: e.and_then(Estimate::mad),
+            samples,
+            in_effect_s: measured.unwrap_or(spec_mean_s),
+            source,
+        }
+    };
+    let mut rows: Vec<TimedRow> = spec
+        .tasks
+        .iter()
+        .map(|t| {
+            row(
+                "environment-step",
+                Timed::EnvironmentStep,
+                &t.name,
+                mean(&t.env_step_ms) / 1000.0,
+                store.environment_steps.get(&t.name),
+            )
+        })
+        .collect();
+    rows.extend(spec.rewards.iter().map(|r| {
+        row(
+            "reward",
+            Timed::Reward,
+            &r.name,
+            mean(&r.latency_ms) / 1000.0,
+            store.rewards.get(&r.name),
+        )
+    }));
+    rows
 }
 
 /// Runs the command; returns the exit code.
@@ -180,9 +276,9 @@ pub fn run(
             let mut summary = Table::new(&[
                 "source",
                 "kind",
-                "pool or gpu",
+                "pool, gpu, task or function",
                 "samples>",
-                "median share>",
+                "median share or s>",
                 "spread>",
             ]);
             for (kind, pools) in &incoming.measured {
@@ -198,6 +294,25 @@ pub fn run(
                         e.samples.len().to_string(),
                         e.median().map_or("-".into(), |m| format!("{m:.3}")),
                         e.mad().map_or("-".into(), |m| format!("{m:.3}")),
+                    ]);
+                }
+            }
+            for (kind, map) in [
+                ("environment step", &incoming.environment_steps),
+                ("reward", &incoming.rewards),
+            ] {
+                for (name, e) in map {
+                    summary.row(vec![
+                        if e.modelled() {
+                            "measured (emulated or simulated)".into()
+                        } else {
+                            "measured".into()
+                        },
+                        kind.into(),
+                        name.clone(),
+                        e.samples.len().to_string(),
+                        e.median().map_or("-".into(), |m| format!("{m:.3} s")),
+                        e.mad().map_or("-".into(), |m| format!("{m:.3} s")),
                     ]);
                 }
             }
@@ -255,6 +370,12 @@ fn merge(base: &mut ProfileStore, incoming: ProfileStore) {
         }
     }
     base.probed.extend(incoming.probed);
+    for (name, e) in incoming.environment_steps {
+        base.environment_steps.entry(name).or_default().absorb(&e);
+    }
+    for (name, e) in incoming.rewards {
+        base.rewards.entry(name).or_default().absorb(&e);
+    }
 }
 
 fn probe_into(store: &mut ProfileStore, stderr: &mut dyn Write) -> Result<()> {
@@ -407,6 +528,7 @@ fn show(
             });
         }
     }
+    let timed = timed_rows(spec, &store);
     match format {
         OutputFormat::Table => {
             writeln!(
@@ -451,8 +573,55 @@ fn show(
                 ]);
             }
             t.write(stdout)?;
+            writeln!(
+                stdout,
+                "\nenvironment steps and rewards (seconds; the planner takes the measured mean \
+                 once there are {} samples, else the job spec's)\n",
+                rollfleet_planner::profile::MIN_SAMPLES
+            )?;
+            let mut t = Table::new(&[
+                "work",
+                "name",
+                "spec mean>",
+                "measured mean>",
+                "median>",
+                "samples>",
+                "in effect>",
+                "source",
+            ]);
+            let secs = |s: Option<f64>| s.map_or_else(|| "-".to_owned(), |s| format!("{s:.4}"));
+            for r in &timed {
+                t.row(vec![
+                    r.work.into(),
+                    r.name.clone(),
+                    format!("{:.4}", r.spec_mean_s),
+                    secs(r.measured_mean_s),
+                    match (r.measured_median_s, r.spread_s) {
+                        (Some(m), Some(s)) => format!("{m:.4} +- {s:.4}"),
+                        (m, _) => secs(m),
+                    },
+                    r.samples.to_string(),
+                    format!("{:.4}", r.in_effect_s),
+                    r.source.into(),
+                ]);
+            }
+            t.write(stdout)?;
         }
-        _ => write_structured(format, &rows, stdout)?,
+        _ => {
+            #[derive(Serialize)]
+            struct Shown<'a> {
+                gpu: &'a [Row],
+                timed: &'a [TimedRow],
+            }
+            write_structured(
+                format,
+                &Shown {
+                    gpu: &rows,
+                    timed: &timed,
+                },
+                stdout,
+            )?
+        }
     }
     Ok(exit::OK)
 }
