@@ -193,9 +193,10 @@ pub struct Problem {
     /// Memory bytes each serverless task's reward uses, per spec pool, times its seconds: the
     /// GB-seconds a step is billed for.
     pub serverless_gb_s_per_step: f64,
-    /// A trainer every placement must keep, as `(index in gpu_pools, GPUs)`: re-planning a
-    /// running job, whose trainer cannot be resized or moved mid-run (its GPUs are not free for
-    /// serving replicas either). `None`: the search chooses the trainer too.
+    /// A trainer every placement must keep, as `(index in gpu_pools, GPUs)`, with its GPUs not
+    /// free for serving replicas: re-planning a running job whose trainer is not to change (no
+    /// trainer moves between pools mid-run, and the server cannot resize one). `None`: the
+    /// search chooses the trainer too.
     pub pinned_trainer: Option<(usize, u32)>,
 }
 

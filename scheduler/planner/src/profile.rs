@@ -145,8 +145,9 @@ impl Estimate {
 
     /// The mean of every sample ever added. The planner's workload model takes means of
     /// durations (a heavy tail included, which a median leaves out), and the mean of a window of
-    /// a heavy-tailed duration swings by a tenth from one window to the next (a lognormal step
-    /// with a p99 of 12 times its median, over 256 samples): this one settles as samples come.
+    /// a heavy-tailed duration is far off (a lognormal step with a p99 ten times its median,
+    /// mean 0.490 s: 0.606 s over the last 256 of a run, 0.489 s over all 49,544): this one
+    /// settles as samples come.
     pub fn lifetime_mean(&self) -> Option<f64> {
         (self.total > 0).then(|| self.sum / self.total as f64)
     }

@@ -125,6 +125,8 @@ pub struct Settling {
 impl Settling {
     /// At version `version`, with the `drifts` the current `profiles` show: what to do.
     pub fn check(&mut self, drifts: &[Drift], profiles: &ProfileStore, version: u64) -> Settle {
+        // While pools wait, a drift of another pool waits with them, and is planned for (on the
+        // samples it has) together with theirs.
         if !self.pending.is_empty() {
             self.pending.retain(|pool, (since, kinds)| {
                 let fresh = kinds.iter().all(|&k| profiles.measured_ready(k, pool));
