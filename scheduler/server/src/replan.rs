@@ -296,4 +296,64 @@ mod tests {
         assert_eq!(first.start, vec![gone], "{decision:?}");
         assert!(first.stop.is_empty(), "{decision:?}");
     }
+
+    #[test]
+    fn a_re_plan_keeps_the_trainer_and_its_waves_never_ask_its_pool_for_more_gpus_than_it_leaves() {
+        // The RollArt-like job down to 32 H20s: the planner alone would train on 96 H800s and
+        // generate on 12 replicas of 8 of them, which next to the running trainer's 112 would
+        // ask for 208 of the 192. The decision is made around the trainer, and the waves stay
+        // within the pool (they start only what fits on free GPUs; this checks both).
+        let yaml = include_str!("../../../examples/jobs/rollart-agentic.yaml");
+        let plan = JobPlan::from_yaml(yaml, "test", 0).unwrap();
+        let trainer = plan.placement.trainer.clone();
+        let h20 = plan.pool_index("h20").unwrap();
+        let lost: Vec<ReplicaConfig> = plan
+            .placement
+            .replicas
+            .iter()
+            .filter(|r| r.pool != h20)
+            .cloned()
+            .chain(
+                plan.placement
+                    .replicas
+                    .iter()
+                    .filter(|r| r.pool == h20)
+                    .take(4)
+                    .cloned(),
+            )
+            .collect();
+        let gpus = BTreeMap::from([(h20, 32)]);
+        let decision = replanner(&plan).decide(&gpus, &lost, 0.0).unwrap();
+        let mut on_trainer_pool: u32 = lost
+            .iter()
+            .filter(|r| r.pool == trainer.pool)
+            .map(|r| r.gpus)
+            .sum();
+        let mut most = on_trainer_pool;
+        for wave in &decision.waves {
+            on_trainer_pool += wave
+                .start
+                .iter()
+                .filter(|r| r.pool == trainer.pool)
+                .map(|r| r.gpus)
+                .sum::<u32>();
+            most = most.max(on_trainer_pool);
+            on_trainer_pool -= wave
+                .stop
+                .iter()
+                .filter(|g| g.pool == trainer.pool)
+                .map(|g| g.gpus * g.replicas)
+                .sum::<u32>();
+            assert_eq!(
+                wave.trainer_gpus, None,
+                "the server never resizes the trainer"
+            );
+        }
+        let count = plan.spec().pools[trainer.pool as usize].count.unwrap() as u32;
+        assert!(
+            most + trainer.gpus <= count,
+            "{most} serving GPUs and the trainer's {} on a pool of {count}: {decision:?}",
+            trainer.gpus
+        );
+    }
 }
