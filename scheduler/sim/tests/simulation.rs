@@ -151,6 +151,42 @@ fn the_latency_term_waits_for_each_chain_from_the_oldest_version_it_may_use() {
     assert!(relaxed.step_s <= run.makespan_s / 2.0);
 }
 
+/// The RollArt-like example job.
+fn rollart() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/jobs/rollart-agentic.yaml")
+}
+
+/// Rollfleet on the planner's placement of `job` cut to `steps` steps, with `opts`; also the
+/// trainer's GPUs in that placement.
+fn run_on_plan(
+    job: &std::path::Path,
+    steps: i64,
+    opts: impl FnOnce(&rollfleet_spec::JobSpec) -> SimOptions,
+) -> (u32, rollfleet_sim::sim::RunResult) {
+    let job = rollfleet_spec::load_job_file(job).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = steps;
+    let (planned, _) =
+        rollfleet_sim::placement::choose(rollfleet_sim::PlacementChoice::Plan, &spec, &job.catalog)
+            .unwrap();
+    let (placement, policy) = Baseline::Rollfleet
+        .setup_with(&spec, &job.catalog, planned)
+        .unwrap();
+    let gpus = placement.trainer.gpus;
+    let opts = opts(&spec);
+    let run = simulate(
+        &spec,
+        &job.catalog,
+        placement,
+        policy,
+        &opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    (gpus, run)
+}
+
 fn quickstart() -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/jobs/quickstart.yaml")
 }
@@ -542,31 +578,12 @@ fn a_pool_that_grows_mid_run_moves_to_the_new_plan_in_waves_and_loses_nothing() 
 
 #[test]
 fn a_pool_that_slows_down_is_seen_in_the_measured_profiles_and_re_planned_for() {
-    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
-    let mut spec = job.spec().clone();
-    spec.rl.steps = 8;
-    let (planned, _) =
-        rollfleet_sim::placement::choose(rollfleet_sim::PlacementChoice::Plan, &spec, &job.catalog)
-            .unwrap();
-    let (placement, policy) = Baseline::Rollfleet
-        .setup_with(&spec, &job.catalog, planned)
-        .unwrap();
-    let slow = rollfleet_sim::drift::parse("decode:0.1@2", &spec).unwrap();
-    let opts = SimOptions {
+    let (_, run) = run_on_plan(&quickstart(), 8, |spec| SimOptions {
         seed: 0,
-        slowdown: Some(slow),
+        slowdown: Some(rollfleet_sim::drift::parse("decode:0.1@2", spec).unwrap()),
         replan_on_drift: Some(0.2),
         ..SimOptions::default()
-    };
-    let run = simulate(
-        &spec,
-        &job.catalog,
-        placement,
-        policy,
-        &opts,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    });
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     assert_eq!(run.trajectories, 8 * 32);
     // After the slowdown, the decode pool's decode share is measured at about a tenth of the
@@ -592,32 +609,12 @@ fn a_pool_that_slows_down_is_re_planned_for_only_once_both_kinds_of_its_work_are
     // On the RollArt-like job the H20s decode and prefill (short turns) and have trusted
     // estimates of both; decode shows the slowdown first, while the prefill window still holds
     // samples from before it.
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../examples/jobs/rollart-agentic.yaml");
-    let job = rollfleet_spec::load_job_file(&path).unwrap();
-    let mut spec = job.spec().clone();
-    spec.rl.steps = 8;
-    let (planned, _) =
-        rollfleet_sim::placement::choose(rollfleet_sim::PlacementChoice::Plan, &spec, &job.catalog)
-            .unwrap();
-    let (placement, policy) = Baseline::Rollfleet
-        .setup_with(&spec, &job.catalog, planned)
-        .unwrap();
-    let opts = SimOptions {
+    let (_, run) = run_on_plan(&rollart(), 8, |spec| SimOptions {
         seed: 0,
-        slowdown: Some(rollfleet_sim::drift::parse("h20:0.4@3", &spec).unwrap()),
+        slowdown: Some(rollfleet_sim::drift::parse("h20:0.4@3", spec).unwrap()),
         replan_on_drift: Some(0.2),
         ..SimOptions::default()
-    };
-    let run = simulate(
-        &spec,
-        &job.catalog,
-        placement,
-        policy,
-        &opts,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    });
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     assert_eq!(run.trajectories, 8 * 1024);
     // One re-plan, after the drift was first seen, with both halves of the change: decode at
@@ -647,22 +644,8 @@ fn a_pool_that_slows_down_is_re_planned_for_only_once_both_kinds_of_its_work_are
 
 #[test]
 fn a_wave_that_shrinks_the_trainer_makes_the_batches_after_it_train_on_fewer_gpus() {
-    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../examples/jobs/rollart-agentic.yaml");
-    let job = rollfleet_spec::load_job_file(&path).unwrap();
-    let mut spec = job.spec().clone();
-    spec.rl.steps = 5;
     let run_with = |trainer_gpus: Option<u32>| {
-        let (planned, _) = rollfleet_sim::placement::choose(
-            rollfleet_sim::PlacementChoice::Plan,
-            &spec,
-            &job.catalog,
-        )
-        .unwrap();
-        let (placement, policy) = Baseline::Rollfleet
-            .setup_with(&spec, &job.catalog, planned)
-            .unwrap();
-        let opts = SimOptions {
+        run_on_plan(&rollart(), 5, |_| SimOptions {
             seed: 0,
             migration: Some(rollfleet_sim::sim::Migration {
                 at_step: 2,
@@ -674,18 +657,7 @@ fn a_wave_that_shrinks_the_trainer_makes_the_batches_after_it_train_on_fewer_gpu
                 }],
             }),
             ..SimOptions::default()
-        };
-        let gpus = placement.trainer.gpus;
-        let run = simulate(
-            &spec,
-            &job.catalog,
-            placement,
-            policy,
-            &opts,
-            &mut |_, _| {},
-        )
-        .unwrap();
-        (gpus, run)
+        })
     };
     let (gpus, kept) = run_with(None);
     assert_eq!(gpus, 112, "the RollArt-like plan trains on 112 H800s");
