@@ -31,6 +31,10 @@ pub const WINDOW: usize = 256;
 /// Samples a measured estimate needs before it replaces the model.
 pub const MIN_SAMPLES: usize = 20;
 
+/// The longest environment step or reward a measured duration may say: a day is no step of an
+/// RL rollout, only a unit mistake or a broken clock.
+pub const MAX_TIMED_SECONDS: f64 = 86_400.0;
+
 /// Where a figure comes from, in increasing precedence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -290,10 +294,11 @@ impl ProfileStore {
     }
 
     /// Records one measured duration of an environment step of task `name`, or of a reward of
-    /// reward function `name`; not finite or negative durations are ignored (zero is a duration:
-    /// a reward computed in the environment step).
+    /// reward function `name`; durations that are not finite, negative or longer than
+    /// [`MAX_TIMED_SECONDS`] are ignored (zero is a duration: a reward computed in the
+    /// environment step).
     pub fn record_timed(&mut self, what: Timed, name: &str, seconds: f64, origin: Origin) {
-        if !(seconds.is_finite() && seconds >= 0.0) {
+        if !(seconds.is_finite() && (0.0..=MAX_TIMED_SECONDS).contains(&seconds)) {
             return;
         }
         let map = match what {

@@ -827,5 +827,6 @@ fn measured_environment_steps_and_rewards_replace_the_job_specs_means_once_there
     // A malformed duration is no sample.
     store.record_timed(Timed::Reward, &task.reward, f64::NAN, Origin::Hardware);
     store.record_timed(Timed::Reward, &task.reward, -1.0, Origin::Hardware);
+    store.record_timed(Timed::Reward, &task.reward, 1e13, Origin::Hardware);
     assert_eq!(store.rewards[&task.reward].total, MIN_SAMPLES as u64);
 }

@@ -100,8 +100,7 @@ pub fn read_store(path: &Path) -> Result<ProfileStore> {
             }
         }
     }
-    // A day is no environment step or reward of an RL rollout, only a unit mistake.
-    const MAX_TIMED_S: f64 = 86_400.0;
+    use rollfleet_planner::profile::MAX_TIMED_SECONDS as MAX_TIMED_S;
     for (section, map) in [
         ("environmentSteps", &store.environment_steps),
         ("rewards", &store.rewards),
