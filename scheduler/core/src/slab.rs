@@ -90,11 +90,35 @@ impl<T> IdSlab<T> {
         self.get(id).is_some()
     }
 
-    /// Removes and returns the value of `id`.
+    /// Removes and returns the value of `id`. Inlined: most removals are of a stage that is not
+    /// the oldest, and cost a look and a `take`.
+    #[inline]
     pub fn remove(&mut self, id: u64) -> Option<T> {
+        self.remove_if(id, |_| true)
+    }
+
+    /// Removes and returns the value of `id` if `pred` holds for it (one lookup where a `get`
+    /// and a `remove` would make two).
+    #[inline]
+    pub fn remove_if(&mut self, id: u64, pred: impl FnOnce(&T) -> bool) -> Option<T> {
         let index = id.checked_sub(self.base)? as usize;
-        let value = self.items.get_mut(index)?.take()?;
+        let entry = self.items.get_mut(index)?;
+        if !entry.as_ref().is_some_and(pred) {
+            return None;
+        }
+        let value = entry.take()?;
         self.len -= 1;
+        // The front is always live (every removal there trims it), so only removing the oldest
+        // can leave empty ids to drop.
+        if index == 0 {
+            self.trim_front();
+        }
+        Some(value)
+    }
+
+    /// Drops the empty ids at the front.
+    #[inline(never)]
+    fn trim_front(&mut self) {
         while let Some(None) = self.items.front() {
             self.items.pop_front();
             self.base += 1;
@@ -102,7 +126,6 @@ impl<T> IdSlab<T> {
         if self.items.is_empty() {
             self.base = 0;
         }
-        Some(value)
     }
 
     /// Live entries in id order.
@@ -134,5 +157,63 @@ mod tests {
         assert_eq!(slab.len(), 8);
         assert!(slab.insert(5, 0));
         assert_eq!(slab.iter().next(), Some((5, &0)));
+    }
+
+    #[test]
+    fn random_inserts_and_removals_match_a_btreemap() {
+        use crate::rng::SplitMix64;
+        use std::collections::BTreeMap;
+        for seed in 0..20 {
+            let mut rng = SplitMix64::new(seed);
+            let mut slab: IdSlab<u64> = IdSlab::new();
+            let mut tree: BTreeMap<u64, u64> = BTreeMap::new();
+            // Ids mostly increase (as stage ids do), with a long-lived entry now and then, a few
+            // replacements and inserts before the oldest live id.
+            let mut next = 1_000u64;
+            for _ in 0..5_000 {
+                match rng.below(20) {
+                    0..=9 => {
+                        next += 1 + rng.below(3);
+                        let v = rng.next_u64();
+                        assert!(slab.insert(next, v));
+                        tree.insert(next, v);
+                    }
+                    10 => {
+                        // Replace a live one, or insert below the oldest live one.
+                        let id = match tree.keys().next() {
+                            Some(&first) if rng.below(2) == 0 => first.saturating_sub(rng.below(5)),
+                            _ => next.saturating_sub(rng.below(50)),
+                        };
+                        let v = rng.next_u64();
+                        assert!(slab.insert(id, v));
+                        tree.insert(id, v);
+                    }
+                    _ => {
+                        // Remove mostly recent ids (short-lived), sometimes the oldest; every
+                        // other removal only of an even value.
+                        let id = if rng.below(8) == 0 {
+                            tree.keys().next().copied().unwrap_or(0)
+                        } else {
+                            next.saturating_sub(rng.below(40))
+                        };
+                        if rng.below(2) == 0 {
+                            assert_eq!(slab.remove(id), tree.remove(&id));
+                        } else {
+                            let even = tree.get(&id).is_some_and(|v| v % 2 == 0);
+                            let expected = if even { tree.remove(&id) } else { None };
+                            assert_eq!(slab.remove_if(id, |v| v % 2 == 0), expected);
+                        }
+                    }
+                }
+                let probe = next.saturating_sub(rng.below(100));
+                assert_eq!(slab.get(probe), tree.get(&probe));
+                assert_eq!(slab.contains(probe), tree.contains_key(&probe));
+                assert_eq!(slab.len(), tree.len());
+                assert_eq!(slab.is_empty(), tree.is_empty());
+            }
+            let a: Vec<(u64, u64)> = slab.iter().map(|(id, &v)| (id, v)).collect();
+            let b: Vec<(u64, u64)> = tree.iter().map(|(&id, &v)| (id, v)).collect();
+            assert_eq!(a, b);
+        }
     }
 }

@@ -561,9 +561,8 @@ impl<'a> Sim<'a> {
     /// Ends a placed stage: forgets it and returns where it ran with what it was (`None` if it
     /// is not placed, e.g. already over).
     fn end_stage(&mut self, stage: StageId) -> Option<(Loc, StageInfo)> {
-        let loc = self.stages.get(stage.0)?.loc?;
-        let s = self.stages.remove(stage.0)?;
-        Some((loc, s.info))
+        let s = self.stages.remove_if(stage.0, |s| s.loc.is_some())?;
+        Some((s.loc?, s.info))
     }
 
     /// A trajectory's books (made on first use). Inlined where it is called, several times
