@@ -167,6 +167,16 @@ impl Estimate {
         self.samples.len() >= MIN_SAMPLES
     }
 
+    /// Adds one measured duration of an environment step or a reward, in seconds. Durations
+    /// that are not finite, negative or longer than [`MAX_TIMED_SECONDS`] are ignored; zero is a
+    /// duration (a reward computed in the environment step), kept as the smallest positive one,
+    /// since [`Estimate::add`] keeps positive values only.
+    pub fn add_seconds(&mut self, seconds: f64, origin: Origin) {
+        if seconds.is_finite() && (0.0..=MAX_TIMED_SECONDS).contains(&seconds) {
+            self.add(seconds.max(f64::MIN_POSITIVE), origin);
+        }
+    }
+
     /// Takes in another estimate of the same thing (another run's, from a file): its window
     /// after this one's (the most recent [`WINDOW`] kept), and its counts and sum.
     pub fn absorb(&mut self, other: &Estimate) {
@@ -294,10 +304,9 @@ impl ProfileStore {
     }
 
     /// Records one measured duration of an environment step of task `name`, or of a reward of
-    /// reward function `name`; durations that are not finite, negative or longer than
-    /// [`MAX_TIMED_SECONDS`] are ignored (zero is a duration: a reward computed in the
-    /// environment step).
+    /// reward function `name` ([`Estimate::add_seconds`]).
     pub fn record_timed(&mut self, what: Timed, name: &str, seconds: f64, origin: Origin) {
+        // Checked here too, so that a refused duration leaves no empty entry behind.
         if !(seconds.is_finite() && (0.0..=MAX_TIMED_SECONDS).contains(&seconds)) {
             return;
         }
@@ -305,11 +314,9 @@ impl ProfileStore {
             Timed::EnvironmentStep => &mut self.environment_steps,
             Timed::Reward => &mut self.rewards,
         };
-        // `Estimate::add` keeps positive values only; a zero duration is kept as the smallest
-        // positive one.
         map.entry(name.to_owned())
             .or_default()
-            .add(seconds.max(f64::MIN_POSITIVE), origin);
+            .add_seconds(seconds, origin);
     }
 
     /// The measured mean seconds of `what` named `name` (over every sample), once it has

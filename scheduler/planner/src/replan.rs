@@ -120,9 +120,17 @@ pub struct Settling {
     pending: BTreeMap<String, (u64, Vec<WorkKind>)>,
     /// Pools that drifted before.
     drifted: std::collections::BTreeSet<String>,
+    /// The version at which the drift being settled was seen ([`Settling::take_seen`]).
+    seen: Option<u64>,
 }
 
 impl Settling {
+    /// The version at which the drift now planned for was first seen (`None` when it was not
+    /// settled: a pool that drifted before drifted again), and forgets it.
+    pub fn take_seen(&mut self) -> Option<u64> {
+        self.seen.take()
+    }
+
     /// At version `version`, with the `drifts` the current `profiles` show: what to do.
     pub fn check(&mut self, drifts: &[Drift], profiles: &ProfileStore, version: u64) -> Settle {
         // While pools wait, a drift of another pool waits with them, and is planned for (on the
@@ -166,6 +174,7 @@ impl Settling {
         for (pool, _) in &forget {
             self.drifted.insert(pool.clone());
         }
+        self.seen.get_or_insert(version);
         Settle::Restart {
             forget,
             wait: !self.pending.is_empty(),

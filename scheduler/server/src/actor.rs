@@ -257,6 +257,35 @@ pub struct ReplanRecord {
     pub done_at_s: Option<f64>,
 }
 
+impl ReplanRecord {
+    /// The record of `decision`, made at `at_s` for `reason` on `pool`, whose GPUs went from
+    /// `gpus.0` to `gpus.1`, with `replicas_lost` retired with their node; nothing moved yet.
+    fn new(
+        at_s: f64,
+        reason: String,
+        pool: String,
+        (gpus_before, gpus_after): (u32, u32),
+        replicas_lost: u32,
+        decision: &crate::replan::Decision,
+    ) -> ReplanRecord {
+        ReplanRecord {
+            at_s,
+            reason,
+            pool,
+            gpus_before,
+            gpus_after,
+            running_step_s: decision.running_step_s,
+            planned_step_s: decision.planned_step_s,
+            replicas_lost,
+            waves: decision.waves.len(),
+            waves_done: 0,
+            replicas_started: 0,
+            replicas_retired: 0,
+            done_at_s: None,
+        }
+    }
+}
+
 /// A move to a new plan under way.
 struct Migration {
     waves: Vec<rollfleet_sim::sim::MigrationWave>,
@@ -382,8 +411,6 @@ pub struct Actor {
     drift_checked: u64,
     /// Drifted pools waiting for fresh samples before the re-plan.
     settling: Settling,
-    /// The version at which the drift being settled was seen.
-    drift_seen_at: Option<u64>,
     assignments: BTreeMap<u64, Assignment>,
     next_assignment: u64,
     by_stage: BTreeMap<StageId, u64>,
@@ -476,7 +503,6 @@ impl Actor {
             replans: Vec::new(),
             drift_checked: 0,
             settling: Settling::default(),
-            drift_seen_at: None,
             assignments: BTreeMap::new(),
             next_assignment: 1,
             by_stage: BTreeMap::new(),
@@ -1009,21 +1035,14 @@ impl Actor {
                 replica: ReplicaId(r as u64),
             });
         }
-        let record = ReplanRecord {
-            at_s: self.now().as_secs_f64(),
-            reason: why.to_owned(),
-            pool: name,
-            gpus_before: before,
-            gpus_after: present,
-            running_step_s: decision.running_step_s,
-            planned_step_s: decision.planned_step_s,
-            replicas_lost: orphans.len() as u32,
-            waves: decision.waves.len(),
-            waves_done: 0,
-            replicas_started: 0,
-            replicas_retired: 0,
-            done_at_s: None,
-        };
+        let record = ReplanRecord::new(
+            self.now().as_secs_f64(),
+            why.to_owned(),
+            name,
+            (before, present),
+            orphans.len() as u32,
+            &decision,
+        );
         self.begin_move(record, decision.waves);
     }
 
@@ -1064,7 +1083,6 @@ impl Actor {
                         self.profiles.restart(kind, pool);
                     }
                 }
-                self.drift_seen_at = Some(version);
                 if wait {
                     let pools: Vec<&str> = forget.iter().map(|(p, _)| p.as_str()).collect();
                     eprintln!(
@@ -1088,7 +1106,7 @@ impl Actor {
         else {
             return;
         };
-        let why = match self.drift_seen_at.take().filter(|&seen| seen < version) {
+        let why = match self.settling.take_seen().filter(|&seen| seen < version) {
             Some(seen) => format!(
                 "measured profiles drifted at version {version} (seen at version {seen}, \
                  measured afresh since): {}",
@@ -1112,21 +1130,14 @@ impl Actor {
             eprintln!("scheduler: {why}; no placement fits with the measured profiles");
             return;
         };
-        let record = ReplanRecord {
-            at_s: self.now().as_secs_f64(),
-            reason: why,
+        let record = ReplanRecord::new(
+            self.now().as_secs_f64(),
+            why,
             pool,
-            gpus_before: gpus,
-            gpus_after: gpus,
-            running_step_s: decision.running_step_s,
-            planned_step_s: decision.planned_step_s,
-            replicas_lost: 0,
-            waves: decision.waves.len(),
-            waves_done: 0,
-            replicas_started: 0,
-            replicas_retired: 0,
-            done_at_s: None,
-        };
+            (gpus, gpus),
+            0,
+            &decision,
+        );
         self.begin_move(record, decision.waves);
     }
 
@@ -2096,8 +2107,7 @@ impl Actor {
         } else {
             Origin::Hardware
         };
-        let name = name.clone();
-        self.profiles.record_timed(what, &name, seconds, origin);
+        self.profiles.record_timed(what, name, seconds, origin);
     }
 
     /// Turns a finished or failed assignment into the core's input (or a redo).

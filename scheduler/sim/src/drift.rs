@@ -99,8 +99,6 @@ pub struct DriftWatch {
     planned: Problem,
     running: Candidate,
     settling: replan::Settling,
-    /// The version at which the drift being settled was first seen.
-    seen_at: Option<u64>,
     /// The re-plans so far.
     pub replans: Vec<DriftReplan>,
 }
@@ -119,7 +117,6 @@ impl DriftWatch {
             planned,
             running,
             settling: replan::Settling::default(),
-            seen_at: None,
             replans: Vec::new(),
         })
     }
@@ -144,7 +141,6 @@ impl DriftWatch {
         let profiles = match self.settling.check(&drifts, profiles, step) {
             replan::Settle::Quiet | replan::Settle::Waiting => return out,
             replan::Settle::Restart { forget, wait } => {
-                self.seen_at.get_or_insert(step);
                 let mut store = profiles.clone();
                 for (pool, kinds) in &forget {
                     for &kind in kinds {
@@ -160,7 +156,7 @@ impl DriftWatch {
             }
             replan::Settle::Ready => profiles,
         };
-        let seen_at_step = self.seen_at.take().unwrap_or(step);
+        let seen_at_step = self.settling.take_seen().unwrap_or(step);
         let drifts = replan::drift(&self.planned, profiles, self.margin);
         if drifts.is_empty() {
             return out;

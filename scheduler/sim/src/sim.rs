@@ -883,7 +883,7 @@ impl<'a> Sim<'a> {
                     return;
                 }
                 if !reset && let Some(e) = self.env_step_estimates.get_mut(task as usize) {
-                    e.add((ms / 1000.0).max(f64::MIN_POSITIVE), Origin::Modelled);
+                    e.add_seconds(ms / 1000.0, Origin::Modelled);
                 }
                 let cpu_s = ms / 1000.0 * millicpus as f64 / 1000.0;
                 // The episode's length is a draw of its own stream (by trajectory only), the same
@@ -1048,7 +1048,7 @@ impl<'a> Sim<'a> {
                 });
                 // The function's own latency; a cold start is modelled apart (below).
                 if let Some(e) = reward.and_then(|i| self.reward_estimates.get_mut(i)) {
-                    e.add(latency.max(f64::MIN_POSITIVE), Origin::Modelled);
+                    e.add_seconds(latency, Origin::Modelled);
                 }
                 let mut secs = latency;
                 if serverless {
