@@ -30,6 +30,10 @@ use crate::queue::EventQueue;
 use crate::report::latency_rates;
 use crate::workload::{Sampler, mean, sample, stream};
 
+/// Turns of an episode its books make room for when it starts (the longest tasks measured run
+/// 30); longer episodes grow them as they go.
+const MAX_TURNS_RESERVED: u32 = 256;
+
 /// Options of one simulated run.
 #[derive(Debug, Clone)]
 pub struct SimOptions {
@@ -897,8 +901,10 @@ impl<'a> Sim<'a> {
                     });
                     t.clamp(1.0, max) as u32
                 });
-                // Room for every turn the episode will have, so its books grow once.
+                // Room for every turn the episode will have, so its books grow once; an episode
+                // longer than any measured one grows them as it goes instead of asking up front.
                 if let Some(l) = Some(self.ledger_mut(traj)) {
+                    let wanted = wanted.min(MAX_TURNS_RESERVED);
                     let more = (wanted as usize + 1).saturating_sub(l.turns.len());
                     l.turns.reserve(more);
                     let more = (wanted as usize + 1).saturating_sub(l.inputs.len());

@@ -36,6 +36,16 @@ pub const USABLE_MEMORY_FRACTION: f64 = 0.9;
 /// How far shares may stray from summing to 1 (they are usually written with two decimals).
 const SHARE_TOLERANCE: f64 = 1e-6;
 
+/// The longest `contextLimit` a task may ask for: 10 Mi tokens, the longest context window
+/// published for an open model (Llama 4 Scout). Far beyond it a limit is a typo, and the
+/// simulator and the planner would size books and KV reservations for it.
+pub const MAX_CONTEXT_LIMIT: i64 = 10 * 1024 * 1024;
+
+/// The most GPUs or nodes one pool may count: a million, several times the largest cluster
+/// built. The simulator and the planner keep books per GPU, so a count far beyond it (a typo)
+/// would exhaust memory or time instead of failing.
+pub const MAX_POOL_COUNT: i64 = 1_000_000;
+
 #[derive(Default)]
 struct Problems {
     errors: Vec<Problem>,
@@ -317,6 +327,27 @@ fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
         }
         problems.at_least(format!("{path}.maxTurns"), task.max_turns, 1);
         problems.at_least(format!("{path}.contextLimit"), task.context_limit, 1);
+        if task.context_limit > MAX_CONTEXT_LIMIT {
+            problems.error(
+                format!("{path}.contextLimit"),
+                format!(
+                    "must be at most {MAX_CONTEXT_LIMIT} tokens (the longest published context \
+                     window), got {}",
+                    task.context_limit
+                ),
+            );
+        }
+        // Every turn adds at least one action token to the context, so an episode ends at its
+        // context limit whatever maxTurns says: a larger maxTurns is a typo, not a longer episode.
+        if task.context_limit >= 1 && task.max_turns > task.context_limit {
+            problems.error(
+                format!("{path}.maxTurns"),
+                format!(
+                    "must be at most contextLimit ({}): every turn adds at least one token, got {}",
+                    task.context_limit, task.max_turns
+                ),
+            );
+        }
         let distributions = [
             ("turns", task.turns.as_deref()),
             ("promptTokens", Some(&*task.prompt_tokens)),
@@ -555,7 +586,15 @@ fn check_count(pool: &PoolSpec, path: &str, unit: &str, problems: &mut Problems)
             format!("{path}.count"),
             format!("is required: number of {unit}"),
         ),
-        Some(count) => problems.at_least(format!("{path}.count"), count, 1),
+        Some(count) => {
+            problems.at_least(format!("{path}.count"), count, 1);
+            if count > MAX_POOL_COUNT {
+                problems.error(
+                    format!("{path}.count"),
+                    format!("must be at most {MAX_POOL_COUNT} {unit}, got {count}"),
+                );
+            }
+        }
     }
 }
 

@@ -166,6 +166,24 @@ const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
         "count: 1\n      roles: [train]\n    - name: cpu2\n      cpu: c7i.8xlarge\n      count: 2\n      roles: [decode]",
         "spec.pools[3].roles[0]: a cpu pool cannot take role Decode",
     ),
+    (
+        "more turns than the context can hold",
+        "maxTurns: 8",
+        "maxTurns: 1099511627776",
+        "spec.tasks[0].maxTurns: must be at most contextLimit (4096): every turn adds at least one token, got 1099511627776",
+    ),
+    (
+        "a context limit beyond any model's",
+        "observationTokens: 90\n      contextLimit: 4096",
+        "observationTokens: 90\n      contextLimit: 1099511627776",
+        "spec.tasks[0].contextLimit: must be at most 10485760 tokens (the longest published context window), got 1099511627776",
+    ),
+    (
+        "a pool larger than any cluster",
+        "gpu: H20\n      count: 2",
+        "gpu: H20\n      count: 1099511627776",
+        "spec.pools[1].count: must be at most 1000000 GPUs, got 1099511627776",
+    ),
 ];
 
 #[test]
