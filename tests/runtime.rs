@@ -310,6 +310,58 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
     assert!(done < report["wall_s"].as_f64().unwrap(), "{report:#}");
 }
 
+#[test]
+fn a_lost_node_of_the_pool_the_trainer_shares_shrinks_the_trainer_and_the_job_still_trains_every_step()
+ {
+    let dir = temp_dir("trainer-resize");
+    // The quick-start job with training and generation sharing one pool of 8 H800s, four nodes
+    // of two: the plan trains on 6 and generates on 2. The trainer is on no one node, so when a
+    // node goes the trainer and the replicas would need 8 of the 6 left.
+    let job = job_file(&dir, 16);
+    let yaml = std::fs::read_to_string(&job).unwrap();
+    let prefill = "    - name: prefill\n      gpu: H800\n      count: 1\n";
+    let train = "    - name: train\n      gpu: H800\n      count: 1\n      roles: [train]\n";
+    assert!(yaml.contains(prefill) && yaml.contains(train));
+    std::fs::write(
+        &job,
+        yaml.replace(train, "").replace(
+            prefill,
+            "    - name: gpu\n      gpu: H800\n      count: 8\n      gpusPerNode: 2\n",
+        ),
+    )
+    .unwrap();
+    let report = dir.join("report.json");
+    let pools = [("gpu", 4), ("decode", 1), ("envs", 1), ("rewards", 1)];
+    let expect: usize = pools.iter().map(|(_, n)| n).sum();
+    let (sched, url) = scheduler(&job, &report, expect, &[]);
+    let mut procs = Procs(vec![sched]);
+    for (pool, n) in pools {
+        for i in 0..n {
+            procs.0.push(worker(&url, pool, &format!("{pool}-{i}")));
+        }
+    }
+    wait_status(&url, "the first step trained", |s| s.policy_version >= 1);
+    // The last gpu node (whichever replicas it held: the re-plan is the same either way).
+    procs.0[4].kill().unwrap();
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    let report = check_report(&report, 16, 1);
+    let replans = report["replans"].as_array().unwrap();
+    let loss = replans.first().expect("a re-plan on the loss");
+    assert_eq!(loss["pool"], "gpu", "{loss:#}");
+    assert_eq!(
+        (loss["gpus_before"].as_u64(), loss["gpus_after"].as_u64()),
+        (Some(8), Some(6)),
+        "{loss:#}"
+    );
+    assert_eq!(
+        loss["trainer_gpus"], 4,
+        "the trainer shrinks from 6 to 4 GPUs: {loss:#}"
+    );
+    assert_eq!(loss["waves_done"], loss["waves"], "{loss:#}");
+    assert!(loss["done_at_s"].as_f64().is_some(), "{loss:#}");
+}
+
 /// Runs the quick-start for `steps` steps with `--replan-on-drift 0.2` and its decode worker's
 /// emulated GPUs at `slowdown` of their modelled rates; returns the checked report.
 fn run_watching_drift(name: &str, steps: u32, slowdown: &str) -> Value {

@@ -255,6 +255,9 @@ pub struct ReplanRecord {
     /// Wall seconds after the start at which the last wave ended (`None`: still under way, or
     /// superseded by a later re-plan).
     pub done_at_s: Option<f64>,
+    /// The trainer's GPUs after the move resized it on its pool (`None`: not resized).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainer_gpus: Option<u32>,
 }
 
 impl ReplanRecord {
@@ -282,6 +285,7 @@ impl ReplanRecord {
             replicas_started: 0,
             replicas_retired: 0,
             done_at_s: None,
+            trainer_gpus: None,
         }
     }
 }
@@ -295,6 +299,8 @@ struct Migration {
     waiting: BTreeSet<u64>,
     /// Its record in `Actor::replans`.
     record: usize,
+    /// The trainer's GPUs once the wave under way is over, when it resizes the trainer.
+    resize_trainer: Option<u32>,
 }
 
 /// A group the core gave up.
@@ -1167,6 +1173,7 @@ impl Actor {
             next: 0,
             waiting: BTreeSet::new(),
             record: self.replans.len() - 1,
+            resize_trainer: None,
         });
         self.start_wave();
     }
@@ -1193,6 +1200,7 @@ impl Actor {
                 return;
             };
             m.next += 1;
+            m.resize_trainer = wave.trainer_gpus;
             let mut waiting = BTreeSet::new();
             for config in wave.start {
                 if let Some(r) = self.start_replica(config) {
@@ -1238,8 +1246,35 @@ impl Actor {
                 return;
             }
             // A wave with nothing to wait for is over at once.
-            if let Some(r) = self.replans.get_mut(record) {
-                r.waves_done += 1;
+            self.wave_over();
+        }
+    }
+
+    /// The wave under way is over: counted, and the trainer takes its new size if the wave
+    /// resizes it (training batches dispatched from now on carry it; one running finishes on
+    /// the GPUs it started on). `replan::migration` shrinks the trainer in a wave whose end
+    /// comes before the next wave starts replicas on the GPUs it frees, and grows it only once
+    /// retirements left it room.
+    fn wave_over(&mut self) {
+        let Some(m) = self.migration.as_mut() else {
+            return;
+        };
+        let record = m.record;
+        let resize = m.resize_trainer.take();
+        if let Some(r) = self.replans.get_mut(record) {
+            r.waves_done += 1;
+        }
+        if let Some(gpus) = resize {
+            let before = self.plan.placement.trainer.gpus;
+            if gpus != before {
+                Arc::make_mut(&mut self.plan).placement.trainer.gpus = gpus;
+                if let Some(replanner) = self.replanner.as_mut() {
+                    replanner.trainer_resized(gpus);
+                }
+                if let Some(r) = self.replans.get_mut(record) {
+                    r.trainer_gpus = Some(gpus);
+                }
+                eprintln!("scheduler: the trainer now trains on {gpus} GPUs (was {before})");
             }
         }
     }
@@ -1252,9 +1287,7 @@ impl Actor {
         if !m.waiting.remove(&r) || !m.waiting.is_empty() {
             return;
         }
-        if let Some(rec) = self.replans.get_mut(m.record) {
-            rec.waves_done += 1;
-        }
+        self.wave_over();
         self.start_wave();
     }
 
@@ -1570,6 +1603,7 @@ impl Actor {
                         batch_id: batch.0,
                         tokens,
                         publishes,
+                        trainer_gpus: self.plan.placement.trainer.gpus,
                     })),
                     ..Default::default()
                 };

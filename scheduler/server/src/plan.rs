@@ -147,12 +147,18 @@ impl JobPlan {
         (self.spec().network.cross_pool_gbps * 1e9 * self.hardware.link_efficiency).max(1.0)
     }
 
-    /// Modelled seconds the trainer takes for a batch of `tokens` (the simulator's formula:
-    /// `6 x active parameters x tokens` at the train MFU of the trainer's GPUs).
-    pub fn train_seconds(&self, tokens: u64) -> f64 {
+    /// Modelled seconds the trainer takes for a batch of `tokens` on `gpus` of its pool (the
+    /// simulator's formula: `6 x active parameters x tokens` at the train MFU of those GPUs);
+    /// `gpus` 0 means the size the job was planned with.
+    pub fn train_seconds(&self, tokens: u64, gpus: u32) -> f64 {
         let spec = self.spec();
         let (peak, _) = self.gpu_peaks(self.placement.trainer.pool);
-        let gpus = self.placement.trainer.gpus.max(1) as f64;
+        let gpus = if gpus == 0 {
+            self.placement.trainer.gpus
+        } else {
+            gpus
+        };
+        let gpus = gpus.max(1) as f64;
         let mfu = spec.rl.train_mfu.clamp(0.01, 1.0);
         6.0 * spec.model.active() * tokens as f64 / (gpus * peak * mfu)
     }

@@ -10,8 +10,9 @@
 //! actually runs: the running placement is read off the live replicas instead of being assumed,
 //! the planner's search picks the plan for the GPUs present, and the planner's full prediction
 //! decides whether moving is worth it at all (the survivors are often the new plan). The trainer
-//! keeps its pool and size, and the search plans the serving replicas around it (the simulator
-//! can resize it on its pool; a worker's trainer cannot be resized mid-run).
+//! keeps its pool, as in the simulator, and the waves may resize it there: a training batch
+//! carries the trainer's GPUs (`TrainWork.trainer_gpus`), so the batches after a resize train
+//! on the new size.
 
 use std::collections::BTreeMap;
 
@@ -71,6 +72,11 @@ impl Replanner {
         })
     }
 
+    /// The trainer was resized to `gpus` by a wave of a move (it stays on its pool).
+    pub fn trainer_resized(&mut self, gpus: u32) {
+        self.trainer_gpus = gpus;
+    }
+
     /// The pools whose share of peak in `profiles` moved from the one this plan assumed by
     /// more than `margin` (relative).
     pub fn drift(&self, profiles: &ProfileStore, margin: f64) -> Vec<Drift> {
@@ -100,23 +106,24 @@ impl Replanner {
         running: &[ReplicaConfig],
         min_gain: f64,
     ) -> Option<Decision> {
-        // The trainer keeps its pool and size (the server cannot resize it mid-run), so the
-        // search plans the serving replicas around it, on the GPUs it leaves.
-        let mut present = self
-            .problem
-            .clone()
-            .with_trainer(self.trainer_pool, self.trainer_gpus);
+        let mut present = self.problem.clone();
         for pool in &mut present.gpu_pools {
             if let Some(&n) = gpus.get(&(pool.spec_index as u32)) {
                 pool.count = pool.count.min(n);
             }
         }
         let running = self.candidate(&present, running);
-        let found = search::choose(&present)?;
+        // The trainer keeps its pool (its weights and optimizer state stay where they are) but
+        // may be resized there: the waves shrink it before others start on the GPUs it frees,
+        // and grow it once retirements left it room.
+        let found = replan::on_trainer_pool(&present, &running, search::choose(&present)?)?;
         let target = colocated_as_generate(found.candidate);
         let full = |c: &Candidate| predict::predict(&present, c).map(|p| p.step_s);
         let planned_step_s = full(&target)?;
-        let running_step_s = full(&running);
+        // What runs cannot go on as it is when it needs more GPUs than are left (a node of the
+        // trainer's pool is gone: the trainer is not on one node, so none of its GPUs went with
+        // it), whatever the model predicts for it.
+        let running_step_s = full(&running).filter(|_| fits(&present, &running));
         let waves = match running_step_s {
             Some(now) if planned_step_s >= now * (1.0 - min_gain) => Vec::new(),
             _ => {
@@ -163,6 +170,24 @@ impl Replanner {
             trainer_gpus: self.trainer_gpus,
         }
     }
+}
+
+/// Whether `c`'s serving replicas and trainer fit in every pool's GPUs.
+fn fits(p: &Problem, c: &Candidate) -> bool {
+    p.gpu_pools.iter().enumerate().all(|(pool, g)| {
+        let serving: u64 = c
+            .groups
+            .iter()
+            .filter(|x| x.pool == pool)
+            .map(|x| u64::from(x.tp) * u64::from(x.replicas))
+            .sum();
+        let trainer = if c.trainer_pool == pool {
+            u64::from(c.trainer_gpus)
+        } else {
+            0
+        };
+        serving + trainer <= u64::from(g.count)
+    })
 }
 
 /// Decode groups of a placement without prefill replicas are colocated generation (as
@@ -297,15 +322,76 @@ mod tests {
         assert!(first.stop.is_empty(), "{decision:?}");
     }
 
+    /// The quick-start job with training and generation sharing one pool of 8 H800s (four
+    /// nodes of two) instead of a prefill and a train pool.
+    fn shared_trainer_pool_job() -> JobPlan {
+        let yaml = include_str!("../../../examples/jobs/quickstart.yaml");
+        let pools = "    - name: prefill\n      gpu: H800\n      count: 1\n";
+        let train = "    - name: train\n      gpu: H800\n      count: 1\n      roles: [train]\n";
+        assert!(yaml.contains(pools) && yaml.contains(train));
+        let yaml = yaml.replace(train, "").replace(
+            pools,
+            "    - name: gpu\n      gpu: H800\n      count: 8\n      gpusPerNode: 2\n",
+        );
+        JobPlan::from_yaml(&yaml, "test", 0).unwrap()
+    }
+
     #[test]
-    fn a_re_plan_keeps_the_trainer_and_its_waves_never_ask_its_pool_for_more_gpus_than_it_leaves() {
-        // The RollArt-like job down to 32 H20s: the planner alone would train on 96 H800s and
-        // generate on 12 replicas of 8 of them, which next to the running trainer's 112 would
-        // ask for 208 of the 192. The decision is made around the trainer, and the waves stay
-        // within the pool (they start only what fits on free GPUs; this checks both).
+    fn a_node_of_the_trainers_pool_lost_shrinks_the_trainer_to_what_the_pool_has_left() {
+        let plan = shared_trainer_pool_job();
+        let gpu = plan.pool_index("gpu").unwrap();
+        let trainer = plan.placement.trainer.clone();
+        assert_eq!(trainer.pool, gpu);
+        let serving: u32 = plan
+            .placement
+            .replicas
+            .iter()
+            .filter(|r| r.pool == gpu)
+            .map(|r| r.gpus)
+            .sum();
+        assert_eq!(trainer.gpus + serving, 8, "{:?}", plan.placement);
+        // A node without a serving replica is gone: the trainer and the replicas on the six
+        // GPUs left would need eight.
+        let gpus = BTreeMap::from([(gpu, 6)]);
+        let decision = replanner(&plan)
+            .decide(&gpus, &plan.placement.replicas, 0.0)
+            .unwrap();
+        let resized = decision.waves.iter().rev().find_map(|w| w.trainer_gpus);
+        let started: u32 = decision
+            .waves
+            .iter()
+            .flat_map(|w| &w.start)
+            .filter(|r| r.pool == gpu)
+            .map(|r| r.gpus)
+            .sum();
+        let stopped: u32 = decision
+            .waves
+            .iter()
+            .flat_map(|w| &w.stop)
+            .filter(|g| g.pool == gpu)
+            .map(|g| g.gpus * g.replicas)
+            .sum();
+        let trainer_after = resized.unwrap_or(trainer.gpus);
+        assert!(trainer_after < trainer.gpus, "{decision:?}");
+        assert!(
+            trainer_after + serving + started - stopped <= 6,
+            "the trainer's {trainer_after} and {} serving GPUs on the 6 left: {decision:?}",
+            serving + started - stopped
+        );
+    }
+
+    #[test]
+    fn a_re_plan_may_resize_the_trainer_on_its_pool_and_its_waves_never_ask_the_pool_for_more_gpus_than_it_has()
+     {
+        // The RollArt-like job down to 32 H20s: the planner trains on 96 of the 192 H800s and
+        // generates on 12 replicas of 8 of them (the simulator's plan after `--lose h20:0.9@5`).
+        // The trainer, running on 112, shrinks at the end of a wave and the replicas start on
+        // the GPUs it freed in the waves after; at no point do the replicas started and the
+        // trainer's size of that moment ask for more than the pool's 192.
         let yaml = include_str!("../../../examples/jobs/rollart-agentic.yaml");
         let plan = JobPlan::from_yaml(yaml, "test", 0).unwrap();
         let trainer = plan.placement.trainer.clone();
+        assert_eq!(trainer.gpus, 112, "the plan the job starts with");
         let h20 = plan.pool_index("h20").unwrap();
         let lost: Vec<ReplicaConfig> = plan
             .placement
@@ -324,36 +410,47 @@ mod tests {
             .collect();
         let gpus = BTreeMap::from([(h20, 32)]);
         let decision = replanner(&plan).decide(&gpus, &lost, 0.0).unwrap();
-        let mut on_trainer_pool: u32 = lost
+        let mut serving: u32 = lost
             .iter()
             .filter(|r| r.pool == trainer.pool)
             .map(|r| r.gpus)
             .sum();
-        let mut most = on_trainer_pool;
-        for wave in &decision.waves {
-            on_trainer_pool += wave
+        let mut trainer_gpus = trainer.gpus;
+        let count = plan.spec().pools[trainer.pool as usize].count.unwrap() as u32;
+        for (k, wave) in decision.waves.iter().enumerate() {
+            serving += wave
                 .start
                 .iter()
                 .filter(|r| r.pool == trainer.pool)
                 .map(|r| r.gpus)
                 .sum::<u32>();
-            most = most.max(on_trainer_pool);
-            on_trainer_pool -= wave
+            assert!(
+                serving + trainer_gpus <= count,
+                "wave {k}: {serving} serving GPUs and the trainer's {trainer_gpus} on a pool of \
+                 {count}: {decision:?}"
+            );
+            serving -= wave
                 .stop
                 .iter()
                 .filter(|g| g.pool == trainer.pool)
                 .map(|g| g.gpus * g.replicas)
                 .sum::<u32>();
-            assert_eq!(
-                wave.trainer_gpus, None,
-                "the server never resizes the trainer"
-            );
+            if let Some(resized) = wave.trainer_gpus {
+                trainer_gpus = resized;
+                assert!(
+                    serving + trainer_gpus <= count,
+                    "wave {k} grew the trainer to {trainer_gpus} beside {serving} serving GPUs \
+                     on a pool of {count}: {decision:?}"
+                );
+            }
         }
-        let count = plan.spec().pools[trainer.pool as usize].count.unwrap() as u32;
-        assert!(
-            most + trainer.gpus <= count,
-            "{most} serving GPUs and the trainer's {} on a pool of {count}: {decision:?}",
-            trainer.gpus
-        );
+        assert_eq!(trainer_gpus, 96, "{decision:?}");
+        let generate_started: usize = decision
+            .waves
+            .iter()
+            .flat_map(|w| &w.start)
+            .filter(|r| r.pool == trainer.pool && r.role == ServeRole::Generate)
+            .count();
+        assert_eq!(generate_started, 12, "{decision:?}");
     }
 }
