@@ -796,7 +796,25 @@ fn queue(rho: f64) -> f64 {
 /// Predicts a candidate's step time; `None` if it cannot run the job at any speed (no replica
 /// to decode, no trainer, or the decode replicas cannot hold a single sequence).
 pub fn predict(p: &Problem, c: &Candidate) -> Option<Prediction> {
-    predict_caps(p, &capacities(p, c)?, c)
+    predict_caps(p, &capacities(p, c)?, c, RefillArrivals::Burst)
+}
+
+/// How the prediction lets the refills after a weight update arrive at the prefill queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefillArrivals {
+    /// As the Poisson stream of M/G/1 alone.
+    Poisson,
+    /// In a burst as the rolling update reaches every replica ([`predict`]'s).
+    Burst,
+}
+
+/// [`predict`] with the refills arriving as `arrivals` says. `search::choose` compares the
+/// colocated and the affinity families with [`RefillArrivals::Poisson`]: the burst is right
+/// for the few prefill replicas that take every replica's refills, but on colocated replicas
+/// the model still misses the decode stalls the refills cause (docs/planner.md), and with the
+/// burst on both a colocated placement came out ahead where it simulates 10% slower.
+pub fn predict_with(p: &Problem, c: &Candidate, arrivals: RefillArrivals) -> Option<Prediction> {
+    predict_caps(p, &capacities(p, c)?, c, arrivals)
 }
 
 /// What the search compares: [`objective_caps`]'s step time, not [`predict`]'s.
@@ -901,7 +919,12 @@ fn cpu_terms(p: &Problem, s: &StepWork) -> (f64, f64) {
     (env_s, serverless_s)
 }
 
-fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
+fn predict_caps(
+    p: &Problem,
+    caps: &Caps,
+    c: &Candidate,
+    arrivals: RefillArrivals,
+) -> Option<Prediction> {
     let s = step_work(p);
     let w = &p.workload;
     if caps.trainer_flops <= 0.0 {
@@ -1026,6 +1049,28 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
             let local = prefill_queue(&at_tau, &local_jobs, t);
             let remote = prefill_queue(&prefill_kinds, &remote_jobs, t);
             let (local_load, local_wait) = (local.load_s, local.wait_s);
+            // Refills do not arrive as M/G/1's Poisson stream: they come in a burst as the
+            // rolling update reaches every replica within seconds of a publish, so a refill also
+            // queues behind about half of the step's refills on the replicas it goes to (the
+            // search's objective counts the same burst). Without it the prediction ranked a
+            // smaller prefill pool well at `maxStaleness` 3 and above, where the window holds
+            // two batches, and was 11-21% low there (docs/planner.md).
+            let (mut burst_remote, mut burst_local) = (0.0, 0.0);
+            for (task, alive) in w.tasks.iter().zip(&alive_s) {
+                let refills = w.batch * task.share / t * alive;
+                let work = refills * context_prefill_flops(p, task.decode_context);
+                if remote_prefill(p, disaggregated, task.decode_context) {
+                    burst_remote += work;
+                } else {
+                    burst_local += work;
+                }
+            }
+            let burst_remote = burst_remote / prefill_flops.max(1e-30) / 2.0;
+            let burst_local = burst_local / local_capacity.max(1e-30) / 2.0;
+            let (burst_remote, burst_local) = match arrivals {
+                RefillArrivals::Burst => (burst_remote, burst_local),
+                RefillArrivals::Poisson => (0.0, 0.0),
+            };
             let mut slots = 0.0;
             let mut regenerated = 0.0;
             let mut tokens_with_retries = 0.0;
@@ -1053,9 +1098,10 @@ fn predict_caps(p: &Problem, caps: &Caps, c: &Candidate) -> Option<Prediction> {
                 let refill_s = if remote_prefill(p, disaggregated, task.decode_context) {
                     whole * remote.s_per_flop
                         + remote.wait_s
+                        + burst_remote
                         + task.decode_context * transfer_per_token
                 } else {
-                    whole * local.s_per_flop + local_wait
+                    whole * local.s_per_flop + local_wait + burst_local
                 };
                 // A group is trained when its slowest member is done: the mean lifetime plus
                 // `group_max_z` standard deviations of it (turns vary, and so does every step);

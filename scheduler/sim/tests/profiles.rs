@@ -183,7 +183,13 @@ fn on_the_rollart_like_job_a_measured_profile_moves_the_prediction_toward_the_si
     // same replica gets the compute decode leaves (52% of peak on the H20s, not 60%), so the
     // prediction may move, and only toward the simulated step.
     let (simulated, before, after) = before_and_after("rollart-agentic", HardwareModel::default());
-    assert!(simulated > before);
+    // Issue #4's target: the plan's predicted step within 10% of the simulated one. (Until the
+    // full prediction counted the burst of refills after every weight update, 2026-11-23, it was
+    // 3% below; now it is 4% above.)
+    assert!(
+        (before / simulated - 1.0).abs() < 0.10,
+        "predicted {before}, simulated {simulated}"
+    );
     assert!(
         (after - simulated).abs() <= (before - simulated).abs(),
         "before {before}, after {after}, simulated {simulated}"
