@@ -370,8 +370,7 @@ pub fn choose(p: &Problem) -> Option<Found> {
 /// simulates 4% faster).
 const TRAINER_TIE: f64 = 0.02;
 
-/// The affinity placement with the trainer size the full prediction prefers, and its predicted
-/// step. Every trainer size on the trainer's pool gets the serving replicas the affinity search
+/// The affinity placement with the trainer size the full prediction prefers. Every trainer size on the trainer's pool gets the serving replicas the affinity search
 /// gives it; of the sizes whose full prediction is within [`TRAINER_TIE`] of the best, the one
 /// the first-order objective ranks first is taken (the full prediction rules out what is
 /// clearly slower, the objective breaks the ties it cannot).

@@ -1149,18 +1149,20 @@ impl Actor {
 
     /// Records a re-plan and starts moving to it in `waves` (superseding a move under way).
     fn begin_move(&mut self, record: ReplanRecord, waves: Vec<rollfleet_sim::sim::MigrationWave>) {
-        let fmt_step =
-            |s: Option<f64>| s.map_or_else(|| "none".to_owned(), |s| format!("{s:.1} s"));
+        let running = record.running_step_s.map_or_else(
+            || "none as it runs (it no longer fits the GPUs or cannot decode)".to_owned(),
+            |s| format!("{s:.1} s as it runs"),
+        );
         eprintln!(
             "scheduler: {}: pool {} has {} GPUs (the plan had {}); re-plan: replicas retired \
-             with their node: {}; predicted step (modelled) {} as it runs, {} on the new plan; {}",
+             with their node: {}; predicted step (modelled) {}, {:.1} s on the new plan; {}",
             record.reason,
             record.pool,
             record.gpus_after,
             record.gpus_before,
             record.replicas_lost,
-            fmt_step(record.running_step_s),
-            fmt_step(Some(record.planned_step_s)),
+            running,
+            record.planned_step_s,
             match waves.len() {
                 0 => "nothing moves".to_owned(),
                 n => format!("moving in {n} waves"),

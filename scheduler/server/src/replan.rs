@@ -238,6 +238,25 @@ mod tests {
         plan.pool_index("decode").unwrap()
     }
 
+    /// GPUs of `pool` the waves of `decision` start replicas on, and those they stop, in all.
+    fn gpus_started_and_stopped(decision: &Decision, pool: u32) -> (u32, u32) {
+        let started = decision
+            .waves
+            .iter()
+            .flat_map(|w| &w.start)
+            .filter(|r| r.pool == pool)
+            .map(|r| r.gpus)
+            .sum();
+        let stopped = decision
+            .waves
+            .iter()
+            .flat_map(|w| &w.stop)
+            .filter(|g| g.pool == pool)
+            .map(|g| g.gpus * g.replicas)
+            .sum();
+        (started, stopped)
+    }
+
     /// The placement's replicas but the last decode one, and that one.
     fn without_the_last_decode_replica(plan: &JobPlan) -> (Vec<ReplicaConfig>, ReplicaConfig) {
         let decode = decode_pool(plan);
@@ -286,20 +305,7 @@ mod tests {
             running <= decision.planned_step_s,
             "{decision:?}"
         );
-        let started: u32 = decision
-            .waves
-            .iter()
-            .flat_map(|w| &w.start)
-            .filter(|r| r.pool == decode)
-            .map(|r| r.gpus)
-            .sum();
-        let stopped: u32 = decision
-            .waves
-            .iter()
-            .flat_map(|w| &w.stop)
-            .filter(|g| g.pool == decode)
-            .map(|g| g.gpus * g.replicas)
-            .sum();
+        let (started, stopped) = gpus_started_and_stopped(&decision, decode);
         assert!(
             2 + started - stopped <= 2,
             "the decode pool would use more than its 2 GPUs left: {decision:?}"
@@ -357,20 +363,7 @@ mod tests {
             .decide(&gpus, &plan.placement.replicas, 0.0)
             .unwrap();
         let resized = decision.waves.iter().rev().find_map(|w| w.trainer_gpus);
-        let started: u32 = decision
-            .waves
-            .iter()
-            .flat_map(|w| &w.start)
-            .filter(|r| r.pool == gpu)
-            .map(|r| r.gpus)
-            .sum();
-        let stopped: u32 = decision
-            .waves
-            .iter()
-            .flat_map(|w| &w.stop)
-            .filter(|g| g.pool == gpu)
-            .map(|g| g.gpus * g.replicas)
-            .sum();
+        let (started, stopped) = gpus_started_and_stopped(&decision, gpu);
         let trainer_after = resized.unwrap_or(trainer.gpus);
         assert!(trainer_after < trainer.gpus, "{decision:?}");
         assert!(
