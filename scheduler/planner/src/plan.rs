@@ -570,7 +570,7 @@ pub fn describe(
             replicas: 1,
             tp: c.trainer_gpus,
             why: format!(
-                "{}; {} GPUs train a step in {:.1} s (the trainer size with the shortest predicted step)",
+                "{}; {} GPUs train a step in {:.1} s (the trainer size the planner predicts fastest with the serving replicas it leaves)",
                 explain_role(p, "training", train, "one step's tokens", c.trainer_pool),
                 c.trainer_gpus,
                 prediction.terms.train_s
