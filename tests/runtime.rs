@@ -311,13 +311,14 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
 }
 
 #[test]
-fn a_lost_node_of_the_pool_the_trainer_shares_shrinks_the_trainer_and_the_job_still_trains_every_step()
+fn a_lost_node_of_the_pool_the_trainer_shares_shrinks_the_trainer_and_a_node_that_joins_grows_it_back()
  {
     let dir = temp_dir("trainer-resize");
     // The quick-start job with training and generation sharing one pool of 8 H800s, four nodes
     // of two: the plan trains on 6 and generates on 2. The trainer is on no one node, so when a
-    // node goes the trainer and the replicas would need 8 of the 6 left.
-    let job = job_file(&dir, 16);
+    // node goes the trainer and the replicas would need 8 of the 6 left. A node that joins
+    // later gives the trainer its GPUs back.
+    let job = job_file(&dir, 24);
     let yaml = std::fs::read_to_string(&job).unwrap();
     let prefill = "    - name: prefill\n      gpu: H800\n      count: 1\n";
     let train = "    - name: train\n      gpu: H800\n      count: 1\n      roles: [train]\n";
@@ -343,11 +344,28 @@ fn a_lost_node_of_the_pool_the_trainer_shares_shrinks_the_trainer_and_the_job_st
     wait_status(&url, "the first step trained", |s| s.policy_version >= 1);
     // The last gpu node (whichever replicas it held: the re-plan is the same either way).
     procs.0[4].kill().unwrap();
+    wait_status(&url, "the gpu node's loss noticed", |s| {
+        s.pools.iter().any(|p| p.pool == "gpu" && p.workers == 3)
+    });
+    procs.0.push(
+        Command::new(BIN)
+            .args(["worker", "--scheduler", &url, "--pool", "gpu"])
+            .args(["--name", "gpu-4", "--gpus", "2"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success(), "the scheduler failed: {status:?}");
-    let report = check_report(&report, 16, 1);
+    let report = check_report(&report, 24, 1);
     let replans = report["replans"].as_array().unwrap();
-    let loss = replans.first().expect("a re-plan on the loss");
+    assert_eq!(
+        replans.len(),
+        2,
+        "a re-plan on the loss and one on the join: {report:#}"
+    );
+    let (loss, join) = (&replans[0], &replans[1]);
     assert_eq!(loss["pool"], "gpu", "{loss:#}");
     assert_eq!(
         (loss["gpus_before"].as_u64(), loss["gpus_after"].as_u64()),
@@ -360,6 +378,17 @@ fn a_lost_node_of_the_pool_the_trainer_shares_shrinks_the_trainer_and_the_job_st
     );
     assert_eq!(loss["waves_done"], loss["waves"], "{loss:#}");
     assert!(loss["done_at_s"].as_f64().is_some(), "{loss:#}");
+    // The join: eight GPUs again, and the trainer back to six once the move is done.
+    assert_eq!(
+        (join["gpus_before"].as_u64(), join["gpus_after"].as_u64()),
+        (Some(6), Some(8)),
+        "{join:#}"
+    );
+    assert_eq!(
+        join["trainer_gpus"], 6,
+        "the trainer grows back to 6 GPUs: {join:#}"
+    );
+    assert_eq!(join["waves_done"], join["waves"], "{join:#}");
 }
 
 /// Runs the quick-start for `steps` steps with `--replan-on-drift 0.2` and its decode worker's
