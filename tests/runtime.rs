@@ -54,6 +54,38 @@ fn job_file(dir: &Path, steps: u32) -> PathBuf {
 
 /// Starts a scheduler on a free port; returns it and its URL.
 fn scheduler(job: &Path, report: &Path, expect: usize, extra: &[&str]) -> (Child, String) {
+    start_scheduler(job, report, expect, extra, Stdio::inherit())
+}
+
+/// [`scheduler`], with its log lines also sent to the receiver returned (and still printed).
+fn scheduler_with_log(
+    job: &Path,
+    report: &Path,
+    expect: usize,
+) -> (Child, String, std::sync::mpsc::Receiver<String>) {
+    let (mut child, url) = start_scheduler(job, report, expect, &[], Stdio::piped());
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("{line}");
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, url, rx)
+}
+
+/// Spawns `rollfleet scheduler` with its log going to `stderr`, and reads the address it
+/// listens on from the first line of its output.
+fn start_scheduler(
+    job: &Path,
+    report: &Path,
+    expect: usize,
+    extra: &[&str],
+    stderr: Stdio,
+) -> (Child, String) {
     let mut child = Command::new(BIN)
         .arg("scheduler")
         .arg(job)
@@ -70,7 +102,7 @@ fn scheduler(job: &Path, report: &Path, expect: usize, extra: &[&str]) -> (Child
         .arg(report)
         .args(extra)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let mut line = String::new();
@@ -85,46 +117,6 @@ fn scheduler(job: &Path, report: &Path, expect: usize, extra: &[&str]) -> (Child
     (child, format!("http://{addr}"))
 }
 
-/// [`scheduler`], with its log lines also sent to the receiver returned (and still printed).
-fn scheduler_with_log(
-    job: &Path,
-    report: &Path,
-    expect: usize,
-) -> (Child, String, std::sync::mpsc::Receiver<String>) {
-    let mut child = Command::new(BIN)
-        .arg("scheduler")
-        .arg(job)
-        .args(["--listen", "127.0.0.1:0", "--time-scale", "1"])
-        .args(["--lease-ms", "2000"])
-        .args(["--expect-workers", &expect.to_string()])
-        .arg("--report")
-        .arg(report)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("{line}");
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap()
-        .to_owned();
-    (child, format!("http://{addr}"), rx)
-}
-
 /// Waits for a log line containing `text`.
 fn wait_log(log: &std::sync::mpsc::Receiver<String>, text: &str) {
     let start = Instant::now();
@@ -136,6 +128,17 @@ fn wait_log(log: &std::sync::mpsc::Receiver<String>, text: &str) {
             Err(e) => panic!("no log line with {text:?} within {DEADLINE:?}: {e}"),
         }
     }
+}
+
+/// A worker that declares how many GPUs its node brings (`--gpus`).
+fn worker_declaring_gpus(url: &str, pool: &str, name: &str, gpus: u32) -> Child {
+    Command::new(BIN)
+        .args(["worker", "--scheduler", url, "--pool", pool, "--name", name])
+        .args(["--gpus", &gpus.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
 }
 
 fn worker(url: &str, pool: &str, name: &str) -> Child {
@@ -319,15 +322,9 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
     });
     // The new node says how many GPUs it brings (the first two are counted as an equal share of
     // the pool's four).
-    procs.0.push(
-        Command::new(BIN)
-            .args(["worker", "--scheduler", &url, "--pool", "decode"])
-            .args(["--name", "decode-2", "--gpus", "2"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    );
+    procs
+        .0
+        .push(worker_declaring_gpus(&url, "decode", "decode-2", 2));
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success(), "the scheduler failed: {status:?}");
     let report = check_report(&report, 24, 1);
@@ -401,15 +398,7 @@ fn a_lost_node_of_the_pool_the_trainer_shares_shrinks_the_trainer_and_a_node_tha
     // join waits for the move to end, so that it does not supersede it.
     procs.0[4].kill().unwrap();
     wait_log(&log, "the move to the new plan is done");
-    procs.0.push(
-        Command::new(BIN)
-            .args(["worker", "--scheduler", &url, "--pool", "gpu"])
-            .args(["--name", "gpu-4", "--gpus", "2"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    );
+    procs.0.push(worker_declaring_gpus(&url, "gpu", "gpu-4", 2));
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success(), "the scheduler failed: {status:?}");
     let report = check_report(&report, 24, 1);
