@@ -201,6 +201,22 @@ fn wait_status(url: &str, what: &str, done: impl Fn(&rollfleet_proto::v1::JobSta
     })
 }
 
+/// Waits for the scheduler to succeed, checks its report (`steps` steps, at least one worker
+/// lost) and returns it with its two re-plans: the loss's and the join's.
+fn loss_and_join(scheduler: &mut Child, report: &Path, steps: u64) -> (Value, Value, Value) {
+    let status = wait_exit(scheduler, DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    let report = check_report(report, steps, 1);
+    let replans = report["replans"].as_array().unwrap();
+    assert_eq!(
+        replans.len(),
+        2,
+        "a re-plan on the loss and one on the join: {report:#}"
+    );
+    let (loss, join) = (replans[0].clone(), replans[1].clone());
+    (report, loss, join)
+}
+
 /// Checks that every trajectory of every step was trained exactly once.
 fn check_report(report: &Path, steps: u64, min_lost: usize) -> Value {
     let report: Value = serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap();
@@ -325,16 +341,7 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
     procs
         .0
         .push(worker_declaring_gpus(&url, "decode", "decode-2", 2));
-    let status = wait_exit(&mut procs.0[0], DEADLINE);
-    assert!(status.success(), "the scheduler failed: {status:?}");
-    let report = check_report(&report, 24, 1);
-    let replans = report["replans"].as_array().unwrap();
-    assert_eq!(
-        replans.len(),
-        2,
-        "a re-plan on the loss and one on the join: {report:#}"
-    );
-    let (loss, join) = (&replans[0], &replans[1]);
+    let (report, loss, join) = loss_and_join(&mut procs.0[0], &report, 24);
     // The loss: two GPUs left, the replica on the lost node retired with it.
     assert_eq!(loss["pool"], "decode");
     assert_eq!(
@@ -399,16 +406,7 @@ fn a_lost_node_of_the_pool_the_trainer_shares_shrinks_the_trainer_and_a_node_tha
     procs.0[4].kill().unwrap();
     wait_log(&log, "the move to the new plan is done");
     procs.0.push(worker_declaring_gpus(&url, "gpu", "gpu-4", 2));
-    let status = wait_exit(&mut procs.0[0], DEADLINE);
-    assert!(status.success(), "the scheduler failed: {status:?}");
-    let report = check_report(&report, 24, 1);
-    let replans = report["replans"].as_array().unwrap();
-    assert_eq!(
-        replans.len(),
-        2,
-        "a re-plan on the loss and one on the join: {report:#}"
-    );
-    let (loss, join) = (&replans[0], &replans[1]);
+    let (_, loss, join) = loss_and_join(&mut procs.0[0], &report, 24);
     assert_eq!(loss["pool"], "gpu", "{loss:#}");
     assert_eq!(
         (loss["gpus_before"].as_u64(), loss["gpus_after"].as_u64()),
