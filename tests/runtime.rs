@@ -517,14 +517,14 @@ fn a_worker_that_reports_a_stage_it_was_never_given_is_cut_off_and_its_work_redo
     let dir = temp_dir("rogue");
     let job = job_file(&dir, 2);
     let report = dir.join("report.json");
-    let (sched, url) = scheduler(&job, &report, 6, &[]);
+    let (sched, url) = scheduler(&job, &report, 7, &[]);
     let mut procs = Procs(vec![sched]);
     for pool in ["prefill", "decode", "train", "envs", "rewards"] {
         procs.0.push(worker(&url, pool, &format!("{pool}-0")));
     }
-    // The sixth worker is a rogue in the environment pool: it takes assignments, then reports
-    // one it was never given.
-    let reason = rt().block_on(async {
+    // Two more peers are rogues: one in the environment pool takes an assignment, then reports
+    // one it was never given; one in the reward pool reports its first assignment twice.
+    let reasons = rt().block_on(async {
         let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
 
         // Bad registrations are refused with the field named.
@@ -571,97 +571,125 @@ fn a_worker_that_reports_a_stage_it_was_never_given_is_cut_off_and_its_work_redo
             assert!(bad.message().contains(field), "{bad:?}");
         }
 
-        let lease = register_peer(
-            &mut client,
-            HardwareInventory {
-                hostname: "rogue".into(),
-                pool: "envs".into(),
-                ..Default::default()
-            },
+        // Both rogues attach before the job starts (it waits for seven workers).
+        tokio::join!(
+            rogue(&url, "rogue", "envs", |first| vec![result_for(
+                first + 1_000_000
+            )]),
+            rogue(&url, "echo", "rewards", |first| vec![
+                result_for(first),
+                result_for(first)
+            ]),
         )
-        .await;
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        tx.send(WorkerMessage {
-            message: Some(worker_message::Message::Hello(WorkerHello {
-                worker_id: lease.worker_id.clone(),
-                epoch: lease.epoch,
-            })),
-        })
-        .unwrap();
-        let mut inbound = client
-            .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        // Keep the lease while waiting for work.
-        let mut hb = client.clone();
-        let id = lease.worker_id.clone();
-        let beat = tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                let _ = hb
-                    .heartbeat(HeartbeatRequest {
-                        worker_id: id.clone(),
-                        epoch: 1,
-                        load: None,
-                    })
-                    .await;
-            }
-        });
-        let mut given = Vec::new();
-        let first = tokio::time::timeout(DEADLINE, async {
-            loop {
-                let m = inbound.message().await.unwrap().unwrap();
-                if let Some(scheduler_message::Message::Assign(a)) = m.message {
-                    given.push(a.assignment_id);
-                    return a.assignment_id;
-                }
-            }
-        })
-        .await
-        .unwrap();
-        // It holds `first` (accepted work) and now lies about another assignment.
-        tx.send(WorkerMessage {
-            message: Some(worker_message::Message::Result(WorkResult {
-                assignment_id: first + 1_000_000,
-                outcome: Some(work_result::Outcome::Output(StageOutput::default())),
-                duration_us: 1,
-            })),
-        })
-        .unwrap();
-        let end = tokio::time::timeout(DEADLINE, async {
-            loop {
-                match inbound.message().await {
-                    Ok(Some(_)) => continue,
-                    Ok(None) => return "closed without a reason".to_owned(),
-                    Err(status) => return status.message().to_owned(),
-                }
-            }
-        })
-        .await
-        .unwrap();
-        beat.abort();
-        // Its lease is gone too.
-        let hb = client
-            .heartbeat(HeartbeatRequest {
-                worker_id: lease.worker_id.clone(),
-                epoch: 1,
-                load: None,
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(hb.code(), tonic::Code::NotFound);
-        end
     });
-    assert!(reason.contains("never given"), "{reason}");
+    assert!(reasons.0.contains("never given"), "{reasons:?}");
+    assert!(reasons.1.contains("reported already"), "{reasons:?}");
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success(), "the scheduler failed: {status:?}");
-    let report = check_report(&report, 2, 1);
+    let report = check_report(&report, 2, 2);
     let lost = report["workers_lost"].to_string();
     assert!(
         lost.contains("rogue") && lost.contains("never given"),
         "{lost}"
     );
+    assert!(
+        lost.contains("echo") && lost.contains("reported already"),
+        "{lost}"
+    );
+}
+
+/// A result with an empty output for assignment `id`.
+fn result_for(id: u64) -> WorkerMessage {
+    WorkerMessage {
+        message: Some(worker_message::Message::Result(WorkResult {
+            assignment_id: id,
+            outcome: Some(work_result::Outcome::Output(StageOutput::default())),
+            duration_us: 1,
+        })),
+    }
+}
+
+/// A peer of `pool` that waits for its first assignment, then sends what `lie` makes of its id;
+/// returns why the scheduler closed its stream, after checking that its lease is gone too.
+async fn rogue(
+    url: &str,
+    hostname: &str,
+    pool: &str,
+    lie: fn(u64) -> Vec<WorkerMessage>,
+) -> String {
+    let mut client = WorkerServiceClient::connect(url.to_owned()).await.unwrap();
+    let lease = register_peer(
+        &mut client,
+        HardwareInventory {
+            hostname: hostname.into(),
+            pool: pool.into(),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(WorkerMessage {
+        message: Some(worker_message::Message::Hello(WorkerHello {
+            worker_id: lease.worker_id.clone(),
+            epoch: lease.epoch,
+        })),
+    })
+    .unwrap();
+    let mut inbound = client
+        .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    // Keep the lease while waiting for work.
+    let mut hb = client.clone();
+    let id = lease.worker_id.clone();
+    let beat = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let _ = hb
+                .heartbeat(HeartbeatRequest {
+                    worker_id: id.clone(),
+                    epoch: 1,
+                    load: None,
+                })
+                .await;
+        }
+    });
+    let first = tokio::time::timeout(DEADLINE, async {
+        loop {
+            let m = inbound.message().await.unwrap().unwrap();
+            if let Some(scheduler_message::Message::Assign(a)) = m.message {
+                return a.assignment_id;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    for message in lie(first) {
+        tx.send(message).unwrap();
+    }
+    let end = tokio::time::timeout(DEADLINE, async {
+        loop {
+            match inbound.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return "closed without a reason".to_owned(),
+                Err(status) => return status.message().to_owned(),
+            }
+        }
+    })
+    .await
+    .unwrap();
+    beat.abort();
+    let hb = client
+        .heartbeat(HeartbeatRequest {
+            worker_id: lease.worker_id.clone(),
+            epoch: 1,
+            load: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(hb.code(), tonic::Code::NotFound);
+    end
 }
 
 #[test]

@@ -2061,10 +2061,17 @@ impl Actor {
             if w.cancelled.remove(&id) {
                 return;
             }
-            self.cut_off(
-                worker,
-                &format!("reported assignment {id}, which it was never given"),
-            );
+            // Said precisely, so that whoever reads the log knows whether to look for a
+            // duplicated report or a confused peer.
+            let why = if id >= self.next_assignment || id == 0 {
+                "which it was never given".to_owned()
+            } else if let Some(other) = self.assignments.get(&id).and_then(|a| a.worker) {
+                let name = self.workers.get(&other).map_or("?", |w| w.name.as_str());
+                format!("which was given to another worker (w{other}, {name})")
+            } else {
+                "which it does not hold (reported already, or never given)".to_owned()
+            };
+            self.cut_off(worker, &format!("reported assignment {id}, {why}"));
             return;
         }
         let Some(a) = self.assignments.remove(&id) else {
