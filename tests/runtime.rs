@@ -1781,3 +1781,302 @@ fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_d
         assert_eq!(again, 0, "the absence is said once: {lines:#?}");
     }
 }
+
+// ---------------------------------------------------------------- a real Prometheus
+
+/// The monitoring manifests: `manifests/monitoring/NAME`.
+fn monitoring_file(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../manifests/monitoring")
+        .join(name)
+}
+
+/// A `prometheus` server on loopback, run from the shipped `prometheus.yml` and rules with the
+/// scrape target, the intervals and the rules' path changed for the test.
+struct Prometheus {
+    child: Child,
+    addr: String,
+}
+
+impl Prometheus {
+    fn start(dir: &Path, target: &str) -> Prometheus {
+        let shipped = std::fs::read_to_string(monitoring_file("prometheus.yml")).unwrap();
+        let rules = monitoring_file("rollfleet-rules.yaml");
+        let config = shipped
+            .replace("scrape_interval: 15s", "scrape_interval: 200ms")
+            .replace("evaluation_interval: 15s", "evaluation_interval: 500ms")
+            .replace("- rollfleet-rules.yaml", &format!("- {}", rules.display()))
+            .replace("rollfleet-scheduler:9464", target);
+        assert!(
+            config.contains(target) && config.contains("200ms"),
+            "{config}"
+        );
+        let config_path = dir.join("prometheus.yml");
+        std::fs::write(&config_path, config).unwrap();
+        // A free port: bound, read and let go (Prometheus cannot report a port it picked).
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config_path.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!("--web.listen-address={addr}"))
+            .arg("--log.level=warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run `prometheus` ({e}): install Prometheus 2.x (Debian: `apt-get install \
+                     prometheus`; .ci/run does)"
+                )
+            });
+        let prometheus = Prometheus { child, addr };
+        let start = Instant::now();
+        while !prometheus.get("/-/ready").starts_with("HTTP/1.0 200") {
+            assert!(start.elapsed() < DEADLINE, "Prometheus never became ready");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        prometheus
+    }
+
+    /// The whole answer (head and body) to `GET path`. HTTP/1.0, so the body is never chunked;
+    /// an empty string while nothing listens.
+    fn get(&self, path: &str) -> String {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(&self.addr) else {
+            return String::new();
+        };
+        let request = format!("GET {path} HTTP/1.0\r\nHost: prometheus\r\n\r\n");
+        let mut out = String::new();
+        if s.write_all(request.as_bytes()).is_err() || s.read_to_string(&mut out).is_err() {
+            return String::new();
+        }
+        out
+    }
+
+    /// The JSON body of an API answer, checked for `"status": "success"`.
+    fn api(&self, path: &str) -> Value {
+        let answer = self.get(path);
+        let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {answer}"));
+        assert_eq!(v["status"], "success", "{path}: {v:#}");
+        v["data"].clone()
+    }
+
+    /// An instant query evaluated at `time` (Unix seconds): the result's series.
+    fn query(&self, promql: &str, time: f64) -> Vec<Value> {
+        let data = self.api(&format!(
+            "/api/v1/query?query={}&time={time:.3}",
+            percent_encoded(promql)
+        ));
+        data["result"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn percent_encoded(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Every query of the shipped Grafana dashboard, with its panel's title, as Prometheus would get
+/// it from Grafana with every pool selected.
+fn dashboard_queries() -> Vec<(String, String)> {
+    let dashboard: Value =
+        serde_json::from_slice(&std::fs::read(monitoring_file("grafana-dashboard.json")).unwrap())
+            .unwrap();
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().unwrap();
+            queries.push((
+                panel["title"].as_str().unwrap().to_owned(),
+                expr.replace("$pool", ".*")
+                    .replace("$__rate_interval", "1m"),
+            ));
+        }
+    }
+    queries
+}
+
+#[test]
+fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_every_dashboard_query()
+ {
+    use rollfleet_proto::v1::{GpuDevice, GpuReading, GpuTelemetryInfo, WorkerLoad};
+    let dir = temp_dir("prometheus");
+    let job = job_file(&dir, 5);
+    let report = dir.join("report.json");
+    let (mut sched, url) = start_scheduler(
+        &job,
+        &report,
+        5,
+        &["--metrics-addr", "127.0.0.1:0"],
+        Stdio::piped(),
+    );
+    let sched_log = stderr_lines(&mut sched);
+    let metrics = wait_line(&sched_log, "Prometheus metrics on http://");
+    let metrics = metrics
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches("/metrics")
+        .to_owned();
+    let mut procs = Procs(vec![sched]);
+    let prometheus = Prometheus::start(&dir, &metrics);
+    // Scraped before the job starts, so that every rate has samples on both sides of it.
+    let start = Instant::now();
+    loop {
+        let targets = prometheus.api("/api/v1/targets");
+        if targets["activeTargets"][0]["health"] == "up" {
+            break;
+        }
+        assert!(start.elapsed() < DEADLINE, "never scraped: {targets:#}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // A peer reading two GPUs (this machine has none), so that the GPU panels have series too.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let peer = {
+        let (url, stop) = (url.clone(), stop.clone());
+        std::thread::spawn(move || {
+            rt().block_on(async {
+                let mut client = WorkerServiceClient::connect(url).await.unwrap();
+                let device = |index: u32| GpuDevice {
+                    index,
+                    name: "NVIDIA H20".into(),
+                    uuid: format!("GPU-prometheus-{index}"),
+                    memory_bytes: 103_079_215_104,
+                };
+                let lease = register_peer(
+                    &mut client,
+                    HardwareInventory {
+                        hostname: "gpu-peer".into(),
+                        pool: "decode".into(),
+                        gpu_telemetry: Some(GpuTelemetryInfo {
+                            available: true,
+                            unavailable_reason: String::new(),
+                            devices: vec![device(0), device(1)],
+                        }),
+                        ..Default::default()
+                    },
+                )
+                .await;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let reading = |index, utilization| GpuReading {
+                        index,
+                        utilization,
+                        memory_used_bytes: 60_000_000_000,
+                    };
+                    let beat = HeartbeatRequest {
+                        worker_id: lease.worker_id.clone(),
+                        epoch: 1,
+                        load: Some(WorkerLoad {
+                            gpus: vec![reading(0, 0.7), reading(1, 0.8)],
+                            ..Default::default()
+                        }),
+                    };
+                    if client.heartbeat(beat).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+            });
+        })
+    };
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+
+    // The first scrape that saw a trajectory trained: queries are evaluated at its time, so the
+    // job may end (and its series go stale) before they are asked.
+    let start = Instant::now();
+    let at = loop {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        let trained = prometheus.query("rollfleet_trajectories_trained_total > 0", now);
+        if let Some(sample) = trained.first() {
+            break sample["value"][0].as_f64().unwrap();
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "no trajectory trained was scraped"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    for (panel, expr) in dashboard_queries() {
+        let series = prometheus.query(&expr, at);
+        assert!(
+            !series.is_empty(),
+            "panel {panel:?}: {expr} returned nothing"
+        );
+        if expr.contains("rollfleet_gpu_") {
+            let text = Value::Array(series).to_string();
+            assert!(text.contains("gpu-peer"), "panel {panel:?}: {text}");
+        }
+    }
+    // Each pool's busy share, as the scheduler computed it.
+    let pools: Vec<String> = prometheus
+        .query("rollfleet_pool_busy_ratio", at)
+        .iter()
+        .map(|s| s["metric"]["pool"].as_str().unwrap().to_owned())
+        .collect();
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        assert!(pools.iter().any(|p| p == pool), "{pool} not in {pools:?}");
+    }
+
+    // The shipped rules loaded and evaluated without an error, and the recording rules recorded.
+    let start = Instant::now();
+    loop {
+        let groups = prometheus.api("/api/v1/rules")["groups"].clone();
+        let rules: Vec<&Value> = groups
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|g| g["rules"].as_array().unwrap())
+            .collect();
+        assert_eq!(rules.len(), 13, "{groups:#}");
+        for rule in &rules {
+            assert_ne!(rule["health"], "err", "{rule:#}");
+        }
+        if rules.iter().all(|r| r["health"] == "ok") {
+            break;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "rules never evaluated: {groups:#}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for record in [
+        "rollfleet:pool_busy_ratio:avg5m",
+        "rollfleet:trajectories_trained:rate5m",
+        "rollfleet:stage_completions:rate5m",
+        "rollfleet:gpu_memory_used:ratio",
+    ] {
+        let recorded = prometheus.query(&format!("last_over_time({record}[5m])"), at + 5.0);
+        assert!(!recorded.is_empty(), "{record} was never recorded");
+    }
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    peer.join().unwrap();
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    check_report(&report, 5, 0);
+}
