@@ -108,14 +108,20 @@ fn the_grafana_dashboard_is_well_formed_and_every_panel_queries_prometheus() {
             let expr = target["expr"].as_str().unwrap();
             assert!(expr.contains("rollfleet_"), "{title}: {expr}");
             // Pool-labelled series follow the dashboard's pool selector.
-            if ["pool_busy", "stage_completions", "workers{", "gpu_"]
-                .iter()
-                .any(|m| expr.contains(m))
+            if [
+                "pool_busy",
+                "pending_stages",
+                "stage_completions",
+                "workers{",
+                "gpu_",
+            ]
+            .iter()
+            .any(|m| expr.contains(m))
             {
                 assert!(expr.contains("pool=~\"$pool\""), "{title}: {expr}");
             }
             queries += 1;
         }
     }
-    assert_eq!(queries, 14);
+    assert_eq!(queries, 18);
 }

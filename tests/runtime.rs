@@ -2002,15 +2002,19 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
         procs.0.push(worker(&url, pool, &format!("{pool}-0")));
     }
 
-    // The first scrape that saw a trajectory trained: queries are evaluated at its time, so the
-    // job may end (and its series go stale) before they are asked.
+    // A time when trajectories had been trained for three scrapes (a rate needs two samples of
+    // a series, and the staleness counters are born with the first trajectory trained): the
+    // queries are evaluated at it, so the job may end (and its series go stale) before they are.
     let start = Instant::now();
     let at = loop {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_secs_f64();
-        let trained = prometheus.query("rollfleet_trajectories_trained_total > 0", now);
+        let trained = prometheus.query(
+            "min(count_over_time(rollfleet_trajectories_trained_by_staleness_total[1m])) >= 3",
+            now,
+        );
         if let Some(sample) = trained.first() {
             break sample["value"][0].as_f64().unwrap();
         }
@@ -2030,6 +2034,15 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
             let text = Value::Array(series).to_string();
             assert!(text.contains("gpu-peer"), "panel {panel:?}: {text}");
         }
+    }
+    // Trained trajectories are within the job's staleness bound (maxStaleness 1).
+    for series in prometheus.query("rollfleet_trajectories_trained_by_staleness_total", at) {
+        let versions: u64 = series["metric"]["versions"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(versions <= 1, "{series}");
     }
     // Each pool's busy share, as the scheduler computed it.
     let pools: Vec<String> = prometheus

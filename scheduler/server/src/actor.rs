@@ -2536,6 +2536,31 @@ impl Actor {
         }
     }
 
+    /// The core's trajectory figures as metrics. Its counts are cumulative, so each counter is
+    /// raised by what it lacks.
+    fn export_trajectory_metrics(&self, in_flight: u64, complete: u64) {
+        let m = &self.metrics;
+        let gauge = |state: &str, n: u64| {
+            m.trajectories
+                .with_label_values(&[state])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        };
+        gauge("generating", in_flight);
+        gauge("waiting", complete);
+        let stats = self.core.stats();
+        for (versions, &n) in stats.staleness_histogram.iter().enumerate() {
+            let counter = m
+                .trained_by_staleness
+                .with_label_values(&[&versions.to_string()]);
+            counter.inc_by(n.saturating_sub(counter.get()));
+        }
+        m.regenerated_turns.inc_by(
+            stats
+                .regenerated_turns
+                .saturating_sub(m.regenerated_turns.get()),
+        );
+    }
+
     fn publish(&mut self) {
         let (in_flight, complete, consumed) = self.core.trajectory_counts();
         let phase = match (self.started, self.ended) {
@@ -2550,15 +2575,21 @@ impl Actor {
                     .pool_busy
                     .with_label_values(&[self.plan.pool_name(p)])
                     .set(busy);
+                let queued_stages = self.pending.get(&p).map_or(0, |q| q.len() as u32);
+                self.metrics
+                    .pending_stages
+                    .with_label_values(&[self.plan.pool_name(p)])
+                    .set(i64::from(queued_stages));
                 PoolStatus {
                     pool: self.plan.pool_name(p).to_owned(),
                     workers: self.attached(p).count() as u32,
                     busy,
-                    queued_stages: self.pending.get(&p).map_or(0, |q| q.len() as u32),
+                    queued_stages,
                 }
             })
             .collect();
         self.metrics.policy_version.set(self.core.version() as i64);
+        self.export_trajectory_metrics(in_flight, complete);
         let message = match phase {
             JobPhase::Pending => format!(
                 "waiting for workers: {} attached, {} expected",

@@ -28,6 +28,15 @@ pub struct Metrics {
     pub replans: IntCounter,
     /// Workers with an open work stream, per pool.
     pub workers: IntGaugeVec,
+    /// Trajectories started and not yet trained on, by state.
+    pub trajectories: IntGaugeVec,
+    /// Trajectories trained on, by how many versions older than the trainer's their oldest
+    /// turn was.
+    pub trained_by_staleness: IntCounterVec,
+    /// Turns thrown away to keep the staleness bound.
+    pub regenerated_turns: IntCounter,
+    /// Stages waiting for a worker of their pool to attach, per pool.
+    pub pending_stages: IntGaugeVec,
     /// Share of the pool's capacity in use over the last second, per pool.
     pub pool_busy: GaugeVec,
     /// The policy version (= RL steps trained).
@@ -78,6 +87,33 @@ impl Metrics {
         )?;
         let workers = IntGaugeVec::new(
             Opts::new("workers", "Workers with an open work stream, per pool."),
+            &["pool"],
+        )?;
+        let trajectories = IntGaugeVec::new(
+            Opts::new(
+                "trajectories",
+                "Trajectories started and not yet trained on: `generating` (a stage running or \
+                 queued) or `waiting` (complete, waiting for their group or the trainer).",
+            ),
+            &["state"],
+        )?;
+        let trained_by_staleness = IntCounterVec::new(
+            Opts::new(
+                "trajectories_trained_by_staleness_total",
+                "Trajectories trained on, by staleness: how many versions older than the \
+                 trainer's their oldest turn was (at most the job's maxStaleness).",
+            ),
+            &["versions"],
+        )?;
+        let regenerated_turns = IntCounter::new(
+            "regenerated_turns_total",
+            "Turns thrown away and generated again to keep the staleness bound.",
+        )?;
+        let pending_stages = IntGaugeVec::new(
+            Opts::new(
+                "pool_pending_stages",
+                "Stages waiting for a worker of the pool to attach (none is).",
+            ),
             &["pool"],
         )?;
         let pool_busy = GaugeVec::new(
@@ -134,6 +170,10 @@ impl Metrics {
         registry.register(Box::new(workers_lost.clone()))?;
         registry.register(Box::new(replans.clone()))?;
         registry.register(Box::new(workers.clone()))?;
+        registry.register(Box::new(trajectories.clone()))?;
+        registry.register(Box::new(trained_by_staleness.clone()))?;
+        registry.register(Box::new(regenerated_turns.clone()))?;
+        registry.register(Box::new(pending_stages.clone()))?;
         registry.register(Box::new(pool_busy.clone()))?;
         registry.register(Box::new(policy_version.clone()))?;
         registry.register(Box::new(gpu_utilization.clone()))?;
@@ -150,6 +190,10 @@ impl Metrics {
             workers_lost,
             replans,
             workers,
+            trajectories,
+            trained_by_staleness,
+            regenerated_turns,
+            pending_stages,
             pool_busy,
             policy_version,
             gpu_utilization,
