@@ -191,9 +191,51 @@ fn plan_on_an_inventory_too_small_for_the_model_exits_3_naming_the_pool_and_the_
     ]);
     assert_eq!(out.status.code(), Some(3));
     let stderr = text(&out.stderr);
+    // Checked as the job's own pools are: the same words as `rollfleet validate`'s.
     assert!(
-        stderr.contains("pool \"l20s\"") && stderr.contains("GB short"),
+        stderr.contains("no GPU pool can hold it")
+            && stderr.contains("\"l20s\" (1 x L20 = 43.2 GB usable) is 39.6 GB short"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn plan_checks_an_inventory_as_a_jobs_pools_and_refuses_a_huge_one_unread() {
+    // Found by fuzzing: a count of 2^63 - 1 made the search run for minutes, and a duplicate
+    // name went unnoticed.
+    let inventory = scratch(
+        "fuzzed-inventory.yaml",
+        "pools:\n  - { name: h800, gpu: H800, count: 9223372036854775807 }\n  \
+         - { name: h20, gpu: H20, count: 320 }\n  \
+         - { name: env-nodes, cpu: c7i.16xlarge, count: 48 }\n  \
+         - { name: lambda, serverless: aws-lambda, concurrency: 800 }\n  \
+         - { name: h800, gpu: H800, count: 192 }\n",
+    );
+    let out = rollfleet(&[
+        "plan",
+        "examples/jobs/rollart-agentic.yaml",
+        "--inventory",
+        inventory.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("pools[0].count: must be at most 1000000 GPUs")
+            && stderr.contains("pools[4].name: duplicate pool name \"h800\""),
+        "{stderr}"
+    );
+    let huge = scratch("huge-inventory.yaml", &"#".repeat(2 << 20));
+    let out = rollfleet(&[
+        "plan",
+        "examples/jobs/rollart-agentic.yaml",
+        "--inventory",
+        huge.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        text(&out.stderr).contains("too large"),
+        "{}",
+        text(&out.stderr)
     );
 }
 

@@ -113,28 +113,106 @@ impl ValidatedJob {
     pub fn spec(&self) -> &JobSpec {
         &self.manifest.spec
     }
+
+    /// The same job on other pools (a cluster inventory, `origin`), validated again as a whole:
+    /// the pools' own problems are named by their path in the inventory (`pools[1].count`),
+    /// the job's problems with them (a reward on a pool the inventory lacks) by their path in
+    /// the job.
+    pub fn with_pools(
+        &self,
+        pools: Vec<PoolSpec>,
+        origin: &str,
+    ) -> Result<ValidatedJob, SpecError> {
+        let mut manifest = self.manifest.clone();
+        manifest.spec.pools = pools;
+        let outcome = validate::validate(&manifest);
+        if !outcome.errors.is_empty() {
+            let problems = outcome
+                .errors
+                .into_iter()
+                .map(|p| match p.path.strip_prefix("spec.pools") {
+                    Some(rest) => Problem {
+                        path: format!("pools{rest}"),
+                        message: p.message,
+                    },
+                    None => Problem {
+                        path: format!("the job's {}", p.path),
+                        message: p.message,
+                    },
+                })
+                .collect();
+            return Err(SpecError::Invalid {
+                origin: origin.to_owned(),
+                problems,
+            });
+        }
+        Ok(ValidatedJob {
+            manifest,
+            catalog: outcome.catalog,
+            warnings: outcome.warnings,
+        })
+    }
 }
 
 /// Reads, parses and validates a job file.
 pub fn load_job_file(path: &Path) -> Result<ValidatedJob, SpecError> {
+    let bytes = read_limited(path)?;
+    parse_job(&bytes, &path.display().to_string())
+}
+
+/// Reads a file of at most [`MAX_SPEC_BYTES`] (a job, or a file in one of its formats), checking
+/// the size before reading, so a huge file is never pulled into memory.
+pub fn read_limited(path: &Path) -> Result<Vec<u8>, SpecError> {
+    use std::io::Read;
     let origin = path.display().to_string();
-    let metadata = std::fs::metadata(path).map_err(|source| SpecError::Read {
+    let read_error = |source| SpecError::Read {
         origin: origin.clone(),
         source,
-    })?;
-    // Check the size before reading, so a huge file is never pulled into memory.
-    if metadata.len() > MAX_SPEC_BYTES as u64 {
-        return Err(SpecError::TooLarge {
-            origin,
-            size: metadata.len(),
-            limit: MAX_SPEC_BYTES,
-        });
+    };
+    let file = std::fs::File::open(path).map_err(read_error)?;
+    let size = file.metadata().map_err(read_error)?.len();
+    let too_large = |size| SpecError::TooLarge {
+        origin: origin.clone(),
+        size,
+        limit: MAX_SPEC_BYTES,
+    };
+    if size > MAX_SPEC_BYTES as u64 {
+        return Err(too_large(size));
     }
-    let bytes = std::fs::read(path).map_err(|source| SpecError::Read {
-        origin: origin.clone(),
-        source,
-    })?;
-    parse_job(&bytes, &origin)
+    // Bounded again while reading: the file may have grown since (or be a pipe).
+    let mut bytes = Vec::new();
+    file.take(MAX_SPEC_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_error)?;
+    if bytes.len() > MAX_SPEC_BYTES {
+        return Err(too_large(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
+/// Parses YAML into `T` (a job, or a file in one of its formats such as an inventory), naming
+/// the field path where it stops.
+pub fn parse_yaml<T: serde::de::DeserializeOwned>(
+    text: &str,
+    origin: &str,
+) -> Result<T, SpecError> {
+    let deserializer = serde_yaml_ng::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(deserializer).map_err(|e| {
+        let path = e.path().to_string();
+        let message = e.inner().to_string();
+        // The YAML parser prefixes some messages with the path (or its parent); say it once.
+        let message = match message.split_once(": ") {
+            Some((prefix, rest)) if !prefix.is_empty() && path.starts_with(prefix) => {
+                rest.to_owned()
+            }
+            _ => message,
+        };
+        SpecError::Syntax {
+            origin: origin.to_owned(),
+            path,
+            message,
+        }
+    })
 }
 
 /// Parses and validates a job from bytes; `origin` names the input in error messages.
@@ -159,23 +237,7 @@ pub fn parse_job(bytes: &[u8], origin: &str) -> Result<ValidatedJob, SpecError> 
                     .to_owned(),
         });
     }
-    let deserializer = serde_yaml_ng::Deserializer::from_str(text);
-    let manifest: JobManifest = serde_path_to_error::deserialize(deserializer).map_err(|e| {
-        let path = e.path().to_string();
-        let message = e.inner().to_string();
-        // The YAML parser prefixes some messages with the path (or its parent); say it once.
-        let message = match message.split_once(": ") {
-            Some((prefix, rest)) if !prefix.is_empty() && path.starts_with(prefix) => {
-                rest.to_owned()
-            }
-            _ => message,
-        };
-        SpecError::Syntax {
-            origin: origin.to_owned(),
-            path,
-            message,
-        }
-    })?;
+    let manifest: JobManifest = parse_yaml(text, origin)?;
     let outcome = validate::validate(&manifest);
     if !outcome.errors.is_empty() {
         return Err(SpecError::Invalid {

@@ -344,3 +344,46 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn other_pools_are_validated_as_the_jobs_own_with_their_paths_in_the_inventory() {
+    let job = parse_job(quickstart().as_bytes(), "job.yaml").unwrap();
+    let mut pools = job.spec().pools.clone();
+    // A count past the limit, and a second pool of the same name.
+    pools[0].count = Some(1 << 40);
+    pools.push(pools[1].clone());
+    let error = job.with_pools(pools, "cluster.yaml").unwrap_err();
+    let problems: Vec<String> = error.problems().iter().map(|p| p.to_string()).collect();
+    assert_eq!(
+        problems,
+        [
+            "pools[0].count: must be at most 1000000 GPUs, got 1099511627776",
+            "pools[5].name: duplicate pool name \"decode\"",
+        ]
+    );
+    assert!(
+        error.to_string().starts_with("cluster.yaml: 2 problems"),
+        "{error}"
+    );
+    // Pools the job's rewards need are missing: the job's field is named.
+    let without_rewards: Vec<_> = job
+        .spec()
+        .pools
+        .iter()
+        .filter(|p| p.name != "rewards")
+        .cloned()
+        .collect();
+    let error = job.with_pools(without_rewards, "cluster.yaml").unwrap_err();
+    let problems: Vec<String> = error.problems().iter().map(|p| p.to_string()).collect();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.starts_with("the job's spec.rewards[1].pool: unknown pool \"rewards\"")),
+        "{problems:?}"
+    );
+    // Valid pools give the job on them, checked.
+    let mut bigger = job.spec().pools.clone();
+    bigger[1].count = Some(8);
+    let moved = job.with_pools(bigger, "cluster.yaml").unwrap();
+    assert_eq!(moved.spec().pools[1].count, Some(8));
+}

@@ -5,9 +5,9 @@
 //! format; it replaces the job's pools (rewards still refer to pools by name).
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use rollfleet_planner::plan::{self, Inventory, Plan};
 use rollfleet_planner::roofline::Efficiency;
 use rollfleet_planner::{compare, search};
@@ -59,12 +59,14 @@ struct Output<'a> {
     affinity_plan_s: Option<f64>,
 }
 
-fn read_inventory(path: &PathBuf) -> Result<Inventory> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
-    let inventory: Inventory =
-        serde_path_to_error::deserialize(serde_yaml_ng::Deserializer::from_str(&text))
-            .map_err(|e| anyhow::anyhow!("{}: {}: {}", path.display(), e.path(), e.inner()))?;
+fn read_inventory(path: &Path) -> Result<Inventory> {
+    let origin = path.display().to_string();
+    let bytes = rollfleet_spec::read_limited(path)?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| rollfleet_spec::SpecError::NotUtf8 {
+        origin: origin.clone(),
+        offset: e.valid_up_to(),
+    })?;
+    let inventory: Inventory = rollfleet_spec::parse_yaml(text, &origin)?;
     if inventory.pools.is_empty() {
         anyhow::bail!("{}: pools: the inventory has no pools", path.display());
     }
@@ -85,16 +87,21 @@ pub fn run(
             return Ok(exit::INVALID_INPUT);
         }
     };
-    let mut spec = job.spec().clone();
-    if let Some(path) = &args.inventory {
-        match read_inventory(path) {
-            Ok(inventory) => spec.pools = inventory.pools,
+    // The inventory's pools are checked as the job's own are (names, products, counts, and
+    // what the job's rewards and tasks need of them).
+    let job = match &args.inventory {
+        Some(path) => match read_inventory(path)
+            .and_then(|inventory| Ok(job.with_pools(inventory.pools, &path.display().to_string())?))
+        {
+            Ok(job) => job,
             Err(e) => {
                 writeln!(stderr, "error: {e:#}")?;
                 return Ok(exit::INVALID_INPUT);
             }
-        }
-    }
+        },
+        None => job,
+    };
+    let spec = job.spec().clone();
     let store = match &args.profiles {
         Some(path) => match crate::commands::profile::read_store(path) {
             Ok(s) => s,

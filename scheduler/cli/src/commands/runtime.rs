@@ -233,14 +233,20 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
         writeln!(stderr, "error: {problem}")?;
         return Ok(exit::INVALID_INPUT);
     }
-    let yaml = match std::fs::read_to_string(&args.job) {
-        Ok(y) => y,
+    let origin = args.job.display().to_string();
+    // Size-limited, so a huge file is refused before it is read.
+    let yaml = match rollfleet_spec::read_limited(&args.job).and_then(|bytes| {
+        String::from_utf8(bytes).map_err(|e| rollfleet_spec::SpecError::NotUtf8 {
+            origin: origin.clone(),
+            offset: e.utf8_error().valid_up_to(),
+        })
+    }) {
+        Ok(yaml) => yaml,
         Err(e) => {
-            writeln!(stderr, "error: {}: {e}", args.job.display())?;
+            writeln!(stderr, "error: {e}")?;
             return Ok(exit::INVALID_INPUT);
         }
     };
-    let origin = args.job.display().to_string();
     if let Err(e) = rollfleet_server::JobPlan::from_yaml(&yaml, &origin, args.seed) {
         writeln!(stderr, "error: {e}")?;
         return Ok(exit::INVALID_INPUT);
