@@ -326,6 +326,7 @@ pub fn solve_affinity(p: &Problem) -> Option<Found> {
 /// The placement to run: [`solve`]'s optimum, unless the affinity placement ([`solve_affinity`],
 /// its trainer sized by [`refine_trainer`]) is predicted faster by the full prediction
 /// ([`predict::predict_with`], refills as a Poisson stream: see [`predict::RefillArrivals`]).
+/// Both have their serving degrees checked by the full prediction first ([`refine_degrees`]).
 ///
 /// The search's first-order objective cannot see what disaggregation buys an agentic job (later
 /// turns' prefills queue behind long ones, and whole-context prefills after every weight update
@@ -335,11 +336,30 @@ pub fn solve_affinity(p: &Problem) -> Option<Found> {
 /// no more decode replicas than that is not taken (on the quick-start job it would be predicted
 /// 5% faster and simulates 14% slower).
 pub fn choose(p: &Problem) -> Option<Found> {
-    let first = solve(p)?;
-    let Some(affinity) = solve_affinity(p) else {
-        return Some(first);
+    choose_with_reason(p).map(|(found, _)| found)
+}
+
+/// What [`choose`] compared to take its placement.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Choice {
+    /// The affinity placement was taken over the search's optimum.
+    pub affinity: bool,
+    /// The full predictions (refills as a Poisson stream) of the search's optimum and of the
+    /// affinity placement, seconds per step; `None` when only one of them could be run.
+    pub compared: Option<(f64, f64)>,
+}
+
+/// [`choose`], with what it compared.
+pub fn choose_with_reason(p: &Problem) -> Option<(Found, Choice)> {
+    let first = refine_degrees(p, solve(p)?);
+    let alone = Choice {
+        affinity: false,
+        compared: None,
     };
-    let affinity = refine_trainer(p, affinity);
+    let Some(affinity) = solve_affinity(p) else {
+        return Some((first, alone));
+    };
+    let affinity = refine_degrees(p, refine_trainer(p, affinity));
     let trainer_nodes = p
         .gpu_pools
         .get(affinity.candidate.trainer_pool)
@@ -347,28 +367,84 @@ pub fn choose(p: &Problem) -> Option<Found> {
             affinity.candidate.trainer_gpus.div_ceil(g.per_node.max(1))
         });
     if affinity.candidate.replicas(Role::Decode) <= trainer_nodes {
-        return Some(first);
+        return Some((first, alone));
     }
     let family = |c: &Candidate| {
         predict::predict_with(p, c, predict::RefillArrivals::Poisson).map(|pr| pr.step_s)
     };
-    match (family(&first.candidate), family(&affinity.candidate)) {
-        (Some(a), Some(b)) if b < a => Some(Found {
-            nodes: first.nodes + affinity.nodes,
-            ..affinity
-        }),
-        _ => Some(Found {
-            nodes: first.nodes + affinity.nodes,
-            ..first
-        }),
-    }
+    let nodes = first.nodes + affinity.nodes;
+    Some(
+        match (family(&first.candidate), family(&affinity.candidate)) {
+            (Some(a), Some(b)) => {
+                let choice = Choice {
+                    affinity: b < a,
+                    compared: Some((a, b)),
+                };
+                let found = if b < a { affinity } else { first };
+                (Found { nodes, ..found }, choice)
+            }
+            _ => (Found { nodes, ..first }, alone),
+        },
+    )
 }
 
-/// How close to the best full prediction a trainer size must come to be counted a tie: the
-/// full prediction is 3-6% off the simulated step on the RollArt-like job, so it does not rank
-/// placements closer than this (at `maxStaleness: 2` it put 96 GPUs 1% ahead of 112, which
-/// simulates 4% faster).
-const TRAINER_TIE: f64 = 0.02;
+/// How close to the best full prediction a trainer size or a degree must come to be counted a
+/// tie: the full prediction is 3-6% off the simulated step on the RollArt-like job, so it does
+/// not rank placements closer than this (at `maxStaleness: 2` it put 96 GPUs 1% ahead of 112,
+/// which simulates 4% faster).
+const PREDICTION_TIE: f64 = 0.02;
+
+/// `found` with each serving group's tensor-parallel degree the full prediction prefers: every
+/// degree the pool allows, on the GPUs the group may use, is predicted; of those within
+/// [`PREDICTION_TIE`] of the best, the first-order objective's first is kept (the group's own
+/// degree, unless the full prediction rules it out).
+///
+/// The search's objective splits decode by water-filling, which counts a slow pool's one-GPU
+/// replicas as capacity no sequence has to wait on; the core's router fills them by their room.
+/// With the RollArt-like job's H20s measured decoding at a quarter of their bandwidth, the
+/// search's optimum was 320 one-GPU H20 replicas, which lost the family comparison to an
+/// affinity placement predicted too close to the running one to move (243.6 s against 245.1 s).
+/// With its degree checked, the optimum is colocated generation on eight-GPU replicas, predicted
+/// 216.4 s: the drift re-plan moves, and the job averages 230.4 s per step simulated instead of
+/// 252.6 s (docs/planner.md).
+fn refine_degrees(p: &Problem, start: Found) -> Found {
+    let mut best = start;
+    for i in 0..best.candidate.groups.len() {
+        let group = best.candidate.groups[i].clone();
+        let Some(pool) = p.gpu_pools.get(group.pool) else {
+            continue;
+        };
+        // The trainer's pool serves with what training leaves; other pools serve whole.
+        let gpus = if best.candidate.trainer_pool == group.pool {
+            pool.count.saturating_sub(best.candidate.trainer_gpus)
+        } else {
+            pool.count
+        };
+        let options: Vec<(Candidate, f64, f64)> = pool
+            .tps
+            .iter()
+            .filter(|&&tp| tp <= gpus)
+            .filter_map(|&tp| {
+                let mut c = best.candidate.clone();
+                c.groups[i].tp = tp;
+                c.groups[i].replicas = gpus / tp;
+                let full = predict::predict(p, &c)?.step_s;
+                let first_order = predict::step_time(p, &c)?;
+                Some((c, full, first_order))
+            })
+            .collect();
+        let fastest = options.iter().map(|o| o.1).fold(f64::INFINITY, f64::min);
+        if let Some((candidate, _, first_order)) = options
+            .into_iter()
+            .filter(|o| o.1 <= fastest * (1.0 + PREDICTION_TIE))
+            .min_by(|a, b| a.2.total_cmp(&b.2))
+        {
+            best.candidate = candidate;
+            best.step_s = first_order;
+        }
+    }
+    best
+}
 
 /// How many nodes either side of the first-order optimum's trainer [`refine_trainer`] tries: it
 /// moved by 2 to 4 nodes on the jobs measured, and every size tried costs an affinity search
@@ -378,7 +454,7 @@ const TRAINER_SCAN_NODES: usize = 16;
 /// The affinity placement with the trainer size the full prediction prefers. Every trainer size
 /// on the trainer's pool within [`TRAINER_SCAN_NODES`] nodes of the first-order optimum's gets
 /// the serving replicas the affinity search gives it; of the sizes whose full prediction is
-/// within [`TRAINER_TIE`] of the best, the one the first-order objective ranks first is taken
+/// within [`PREDICTION_TIE`] of the best, the one the first-order objective ranks first is taken
 /// (the full prediction rules out what is clearly slower, the objective breaks the ties it
 /// cannot).
 ///
@@ -422,7 +498,7 @@ fn refine_trainer(p: &Problem, start: Found) -> Found {
         .fold(f64::INFINITY, f64::min);
     let chosen = options
         .into_iter()
-        .filter(|(_, step)| *step <= best * (1.0 + TRAINER_TIE))
+        .filter(|(_, step)| *step <= best * (1.0 + PREDICTION_TIE))
         .min_by(|a, b| a.0.step_s.total_cmp(&b.0.step_s));
     match chosen {
         Some((mut found, _)) => {

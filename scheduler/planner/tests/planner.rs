@@ -636,6 +636,45 @@ fn many_one_gpu_replicas_on_a_slowed_pool_are_predicted_slower_than_its_eight_gp
 }
 
 #[test]
+fn the_chosen_placement_keeps_the_degree_the_full_prediction_prefers_where_the_search_would_not() {
+    // The drift `rollfleet sim --slow h20:0.25@5 --replan-on-drift` measures on the RollArt-like
+    // job: the H20s decode at a quarter of their bandwidth (their prefills, measured alone, keep
+    // their compute). The search's first-order objective splits decode by water-filling, so it
+    // sees one-GPU H20 replicas as room no sequence waits on and proposes 320 of them; the
+    // placement chosen gives each pool the degree the full prediction prefers.
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/jobs/rollart-agentic.yaml");
+    let job = rollfleet_spec::load_job_file(&path).unwrap();
+    let mut p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let h20 = p.gpu_pools.iter().position(|g| g.name == "h20").unwrap();
+    let h20_degree = |c: &predict::Candidate| {
+        c.groups
+            .iter()
+            .find(|g| g.pool == h20 && g.replicas > 0)
+            .map(|g| g.tp)
+    };
+    // Without the drift the degrees are the search's own: 8 on the H20s.
+    let (searched, chosen) = (search::solve(&p).unwrap(), search::choose(&p).unwrap());
+    assert_eq!(h20_degree(&searched.candidate), Some(8));
+    assert_eq!(h20_degree(&chosen.candidate), Some(8));
+    p.gpu_pools[h20].rates.bandwidth *= 0.25;
+    let searched = search::solve(&p).unwrap().candidate;
+    assert_eq!(h20_degree(&searched), Some(1), "{searched:?}");
+    let (chosen, choice) = search::choose_with_reason(&p).unwrap();
+    assert_eq!(h20_degree(&chosen.candidate), Some(8), "{chosen:?}");
+    let full = |c: &predict::Candidate| predict::predict(&p, c).unwrap().step_s;
+    assert!(
+        full(&chosen.candidate) < 0.7 * full(&searched),
+        "{} against {}",
+        full(&chosen.candidate),
+        full(&searched)
+    );
+    // The family comparison saw the optimum with its degree checked, not the one-GPU replicas.
+    let (search_s, _) = choice.compared.unwrap();
+    assert!(search_s < 0.7 * full(&searched), "{choice:?}");
+}
+
+#[test]
 fn turns_wait_for_a_weight_update_only_when_every_replica_updates_at_once() {
     // Two H20 replicas of 4 GPUs and an 8-GPU trainer. The core updates as many replicas at
     // once as the trainer has nodes: with 4 GPUs a node that is both replicas together, so a

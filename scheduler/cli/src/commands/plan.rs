@@ -120,7 +120,7 @@ pub fn run(
                 return Ok(exit::INVALID_INPUT);
             }
         };
-    let Some(found) = search::choose(&problem) else {
+    let Some((found, choice)) = search::choose_with_reason(&problem) else {
         writeln!(stderr, "error: no placement can run the job")?;
         return Ok(exit::INVALID_INPUT);
     };
@@ -152,18 +152,10 @@ pub fn run(
         }
     }
     // `choose` took the affinity placement over the search's optimum: say so, with both figures.
-    let family = |c: &rollfleet_planner::predict::Candidate| {
-        rollfleet_planner::predict::predict_with(
-            &problem,
-            c,
-            rollfleet_planner::predict::RefillArrivals::Poisson,
-        )
-        .map(|prediction| prediction.step_s)
+    let (affinity_over_search_s, affinity_plan_s) = match choice.compared {
+        Some((search_s, affinity_s)) if choice.affinity => (Some(search_s), Some(affinity_s)),
+        _ => (None, None),
     };
-    let affinity_over_search_s = search::solve(&problem)
-        .filter(|first| first.candidate != found.candidate)
-        .and_then(|first| family(&first.candidate));
-    let affinity_plan_s = affinity_over_search_s.and_then(|_| family(&found.candidate));
     let output = Output {
         job: job.manifest.metadata.name.clone(),
         plan: &planned,
