@@ -519,11 +519,8 @@ fn a_worker_that_reports_a_stage_it_was_never_given_is_cut_off_and_its_work_redo
     let report = dir.join("report.json");
     let (sched, url) = scheduler(&job, &report, 7, &[]);
     let mut procs = Procs(vec![sched]);
-    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
-        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
-    }
-    // Two more peers are rogues: one in the environment pool takes an assignment, then reports
-    // one it was never given; one in the reward pool reports its first assignment twice.
+    // Two of the seven workers are rogues: one in the environment pool takes an assignment, then
+    // reports one it was never given; one in the reward pool reports its first assignment twice.
     let reasons = rt().block_on(async {
         let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
 
@@ -571,15 +568,18 @@ fn a_worker_that_reports_a_stage_it_was_never_given_is_cut_off_and_its_work_redo
             assert!(bad.message().contains(field), "{bad:?}");
         }
 
-        // Both rogues attach before the job starts (it waits for seven workers).
+        // The rogues register before the honest workers: the least-loaded rule breaks ties by
+        // registration, so each rogue gets its pool's first assignment (rewards are few).
+        let (envs, rewards) = tokio::join!(
+            Rogue::attach(&url, "rogue", "envs"),
+            Rogue::attach(&url, "echo", "rewards")
+        );
+        for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+            procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+        }
         tokio::join!(
-            rogue(&url, "rogue", "envs", |first| vec![result_for(
-                first + 1_000_000
-            )]),
-            rogue(&url, "echo", "rewards", |first| vec![
-                result_for(first),
-                result_for(first)
-            ]),
+            envs.lie(|first| vec![result_for(first + 1_000_000)]),
+            rewards.lie(|first| vec![result_for(first), result_for(first)]),
         )
     });
     assert!(reasons.0.contains("never given"), "{reasons:?}");
@@ -609,87 +609,105 @@ fn result_for(id: u64) -> WorkerMessage {
     }
 }
 
-/// A peer of `pool` that waits for its first assignment, then sends what `lie` makes of its id;
-/// returns why the scheduler closed its stream, after checking that its lease is gone too.
-async fn rogue(
-    url: &str,
-    hostname: &str,
-    pool: &str,
-    lie: fn(u64) -> Vec<WorkerMessage>,
-) -> String {
-    let mut client = WorkerServiceClient::connect(url.to_owned()).await.unwrap();
-    let lease = register_peer(
-        &mut client,
-        HardwareInventory {
-            hostname: hostname.into(),
-            pool: pool.into(),
-            ..Default::default()
-        },
-    )
-    .await;
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tx.send(WorkerMessage {
-        message: Some(worker_message::Message::Hello(WorkerHello {
-            worker_id: lease.worker_id.clone(),
-            epoch: lease.epoch,
-        })),
-    })
-    .unwrap();
-    let mut inbound = client
-        .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    // Keep the lease while waiting for work.
-    let mut hb = client.clone();
-    let id = lease.worker_id.clone();
-    let beat = tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let _ = hb
-                .heartbeat(HeartbeatRequest {
-                    worker_id: id.clone(),
-                    epoch: 1,
-                    load: None,
-                })
-                .await;
-        }
-    });
-    let first = tokio::time::timeout(DEADLINE, async {
-        loop {
-            let m = inbound.message().await.unwrap().unwrap();
-            if let Some(scheduler_message::Message::Assign(a)) = m.message {
-                return a.assignment_id;
+/// A test peer with an open work stream that misbehaves on request.
+struct Rogue {
+    client: WorkerServiceClient<tonic::transport::Channel>,
+    worker_id: String,
+    outbox: tokio::sync::mpsc::UnboundedSender<WorkerMessage>,
+    inbound: tonic::Streaming<rollfleet_proto::v1::SchedulerMessage>,
+    heartbeats: tokio::task::JoinHandle<()>,
+}
+
+impl Rogue {
+    /// Registers in `pool`, opens its work stream and keeps its lease.
+    async fn attach(url: &str, hostname: &str, pool: &str) -> Rogue {
+        let mut client = WorkerServiceClient::connect(url.to_owned()).await.unwrap();
+        let lease = register_peer(
+            &mut client,
+            HardwareInventory {
+                hostname: hostname.into(),
+                pool: pool.into(),
+                ..Default::default()
+            },
+        )
+        .await;
+        let (outbox, rx) = tokio::sync::mpsc::unbounded_channel();
+        outbox
+            .send(WorkerMessage {
+                message: Some(worker_message::Message::Hello(WorkerHello {
+                    worker_id: lease.worker_id.clone(),
+                    epoch: lease.epoch,
+                })),
+            })
+            .unwrap();
+        let inbound = client
+            .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut hb = client.clone();
+        let id = lease.worker_id.clone();
+        let heartbeats = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let _ = hb
+                    .heartbeat(HeartbeatRequest {
+                        worker_id: id.clone(),
+                        epoch: 1,
+                        load: None,
+                    })
+                    .await;
             }
+        });
+        Rogue {
+            client,
+            worker_id: lease.worker_id,
+            outbox,
+            inbound,
+            heartbeats,
         }
-    })
-    .await
-    .unwrap();
-    for message in lie(first) {
-        tx.send(message).unwrap();
     }
-    let end = tokio::time::timeout(DEADLINE, async {
-        loop {
-            match inbound.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => return "closed without a reason".to_owned(),
-                Err(status) => return status.message().to_owned(),
+
+    /// Waits for its first assignment, then sends what `lie` makes of its id; returns why the
+    /// scheduler closed its stream, after checking that its lease is gone too.
+    async fn lie(mut self, lie: fn(u64) -> Vec<WorkerMessage>) -> String {
+        let first = tokio::time::timeout(DEADLINE, async {
+            loop {
+                let m = self.inbound.message().await.unwrap().unwrap();
+                if let Some(scheduler_message::Message::Assign(a)) = m.message {
+                    return a.assignment_id;
+                }
             }
-        }
-    })
-    .await
-    .unwrap();
-    beat.abort();
-    let hb = client
-        .heartbeat(HeartbeatRequest {
-            worker_id: lease.worker_id.clone(),
-            epoch: 1,
-            load: None,
         })
         .await
-        .unwrap_err();
-    assert_eq!(hb.code(), tonic::Code::NotFound);
-    end
+        .unwrap();
+        for message in lie(first) {
+            self.outbox.send(message).unwrap();
+        }
+        let end = tokio::time::timeout(DEADLINE, async {
+            loop {
+                match self.inbound.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return "closed without a reason".to_owned(),
+                    Err(status) => return status.message().to_owned(),
+                }
+            }
+        })
+        .await
+        .unwrap();
+        self.heartbeats.abort();
+        let hb = self
+            .client
+            .heartbeat(HeartbeatRequest {
+                worker_id: self.worker_id.clone(),
+                epoch: 1,
+                load: None,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(hb.code(), tonic::Code::NotFound);
+        end
+    }
 }
 
 #[test]
