@@ -728,6 +728,31 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
     }
     rt().block_on(async {
         let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
+        // A hostile 100 KB name is refused with the field named and the name cut short: echoed
+        // whole, the error overflowed the client's HTTP/2 header limit (found by fuzzing).
+        let long = "x".repeat(100_000);
+        let refused = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    pool: long.clone(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(
+            refused
+                .message()
+                .starts_with("inventory.pool: job quickstart has no pool \"xxx")
+                && refused.message().contains("... (100000 bytes)"),
+            "{refused:?}"
+        );
+        let mut jobs = JobServiceClient::connect(url.clone()).await.unwrap();
+        let unknown = jobs.status(JobRef { job: long.clone() }).await.unwrap_err();
+        assert_eq!(unknown.code(), tonic::Code::NotFound, "{unknown:?}");
+        assert!(unknown.message().len() < 300, "{unknown:?}");
         let lease = register_peer(
             &mut client,
             HardwareInventory {
@@ -842,6 +867,19 @@ fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
     }
     let (first, second) = rt().block_on(async {
         let mut client = TrainerFeedClient::connect(url.clone()).await.unwrap();
+        // A trainer cannot resume past what was ever sent (found by fuzzing: it overflowed the
+        // window's arithmetic, and would have dropped every trajectory appended since).
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(subscribe(u64::MAX, u32::MAX)).unwrap();
+        let refused = client
+            .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(
+            refused.message().contains("subscribe.resume_from"),
+            "{refused:?}"
+        );
         // First connection: a window of 8, read 10 (acking 5 opens the window), then leave.
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tx.send(subscribe(1, 8)).unwrap();

@@ -667,9 +667,9 @@ impl Actor {
             .collect();
         let pool = self.plan.pool_index(&inventory.pool).ok_or_else(|| {
             Status::invalid_argument(format!(
-                "inventory.pool: job {} has no pool {:?} (pools: {})",
+                "inventory.pool: job {} has no pool {} (pools: {})",
                 self.plan.name(),
-                inventory.pool,
+                crate::quoted(&inventory.pool),
                 pools.join(", ")
             ))
         })?;
@@ -684,8 +684,8 @@ impl Actor {
         );
         if !matches {
             return Err(Status::invalid_argument(format!(
-                "inventory.device: pool {:?} is a {:?} pool; the worker offers {}",
-                inventory.pool,
+                "inventory.device: pool {} is a {:?} pool; the worker offers {}",
+                crate::quoted(&inventory.pool),
                 role,
                 match inventory.device {
                     Some(Device::Gpu(_)) => "GPUs",
@@ -700,15 +700,17 @@ impl Actor {
             let product = spec.gpu.as_deref().unwrap_or_default();
             if !gpu.product.is_empty() && !gpu.product.eq_ignore_ascii_case(product) {
                 return Err(Status::invalid_argument(format!(
-                    "inventory.gpu.product: pool {:?} is of {product} GPUs; the worker offers {:?}",
-                    inventory.pool, gpu.product
+                    "inventory.gpu.product: pool {} is of {product} GPUs; the worker offers {}",
+                    crate::quoted(&inventory.pool),
+                    crate::quoted(&gpu.product)
                 )));
             }
             let count = spec.count.unwrap_or(0).max(0) as u64;
             if u64::from(gpu.count) > count {
                 return Err(Status::invalid_argument(format!(
-                    "inventory.gpu.count: the worker offers {} GPUs; pool {:?} has {count}",
-                    gpu.count, inventory.pool
+                    "inventory.gpu.count: the worker offers {} GPUs; pool {} has {count}",
+                    gpu.count,
+                    crate::quoted(&inventory.pool)
                 )));
             }
         }
@@ -821,8 +823,9 @@ impl Actor {
                 })
             }
             _ => Err(Status::not_found(format!(
-                "worker_id: {worker_id:?} (epoch {epoch}) holds no lease (expired, cut off, or never \
-                 registered); register again"
+                "worker_id: {} (epoch {epoch}) holds no lease (expired, cut off, or never \
+                 registered); register again",
+                crate::quoted(worker_id)
             ))),
         }
     }
@@ -833,7 +836,8 @@ impl Actor {
             .filter(|id| self.workers.get(id).is_some_and(|w| w.alive))
             .ok_or_else(|| {
                 Status::not_found(format!(
-                    "hello.worker_id: {worker_id:?} holds no lease; register first"
+                    "hello.worker_id: {} holds no lease; register first",
+                    crate::quoted(worker_id)
                 ))
             })?;
         if epoch != 1 {

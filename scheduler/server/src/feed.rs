@@ -176,12 +176,23 @@ impl TrainerFeed for Feed {
         };
         if subscribe.job != self.job {
             return Err(Status::not_found(format!(
-                "subscribe.job: {:?} is not known here; this scheduler runs {:?}",
-                subscribe.job, self.job
+                "subscribe.job: {} is not known here; this scheduler runs {:?}",
+                crate::quoted(&subscribe.job),
+                self.job
             )));
         }
         let log = self.log.clone();
-        // Everything before `resume_from` is durably consumed by the trainer's own account.
+        // Everything before `resume_from` is durably consumed by the trainer's own account, which
+        // cannot hold an item never sent: taking its word for one would drop the trajectories
+        // appended since, untrained.
+        let next_sequence = log.lock().next_sequence;
+        if subscribe.resume_from > next_sequence {
+            return Err(Status::invalid_argument(format!(
+                "subscribe.resume_from: {} was never sent (the next item is {next_sequence}); a \
+                 trainer resuming from another scheduler's feed must start from 0",
+                subscribe.resume_from
+            )));
+        }
         let resume = subscribe.resume_from.max(1);
         log.ack(resume - 1);
         log.lock().subscribed = true;
@@ -199,7 +210,7 @@ impl TrainerFeed for Feed {
                     return;
                 }
                 let appended = *last.borrow_and_update();
-                let until = appended.min(log.acked() + window);
+                let until = appended.min(log.acked().saturating_add(window));
                 if next <= until {
                     for item in log.items(next, until) {
                         if tx.send(Ok(item)).await.is_err() {

@@ -143,7 +143,8 @@ impl Jobs {
         let name = self.status.borrow().job.clone();
         if job != name {
             return Err(Status::not_found(format!(
-                "job: {job:?} is not known here; this scheduler runs {name:?}"
+                "job: {} is not known here; this scheduler runs {name:?}",
+                crate::quoted(job)
             )));
         }
         Ok(())

@@ -36,6 +36,22 @@ pub use plan::{JobPlan, PlanError, PoolRole};
 /// Profile samples a worker's load report may carry; more is a protocol violation.
 pub const MAX_PROFILE_SAMPLES_PER_REPORT: usize = 512;
 
+/// A string a peer sent, quoted for an error message: at most [`QUOTED_CHARS`] characters of
+/// it. An error travels in the `grpc-message` header, and one echoing a hostile 100 KB name
+/// whole broke the client's HTTP/2 header limit instead of reaching it (found by fuzzing).
+pub fn quoted(s: &str) -> String {
+    let mut chars = s.chars();
+    let head: String = chars.by_ref().take(QUOTED_CHARS).collect();
+    if chars.next().is_none() {
+        format!("{head:?}")
+    } else {
+        format!("{head:?}... ({} bytes)", s.len())
+    }
+}
+
+/// How much of a peer's string an error message quotes.
+pub const QUOTED_CHARS: usize = 64;
+
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -170,4 +186,20 @@ pub async fn serve_until(
         what: "scheduler actor".into(),
         source: std::io::Error::other("the actor stopped without a report"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quoted;
+
+    #[test]
+    fn a_peers_string_is_quoted_whole_when_short_and_cut_with_its_length_when_long() {
+        assert_eq!(quoted("h20"), "\"h20\"");
+        assert_eq!(quoted("a\u{0}b"), "\"a\\0b\"");
+        let long = "ü".repeat(100);
+        assert_eq!(
+            quoted(&long),
+            format!("{:?}... (200 bytes)", "ü".repeat(64))
+        );
+    }
 }
