@@ -414,12 +414,18 @@ fn refine_degrees(p: &Problem, start: Found) -> Found {
         let Some(pool) = p.gpu_pools.get(group.pool) else {
             continue;
         };
-        // The trainer's pool serves with what training leaves; other pools serve whole.
-        let gpus = if best.candidate.trainer_pool == group.pool {
-            pool.count.saturating_sub(best.candidate.trainer_gpus)
+        // The group serves with what training and the pool's other groups (none in the
+        // search's placements) leave it.
+        let trainer = if best.candidate.trainer_pool == group.pool {
+            best.candidate.trainer_gpus
         } else {
-            pool.count
+            0
         };
+        let others: u32 = (best.candidate.groups.iter().enumerate())
+            .filter(|&(j, g)| j != i && g.pool == group.pool)
+            .map(|(_, g)| g.tp * g.replicas)
+            .sum();
+        let gpus = pool.count.saturating_sub(trainer).saturating_sub(others);
         let options: Vec<(Candidate, f64, f64)> = pool
             .tps
             .iter()
