@@ -175,6 +175,16 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
     assert!(plan_s < search_s, "{plan_s} against {search_s}");
 }
 
+/// `rollfleet plan` of the RollArt-like job on the inventory file `inventory`.
+fn plan_rollart_on(inventory: &Path) -> Output {
+    rollfleet(&[
+        "plan",
+        "examples/jobs/rollart-agentic.yaml",
+        "--inventory",
+        inventory.to_str().unwrap(),
+    ])
+}
+
 #[test]
 fn plan_on_an_inventory_too_small_for_the_model_exits_3_naming_the_pool_and_the_bytes_short() {
     let inventory = scratch(
@@ -183,12 +193,7 @@ fn plan_on_an_inventory_too_small_for_the_model_exits_3_naming_the_pool_and_the_
          - { name: env-nodes, cpu: c7i.16xlarge, count: 4 }\n  \
          - { name: lambda, serverless: aws-lambda, concurrency: 100 }\n",
     );
-    let out = rollfleet(&[
-        "plan",
-        "examples/jobs/rollart-agentic.yaml",
-        "--inventory",
-        inventory.to_str().unwrap(),
-    ]);
+    let out = plan_rollart_on(&inventory);
     assert_eq!(out.status.code(), Some(3));
     let stderr = text(&out.stderr);
     // Checked as the job's own pools are: the same words as `rollfleet validate`'s.
@@ -211,12 +216,7 @@ fn plan_checks_an_inventory_as_a_jobs_pools_and_refuses_a_huge_one_unread() {
          - { name: lambda, serverless: aws-lambda, concurrency: 800 }\n  \
          - { name: h800, gpu: H800, count: 192 }\n",
     );
-    let out = rollfleet(&[
-        "plan",
-        "examples/jobs/rollart-agentic.yaml",
-        "--inventory",
-        inventory.to_str().unwrap(),
-    ]);
+    let out = plan_rollart_on(&inventory);
     assert_eq!(out.status.code(), Some(3));
     let stderr = text(&out.stderr);
     assert!(
@@ -225,12 +225,7 @@ fn plan_checks_an_inventory_as_a_jobs_pools_and_refuses_a_huge_one_unread() {
         "{stderr}"
     );
     let huge = scratch("huge-inventory.yaml", &"#".repeat(2 << 20));
-    let out = rollfleet(&[
-        "plan",
-        "examples/jobs/rollart-agentic.yaml",
-        "--inventory",
-        huge.to_str().unwrap(),
-    ]);
+    let out = plan_rollart_on(&huge);
     assert_eq!(out.status.code(), Some(3));
     assert!(
         text(&out.stderr).contains("too large"),

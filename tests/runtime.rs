@@ -1555,6 +1555,27 @@ fn wait_line(lines: &std::sync::mpsc::Receiver<String>, needle: &str) -> String 
     }
 }
 
+/// A test peer `gpu-peer` of the decode pool that declares two GPUs of `name` with telemetry.
+fn gpu_peer(name: &str, memory_bytes: u64) -> HardwareInventory {
+    use rollfleet_proto::v1::{GpuDevice, GpuTelemetryInfo};
+    let device = |index: u32| GpuDevice {
+        index,
+        name: name.into(),
+        uuid: format!("GPU-test-{index}"),
+        memory_bytes,
+    };
+    HardwareInventory {
+        hostname: "gpu-peer".into(),
+        pool: "decode".into(),
+        gpu_telemetry: Some(GpuTelemetryInfo {
+            available: true,
+            unavailable_reason: String::new(),
+            devices: vec![device(0), device(1)],
+        }),
+        ..Default::default()
+    }
+}
+
 /// The scheduler's Prometheus exposition.
 fn scrape(addr: &str) -> String {
     use std::io::{Read, Write};
@@ -1575,7 +1596,7 @@ fn sample(exposition: &str, series: &str) -> Option<f64> {
 
 #[test]
 fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_driver() {
-    use rollfleet_proto::v1::{GpuDevice, GpuReading, GpuTelemetryInfo, WorkerLoad};
+    use rollfleet_proto::v1::{GpuReading, GpuTelemetryInfo, WorkerLoad};
     let dir = temp_dir("telemetry");
     let job = job_file(&dir, 1);
     let report = dir.join("report.json");
@@ -1633,26 +1654,7 @@ fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_d
     let lease_ms = rt().block_on(async {
         let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
         // A peer that reads two GPUs: it declares them, then reports them with a heartbeat.
-        let device = |index: u32| GpuDevice {
-            index,
-            name: "NVIDIA H800".into(),
-            uuid: format!("GPU-test-{index}"),
-            memory_bytes: 85_899_345_920,
-        };
-        let lease = register_peer(
-            &mut client,
-            HardwareInventory {
-                hostname: "gpu-peer".into(),
-                pool: "decode".into(),
-                gpu_telemetry: Some(GpuTelemetryInfo {
-                    available: true,
-                    unavailable_reason: String::new(),
-                    devices: vec![device(0), device(1)],
-                }),
-                ..Default::default()
-            },
-        )
-        .await;
+        let lease = register_peer(&mut client, gpu_peer("NVIDIA H800", 85_899_345_920)).await;
         let reading = |index, utilization, memory_used_bytes| GpuReading {
             index,
             utilization,
@@ -1973,7 +1975,7 @@ fn dashboard_queries() -> Vec<(String, String)> {
 #[test]
 fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_every_dashboard_query()
  {
-    use rollfleet_proto::v1::{GpuDevice, GpuReading, GpuTelemetryInfo, WorkerLoad};
+    use rollfleet_proto::v1::{GpuReading, WorkerLoad};
     let dir = temp_dir("prometheus");
     let job = job_file(&dir, 5);
     let report = dir.join("report.json");
@@ -2012,26 +2014,8 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
         std::thread::spawn(move || {
             rt().block_on(async {
                 let mut client = WorkerServiceClient::connect(url).await.unwrap();
-                let device = |index: u32| GpuDevice {
-                    index,
-                    name: "NVIDIA H20".into(),
-                    uuid: format!("GPU-prometheus-{index}"),
-                    memory_bytes: 103_079_215_104,
-                };
-                let lease = register_peer(
-                    &mut client,
-                    HardwareInventory {
-                        hostname: "gpu-peer".into(),
-                        pool: "decode".into(),
-                        gpu_telemetry: Some(GpuTelemetryInfo {
-                            available: true,
-                            unavailable_reason: String::new(),
-                            devices: vec![device(0), device(1)],
-                        }),
-                        ..Default::default()
-                    },
-                )
-                .await;
+                let lease =
+                    register_peer(&mut client, gpu_peer("NVIDIA H20", 103_079_215_104)).await;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     let reading = |index, utilization| GpuReading {
                         index,
