@@ -1555,6 +1555,16 @@ fn wait_line(lines: &std::sync::mpsc::Receiver<String>, needle: &str) -> String 
     }
 }
 
+/// The address of the scheduler's metrics endpoint, from its log.
+fn metrics_address(log: &std::sync::mpsc::Receiver<String>) -> String {
+    let line = wait_line(log, "Prometheus metrics on http://");
+    line.split("http://")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches("/metrics")
+        .to_owned()
+}
+
 /// A test peer `gpu-peer` of the decode pool that declares two GPUs of `name` with telemetry.
 fn gpu_peer(name: &str, memory_bytes: u64) -> HardwareInventory {
     use rollfleet_proto::v1::{GpuDevice, GpuTelemetryInfo};
@@ -1622,13 +1632,7 @@ fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_d
         line.trim().strip_prefix("listening on ").unwrap()
     );
     let sched_log = stderr_lines(&mut sched);
-    let metrics = wait_line(&sched_log, "Prometheus metrics on http://");
-    let metrics = metrics
-        .split("http://")
-        .nth(1)
-        .unwrap()
-        .trim_end_matches("/metrics")
-        .to_owned();
+    let metrics = metrics_address(&sched_log);
     let mut procs = Procs(vec![sched]);
 
     // A real worker on this machine. With no NVIDIA driver (this project's machines) it says so
@@ -1987,13 +1991,7 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
         Stdio::piped(),
     );
     let sched_log = stderr_lines(&mut sched);
-    let metrics = wait_line(&sched_log, "Prometheus metrics on http://");
-    let metrics = metrics
-        .split("http://")
-        .nth(1)
-        .unwrap()
-        .trim_end_matches("/metrics")
-        .to_owned();
+    let metrics = metrics_address(&sched_log);
     let mut procs = Procs(vec![sched]);
     let prometheus = Prometheus::start(&dir, &metrics);
     // Scraped before the job starts, so that every rate has samples on both sides of it.
