@@ -944,6 +944,78 @@ fn a_trajectory_too_stale_to_continue_is_regenerated_from_the_offending_turn() {
     assert!(core.stats().regenerated_turns >= 1);
 }
 
+/// Bound 0, groups of two, two groups in flight: trajectory 2 finishes at version 0 while its
+/// group's other member, trajectory 3, has generated `turns_of_3` turns (0 or 1) at version 0;
+/// then the first group is trained on and publishes version 1. Returns the core just after.
+fn publish_while_a_finished_trajectory_waits(turns_of_3: usize) -> Core {
+    let cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        policy(Discipline::Continuous, 0, 1.0, SyncMode::Rolling),
+        2,
+        2,
+        3,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let resets = runs(&drain(&mut core));
+    assert_eq!(resets.len(), 4);
+    complete_one(&mut core, &resets[2]);
+    if turns_of_3 > 0 {
+        let generate = runs(&finish(&mut core, resets[3].stage, observed(100, false)));
+        finish(
+            &mut core,
+            generate[0].stage,
+            StageOutcome::Generated { tokens: 10 },
+        );
+    }
+    assert_eq!(core.trajectory_counts(), (3, 1, 0));
+    complete_one(&mut core, &resets[0]);
+    let out = complete_one(&mut core, &resets[1]);
+    let Some(Command::Train { batch, .. }) = out
+        .iter()
+        .find(|c| matches!(c, Command::Train { .. }))
+        .cloned()
+    else {
+        panic!("{out:?}")
+    };
+    core.handle_input(Time(5), Input::TrainFinished { batch });
+    core
+}
+
+#[test]
+fn a_finished_trajectory_that_alone_keeps_its_group_from_training_is_regenerated_when_a_publication_expires_it()
+ {
+    // Trajectory 3 has not even reset: trajectory 2's expired turn is all that stands between
+    // the group and the trainer, so it starts again now rather than when trajectory 3 finishes.
+    let mut core = publish_while_a_finished_trajectory_waits(0);
+    assert_eq!(core.stats().regenerated_at_publish, 1);
+    assert_eq!(core.trajectory_counts().1, 0, "no longer waiting");
+    let out = drain(&mut core);
+    let Some(Command::UpdateWeights {
+        replica, version, ..
+    }) = out
+        .iter()
+        .find(|c| matches!(c, Command::UpdateWeights { .. }))
+        .cloned()
+    else {
+        panic!("{out:?}")
+    };
+    core.handle_input(Time(6), Input::WeightsUpdated { replica, version });
+    let again = runs(&drain(&mut core));
+    let regen = again.iter().find(|s| s.traj == TrajId(2)).unwrap();
+    assert_eq!((regen.turn, regen.attempt, regen.version), (0, 1, 1));
+    assert!(!again.iter().any(|s| s.traj == TrajId(3)), "{again:?}");
+}
+
+#[test]
+fn a_finished_trajectory_whose_group_has_another_expired_member_waits_to_be_regenerated_with_it() {
+    // Trajectory 3 generated a turn at version 0 too: the group needs regenerating either way,
+    // and trajectory 2 waits for it, as at consumption, instead of starting alone.
+    let core = publish_while_a_finished_trajectory_waits(1);
+    assert_eq!(core.stats().regenerated_at_publish, 0);
+    assert_eq!(core.trajectory_counts().1, 1, "still waiting");
+}
+
 #[test]
 fn the_synchronous_discipline_starts_a_batch_only_after_training_and_a_global_sync() {
     let cfg = config(
