@@ -7,9 +7,9 @@ use proptest::prelude::*;
 use rollfleet_core::config::{CpuPoolConfig, ServerlessPoolConfig};
 use rollfleet_core::rng::SplitMix64;
 use rollfleet_core::{
-    Command, Config, Core, Discipline, Input, Policy, ReplicaConfig, ReplicaId, RewardRoute,
-    ServeRole, Span, StageCommand, StageId, StageOutcome, StageWork, SyncMode, TaskLimits, Time,
-    TrainerConfig, TrajId,
+    BatchId, Command, Config, Core, Discipline, Input, Policy, ReplicaConfig, ReplicaId,
+    RewardRoute, ServeRole, Span, StageCommand, StageId, StageOutcome, StageWork, SyncMode,
+    TaskLimits, Time, TrainerConfig, TrajId, Version,
 };
 
 fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncMode) -> Policy {
@@ -96,6 +96,27 @@ fn runs(commands: &[Command]) -> Vec<StageCommand> {
 fn finish(core: &mut Core, stage: StageId, outcome: StageOutcome) -> Vec<Command> {
     core.handle_input(Time(1), Input::StageFinished { stage, outcome });
     drain(core)
+}
+
+/// The batch of the training command among `out`.
+fn trained_batch(out: &[Command]) -> BatchId {
+    match out.iter().find(|c| matches!(c, Command::Train { .. })) {
+        Some(Command::Train { batch, .. }) => *batch,
+        _ => panic!("no training command in {out:?}"),
+    }
+}
+
+/// The replica and version of the weight update among `out`.
+fn weight_update(out: &[Command]) -> (ReplicaId, Version) {
+    match out
+        .iter()
+        .find(|c| matches!(c, Command::UpdateWeights { .. }))
+    {
+        Some(Command::UpdateWeights {
+            replica, version, ..
+        }) => (*replica, *version),
+        _ => panic!("no weight update in {out:?}"),
+    }
 }
 
 fn observed(tokens: u64, done: bool) -> StageOutcome {
@@ -769,13 +790,7 @@ fn weights_are_updated_one_replica_at_a_time_while_the_others_keep_serving() {
     core.handle_timeout(Time::ZERO);
     let resets = runs(&drain(&mut core));
     let before = complete_one(&mut core, &resets[0]);
-    let Some(Command::Train { batch, .. }) = before
-        .iter()
-        .find(|c| matches!(c, Command::Train { .. }))
-        .cloned()
-    else {
-        panic!("{before:?}")
-    };
+    let batch = trained_batch(&before);
     core.handle_input(Time(5), Input::TrainFinished { batch });
     let mut out = drain(&mut core);
     let updates: Vec<_> = out
@@ -841,13 +856,7 @@ fn a_new_trajectory_does_not_start_on_weights_it_would_have_to_be_trained_on_at_
     core.handle_timeout(Time::ZERO);
     let resets = runs(&drain(&mut core));
     let before = complete_one(&mut core, &resets[0]);
-    let Some(Command::Train { batch, .. }) = before
-        .iter()
-        .find(|c| matches!(c, Command::Train { .. }))
-        .cloned()
-    else {
-        panic!("{before:?}")
-    };
+    let batch = trained_batch(&before);
     core.handle_input(Time(5), Input::TrainFinished { batch });
     let mut out = drain(&mut core);
     let Some(Command::UpdateWeights {
@@ -910,13 +919,7 @@ fn a_trajectory_too_stale_to_continue_is_regenerated_from_the_offending_turn() {
     ));
     // Trajectory 0 completes and is trained on: version 1.
     let out = complete_one(&mut core, &resets[0]);
-    let Some(Command::Train { batch, .. }) = out
-        .iter()
-        .find(|c| matches!(c, Command::Train { .. }))
-        .cloned()
-    else {
-        panic!("{out:?}")
-    };
+    let batch = trained_batch(&out);
     core.handle_input(Time(5), Input::TrainFinished { batch });
     let out = drain(&mut core);
     if let Some(Command::UpdateWeights {
@@ -971,13 +974,7 @@ fn publish_while_a_finished_trajectory_waits(turns_of_3: usize) -> Core {
     assert_eq!(core.trajectory_counts(), (3, 1, 0));
     complete_one(&mut core, &resets[0]);
     let out = complete_one(&mut core, &resets[1]);
-    let Some(Command::Train { batch, .. }) = out
-        .iter()
-        .find(|c| matches!(c, Command::Train { .. }))
-        .cloned()
-    else {
-        panic!("{out:?}")
-    };
+    let batch = trained_batch(&out);
     core.handle_input(Time(5), Input::TrainFinished { batch });
     core
 }
@@ -991,15 +988,7 @@ fn a_finished_trajectory_that_alone_keeps_its_group_from_training_is_regenerated
     assert_eq!(core.stats().regenerated_at_publish, 1);
     assert_eq!(core.trajectory_counts().1, 0, "no longer waiting");
     let out = drain(&mut core);
-    let Some(Command::UpdateWeights {
-        replica, version, ..
-    }) = out
-        .iter()
-        .find(|c| matches!(c, Command::UpdateWeights { .. }))
-        .cloned()
-    else {
-        panic!("{out:?}")
-    };
+    let (replica, version) = weight_update(&out);
     core.handle_input(Time(6), Input::WeightsUpdated { replica, version });
     let again = runs(&drain(&mut core));
     let regen = again.iter().find(|s| s.traj == TrajId(2)).unwrap();
@@ -1033,13 +1022,7 @@ fn the_synchronous_discipline_starts_a_batch_only_after_training_and_a_global_sy
     let resets = runs(&drain(&mut core));
     assert_eq!(resets.len(), 1);
     let out = complete_one(&mut core, &resets[0]);
-    let Some(Command::Train { batch, .. }) = out
-        .iter()
-        .find(|c| matches!(c, Command::Train { .. }))
-        .cloned()
-    else {
-        panic!("{out:?}")
-    };
+    let batch = trained_batch(&out);
     assert!(runs(&out).is_empty(), "no rollout while training: {out:?}");
     core.handle_input(Time(5), Input::TrainFinished { batch });
     let out = drain(&mut core);
