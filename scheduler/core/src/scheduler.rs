@@ -1239,8 +1239,8 @@ impl Core {
     /// is expired or about to be, the group waits as before and is regenerated together when
     /// it is taken: regenerating its members one publication at a time kept such groups
     /// cycling (up to 9 attempts) on colocated placements. RollArt-like job, seeds 0-5:
-    /// 108.8-111.9 s per step against 111.8-116.9 s at `maxStaleness: 2`; no worse elsewhere
-    /// (docs/simulator.md). The batched baselines keep their own rule.
+    /// 108.8-111.9 s per step against 111.8-116.9 s at `maxStaleness: 2`; elsewhere within 1%
+    /// either way or faster (docs/simulator.md). The batched baselines keep their own rule.
     fn regenerate_lone_expired(&mut self) {
         if self.cfg.policy.discipline != Discipline::Continuous {
             return;
