@@ -753,6 +753,31 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
         let unknown = jobs.status(JobRef { job: long.clone() }).await.unwrap_err();
         assert_eq!(unknown.code(), tonic::Code::NotFound, "{unknown:?}");
         assert!(unknown.message().len() < 300, "{unknown:?}");
+        // A submitted job that is not valid is told why; a valid one that is another job is
+        // refused as such (this scheduler runs the one it was started with).
+        let submit = |job_yaml: String| rollfleet_proto::v1::SubmitJobRequest {
+            job_yaml,
+            request_id: String::new(),
+        };
+        let invalid = jobs.submit(submit("spec: [".into())).await.unwrap_err();
+        assert_eq!(invalid.code(), tonic::Code::InvalidArgument, "{invalid:?}");
+        assert!(invalid.message().starts_with("job_yaml: "), "{invalid:?}");
+        // A problem that quotes a 100 KB name is cut short (an error travels in a header).
+        let yaml = std::fs::read_to_string(&job).unwrap();
+        assert!(yaml.contains("name: quickstart"));
+        let long_name = yaml.replace(
+            "name: quickstart",
+            &format!("name: {}", "X".repeat(100_000)),
+        );
+        let invalid = jobs.submit(submit(long_name)).await.unwrap_err();
+        assert_eq!(invalid.code(), tonic::Code::InvalidArgument, "{invalid:?}");
+        assert!(invalid.message().contains("metadata.name"), "{invalid:?}");
+        assert!(invalid.message().ends_with("more bytes)"), "{invalid:?}");
+        let other = jobs
+            .submit(submit(yaml.replace("steps: 1", "steps: 2")))
+            .await
+            .unwrap_err();
+        assert_eq!(other.code(), tonic::Code::FailedPrecondition, "{other:?}");
         let lease = register_peer(
             &mut client,
             HardwareInventory {

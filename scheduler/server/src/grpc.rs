@@ -26,6 +26,9 @@ pub struct Workers {
     pub inbox: mpsc::UnboundedSender<Event>,
 }
 
+/// How much of a rejected job's problems a `Submit` error quotes.
+const MAX_ERROR_CHARS: usize = 2000;
+
 fn actor_gone() -> Status {
     Status::unavailable("the scheduler is shutting down")
 }
@@ -168,6 +171,18 @@ impl JobService for Jobs {
     ) -> Result<Response<SubmitJobResponse>, Status> {
         let r = request.into_inner();
         if r.job_yaml.trim() != self.job_yaml.trim() {
+            // A job that is not valid is told why, as `rollfleet validate` would; cut short, as
+            // an error travels in a header.
+            if let Err(e) = rollfleet_spec::parse_job(r.job_yaml.as_bytes(), "job_yaml") {
+                let text = e.to_string();
+                let shown: String = text.chars().take(MAX_ERROR_CHARS).collect();
+                let more = text.len() - shown.len();
+                return Err(Status::invalid_argument(if more > 0 {
+                    format!("{shown}... ({more} more bytes)")
+                } else {
+                    shown
+                }));
+            }
             return Err(Status::failed_precondition(
                 "job_yaml: this scheduler runs the one job it was started with; start another \
                  scheduler for another job",
