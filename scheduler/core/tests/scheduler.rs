@@ -79,6 +79,14 @@ fn config(
     }
 }
 
+/// A core on `cfg`, started: it and the stages it ran first (the first trajectories' resets).
+fn started(cfg: Config) -> (Core, Vec<StageCommand>) {
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let resets = runs(&drain(&mut core));
+    (core, resets)
+}
+
 fn drain(core: &mut Core) -> Vec<Command> {
     std::iter::from_fn(|| core.poll_command()).collect()
 }
@@ -248,9 +256,7 @@ fn a_later_turn_returns_to_the_replica_holding_its_kv_cache_and_prefills_only_th
         2,
         1,
     );
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     let g0 = runs(&finish(&mut core, resets[0].stage, observed(300, false)));
     let g1 = runs(&finish(&mut core, resets[1].stage, observed(300, false)));
     let replica_of = |s: &StageCommand| match s.work {
@@ -379,9 +385,7 @@ fn no_replica_is_given_more_kv_cache_than_it_holds() {
         2,
         1,
     );
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     let first = runs(&finish(&mut core, resets[0].stage, observed(100, false)));
     let second = runs(&finish(&mut core, resets[1].stage, observed(100, false)));
     assert_eq!(first.len(), 1);
@@ -429,9 +433,7 @@ fn a_trajectory_that_fails_the_limit_in_a_row_gives_up_its_group_and_a_fresh_gro
         1,
     );
     cfg.stage_failure_limit = 3;
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     assert_eq!(resets.len(), 2);
     let (doomed, sibling) = (&resets[0], &resets[1]);
 
@@ -543,9 +545,7 @@ fn a_replica_added_mid_run_loads_the_current_weights_before_it_takes_work() {
         2,
         1,
     );
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     assert_eq!(resets.len(), 2);
     core.handle_input(
         Time(1),
@@ -598,9 +598,7 @@ fn a_retiring_replica_gets_no_new_work_finishes_what_it_runs_and_is_handed_back(
         2,
         1,
     );
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     let running = runs(&finish(&mut core, resets[0].stage, observed(100, false)));
     let StageWork::Generate { replica: busy, .. } = running[0].work else {
         panic!("{running:?}")
@@ -786,9 +784,7 @@ fn weights_are_updated_one_replica_at_a_time_while_the_others_keep_serving() {
         1,
         2,
     );
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     let before = complete_one(&mut core, &resets[0]);
     let batch = trained_batch(&before);
     core.handle_input(Time(5), Input::TrainFinished { batch });
@@ -852,9 +848,7 @@ fn a_new_trajectory_does_not_start_on_weights_it_would_have_to_be_trained_on_at_
         1,
         2,
     );
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     let before = complete_one(&mut core, &resets[0]);
     let batch = trained_batch(&before);
     core.handle_input(Time(5), Input::TrainFinished { batch });
@@ -906,9 +900,7 @@ fn a_trajectory_too_stale_to_continue_is_regenerated_from_the_offending_turn() {
         1,
         3,
     );
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     assert_eq!(resets.len(), 2);
     // Trajectory 1 generates its first turn at version 0 and goes to its environment.
     let gen1 = runs(&finish(&mut core, resets[1].stage, observed(100, false)));
@@ -958,9 +950,7 @@ fn publish_while_a_finished_trajectory_waits(turns_of_3: usize) -> Core {
         2,
         3,
     );
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     assert_eq!(resets.len(), 4);
     complete_one(&mut core, &resets[2]);
     if turns_of_3 > 0 {
@@ -1017,9 +1007,7 @@ fn the_synchronous_discipline_starts_a_batch_only_after_training_and_a_global_sy
         1,
         2,
     );
-    let mut core = Core::new(cfg);
-    core.handle_timeout(Time::ZERO);
-    let resets = runs(&drain(&mut core));
+    let (mut core, resets) = started(cfg);
     assert_eq!(resets.len(), 1);
     let out = complete_one(&mut core, &resets[0]);
     let batch = trained_batch(&out);

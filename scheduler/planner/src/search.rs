@@ -394,6 +394,19 @@ pub fn choose_with_reason(p: &Problem) -> Option<(Found, Choice)> {
 /// which simulates 4% faster).
 const PREDICTION_TIE: f64 = 0.02;
 
+/// Of `options`, each with its full prediction and its first-order step time, the one the
+/// first-order objective ranks first among those whose full prediction is within
+/// [`PREDICTION_TIE`] of the best (the full prediction rules out what is clearly slower, the
+/// objective breaks the ties it cannot), with its first-order step time.
+fn within_tie<T>(options: Vec<(T, f64, f64)>) -> Option<(T, f64)> {
+    let fastest = options.iter().map(|o| o.1).fold(f64::INFINITY, f64::min);
+    options
+        .into_iter()
+        .filter(|o| o.1 <= fastest * (1.0 + PREDICTION_TIE))
+        .min_by(|a, b| a.2.total_cmp(&b.2))
+        .map(|(option, _, first_order)| (option, first_order))
+}
+
 /// `found` with each serving group's tensor-parallel degree the full prediction prefers: every
 /// degree the pool allows, on the GPUs the group may use, is predicted; of those within
 /// [`PREDICTION_TIE`] of the best, the first-order objective's first is kept (the group's own
@@ -439,12 +452,7 @@ fn refine_degrees(p: &Problem, start: Found) -> Found {
                 Some((c, full, first_order))
             })
             .collect();
-        let fastest = options.iter().map(|o| o.1).fold(f64::INFINITY, f64::min);
-        if let Some((candidate, _, first_order)) = options
-            .into_iter()
-            .filter(|o| o.1 <= fastest * (1.0 + PREDICTION_TIE))
-            .min_by(|a, b| a.2.total_cmp(&b.2))
-        {
+        if let Some((candidate, first_order)) = within_tie(options) {
             best.candidate = candidate;
             best.step_s = first_order;
         }
@@ -476,7 +484,7 @@ fn refine_trainer(p: &Problem, start: Found) -> Found {
     }
     let pool = start.candidate.trainer_pool;
     let mut nodes = start.nodes;
-    let mut options: Vec<(Found, f64)> = Vec::new();
+    let mut options: Vec<(Found, f64, f64)> = Vec::new();
     let sizes = trainer_sizes(p, pool);
     let at = sizes
         .iter()
@@ -495,18 +503,11 @@ fn refine_trainer(p: &Problem, start: Found) -> Found {
             found
         };
         if let Some(step) = full(&found.candidate) {
-            options.push((found, step));
+            let first_order = found.step_s;
+            options.push((found, step, first_order));
         }
     }
-    let best = options
-        .iter()
-        .map(|(_, step)| *step)
-        .fold(f64::INFINITY, f64::min);
-    let chosen = options
-        .into_iter()
-        .filter(|(_, step)| *step <= best * (1.0 + PREDICTION_TIE))
-        .min_by(|a, b| a.0.step_s.total_cmp(&b.0.step_s));
-    match chosen {
+    match within_tie(options) {
         Some((mut found, _)) => {
             found.nodes = nodes;
             found

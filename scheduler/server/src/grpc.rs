@@ -175,12 +175,12 @@ impl JobService for Jobs {
             // an error travels in a header.
             if let Err(e) = rollfleet_spec::parse_job(r.job_yaml.as_bytes(), "job_yaml") {
                 let text = e.to_string();
-                let shown: String = text.chars().take(MAX_ERROR_CHARS).collect();
+                let shown = crate::first_chars(&text, MAX_ERROR_CHARS);
                 let more = text.len() - shown.len();
                 return Err(Status::invalid_argument(if more > 0 {
                     format!("{shown}... ({more} more bytes)")
                 } else {
-                    shown
+                    text
                 }));
             }
             return Err(Status::failed_precondition(

@@ -40,13 +40,17 @@ pub const MAX_PROFILE_SAMPLES_PER_REPORT: usize = 512;
 /// it. An error travels in the `grpc-message` header, and one echoing a hostile 100 KB name
 /// whole broke the client's HTTP/2 header limit instead of reaching it (found by fuzzing).
 pub fn quoted(s: &str) -> String {
-    let mut chars = s.chars();
-    let head: String = chars.by_ref().take(QUOTED_CHARS).collect();
-    if chars.next().is_none() {
+    let head = first_chars(s, QUOTED_CHARS);
+    if head.len() == s.len() {
         format!("{head:?}")
     } else {
         format!("{head:?}... ({} bytes)", s.len())
     }
+}
+
+/// The first `n` characters of `s` (all of it when shorter).
+pub fn first_chars(s: &str, n: usize) -> &str {
+    s.char_indices().nth(n).map_or(s, |(end, _)| &s[..end])
 }
 
 /// How much of a peer's string an error message quotes.

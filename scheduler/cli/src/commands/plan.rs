@@ -50,9 +50,10 @@ struct Output<'a> {
     plan: &'a Plan,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     compared: Vec<Comparison>,
-    /// When the plan is RollArt's affinity placement rather than the search's own optimum: the
-    /// full predictions the choice compared, seconds per step, with refills as a Poisson stream
-    /// (`predict::RefillArrivals`): the optimum's, and the plan's (lower).
+    /// When the plan is RollArt's affinity placement rather than the search's own optimum (its
+    /// degrees checked by the full prediction): the full predictions the choice compared,
+    /// seconds per step, with refills as a Poisson stream (`predict::RefillArrivals`): the
+    /// optimum's, and the plan's (lower).
     #[serde(skip_serializing_if = "Option::is_none")]
     affinity_over_search_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -280,7 +281,8 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
             out,
             "\nplacement: RollArt's affinity mapping (prefill on the compute-rich pools, decode on \
              the others), its trainer sized by the full prediction; compared with the exact \
-             search's optimum by its first-order objective as the full prediction without the \
+             search's optimum by its first-order objective (each degree checked by the full \
+             prediction) as the full prediction without the \
              refills' burst (which it still misses on replicas that also decode): {plan_s:.1} s \
              per step against {search_s:.1} s"
         )?;
