@@ -684,3 +684,48 @@ fn serverless_serve_answers_the_lambda_invoke_api_and_stops_on_ctrl_c() {
     assert!(interrupted.success());
     assert_eq!(child.wait().unwrap().code(), Some(0));
 }
+
+#[test]
+fn rollfleet_job_names_the_scheduler_it_cannot_reach_and_refuses_a_url_that_is_not_one() {
+    // Port 1 on loopback: nothing listens there.
+    let out = rollfleet(&[
+        "job",
+        "status",
+        "quickstart",
+        "--scheduler",
+        "http://127.0.0.1:1",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let said = text(&out.stderr);
+    assert!(
+        said.contains("cannot reach the scheduler at http://127.0.0.1:1"),
+        "{said}"
+    );
+    let out = rollfleet(&["job", "cancel", "quickstart", "--scheduler", "not a url"]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(text(&out.stderr).contains("--scheduler \"not a url\": not a URL"));
+}
+
+#[test]
+fn rollfleet_job_submit_checks_the_job_before_contacting_any_scheduler() {
+    let job = scratch(
+        "bad-submit.yaml",
+        &std::fs::read_to_string(repo().join("examples/jobs/quickstart.yaml"))
+            .unwrap()
+            .replace("gpu: ", "gpu: NoSuchGpu-"),
+    );
+    // The scheduler URL is unreachable: an invalid job must be refused before that matters.
+    let out = rollfleet(&[
+        "job",
+        "submit",
+        job.to_str().unwrap(),
+        "--scheduler",
+        "http://127.0.0.1:1",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    let said = text(&out.stderr);
+    assert!(
+        said.contains("gpu") && !said.contains("cannot reach"),
+        "{said}"
+    );
+}

@@ -86,9 +86,20 @@ fn start_scheduler(
     extra: &[&str],
     stderr: Stdio,
 ) -> (Child, String) {
-    let mut child = Command::new(BIN)
-        .arg("scheduler")
-        .arg(job)
+    let mut command = Command::new(BIN);
+    command.arg("scheduler").arg(job);
+    spawn_scheduler(&mut command, report, expect, extra, stderr)
+}
+
+/// Spawns the `rollfleet scheduler` command (its job, if any, already given) on a free port.
+fn spawn_scheduler(
+    command: &mut Command,
+    report: &Path,
+    expect: usize,
+    extra: &[&str],
+    stderr: Stdio,
+) -> (Child, String) {
+    let mut child = command
         .args([
             "--listen",
             "127.0.0.1:0",
@@ -1094,6 +1105,228 @@ fn rollfleet_run_can_model_the_environments_as_the_simulator_does() {
         .find(|p| p["pool"] == "envs")
         .unwrap();
     assert!(envs["assignments_done"].as_u64().unwrap() > 64, "{envs}");
+}
+
+/// Runs `rollfleet job ARGS --scheduler URL`.
+fn job_command(url: &str, args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .arg("job")
+        .args(args)
+        .args(["--scheduler", url])
+        .output()
+        .unwrap()
+}
+
+fn json_lines(stdout: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+        .collect()
+}
+
+#[test]
+fn a_scheduler_started_without_a_job_runs_the_first_valid_one_submitted_and_refuses_others() {
+    let dir = temp_dir("submit");
+    let job = job_file(&dir, 3);
+    let report = dir.join("report.json");
+    let mut command = Command::new(BIN);
+    command.arg("scheduler");
+    let (sched, url) = spawn_scheduler(&mut command, &report, 5, &[], Stdio::inherit());
+    let mut procs = Procs(vec![sched]);
+    // Workers may come first: they wait for the job.
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let early = job_command(&url, &["status", "quickstart"]);
+    assert_eq!(early.status.code(), Some(3));
+    let said = String::from_utf8_lossy(&early.stderr);
+    assert!(said.contains("no job was submitted"), "{said}");
+
+    // An invalid job is refused before it is sent, naming the field; nothing starts.
+    let broken = dir.join("broken.yaml");
+    let yaml = std::fs::read_to_string(&job).unwrap();
+    std::fs::write(&broken, yaml.replace("groupSize: 4", "groupSize: -4")).unwrap();
+    let refused = job_command(&url, &["submit", broken.to_str().unwrap()]);
+    assert_eq!(refused.status.code(), Some(3));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("groupSize"), "{said}");
+
+    let submitted = Command::new(BIN)
+        .args([
+            "job",
+            "submit",
+            job.to_str().unwrap(),
+            "--watch",
+            "--every",
+            "0",
+        ])
+        .args(["--scheduler", &url, "-o", "json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&submitted.stderr);
+    assert!(submitted.status.success(), "{stderr}");
+    let lines = json_lines(&submitted.stdout);
+    assert_eq!(lines[0]["job"], "quickstart", "{lines:?}");
+    let statuses = &lines[1..];
+    let last = statuses.last().unwrap();
+    assert_eq!(last["phase"], "Succeeded", "{last:#}");
+    assert_eq!(last["rl_step"], 3);
+    assert_eq!(last["trajectories_trained"], 3 * 32);
+    // Every change was shown (`--every 0`): the step count only grew, through every step.
+    let steps: Vec<u64> = statuses
+        .iter()
+        .map(|s| s["rl_step"].as_u64().unwrap())
+        .collect();
+    assert!(steps.windows(2).all(|w| w[0] <= w[1]), "{steps:?}");
+    for step in 0..=3 {
+        assert!(steps.contains(&step), "step {step} never shown: {steps:?}");
+    }
+
+    // The same job again is recognised; another is refused with the one this scheduler runs.
+    let again = job_command(&url, &["submit", job.to_str().unwrap()]);
+    assert!(again.status.success(), "{again:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&again.stdout).trim(),
+        format!("job quickstart submitted to {url}")
+    );
+    let other = dir.join("other.yaml");
+    std::fs::write(&other, yaml.replace("name: quickstart", "name: other")).unwrap();
+    let busy = job_command(&url, &["submit", other.to_str().unwrap()]);
+    assert_eq!(busy.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&busy.stderr);
+    assert!(said.contains("runs job \"quickstart\""), "{said}");
+
+    let status = job_command(&url, &["status", "quickstart", "-o", "json"]);
+    assert!(status.status.success(), "{status:?}");
+    let status: Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(status["phase"], "Succeeded");
+    assert_eq!(
+        status["pools"].as_array().map(Vec::len),
+        Some(5),
+        "{status:#}"
+    );
+    let exit = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(exit.success(), "{exit:?}");
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(report["job"], "quickstart");
+    assert_eq!(report["phase"], "Succeeded");
+}
+
+#[test]
+fn rollfleet_job_cancel_stops_a_running_job_and_its_watcher_exits_unsuccessfully() {
+    let dir = temp_dir("cancel");
+    let job = job_file(&dir, 50);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    wait_status(&url, "a trained batch", |s| s.trajectories_trained > 0);
+    let watcher = Command::new(BIN)
+        .args(["job", "watch", "quickstart", "--scheduler", &url])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let cancelled = job_command(&url, &["cancel", "quickstart"]);
+    assert!(cancelled.status.success(), "{cancelled:?}");
+    let watched = watcher.wait_with_output().unwrap();
+    assert_eq!(watched.status.code(), Some(1), "{watched:?}");
+    let lines = String::from_utf8_lossy(&watched.stdout).into_owned();
+    let last = lines.lines().last().unwrap_or_default();
+    assert!(last.contains("quickstart Cancelled"), "{lines}");
+    assert_eq!(wait_exit(&mut procs.0[0], DEADLINE).code(), Some(1));
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Cancelled");
+    assert!(
+        report["trained_twice"]
+            .as_array()
+            .is_some_and(Vec::is_empty),
+        "{report:#}"
+    );
+}
+
+#[test]
+fn a_scheduler_stopped_before_any_job_was_submitted_exits_cleanly_and_says_so() {
+    let dir = temp_dir("idle");
+    let mut command = Command::new(BIN);
+    command.arg("scheduler");
+    let (sched, url) = spawn_scheduler(
+        &mut command,
+        &dir.join("report.json"),
+        1,
+        &[],
+        Stdio::piped(),
+    );
+    let mut procs = Procs(vec![sched]);
+    let unknown = job_command(&url, &["watch", "quickstart"]);
+    assert_eq!(unknown.status.code(), Some(3), "{unknown:?}");
+    let pid = procs.0[0].id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let exit = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(exit.success(), "{exit:?}");
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut procs.0[0].stderr.take().unwrap(), &mut said).unwrap();
+    assert!(said.contains("waiting for a job"), "{said}");
+    assert!(
+        said.contains("stopped before any job was submitted"),
+        "{said}"
+    );
+}
+
+#[test]
+fn replicas_are_placed_on_the_nodes_of_a_pool_in_proportion_to_the_gpus_they_declare() {
+    let dir = temp_dir("proportion");
+    let job = job_file(&dir, 2);
+    // Eight H20s in nodes of at most two GPUs: the plan decodes on four two-GPU replicas.
+    let yaml = std::fs::read_to_string(&job).unwrap();
+    let eight = "gpu: H20\n      count: 8\n      gpusPerNode: 2";
+    std::fs::write(&job, yaml.replace("gpu: H20\n      count: 2", eight)).unwrap();
+    assert!(std::fs::read_to_string(&job).unwrap().contains(eight));
+    let report = dir.join("report.json");
+    let (sched, url, log) = scheduler_with_log(&job, &report, 6);
+    let mut procs = Procs(vec![sched]);
+    procs
+        .0
+        .push(worker_declaring_gpus(&url, "decode", "big", 6));
+    procs
+        .0
+        .push(worker_declaring_gpus(&url, "decode", "small", 2));
+    for pool in ["prefill", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    // Round-robin would give each node two replicas: four GPUs on the two-GPU node.
+    let mut seen = (false, false);
+    let start = Instant::now();
+    while !(seen.0 && seen.1) {
+        let line = log
+            .recv_timeout(DEADLINE.saturating_sub(start.elapsed()))
+            .unwrap_or_else(|e| panic!("no placement lines ({seen:?}): {e}"));
+        if line.contains("@big), with 6 GPUs, serves") {
+            assert!(
+                line.ends_with("serves 3 replicas of pool decode on 6 GPUs"),
+                "{line}"
+            );
+            seen.0 = true;
+        }
+        if line.contains("@small), with 2 GPUs, serves") {
+            assert!(
+                line.ends_with("serves 1 replica of pool decode on 2 GPUs"),
+                "{line}"
+            );
+            seen.1 = true;
+        }
+    }
+    let exit = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(exit.success(), "{exit:?}");
+    check_report(&report, 2, 0);
 }
 
 #[test]

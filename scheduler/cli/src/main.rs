@@ -73,8 +73,15 @@ enum Command {
         rollfleet run examples/jobs/quickstart.yaml --workers-per-pool 2 --metrics-addr 127.0.0.1:9464\n\n\
         GPU figures are emulated (the simulator's roofline on the real clock), never measured.")]
     Run(commands::runtime::RunArgs),
-    /// Serve one job as the scheduler (gRPC: workers, jobs).
+    /// Serve one job as the scheduler (gRPC: workers, jobs): the job given, or the first one
+    /// submitted with `rollfleet job submit`.
+    #[command(after_help = "Examples:\n  \
+        rollfleet scheduler examples/jobs/quickstart.yaml --expect-workers 5\n  \
+        rollfleet scheduler --listen 0.0.0.0:7070 --metrics-addr 0.0.0.0:9464   # then: rollfleet job submit JOB.yaml")]
     Scheduler(commands::runtime::SchedulerArgs),
+    /// Submit a job to a scheduler, and follow, inspect or cancel it.
+    #[command(subcommand)]
+    Job(commands::job::JobCommand),
     /// The node daemon: register with a scheduler and run what it assigns.
     #[command(after_help = "Examples:\n  \
         rollfleet worker --scheduler http://127.0.0.1:7070 --pool decode\n  \
@@ -102,6 +109,7 @@ fn main() -> ExitCode {
         Command::Gpus(args) => commands::gpus::run(args, cli.output, &mut stdout, &mut stderr),
         Command::Run(args) => commands::runtime::run(args, cli.output, &mut stdout, &mut stderr),
         Command::Scheduler(args) => commands::runtime::scheduler(args, &mut stderr),
+        Command::Job(command) => commands::job::run(command, cli.output, &mut stdout, &mut stderr),
         Command::Worker(args) => commands::runtime::worker(args, &mut stderr),
     };
     match result {

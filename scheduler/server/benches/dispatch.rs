@@ -123,7 +123,7 @@ fn run_once() -> (f64, Report) {
         let url = format!("http://{}", listener.local_addr().expect("addr"));
         let pools = ["prefill", "decode", "train", "envs", "rewards"];
         let opts = ServerOptions {
-            job_yaml: yaml,
+            job_yaml: Some(yaml),
             origin: "bench".into(),
             seed: 0,
             time_scale: 1.0,
@@ -139,7 +139,11 @@ fn run_once() -> (f64, Report) {
             tokio::spawn(instant_worker(url.clone(), pool));
         }
         let started = Instant::now();
-        let report = server.await.expect("server task").expect("server");
+        let report = server
+            .await
+            .expect("server task")
+            .expect("server")
+            .expect("a report: the job was given at start");
         let _ = started;
         let rate = report.stages_completed as f64 / report.wall_s.max(1e-9);
         (rate, report)

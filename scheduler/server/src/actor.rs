@@ -455,7 +455,7 @@ pub struct Actor {
     replicas_moved: u64,
     latencies_us: Vec<u32>,
     lost: Vec<String>,
-    status: watch::Sender<JobStatus>,
+    status: Arc<watch::Sender<JobStatus>>,
     metrics: Arc<Metrics>,
     feed: Arc<FeedLog>,
 }
@@ -465,7 +465,7 @@ impl Actor {
     pub fn new(
         plan: Arc<JobPlan>,
         opts: ActorOptions,
-        status: watch::Sender<JobStatus>,
+        status: Arc<watch::Sender<JobStatus>>,
         metrics: Arc<Metrics>,
         feed: Arc<FeedLog>,
     ) -> Actor {
@@ -918,18 +918,43 @@ impl Actor {
                 .insert(pool, left.div_ceil(silent.max(1)).max(1));
             self.planned_gpus.insert(pool, count);
         }
-        // Replicas go round-robin over the workers of their pool.
-        let mut cursor: BTreeMap<u32, usize> = BTreeMap::new();
+        // Each replica goes to the worker of its pool with the most GPUs free, so nodes of
+        // different sizes get replicas in proportion (round-robin gave a 2-GPU node as many as
+        // an 8-GPU one). When the nodes declare fewer GPUs than the plan uses, the last ones
+        // go where the shortfall is least, and the re-plan for the GPUs present follows.
         for r in 0..self.owner.len() {
             let pool = self.replicas[r].pool;
-            let candidates: Vec<u64> = self.attached(pool).map(|(id, _)| id).collect();
-            let k = cursor.entry(pool).or_default();
-            let id = candidates[*k % candidates.len()];
-            *k += 1;
+            let Some(id) = self.roomiest_worker(pool, 0) else {
+                continue;
+            };
+            if self.workers.get(&id).map(|w| self.free_gpus(w)) < Some(self.replicas[r].gpus) {
+                eprintln!(
+                    "scheduler: pool {}: no worker has {} GPUs free for replica {r}; it goes to \
+                     worker w{id}, which has the most",
+                    self.plan.pool_name(pool),
+                    self.replicas[r].gpus
+                );
+            }
             self.owner[r] = Some(id);
             if let Some(w) = self.workers.get_mut(&id) {
                 w.replicas.insert(r as u64);
             }
+        }
+        for w in self
+            .workers
+            .values()
+            .filter(|w| w.alive && !w.replicas.is_empty())
+        {
+            let gpus = self.worker_gpus(w);
+            eprintln!(
+                "scheduler: worker {}, with {gpus} GPUs{}, serves {} replica{} of pool {} on {} GPUs",
+                w.name,
+                if w.gpus > 0 { "" } else { ", its share" },
+                w.replicas.len(),
+                if w.replicas.len() == 1 { "" } else { "s" },
+                self.plan.pool_name(w.pool),
+                self.used_gpus(w)
+            );
         }
         let now = Instant::now();
         self.started = Some(now);
@@ -1297,25 +1322,35 @@ impl Actor {
         self.start_wave();
     }
 
+    /// GPUs a worker's replicas use.
+    fn used_gpus(&self, w: &Worker) -> u32 {
+        w.replicas
+            .iter()
+            .filter_map(|&r| self.replicas.get(r as usize))
+            .map(|rc| rc.gpus)
+            .sum()
+    }
+
+    /// GPUs of a worker that none of its replicas use.
+    fn free_gpus(&self, w: &Worker) -> u32 {
+        self.worker_gpus(w).saturating_sub(self.used_gpus(w))
+    }
+
+    /// The attached worker of `pool` with the most GPUs free, at least `gpus` (the lowest id
+    /// among equals, so the choice does not depend on map order).
+    fn roomiest_worker(&self, pool: u32, gpus: u32) -> Option<u64> {
+        self.attached(pool)
+            .map(|(id, w)| (self.free_gpus(w), id))
+            .filter(|&(free, _)| free >= gpus)
+            .max_by_key(|&(free, id)| (free, std::cmp::Reverse(id)))
+            .map(|(_, id)| id)
+    }
+
     /// Starts a replica of a new plan on the worker of its pool with the most free GPUs (at
     /// least the replica's): the worker hears of it before any work for it, the core books it.
     /// `None` when no worker has the room.
     fn start_replica(&mut self, config: ReplicaConfig) -> Option<u64> {
-        let free = |w: &Worker| {
-            let used: u32 = w
-                .replicas
-                .iter()
-                .filter_map(|&r| self.replicas.get(r as usize))
-                .map(|rc| rc.gpus)
-                .sum();
-            self.worker_gpus(w).saturating_sub(used)
-        };
-        let Some((_, worker)) = self
-            .attached(config.pool)
-            .map(|(id, w)| (free(w), id))
-            .filter(|&(f, _)| f >= config.gpus)
-            .max_by_key(|&(f, id)| (f, std::cmp::Reverse(id)))
-        else {
+        let Some(worker) = self.roomiest_worker(config.pool, config.gpus) else {
             eprintln!(
                 "scheduler: no worker of pool {} has {} GPUs free: a replica of the new plan is not \
                  started",

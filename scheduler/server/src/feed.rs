@@ -144,8 +144,8 @@ impl FeedLog {
 pub struct Feed {
     /// The log.
     pub log: Arc<FeedLog>,
-    /// The job's name.
-    pub job: String,
+    /// The job.
+    pub slot: Arc<crate::job::JobSlot>,
 }
 
 type FeedStream = Pin<Box<dyn Stream<Item = Result<TrainerFeedItem, Status>> + Send>>;
@@ -174,12 +174,8 @@ impl TrainerFeed for Feed {
             Some(Err(status)) => return Err(status),
             None => return Err(Status::cancelled("the feed ended before its subscribe")),
         };
-        if subscribe.job != self.job {
-            return Err(Status::not_found(format!(
-                "subscribe.job: {} is not known here; this scheduler runs {:?}",
-                crate::quoted(&subscribe.job),
-                self.job
-            )));
+        if let Some(message) = self.slot.unknown(&subscribe.job, "subscribe.job") {
+            return Err(Status::not_found(message));
         }
         let log = self.log.clone();
         // Everything before `resume_from` is durably consumed by the trainer's own account, which

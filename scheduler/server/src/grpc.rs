@@ -5,6 +5,7 @@
 //! actor publishes to, so `Status` and `Watch` never wait on the actor.
 
 use std::pin::Pin;
+use std::sync::Arc;
 
 use futures_util::Stream;
 use rollfleet_proto::v1::{
@@ -19,6 +20,7 @@ use tokio_stream::wrappers::{UnboundedReceiverStream, WatchStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::actor::Event;
+use crate::job::{JobSlot, SubmitError};
 
 /// The WorkerService.
 pub struct Workers {
@@ -131,26 +133,22 @@ impl WorkerService for Workers {
     }
 }
 
-/// The JobService of a scheduler that runs one job, given when it started.
+/// The JobService of a scheduler that runs one job, given when it started or submitted.
 pub struct Jobs {
     /// The actor's inbox.
     pub inbox: mpsc::UnboundedSender<Event>,
     /// The job's status, as the actor last published it.
-    pub status: watch::Receiver<JobStatus>,
-    /// The job's YAML, to recognise a resubmission of the same job.
-    pub job_yaml: String,
+    pub status: Arc<watch::Sender<JobStatus>>,
+    /// The job.
+    pub slot: Arc<JobSlot>,
 }
 
 impl Jobs {
     fn check(&self, job: &str) -> Result<(), Status> {
-        let name = self.status.borrow().job.clone();
-        if job != name {
-            return Err(Status::not_found(format!(
-                "job: {} is not known here; this scheduler runs {name:?}",
-                crate::quoted(job)
-            )));
+        match self.slot.unknown(job, "job") {
+            Some(message) => Err(Status::not_found(message)),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -169,28 +167,36 @@ impl JobService for Jobs {
         &self,
         request: Request<SubmitJobRequest>,
     ) -> Result<Response<SubmitJobResponse>, Status> {
-        let r = request.into_inner();
-        if r.job_yaml.trim() != self.job_yaml.trim() {
+        let yaml = request.into_inner().job_yaml;
+        let slot = self.slot.clone();
+        // Planning a job takes up to a few hundred milliseconds of CPU.
+        let accepted = tokio::task::spawn_blocking(move || slot.accept(&yaml, "job_yaml"))
+            .await
+            .map_err(|_| Status::internal("planning the submitted job failed"))?;
+        match accepted {
+            Ok(job) => Ok(Response::new(SubmitJobResponse {
+                job: job.plan.name().to_owned(),
+            })),
             // A job that is not valid is told why, as `rollfleet validate` would; cut short, as
             // an error travels in a header.
-            if let Err(e) = rollfleet_spec::parse_job(r.job_yaml.as_bytes(), "job_yaml") {
-                let text = e.to_string();
+            Err(SubmitError::Invalid(e)) => {
+                // A spec's problems already start with their field paths (`job_yaml: ...`).
+                let text = match e {
+                    crate::PlanError::Spec(spec) => spec.to_string(),
+                    other => other.to_string(),
+                };
                 let shown = crate::first_chars(&text, MAX_ERROR_CHARS);
                 let more = text.len() - shown.len();
-                return Err(Status::invalid_argument(if more > 0 {
+                Err(Status::invalid_argument(if more > 0 {
                     format!("{shown}... ({more} more bytes)")
                 } else {
                     text
-                }));
+                }))
             }
-            return Err(Status::failed_precondition(
-                "job_yaml: this scheduler runs the one job it was started with; start another \
-                 scheduler for another job",
-            ));
+            Err(busy @ SubmitError::Busy { .. }) => {
+                Err(Status::failed_precondition(busy.to_string()))
+            }
         }
-        Ok(Response::new(SubmitJobResponse {
-            job: self.status.borrow().job.clone(),
-        }))
     }
 
     async fn status(&self, request: Request<JobRef>) -> Result<Response<JobStatus>, Status> {
@@ -215,7 +221,7 @@ impl JobService for Jobs {
         self.check(&request.into_inner().job)?;
         let mut done = false;
         // Every change, starting with the current status, up to and including a terminal one.
-        let stream = WatchStream::new(self.status.clone())
+        let stream = WatchStream::new(self.status.subscribe())
             .take_while(move |s| {
                 if done {
                     return false;

@@ -2,6 +2,7 @@
 //!
 //! - [`plan`]: the job as the scheduler and the workers both see it (placement, core config,
 //!   modelled hardware figures);
+//! - [`job`]: the one job a scheduler serves, given at start or by the first valid `Submit`;
 //! - [`actor`]: the single task that owns the core, the workers' leases and every assignment;
 //! - [`grpc`]: `WorkerService` (register, heartbeat, the bidirectional work stream) and
 //!   `JobService` (submit, status, cancel, watch) in front of the actor;
@@ -13,6 +14,7 @@
 pub mod actor;
 pub mod feed;
 pub mod grpc;
+pub mod job;
 pub mod metrics;
 pub mod plan;
 pub mod replan;
@@ -81,8 +83,8 @@ pub enum ServerError {
 /// Settings of a scheduler server.
 #[derive(Debug, Clone)]
 pub struct ServerOptions {
-    /// The job, as YAML.
-    pub job_yaml: String,
+    /// The job, as YAML; `None`: the scheduler waits for the first valid `Submit`.
+    pub job_yaml: Option<String>,
     /// Where the YAML came from (for error messages).
     pub origin: String,
     /// Seed of the core's decisions and of the environment episodes.
@@ -104,8 +106,12 @@ pub struct ServerOptions {
     pub replan_on_drift: Option<f64>,
 }
 
-/// Serves the job on `listener` until it ends (or is cancelled); returns its report.
-pub async fn serve(listener: TcpListener, opts: ServerOptions) -> Result<Report, ServerError> {
+/// Serves the job on `listener` until it ends (or is cancelled); returns its report, or `None`
+/// when the scheduler was cancelled before any job was submitted.
+pub async fn serve(
+    listener: TcpListener,
+    opts: ServerOptions,
+) -> Result<Option<Report>, ServerError> {
     serve_until(listener, opts, std::future::pending::<()>()).await
 }
 
@@ -114,12 +120,17 @@ pub async fn serve_until(
     listener: TcpListener,
     opts: ServerOptions,
     cancel: impl std::future::Future + Send + 'static,
-) -> Result<Report, ServerError> {
-    let mut plan = JobPlan::from_yaml(&opts.job_yaml, &opts.origin, opts.seed)?;
-    // A stage unanswered this long is presumed lost (a worker that heartbeats but never answers).
-    plan.config.stage_timeout =
-        rollfleet_core::Span::from_secs_f64(opts.stage_timeout.as_secs_f64());
-    let plan = Arc::new(plan);
+) -> Result<Option<Report>, ServerError> {
+    let slot = Arc::new(job::JobSlot::new(opts.seed, opts.stage_timeout));
+    if let Some(yaml) = &opts.job_yaml {
+        slot.accept(yaml, &opts.origin).map_err(|e| match e {
+            job::SubmitError::Invalid(e) => ServerError::Plan(e),
+            busy => ServerError::Io {
+                what: "the job".into(),
+                source: std::io::Error::other(busy.to_string()),
+            },
+        })?;
+    }
     let metrics = Arc::new(metrics::Metrics::new()?);
     if let Some(addr) = opts.metrics_addr {
         let l = metrics::bind_metrics(addr)
@@ -134,30 +145,21 @@ pub async fn serve_until(
         );
         tokio::spawn(metrics::serve_metrics(l, metrics.clone()));
     }
-    let (status_tx, status_rx) = watch::channel(JobStatus {
-        job: plan.name().to_owned(),
-        phase: JobPhase::Pending as i32,
-        ..Default::default()
-    });
+    let status = Arc::new(
+        watch::channel(JobStatus {
+            job: slot.name().unwrap_or_default(),
+            phase: JobPhase::Pending as i32,
+            ..Default::default()
+        })
+        .0,
+    );
     let (inbox, events) = mpsc::unbounded_channel();
     let feed_log = Arc::new(feed::FeedLog::default());
-    let actor = actor::Actor::new(
-        plan.clone(),
-        actor::ActorOptions {
-            time_scale: opts.time_scale,
-            lease_ttl: opts.lease_ttl,
-            expect_workers: opts.expect_workers,
-            report: opts.report.clone(),
-            replan_on_drift: opts.replan_on_drift,
-        },
-        status_tx,
-        metrics,
-        feed_log.clone(),
-    );
-    let actor = tokio::spawn(actor.run(events));
+    let (cancelled_tx, mut cancelled) = watch::channel(false);
     let canceller = inbox.clone();
     tokio::spawn(async move {
         cancel.await;
+        let _ = cancelled_tx.send(true);
         let _ = canceller.send(actor::Event::Cancel);
     });
     let workers = WorkerServiceServer::new(grpc::Workers {
@@ -165,31 +167,63 @@ pub async fn serve_until(
     });
     let jobs = JobServiceServer::new(grpc::Jobs {
         inbox,
-        status: status_rx,
-        job_yaml: opts.job_yaml.clone(),
+        status: status.clone(),
+        slot: slot.clone(),
     });
     let trainer_feed = TrainerFeedServer::new(feed::Feed {
-        log: feed_log,
-        job: plan.name().to_owned(),
+        log: feed_log.clone(),
+        slot: slot.clone(),
     });
+    if slot.job().is_none() {
+        eprintln!(
+            "scheduler: waiting for a job (rollfleet job submit JOB.yaml --scheduler http://{})",
+            listener
+                .local_addr()
+                .map_or_else(|_| "ADDR".to_owned(), |a| a.to_string())
+        );
+    }
+    let actor_options = actor::ActorOptions {
+        time_scale: opts.time_scale,
+        lease_ttl: opts.lease_ttl,
+        expect_workers: opts.expect_workers,
+        report: opts.report.clone(),
+        replan_on_drift: opts.replan_on_drift,
+    };
+    let given = opts.job_yaml.is_some();
+    let accepted = slot.clone();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Report>();
-    let mut actor = actor;
+    // The actor starts with the job; until then, workers that register wait in its inbox. The
+    // server stops when the actor does, or when it is cancelled before a job came.
+    let run_job = async move {
+        let job = tokio::select! {
+            biased;
+            job = slot.taken() => job,
+            _ = cancelled.wait_for(|c| *c) => return,
+        };
+        if !given {
+            eprintln!("scheduler: job {} submitted", job.plan.name());
+        }
+        status.send_modify(|s| s.job = job.plan.name().to_owned());
+        let actor = actor::Actor::new(job.plan.clone(), actor_options, status, metrics, feed_log);
+        if let Ok(report) = tokio::spawn(actor.run(events)).await {
+            let _ = done_tx.send(report);
+        }
+    };
     let server = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .add_service(workers)
         .add_service(jobs)
         .add_service(trainer_feed)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
-            let report = (&mut actor).await;
-            if let Ok(report) = report {
-                let _ = done_tx.send(report);
-            }
-        });
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), run_job);
     server.await?;
-    done_rx.await.map_err(|_| ServerError::Io {
-        what: "scheduler actor".into(),
-        source: std::io::Error::other("the actor stopped without a report"),
-    })
+    match done_rx.await {
+        Ok(report) => Ok(Some(report)),
+        Err(_) if accepted.job().is_none() => Ok(None),
+        Err(_) => Err(ServerError::Io {
+            what: "scheduler actor".into(),
+            source: std::io::Error::other("the actor stopped without a report"),
+        }),
+    }
 }
 
 #[cfg(test)]

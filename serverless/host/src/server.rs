@@ -264,6 +264,11 @@ pub async fn run(args: crate::config::ServeArgs) -> Result<(), HostError> {
         })?;
     let addr = listener.local_addr().map_err(HostError::LocalAddr)?;
     let config = args.host_config();
+    // Installed before the banner: a caller that reads it and sends SIGINT at once must find
+    // the handler there, not the default action (a spawned task's `ctrl_c()` registers only
+    // when that task first runs, which a loaded machine delays).
+    let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(HostError::Signal)?;
     eprintln!(
         "rollfleet serverless host: Lambda Invoke API on http://{addr} serving {}",
         config
@@ -273,26 +278,10 @@ pub async fn run(args: crate::config::ServeArgs) -> Result<(), HostError> {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    let (tx, rx) = tokio::sync::oneshot::channel::<std::io::Result<()>>();
-    tokio::spawn(async move {
-        let _ = tx.send(tokio::signal::ctrl_c().await);
-    });
-    // A Ctrl-C handler that cannot be installed must not look like a Ctrl-C: remember why the
-    // host stopped and report it.
-    let signal_error = std::sync::Arc::new(Mutex::new(None));
-    let seen = signal_error.clone();
-    let shutdown = async move {
-        if let Ok(Err(e)) = rx.await
-            && let Ok(mut slot) = seen.lock()
-        {
-            *slot = Some(e);
-        }
-    };
-    serve(listener, config, shutdown).await?;
-    match signal_error.lock().ok().and_then(|mut e| e.take()) {
-        Some(e) => Err(HostError::Signal(e)),
-        None => Ok(()),
-    }
+    serve(listener, config, async move {
+        interrupt.recv().await;
+    })
+    .await
 }
 
 type Reply = Response<Full<Bytes>>;

@@ -2,6 +2,7 @@
 
 pub mod catalog;
 pub mod gpus;
+pub mod job;
 pub mod plan;
 pub mod profile;
 pub mod runtime;

@@ -7,7 +7,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -25,8 +25,8 @@ pub const DEFAULT_TIME_SCALE: f64 = 4.0;
 /// `rollfleet scheduler`.
 #[derive(Debug, clap::Args)]
 pub struct SchedulerArgs {
-    /// The job file.
-    pub job: PathBuf,
+    /// The job file; without one, the scheduler waits for `rollfleet job submit`.
+    pub job: Option<PathBuf>,
     /// Address to serve gRPC on (port 0: any free port; the address is printed on stdout as
     /// `listening on ADDR`).
     #[arg(long, default_value = "127.0.0.1:7070")]
@@ -233,35 +233,33 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
         writeln!(stderr, "error: {problem}")?;
         return Ok(exit::INVALID_INPUT);
     }
-    let origin = args.job.display().to_string();
-    // Size-limited, so a huge file is refused before it is read.
-    let yaml = match rollfleet_spec::read_limited(&args.job).and_then(|bytes| {
-        String::from_utf8(bytes).map_err(|e| rollfleet_spec::SpecError::NotUtf8 {
-            origin: origin.clone(),
-            offset: e.utf8_error().valid_up_to(),
-        })
-    }) {
-        Ok(yaml) => yaml,
-        Err(e) => {
-            writeln!(stderr, "error: {e}")?;
-            return Ok(exit::INVALID_INPUT);
+    let (job_yaml, origin) = match &args.job {
+        Some(path) => {
+            let origin = path.display().to_string();
+            match read_job(path, &origin, args.seed) {
+                Ok(yaml) => (Some(yaml), origin),
+                Err(e) => {
+                    writeln!(stderr, "error: {e}")?;
+                    return Ok(exit::INVALID_INPUT);
+                }
+            }
         }
+        None => (None, "job_yaml".to_owned()),
     };
-    if let Err(e) = rollfleet_server::JobPlan::from_yaml(&yaml, &origin, args.seed) {
-        writeln!(stderr, "error: {e}")?;
-        return Ok(exit::INVALID_INPUT);
-    }
     let rt = runtime()?;
     let report = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("--listen {}", args.listen))?;
         let addr = listener.local_addr()?;
+        // Installed before the address is announced: whoever reads it may signal at once, and
+        // must find the handler there rather than the default action.
+        let stop = shutdown_signal()?;
         // The parent of `rollfleet run` reads this line to find the port.
         println!("listening on {addr}");
         std::io::stdout().flush()?;
         let opts = ServerOptions {
-            job_yaml: yaml,
+            job_yaml,
             origin,
             seed: args.seed,
             time_scale: args.time_scale,
@@ -275,11 +273,15 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
         let (cancel, cancelled) = tokio::sync::oneshot::channel();
         // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.
         tokio::spawn(async move {
-            shutdown_signal().await;
+            stop.await;
             let _ = cancel.send(());
         });
         anyhow::Ok(rollfleet_server::serve_until(listener, opts, cancelled).await?)
     })?;
+    let Some(report) = report else {
+        writeln!(stderr, "scheduler: stopped before any job was submitted")?;
+        return Ok(exit::OK);
+    };
     writeln!(
         stderr,
         "scheduler: {} {} at version {}/{} in {:.1} s",
@@ -292,15 +294,30 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
     })
 }
 
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(t) => t,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+/// Reads a job file (size-limited, so a huge file is refused before it is read) and checks that
+/// it can be planned.
+fn read_job(path: &Path, origin: &str, seed: u64) -> Result<String> {
+    let bytes = rollfleet_spec::read_limited(path)?;
+    let yaml = String::from_utf8(bytes).map_err(|e| rollfleet_spec::SpecError::NotUtf8 {
+        origin: origin.to_owned(),
+        offset: e.utf8_error().valid_up_to(),
+    })?;
+    rollfleet_server::JobPlan::from_yaml(&yaml, origin, seed)?;
+    Ok(yaml)
+}
+
+/// Completes on Ctrl-C or SIGTERM. Both handlers are installed when this returns, not when the
+/// future is first polled.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing a SIGINT handler")?;
+    let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = term.recv() => {}
+        }
+    })
 }
 
 /// Runs `rollfleet worker`.
