@@ -1,0 +1,345 @@
+//! The reconciler: makes the cluster run what [`crate::desired`] says an RLJob should, and writes
+//! what its scheduler reports into the object's status.
+//!
+//! One pass, for an RLJob that exists:
+//! 1. validate and plan its spec; an invalid one gets `phase: Invalid` with every problem and its
+//!    field path in `status.message`, and nothing is created;
+//! 2. apply the ConfigMap, the scheduler's Service and every Deployment (server-side apply, field
+//!    manager `rollfleet-operator`), and delete the job's worker Deployments no longer wanted (a
+//!    pool the changed spec no longer uses);
+//! 3. ask the scheduler for the job's status over gRPC (`JobService.Status`) and write phase, RL
+//!    step, trajectories trained and message, with `Valid` and `SchedulerReachable` conditions
+//!    that carry the generation they describe;
+//! 4. look again in 10 s while the job runs, in 5 minutes once it has ended.
+//!
+//! A finalizer (`rollfleet.dev/cancel-job`) cancels the job through its scheduler before the
+//! RLJob goes, so the workers are drained and a trainer reading the feed sees the job end; the
+//! owned objects are then deleted by the API server's garbage collector. A scheduler that does
+//! not answer within 5 s does not hold the deletion up.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::finalizer::{Event, finalizer};
+use rollfleet_proto::v1::job_service_client::JobServiceClient;
+use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus};
+
+use crate::crd::{RLJob, RLJobStatus};
+use crate::desired::{self, JOB_LABEL, Settings};
+
+/// The finalizer that cancels a job before its RLJob is deleted.
+pub const FINALIZER: &str = "rollfleet.dev/cancel-job";
+/// The field manager of every object the operator applies.
+pub const MANAGER: &str = "rollfleet-operator";
+/// How long the operator waits for a scheduler's answer.
+const SCHEDULER_TIMEOUT: Duration = Duration::from_secs(5);
+/// The most of a spec's problems `status.message` holds.
+const MAX_MESSAGE_CHARS: usize = 4000;
+
+/// What a reconciliation needs.
+pub struct Context {
+    /// The Kubernetes client.
+    pub client: kube::Client,
+    /// What shapes the objects created.
+    pub settings: Settings,
+    /// Where an RLJob's scheduler answers gRPC (in the cluster: its Service).
+    pub scheduler_url: Box<dyn Fn(&RLJob) -> String + Send + Sync>,
+}
+
+impl Context {
+    /// A context whose schedulers are reached through their Services' cluster DNS names.
+    pub fn in_cluster(client: kube::Client, settings: Settings) -> Context {
+        Context {
+            client,
+            settings,
+            scheduler_url: Box::new(|job| {
+                format!(
+                    "http://{}.{}.svc:{}",
+                    desired::scheduler_name(job),
+                    job.namespace(),
+                    desired::GRPC_PORT
+                )
+            }),
+        }
+    }
+}
+
+/// Why a reconciliation failed (it is retried).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The API server refused or failed a request.
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    /// The RLJob has no name.
+    #[error("the RLJob has no metadata.name")]
+    Unnamed,
+}
+
+/// Reconciles one RLJob (the controller's entry point).
+pub async fn reconcile(
+    job: Arc<RLJob>,
+    ctx: Arc<Context>,
+) -> Result<Action, kube::runtime::finalizer::Error<Error>> {
+    let api: Api<RLJob> = Api::namespaced(ctx.client.clone(), job.namespace());
+    finalizer(&api, FINALIZER, job, |event| async {
+        match event {
+            Event::Apply(job) => apply(&job, &ctx).await,
+            Event::Cleanup(job) => cleanup(&job, &ctx).await,
+        }
+    })
+    .await
+}
+
+/// Retries a failed reconciliation after 30 s.
+pub fn error_policy(
+    job: Arc<RLJob>,
+    error: &kube::runtime::finalizer::Error<Error>,
+    _: Arc<Context>,
+) -> Action {
+    eprintln!(
+        "rollfleet-operator: rljob {}/{}: {error}; retrying in 30 s",
+        job.namespace(),
+        job.name()
+    );
+    Action::requeue(Duration::from_secs(30))
+}
+
+fn condition(
+    previous: Option<&RLJobStatus>,
+    type_: &str,
+    ok: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) -> Condition {
+    let status = if ok { "True" } else { "False" };
+    // The transition time moves only when the condition's status does.
+    let since = previous
+        .and_then(|p| p.conditions.iter().find(|c| c.type_ == type_))
+        .filter(|c| c.status == status)
+        .map(|c| c.last_transition_time.clone());
+    Condition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: reason.into(),
+        message: message.into(),
+        observed_generation: generation,
+        last_transition_time: since.unwrap_or_else(|| Time(k8s_openapi::jiff::Timestamp::now())),
+    }
+}
+
+fn phase_name(phase: JobPhase) -> &'static str {
+    match phase {
+        JobPhase::Unspecified => "Unknown",
+        JobPhase::Pending => "Pending",
+        JobPhase::Running => "Running",
+        JobPhase::Succeeded => "Succeeded",
+        JobPhase::Failed => "Failed",
+        JobPhase::Cancelled => "Cancelled",
+    }
+}
+
+async fn scheduler_client(
+    url: &str,
+) -> Result<JobServiceClient<tonic::transport::Channel>, String> {
+    let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .map_err(|e| format!("{url}: {e}"))?
+        .connect_timeout(SCHEDULER_TIMEOUT)
+        .timeout(SCHEDULER_TIMEOUT);
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach {url}: {e}"))?;
+    Ok(JobServiceClient::new(channel))
+}
+
+async fn scheduler_status(url: &str, name: &str) -> Result<JobStatus, String> {
+    let mut client = scheduler_client(url).await?;
+    client
+        .status(JobRef { job: name.into() })
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|s| format!("{url} answered: {}", s.message()))
+}
+
+async fn write_status(api: &Api<RLJob>, name: &str, status: &RLJobStatus) -> Result<(), Error> {
+    let patch = serde_json::json!({ "status": status });
+    api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
+}
+
+async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
+    let name = job.metadata.name.as_deref().ok_or(Error::Unnamed)?;
+    let ns = job.namespace();
+    let generation = job.metadata.generation;
+    let previous = job.status.as_ref();
+    let jobs: Api<RLJob> = Api::namespaced(ctx.client.clone(), ns);
+    let wanted = match desired::desired(job, &ctx.settings) {
+        Ok(wanted) => wanted,
+        Err(invalid) => {
+            let text = invalid.to_string();
+            let message: String = text.chars().take(MAX_MESSAGE_CHARS).collect();
+            let status = RLJobStatus {
+                phase: "Invalid".into(),
+                observed_generation: generation,
+                message: message.clone(),
+                conditions: vec![condition(
+                    previous,
+                    "Valid",
+                    false,
+                    "InvalidSpec",
+                    &message,
+                    generation,
+                )],
+                ..Default::default()
+            };
+            write_status(&jobs, name, &status).await?;
+            // Nothing to do until the spec changes.
+            return Ok(Action::await_change());
+        }
+    };
+
+    let apply = PatchParams::apply(MANAGER).force();
+    let config_maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), ns);
+    let services: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
+    let object_name = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        meta.name.clone().unwrap_or_default()
+    };
+    config_maps
+        .patch(
+            &object_name(&wanted.config_map.metadata),
+            &apply,
+            &Patch::Apply(&wanted.config_map),
+        )
+        .await?;
+    services
+        .patch(
+            &object_name(&wanted.service.metadata),
+            &apply,
+            &Patch::Apply(&wanted.service),
+        )
+        .await?;
+    for deployment in &wanted.deployments {
+        deployments
+            .patch(
+                &object_name(&deployment.metadata),
+                &apply,
+                &Patch::Apply(deployment),
+            )
+            .await?;
+    }
+    // A pool the spec no longer uses keeps no workers.
+    let selector = format!("{JOB_LABEL}={}", desired::dns_name(&[name]));
+    let existing = deployments
+        .list(&ListParams::default().labels(&selector))
+        .await?;
+    for stale in existing.items {
+        let stale_name = object_name(&stale.metadata);
+        let ours = stale
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| Some(&o.uid) == job.metadata.uid.as_ref() && o.controller == Some(true));
+        let still_wanted = wanted
+            .deployments
+            .iter()
+            .any(|d| d.metadata.name.as_deref() == Some(stale_name.as_str()));
+        if ours && !still_wanted {
+            deployments
+                .delete(&stale_name, &DeleteParams::default())
+                .await?;
+        }
+    }
+
+    let url = (ctx.scheduler_url)(job);
+    let answer = scheduler_status(&url, name).await;
+    let valid = condition(previous, "Valid", true, "Planned", "", generation);
+    let status = match answer {
+        Ok(s) => RLJobStatus {
+            phase: phase_name(s.phase()).into(),
+            observed_generation: generation,
+            rl_step: s.rl_step,
+            rl_steps_total: s.rl_steps_total,
+            trajectories_trained: s.trajectories_trained,
+            workers: wanted.workers,
+            message: s.message.clone(),
+            conditions: vec![
+                valid,
+                condition(
+                    previous,
+                    "SchedulerReachable",
+                    true,
+                    "Answered",
+                    "",
+                    generation,
+                ),
+            ],
+        },
+        Err(why) => RLJobStatus {
+            phase: "Starting".into(),
+            observed_generation: generation,
+            workers: wanted.workers,
+            message: format!("the scheduler is not answering yet: {why}"),
+            conditions: vec![
+                valid,
+                condition(
+                    previous,
+                    "SchedulerReachable",
+                    false,
+                    "NoAnswer",
+                    &why,
+                    generation,
+                ),
+            ],
+            ..previous.cloned().unwrap_or_default()
+        },
+    };
+    let ended = matches!(status.phase.as_str(), "Succeeded" | "Failed" | "Cancelled");
+    write_status(&jobs, name, &status).await?;
+    Ok(Action::requeue(Duration::from_secs(if ended {
+        300
+    } else {
+        10
+    })))
+}
+
+async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
+    let url = (ctx.scheduler_url)(job);
+    let cancelled = async {
+        let mut client = scheduler_client(&url).await?;
+        client
+            .cancel(JobRef {
+                job: job.name().into(),
+            })
+            .await
+            .map_err(|s| format!("{url} answered: {}", s.message()))
+    };
+    match tokio::time::timeout(SCHEDULER_TIMEOUT, cancelled).await {
+        Ok(Ok(_)) => eprintln!(
+            "rollfleet-operator: rljob {}/{}: job cancelled before deletion",
+            job.namespace(),
+            job.name()
+        ),
+        Ok(Err(why)) => eprintln!(
+            "rollfleet-operator: rljob {}/{}: not cancelled ({why}); deleting it anyway",
+            job.namespace(),
+            job.name()
+        ),
+        Err(_) => eprintln!(
+            "rollfleet-operator: rljob {}/{}: the scheduler did not answer in {} s; deleting it \
+             anyway",
+            job.namespace(),
+            job.name(),
+            SCHEDULER_TIMEOUT.as_secs()
+        ),
+    }
+    Ok(Action::await_change())
+}

@@ -1,0 +1,621 @@
+//! What an `RLJob` should run, as Kubernetes objects: a pure function of the object and the
+//! operator's settings, so it is tested without a cluster.
+//!
+//! - a ConfigMap `<job>-job` holding the job file the scheduler reads;
+//! - the scheduler: a one-pod Deployment `<job>-scheduler` (recreated, never two at once: it
+//!   keeps the job's state in memory) and a Service of the same name for its gRPC and metrics
+//!   ports;
+//! - one Deployment of workers per pool the plan uses, `<job>-<pool>`: a pod per GPU node
+//!   (`gpusPerNode` GPUs, requested as `nvidia.com/gpu`; a last, smaller node gets its own
+//!   Deployment `<job>-<pool>-partial`), a pod per CPU node, one pod for a serverless pool (it
+//!   invokes the functions).
+//!
+//! Every object is owned by the RLJob (deleted with it) and labelled with it. The scheduler pod
+//! carries a hash of the job file, so a changed spec restarts the job with it.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, PodSpec, PodTemplateSpec,
+    ResourceRequirements, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use rollfleet_server::{JobPlan, PoolRole};
+
+use crate::crd::{KIND, RLJob};
+
+/// The scheduler's gRPC port.
+pub const GRPC_PORT: i32 = 7070;
+/// The scheduler's Prometheus port.
+pub const METRICS_PORT: i32 = 9464;
+/// Label: the RLJob an object belongs to.
+pub const JOB_LABEL: &str = "rollfleet.dev/job";
+/// Label: `scheduler` or `worker`.
+pub const COMPONENT_LABEL: &str = "rollfleet.dev/component";
+/// Label: a worker's pool.
+pub const POOL_LABEL: &str = "rollfleet.dev/pool";
+/// Annotation on an RLJob: the URL of an OpenAI-compatible engine (vLLM, SGLang) its GPU
+/// workers generate with, instead of the emulated engine.
+pub const ENGINE_URL_ANNOTATION: &str = "rollfleet.dev/engine-url";
+/// Annotation on an RLJob: `"true"` runs its GPU workers on the emulated engine without asking
+/// the cluster for GPUs, to try a job on a cluster that has none (every GPU figure is then
+/// emulated, as in `rollfleet run`).
+pub const EMULATED_GPUS_ANNOTATION: &str = "rollfleet.dev/emulated-gpus";
+/// Annotation on the scheduler's pod: a hash of the job file it runs.
+pub const JOB_HASH_ANNOTATION: &str = "rollfleet.dev/job-hash";
+/// Where the job file is mounted in the scheduler's pod.
+const JOB_DIR: &str = "/etc/rollfleet";
+
+/// The operator's settings that shape what it creates.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The image with the `rollfleet` binary.
+    pub image: String,
+}
+
+/// Why an RLJob cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidJob {
+    /// The object could not be written out as a job file.
+    #[error("the object cannot be read as a job file: {0}")]
+    Encode(#[from] serde_yaml_ng::Error),
+    /// The spec is invalid or cannot be planned (every problem, with its field path).
+    #[error("{0}")]
+    Plan(#[from] rollfleet_server::PlanError),
+}
+
+/// Everything an RLJob should run.
+#[derive(Debug, Clone)]
+pub struct Desired {
+    /// The job file.
+    pub config_map: ConfigMap,
+    /// The scheduler's Service.
+    pub service: Service,
+    /// The scheduler, then one Deployment of workers per pool (and per partial node).
+    pub deployments: Vec<Deployment>,
+    /// Worker pods in all: the scheduler waits for this many.
+    pub workers: u32,
+}
+
+/// The job file the scheduler runs: the object's kind, name and spec (none of the cluster's
+/// bookkeeping), as YAML.
+pub fn job_file(job: &RLJob) -> Result<String, serde_yaml_ng::Error> {
+    serde_yaml_ng::to_string(&serde_json::json!({
+        "apiVersion": format!("{}/{}", crate::crd::GROUP, crate::crd::VERSION),
+        "kind": KIND,
+        "metadata": {
+            "name": job.name(),
+            "labels": job.metadata.labels.clone().unwrap_or_default(),
+        },
+        "spec": job.spec,
+    }))
+}
+
+/// FNV-1a, for a stable hash of the job file (the standard library's hasher is seeded per
+/// process, and the pod template must not change when the operator restarts).
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// A DNS-1123 name from `parts`: lowercase letters, digits and `-`, at most 63 characters
+/// (longer names keep a hash of the whole, so two long names stay apart).
+pub fn dns_name(parts: &[&str]) -> String {
+    let joined = parts.join("-");
+    let mut name: String = joined
+        .chars()
+        .map(|c| match c.to_ascii_lowercase() {
+            c @ ('a'..='z' | '0'..='9') => c,
+            _ => '-',
+        })
+        .collect();
+    name = name.trim_matches('-').to_owned();
+    if name.len() > 63 {
+        let hash = format!("{:08x}", fnv1a(&joined) as u32);
+        name.truncate(63 - hash.len() - 1);
+        name = format!("{}-{hash}", name.trim_end_matches('-'));
+    }
+    if name.is_empty() {
+        "rljob".into()
+    } else {
+        name
+    }
+}
+
+fn owner(job: &RLJob) -> OwnerReference {
+    OwnerReference {
+        api_version: format!("{}/{}", crate::crd::GROUP, crate::crd::VERSION),
+        kind: KIND.into(),
+        name: job.name().into(),
+        uid: job.metadata.uid.clone().unwrap_or_default(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
+}
+
+fn labels(job: &RLJob, component: &str, pool: Option<&str>) -> BTreeMap<String, String> {
+    let mut labels = BTreeMap::from([
+        ("app.kubernetes.io/name".to_owned(), "rollfleet".to_owned()),
+        (
+            "app.kubernetes.io/managed-by".to_owned(),
+            "rollfleet-operator".to_owned(),
+        ),
+        (JOB_LABEL.to_owned(), dns_name(&[job.name()])),
+        (COMPONENT_LABEL.to_owned(), component.to_owned()),
+    ]);
+    if let Some(pool) = pool {
+        labels.insert(POOL_LABEL.to_owned(), dns_name(&[pool]));
+    }
+    labels
+}
+
+fn meta(job: &RLJob, name: String, labels: BTreeMap<String, String>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: Some(job.namespace().to_owned()),
+        labels: Some(labels),
+        owner_references: Some(vec![owner(job)]),
+        ..Default::default()
+    }
+}
+
+/// The scheduler's Service name, which is also its host name in the namespace.
+pub fn scheduler_name(job: &RLJob) -> String {
+    dns_name(&[job.name(), "scheduler"])
+}
+
+fn deployment(
+    job: &RLJob,
+    name: String,
+    labels: BTreeMap<String, String>,
+    replicas: i32,
+    pod: PodSpec,
+    pod_annotations: BTreeMap<String, String>,
+    recreate: bool,
+) -> Deployment {
+    Deployment {
+        metadata: meta(job, name, labels.clone()),
+        spec: Some(DeploymentSpec {
+            replicas: Some(replicas),
+            selector: LabelSelector {
+                match_labels: Some(labels.clone()),
+                ..Default::default()
+            },
+            strategy: recreate.then(|| DeploymentStrategy {
+                type_: Some("Recreate".into()),
+                ..Default::default()
+            }),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    annotations: (!pod_annotations.is_empty()).then_some(pod_annotations),
+                    ..Default::default()
+                }),
+                spec: Some(pod),
+            },
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// A worker pod's container for `pool`, with `gpus` GPUs of its node (0: a CPU or serverless
+/// pool).
+fn worker_container(job: &RLJob, settings: &Settings, pool: &str, gpus: u32) -> Container {
+    let mut args = vec![
+        "worker".to_owned(),
+        "--scheduler".to_owned(),
+        format!("http://{}:{GRPC_PORT}", scheduler_name(job)),
+        "--pool".to_owned(),
+        pool.to_owned(),
+    ];
+    let mut resources = None;
+    let annotation = |key: &str| {
+        job.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(key))
+            .cloned()
+    };
+    if gpus > 0 {
+        args.extend(["--gpus".to_owned(), gpus.to_string()]);
+        if let Some(url) = annotation(ENGINE_URL_ANNOTATION) {
+            args.extend([
+                "--engine".to_owned(),
+                "openai".to_owned(),
+                "--engine-url".to_owned(),
+                url,
+            ]);
+        }
+    }
+    if gpus > 0 && annotation(EMULATED_GPUS_ANNOTATION).as_deref() != Some("true") {
+        resources = Some(ResourceRequirements {
+            limits: Some(BTreeMap::from([(
+                "nvidia.com/gpu".to_owned(),
+                Quantity(gpus.to_string()),
+            )])),
+            ..Default::default()
+        });
+    }
+    Container {
+        name: "worker".into(),
+        image: Some(settings.image.clone()),
+        command: Some(vec!["rollfleet".into()]),
+        args: Some(args),
+        resources,
+        ..Default::default()
+    }
+}
+
+/// What `job` should run, or why it cannot.
+pub fn desired(job: &RLJob, settings: &Settings) -> Result<Desired, InvalidJob> {
+    let yaml = job_file(job)?;
+    let origin = format!("rljob/{}", job.name());
+    let plan = JobPlan::from_yaml(&yaml, &origin, 0)?;
+    let name = job.name();
+
+    let mut deployments = Vec::new();
+    let mut workers = 0u32;
+    for pool in plan.pools_needed() {
+        let Some(spec) = plan.spec().pools.get(pool as usize) else {
+            continue;
+        };
+        let pool_name = spec.name.as_str();
+        let worker_labels = |suffix: Option<&str>| {
+            let mut l = labels(job, "worker", Some(pool_name));
+            if let Some(s) = suffix {
+                l.insert("rollfleet.dev/node-size".into(), s.into());
+            }
+            l
+        };
+        let pod = |gpus: u32| PodSpec {
+            containers: vec![worker_container(job, settings, pool_name, gpus)],
+            ..Default::default()
+        };
+        let count = u32::try_from(spec.count.unwrap_or(1).max(1)).unwrap_or(u32::MAX);
+        match plan.pool_role(pool) {
+            Some(PoolRole::Gpu) => {
+                let per_node = u32::try_from(spec.gpus_per_node.unwrap_or(8).max(1))
+                    .unwrap_or(8)
+                    .min(count);
+                let (full, rest) = (count / per_node, count % per_node);
+                deployments.push(deployment(
+                    job,
+                    dns_name(&[name, pool_name]),
+                    worker_labels(None),
+                    i32::try_from(full).unwrap_or(i32::MAX),
+                    pod(per_node),
+                    BTreeMap::new(),
+                    false,
+                ));
+                workers = workers.saturating_add(full);
+                if rest > 0 {
+                    deployments.push(deployment(
+                        job,
+                        dns_name(&[name, pool_name, "partial"]),
+                        worker_labels(Some("partial")),
+                        1,
+                        pod(rest),
+                        BTreeMap::new(),
+                        false,
+                    ));
+                    workers = workers.saturating_add(1);
+                }
+            }
+            Some(PoolRole::Cpu) => {
+                deployments.push(deployment(
+                    job,
+                    dns_name(&[name, pool_name]),
+                    worker_labels(None),
+                    i32::try_from(count).unwrap_or(i32::MAX),
+                    pod(0),
+                    BTreeMap::new(),
+                    false,
+                ));
+                workers = workers.saturating_add(count);
+            }
+            Some(PoolRole::Serverless) | None => {
+                deployments.push(deployment(
+                    job,
+                    dns_name(&[name, pool_name]),
+                    worker_labels(None),
+                    1,
+                    pod(0),
+                    BTreeMap::new(),
+                    false,
+                ));
+                workers = workers.saturating_add(1);
+            }
+        }
+    }
+
+    let scheduler_labels = labels(job, "scheduler", None);
+    let config_map_name = dns_name(&[name, "job"]);
+    let scheduler = Container {
+        name: "scheduler".into(),
+        image: Some(settings.image.clone()),
+        command: Some(vec!["rollfleet".into()]),
+        args: Some(vec![
+            "scheduler".into(),
+            format!("{JOB_DIR}/job.yaml"),
+            "--listen".into(),
+            format!("0.0.0.0:{GRPC_PORT}"),
+            "--metrics-addr".into(),
+            format!("0.0.0.0:{METRICS_PORT}"),
+            "--expect-workers".into(),
+            workers.to_string(),
+            "--time-scale".into(),
+            "1".into(),
+        ]),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some("grpc".into()),
+                container_port: GRPC_PORT,
+                ..Default::default()
+            },
+            ContainerPort {
+                name: Some("metrics".into()),
+                container_port: METRICS_PORT,
+                ..Default::default()
+            },
+        ]),
+        volume_mounts: Some(vec![VolumeMount {
+            name: "job".into(),
+            mount_path: JOB_DIR.into(),
+            read_only: Some(true),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    let scheduler_pod = PodSpec {
+        containers: vec![scheduler],
+        volumes: Some(vec![Volume {
+            name: "job".into(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: config_map_name.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    let pod_annotations = BTreeMap::from([
+        (
+            JOB_HASH_ANNOTATION.to_owned(),
+            format!("{:016x}", fnv1a(&yaml)),
+        ),
+        ("prometheus.io/scrape".to_owned(), "true".to_owned()),
+        ("prometheus.io/port".to_owned(), METRICS_PORT.to_string()),
+    ]);
+    deployments.insert(
+        0,
+        deployment(
+            job,
+            scheduler_name(job),
+            scheduler_labels.clone(),
+            1,
+            scheduler_pod,
+            pod_annotations,
+            true,
+        ),
+    );
+
+    let port = |name: &str, port: i32| ServicePort {
+        name: Some(name.into()),
+        port,
+        target_port: Some(IntOrString::String(name.into())),
+        ..Default::default()
+    };
+    Ok(Desired {
+        config_map: ConfigMap {
+            metadata: meta(job, config_map_name, labels(job, "job", None)),
+            data: Some(BTreeMap::from([("job.yaml".to_owned(), yaml)])),
+            ..Default::default()
+        },
+        service: Service {
+            metadata: meta(job, scheduler_name(job), scheduler_labels.clone()),
+            spec: Some(ServiceSpec {
+                selector: Some(scheduler_labels),
+                ports: Some(vec![port("grpc", GRPC_PORT), port("metrics", METRICS_PORT)]),
+                ..Default::default()
+            }),
+            status: None,
+        },
+        deployments,
+        workers,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn example(file: &str) -> RLJob {
+        let path = format!("{}/../../examples/jobs/{file}", env!("CARGO_MANIFEST_DIR"));
+        let mut job: RLJob =
+            serde_yaml_ng::from_str(&std::fs::read_to_string(path).unwrap_or_default())
+                .expect("an RLJob");
+        job.metadata.namespace = Some("rl".into());
+        job.metadata.uid = Some("uid-1".into());
+        job
+    }
+
+    fn settings() -> Settings {
+        Settings {
+            image: "rollfleet:test".into(),
+        }
+    }
+
+    fn args(d: &Deployment) -> Vec<String> {
+        d.spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|p| p.containers[0].args.clone())
+            .unwrap_or_default()
+    }
+
+    fn replicas(d: &Deployment) -> i32 {
+        d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(-1)
+    }
+
+    fn gpu_limit(d: &Deployment) -> Option<String> {
+        d.spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|p| p.containers[0].resources.as_ref())
+            .and_then(|r| r.limits.as_ref())
+            .and_then(|l| l.get("nvidia.com/gpu"))
+            .map(|q| q.0.clone())
+    }
+
+    fn named<'a>(d: &'a Desired, name: &str) -> &'a Deployment {
+        d.deployments
+            .iter()
+            .find(|x| x.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("no deployment {name}"))
+    }
+
+    #[test]
+    fn the_rollart_job_gets_a_worker_per_gpu_node_and_per_cpu_node_and_one_for_lambda() {
+        let d = desired(&example("rollart-agentic.yaml"), &settings()).expect("valid");
+        let h800 = named(&d, "rollart-agentic-h800");
+        assert_eq!((replicas(h800), gpu_limit(h800)), (24, Some("8".into())));
+        assert!(
+            args(h800).ends_with(&["--gpus".into(), "8".into()]),
+            "{:?}",
+            args(h800)
+        );
+        let h20 = named(&d, "rollart-agentic-h20");
+        assert_eq!((replicas(h20), gpu_limit(h20)), (40, Some("8".into())));
+        let env = named(&d, "rollart-agentic-env-nodes");
+        assert_eq!((replicas(env), gpu_limit(env)), (48, None));
+        assert_eq!(replicas(named(&d, "rollart-agentic-lambda")), 1);
+        assert_eq!(d.workers, 24 + 40 + 48 + 1);
+        let scheduler = named(&d, "rollart-agentic-scheduler");
+        let a = args(scheduler);
+        let expect = a
+            .iter()
+            .position(|x| x == "--expect-workers")
+            .expect("the flag");
+        assert_eq!(a[expect + 1], "113");
+        assert!(
+            args(h20).contains(&"http://rollart-agentic-scheduler:7070".to_owned()),
+            "{:?}",
+            args(h20)
+        );
+    }
+
+    #[test]
+    fn a_pool_whose_gpus_do_not_fill_whole_nodes_gets_a_partial_node() {
+        let mut job = example("rollart-agentic.yaml");
+        job.spec["pools"][1]["count"] = 324.into();
+        let d = desired(&job, &settings()).expect("valid");
+        let full = named(&d, "rollart-agentic-h20");
+        let partial = named(&d, "rollart-agentic-h20-partial");
+        assert_eq!((replicas(full), gpu_limit(full)), (40, Some("8".into())));
+        assert_eq!(
+            (replicas(partial), gpu_limit(partial)),
+            (1, Some("4".into()))
+        );
+        assert_eq!(d.workers, 24 + 41 + 48 + 1);
+    }
+
+    #[test]
+    fn the_scheduler_reads_the_job_from_its_config_map_and_restarts_when_it_changes() {
+        let job = example("quickstart.yaml");
+        let d = desired(&job, &settings()).expect("valid");
+        let file = &d.config_map.data.as_ref().expect("data")["job.yaml"];
+        let parsed = rollfleet_spec::parse_job(file.as_bytes(), "config map").expect("a job");
+        assert_eq!(parsed.manifest.metadata.name, "quickstart");
+        let hash = |d: &Desired| {
+            d.deployments[0]
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.metadata.as_ref())
+                .and_then(|m| m.annotations.as_ref())
+                .map(|a| a[JOB_HASH_ANNOTATION].clone())
+        };
+        let mut changed = job.clone();
+        changed.spec["rl"]["steps"] = 7.into();
+        let d2 = desired(&changed, &settings()).expect("valid");
+        assert!(hash(&d).is_some());
+        assert_ne!(hash(&d), hash(&d2));
+        assert_eq!(hash(&d), hash(&desired(&job, &settings()).expect("valid")));
+        let scheduler = &d.deployments[0];
+        let strategy = scheduler.spec.as_ref().and_then(|s| s.strategy.clone());
+        assert_eq!(strategy.and_then(|s| s.type_).as_deref(), Some("Recreate"));
+        for object in d
+            .deployments
+            .iter()
+            .map(|x| &x.metadata)
+            .chain([&d.config_map.metadata])
+        {
+            let owner = &object.owner_references.as_ref().expect("owned")[0];
+            assert_eq!(
+                (owner.kind.as_str(), owner.uid.as_str()),
+                ("RLJob", "uid-1")
+            );
+            assert_eq!(object.namespace.as_deref(), Some("rl"));
+        }
+    }
+
+    #[test]
+    fn an_engine_url_annotation_puts_the_gpu_workers_on_that_engine() {
+        let mut job = example("quickstart.yaml");
+        job.metadata.annotations = Some(BTreeMap::from([(
+            ENGINE_URL_ANNOTATION.to_owned(),
+            "http://vllm:8000".to_owned(),
+        )]));
+        let d = desired(&job, &settings()).expect("valid");
+        let decode = args(named(&d, "quickstart-decode"));
+        assert!(decode.ends_with(&["--engine-url".into(), "http://vllm:8000".into()]));
+        assert!(!args(named(&d, "quickstart-envs")).contains(&"--engine".to_owned()));
+    }
+
+    #[test]
+    fn emulated_gpus_ask_the_cluster_for_none() {
+        let mut job = example("quickstart.yaml");
+        let plain = desired(&job, &settings()).expect("valid");
+        assert_eq!(
+            gpu_limit(named(&plain, "quickstart-decode")),
+            Some("2".into())
+        );
+        job.metadata.annotations = Some(BTreeMap::from([(
+            EMULATED_GPUS_ANNOTATION.to_owned(),
+            "true".to_owned(),
+        )]));
+        let d = desired(&job, &settings()).expect("valid");
+        assert_eq!(gpu_limit(named(&d, "quickstart-decode")), None);
+        assert!(args(named(&d, "quickstart-decode")).ends_with(&["--gpus".into(), "2".into()]));
+    }
+
+    #[test]
+    fn an_invalid_spec_is_refused_with_its_field_path() {
+        let mut job = example("quickstart.yaml");
+        job.spec["pools"][0]["gpu"] = "NoSuchGpu".into();
+        let err = desired(&job, &settings()).map(|_| ()).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("pools[0].gpu") && text.contains("NoSuchGpu"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn names_are_valid_dns_labels_even_from_long_or_odd_parts() {
+        assert_eq!(
+            dns_name(&["Quick_Start", "env.nodes"]),
+            "quick-start-env-nodes"
+        );
+        let long = "x".repeat(80);
+        let a = dns_name(&[&long, "a"]);
+        let b = dns_name(&[&long, "b"]);
+        assert!(a.len() <= 63 && b.len() <= 63, "{a} {b}");
+        assert_ne!(a, b);
+        assert_eq!(dns_name(&["--"]), "rljob");
+    }
+}

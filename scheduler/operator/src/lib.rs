@@ -1,0 +1,13 @@
+//! The rollfleet Kubernetes operator: `RLJob` objects, applied with `kubectl`, become a running
+//! rollfleet job.
+//!
+//! - [`crd`]: the `RLJob` resource and its CustomResourceDefinition;
+//! - [`desired`]: what an RLJob should run (its scheduler, a Deployment of workers per pool), a
+//!   pure function tested without a cluster;
+//! - [`controller`]: the reconciler that applies it and reports the scheduler's status back.
+//!
+//! It depends on kube and k8s-openapi, which the scheduler core and the simulator never do.
+
+pub mod controller;
+pub mod crd;
+pub mod desired;

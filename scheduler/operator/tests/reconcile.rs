@@ -1,0 +1,399 @@
+//! The reconciler against a scripted Kubernetes API server (tower-test: every request the
+//! controller makes is checked and answered here) and a real rollfleet scheduler on loopback
+//! (the status it reports is what the operator writes back).
+
+#![allow(clippy::unwrap_used)] // test helpers may fail loudly
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use k8s_openapi::api::rbac::v1::ClusterRole;
+use kube::client::Body;
+use kube::runtime::controller::Action;
+use rollfleet_operator::controller::{self, Context, FINALIZER};
+use rollfleet_operator::crd::RLJob;
+use rollfleet_operator::desired::{Settings, job_file};
+use serde_json::{Value, json};
+
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+fn quickstart() -> RLJob {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/jobs/quickstart.yaml"
+    );
+    let mut job: RLJob = serde_yaml_ng::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    job.metadata.namespace = Some("rl".into());
+    job.metadata.uid = Some("uid-1".into());
+    job.metadata.generation = Some(3);
+    job.metadata.finalizers = Some(vec![FINALIZER.into()]);
+    job
+}
+
+type ServerRun = Result<Option<rollfleet_server::Report>, rollfleet_server::ServerError>;
+
+/// A real scheduler serving `job` on loopback, expecting five workers (none come); its URL and
+/// the task that ends with its report.
+async fn scheduler(job: &RLJob) -> (String, tokio::task::JoinHandle<ServerRun>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let opts = rollfleet_server::ServerOptions {
+        job_yaml: Some(job_file(job).unwrap()),
+        origin: "test".into(),
+        seed: 0,
+        time_scale: 1.0,
+        lease_ttl: Duration::from_secs(10),
+        expect_workers: 5,
+        stage_timeout: Duration::from_secs(120),
+        report: None,
+        metrics_addr: None,
+        replan_on_drift: None,
+    };
+    (url, tokio::spawn(rollfleet_server::serve(listener, opts)))
+}
+
+/// One request the controller made: method, path and query, content type, body as JSON.
+struct Seen {
+    method: String,
+    uri: String,
+    content_type: String,
+    body: Value,
+}
+
+async fn next(handle: &mut Handle) -> (Seen, tower_test::mock::SendResponse<Response<Body>>) {
+    let (request, send) = tokio::time::timeout(Duration::from_secs(30), handle.next_request())
+        .await
+        .expect("a request within 30 s")
+        .expect("the client is alive");
+    let method = request.method().to_string();
+    let uri = request.uri().to_string();
+    let content_type = request
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let bytes = request.into_body().collect_bytes().await.unwrap();
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes).unwrap()
+    };
+    (
+        Seen {
+            method,
+            uri,
+            content_type,
+            body,
+        },
+        send,
+    )
+}
+
+fn answer(send: tower_test::mock::SendResponse<Response<Body>>, body: &Value) {
+    send.send_response(
+        Response::builder()
+            .body(Body::from(serde_json::to_vec(body).unwrap()))
+            .unwrap(),
+    );
+}
+
+/// Whether `manifests/operator/rbac.yaml` lets the operator do `verb` on `resource` of `group`.
+fn granted(group: &str, resource: &str, verb: &str) -> bool {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../manifests/operator/rbac.yaml"
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    text.split("\n---\n")
+        .map(|doc| serde_yaml_ng::from_str::<Value>(doc).unwrap())
+        .filter(|doc| doc["kind"] == "ClusterRole")
+        .map(|doc| serde_json::from_value::<ClusterRole>(doc).unwrap())
+        .flat_map(|role| role.rules.unwrap_or_default())
+        .any(|rule| {
+            let has = |list: &Option<Vec<String>>, x: &str| {
+                list.iter().flatten().any(|v| v == x || v == "*")
+            };
+            has(&rule.api_groups, group)
+                && has(&rule.resources, resource)
+                && has(&Some(rule.verbs), verb)
+        })
+}
+
+/// The (group, resource, verb) a request needs, from its method and path.
+fn permission(seen: &Seen) -> (String, String, String) {
+    let path = seen.uri.split('?').next().unwrap_or_default();
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let (group, rest) = match parts[0] {
+        "api" => (String::new(), &parts[2..]),
+        _ => (parts[1].to_owned(), &parts[3..]),
+    };
+    // namespaces/NS/RESOURCE[/NAME[/SUBRESOURCE]]
+    let rest = if rest.first() == Some(&"namespaces") {
+        &rest[2..]
+    } else {
+        rest
+    };
+    let mut resource = rest[0].to_owned();
+    if rest.len() > 2 {
+        resource = format!("{resource}/{}", rest[2]);
+    }
+    let verb = match (seen.method.as_str(), rest.len()) {
+        ("GET", 1) => "list",
+        ("GET", _) => "get",
+        ("PATCH", _) => "patch",
+        ("DELETE", _) => "delete",
+        ("POST", _) => "create",
+        (other, _) => panic!("unexpected method {other}"),
+    };
+    (group, resource, verb.to_owned())
+}
+
+fn context(client: kube::Client, url: String) -> Arc<Context> {
+    Arc::new(Context {
+        client,
+        settings: Settings {
+            image: "rollfleet:test".into(),
+        },
+        scheduler_url: Box::new(move |_| url.clone()),
+    })
+}
+
+#[tokio::test]
+async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers_status_written_back()
+ {
+    let job = quickstart();
+    let (url, _scheduler) = scheduler(&job).await;
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = context(kube::Client::new(service, "rl"), url);
+    let reconciling = tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx));
+
+    let mut applied = Vec::new();
+    let mut permissions = BTreeSet::new();
+    // Server-side applies: the job file, the Service, the scheduler and one Deployment a pool.
+    loop {
+        let (seen, send) = next(&mut handle).await;
+        permissions.insert(permission(&seen));
+        if seen.method == "GET" {
+            assert!(
+                seen.uri
+                    .starts_with("/apis/apps/v1/namespaces/rl/deployments?")
+                    && seen
+                        .uri
+                        .contains("labelSelector=rollfleet.dev%2Fjob%3Dquickstart"),
+                "{}",
+                seen.uri
+            );
+            let owned = |name: &str, uid: &str| {
+                json!({"metadata": {"name": name, "namespace": "rl", "ownerReferences": [
+                    {"apiVersion": "rollfleet.dev/v1alpha1", "kind": "RLJob", "name": "quickstart",
+                     "uid": uid, "controller": true}]}})
+            };
+            answer(
+                send,
+                &json!({"apiVersion": "apps/v1", "kind": "DeploymentList", "metadata": {},
+                        "items": [owned("quickstart-decode", "uid-1"),
+                                  owned("quickstart-retired-pool", "uid-1"),
+                                  owned("quickstart-someone-elses", "uid-2")]}),
+            );
+            break;
+        }
+        assert_eq!(seen.method, "PATCH", "{}", seen.uri);
+        assert_eq!(seen.content_type, "application/apply-patch+yaml");
+        assert!(
+            seen.uri.contains("fieldManager=rollfleet-operator") && seen.uri.contains("force=true"),
+            "{}",
+            seen.uri
+        );
+        applied.push(format!(
+            "{} {}",
+            seen.body["kind"].as_str().unwrap(),
+            seen.body["metadata"]["name"].as_str().unwrap()
+        ));
+        answer(send, &seen.body);
+    }
+    assert_eq!(
+        applied,
+        [
+            "ConfigMap quickstart-job",
+            "Service quickstart-scheduler",
+            "Deployment quickstart-scheduler",
+            "Deployment quickstart-prefill",
+            "Deployment quickstart-decode",
+            "Deployment quickstart-train",
+            "Deployment quickstart-envs",
+            "Deployment quickstart-rewards",
+        ]
+    );
+    // Only the job's own Deployment that no pool wants any more is deleted.
+    let (seen, send) = next(&mut handle).await;
+    permissions.insert(permission(&seen));
+    assert_eq!(
+        (seen.method.as_str(), seen.uri.split('?').next().unwrap()),
+        (
+            "DELETE",
+            "/apis/apps/v1/namespaces/rl/deployments/quickstart-retired-pool"
+        )
+    );
+    answer(
+        send,
+        &json!({"apiVersion": "apps/v1", "kind": "Deployment",
+                          "metadata": {"name": "quickstart-retired-pool"}}),
+    );
+    // The status, from the real scheduler: waiting for the five workers it was told to expect.
+    let (seen, send) = next(&mut handle).await;
+    permissions.insert(permission(&seen));
+    assert_eq!(seen.method, "PATCH");
+    assert!(
+        seen.uri
+            .starts_with("/apis/rollfleet.dev/v1alpha1/namespaces/rl/rljobs/quickstart/status"),
+        "{}",
+        seen.uri
+    );
+    assert_eq!(seen.content_type, "application/merge-patch+json");
+    let status = &seen.body["status"];
+    assert_eq!(status["phase"], "Pending", "{status:#}");
+    assert_eq!(status["workers"], 5);
+    assert_eq!(status["observedGeneration"], 3);
+    assert!(
+        status["message"]
+            .as_str()
+            .unwrap()
+            .contains("waiting for workers"),
+        "{status:#}"
+    );
+    let conditions: Vec<(String, String, i64)> = status["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["type"].as_str().unwrap().to_owned(),
+                c["status"].as_str().unwrap().to_owned(),
+                c["observedGeneration"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        conditions,
+        [
+            ("Valid".into(), "True".into(), 3),
+            ("SchedulerReachable".into(), "True".into(), 3)
+        ]
+    );
+    answer(send, &serde_json::to_value(&job).unwrap());
+    let action = reconciling.await.unwrap().unwrap();
+    assert_eq!(action, Action::requeue(Duration::from_secs(10)));
+
+    // What the controller did, and what its Controller watches, the shipped RBAC allows.
+    permissions.insert(("rollfleet.dev".into(), "rljobs".into(), "watch".into()));
+    permissions.insert(("rollfleet.dev".into(), "rljobs".into(), "list".into()));
+    permissions.insert(("apps".into(), "deployments".into(), "watch".into()));
+    for (group, resource, verb) in &permissions {
+        assert!(
+            granted(group, resource, verb),
+            "rbac.yaml does not allow {verb} {group}/{resource}"
+        );
+    }
+    assert!(
+        !granted("", "secrets", "get"),
+        "the operator reads no secrets"
+    );
+}
+
+#[tokio::test]
+async fn an_invalid_rljob_gets_its_problems_in_its_status_and_nothing_else() {
+    let mut job = quickstart();
+    job.spec["pools"][1]["gpu"] = "H2000".into();
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = context(
+        kube::Client::new(service, "rl"),
+        "http://127.0.0.1:1".into(),
+    );
+    let reconciling = tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx));
+    let (seen, send) = next(&mut handle).await;
+    assert_eq!(seen.method, "PATCH");
+    assert!(
+        seen.uri.contains("/rljobs/quickstart/status"),
+        "{}",
+        seen.uri
+    );
+    let status = &seen.body["status"];
+    assert_eq!(status["phase"], "Invalid");
+    let message = status["message"].as_str().unwrap();
+    assert!(
+        message.contains("pools[1].gpu") && message.contains("H2000"),
+        "{message}"
+    );
+    assert_eq!(status["conditions"][0]["type"], "Valid");
+    assert_eq!(status["conditions"][0]["status"], "False");
+    assert_eq!(status["conditions"][0]["reason"], "InvalidSpec");
+    answer(send, &serde_json::to_value(&job).unwrap());
+    assert_eq!(reconciling.await.unwrap().unwrap(), Action::await_change());
+    // Nothing was created: no further request came (the client is gone, or silent).
+    let more = tokio::time::timeout(Duration::from_millis(200), handle.next_request()).await;
+    assert!(matches!(more, Err(_) | Ok(None)), "another request came");
+}
+
+#[tokio::test]
+async fn a_new_rljob_first_gets_the_finalizer_that_cancels_its_job() {
+    let mut job = quickstart();
+    job.metadata.finalizers = None;
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = context(
+        kube::Client::new(service, "rl"),
+        "http://127.0.0.1:1".into(),
+    );
+    let reconciling = tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx));
+    let (seen, send) = next(&mut handle).await;
+    assert_eq!(seen.method, "PATCH");
+    assert_eq!(seen.content_type, "application/json-patch+json");
+    assert!(
+        seen.uri
+            .starts_with("/apis/rollfleet.dev/v1alpha1/namespaces/rl/rljobs/quickstart")
+    );
+    assert!(seen.body.to_string().contains(FINALIZER), "{}", seen.body);
+    answer(send, &serde_json::to_value(&job).unwrap());
+    assert_eq!(reconciling.await.unwrap().unwrap(), Action::await_change());
+}
+
+#[tokio::test]
+async fn a_deleted_rljob_cancels_its_job_on_the_scheduler_before_its_finalizer_goes() {
+    let mut job = quickstart();
+    job.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+    ));
+    let (url, scheduler) = scheduler(&job).await;
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = context(kube::Client::new(service, "rl"), url);
+    let reconciling = tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx));
+    let (seen, send) = next(&mut handle).await;
+    // By the time the finalizer is removed, the scheduler has been told to cancel.
+    let report = tokio::time::timeout(Duration::from_secs(30), scheduler)
+        .await
+        .expect("the scheduler stops")
+        .unwrap()
+        .unwrap()
+        .expect("a report");
+    assert_eq!(report.phase, "Cancelled");
+    assert_eq!(seen.method, "PATCH");
+    assert_eq!(seen.content_type, "application/json-patch+json");
+    let ops = seen.body.as_array().unwrap();
+    assert!(ops.iter().any(|op| op["op"] == "remove"), "{}", seen.body);
+    answer(send, &serde_json::to_value(&job).unwrap());
+    assert_eq!(reconciling.await.unwrap().unwrap(), Action::await_change());
+}
+
+#[test]
+fn the_job_file_the_scheduler_reads_is_the_rljob_without_the_clusters_bookkeeping() {
+    let job = quickstart();
+    let file = job_file(&job).unwrap();
+    assert!(
+        !file.contains("uid-1") && !file.contains(FINALIZER),
+        "{file}"
+    );
+    let parsed = rollfleet_spec::parse_job(file.as_bytes(), "job file").unwrap();
+    assert_eq!(parsed.manifest.metadata.name, "quickstart");
+}
