@@ -8,6 +8,9 @@
 //!
 //! It depends on kube and k8s-openapi, which the scheduler core and the simulator never do.
 
+/// The Kubernetes API types the operator's objects are made of.
+pub use k8s_openapi;
+
 pub mod controller;
 pub mod crd;
 pub mod desired;

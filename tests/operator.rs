@@ -1,0 +1,159 @@
+//! The operator's objects, run. Every container the operator would have Kubernetes start for an
+//! RLJob is started here as a real `rollfleet` process, as a kubelet would start it: the
+//! ConfigMap mounted as a file where the scheduler reads it, the scheduler's Service name
+//! resolving to its loopback address, each Deployment's pods as many processes. The job they
+//! make must succeed: so the commands, flags and worker counts the operator writes are the ones
+//! the binaries take.
+
+#![allow(clippy::unwrap_used)] // test helpers may fail loudly
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rollfleet_operator::crd::RLJob;
+use rollfleet_operator::desired::{EMULATED_GPUS_ANNOTATION, Settings, desired};
+use rollfleet_operator::k8s_openapi::api::apps::v1::Deployment;
+use rollfleet_operator::k8s_openapi::api::core::v1::Container;
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rollfleet");
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn container(d: &Deployment) -> Container {
+    d.spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .clone()
+}
+
+/// A pod's process: the container's command and arguments, with `rewrite` applied to each
+/// argument (what the cluster would resolve differently from this machine).
+fn start(c: &Container, rewrite: impl Fn(&str) -> String, extra: &[&str], stdout: Stdio) -> Child {
+    let command = c.command.clone().unwrap();
+    assert_eq!(command, ["rollfleet"], "the image's binary");
+    let args: Vec<String> = c.args.clone().unwrap().iter().map(|a| rewrite(a)).collect();
+    Command::new(BIN)
+        .args(&args)
+        .args(extra)
+        .stdout(stdout)
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn the_scheduler_and_workers_the_operator_creates_for_the_quickstart_run_it_to_the_end() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let text = std::fs::read_to_string(root.join("examples/jobs/quickstart.yaml")).unwrap();
+    let mut job: RLJob = serde_yaml_ng::from_str(&text).unwrap();
+    job.spec["rl"]["steps"] = 2.into();
+    job.metadata.namespace = Some("rl".into());
+    job.metadata.uid = Some("uid-1".into());
+    // No GPUs on this machine: the workers emulate them, as on a cluster without any.
+    job.metadata.annotations = Some(BTreeMap::from([(
+        EMULATED_GPUS_ANNOTATION.to_owned(),
+        "true".to_owned(),
+    )]));
+    let wanted = desired(
+        &job,
+        &Settings {
+            image: "rollfleet:test".into(),
+        },
+    )
+    .unwrap();
+
+    let dir = std::env::temp_dir().join(format!("rollfleet-operator-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // The ConfigMap's volume.
+    let job_file = dir.join("job.yaml");
+    std::fs::write(
+        &job_file,
+        &wanted.config_map.data.as_ref().unwrap()["job.yaml"],
+    )
+    .unwrap();
+    let report = dir.join("report.json");
+
+    let scheduler = container(&wanted.deployments[0]);
+    let mut scheduler = start(
+        &scheduler,
+        |arg| match arg {
+            "/etc/rollfleet/job.yaml" => job_file.display().to_string(),
+            "0.0.0.0:7070" | "0.0.0.0:9464" => "127.0.0.1:0".into(),
+            other => other.into(),
+        },
+        // What a pod would not keep: the final report, to check every trajectory was trained once.
+        &["--report", report.to_str().unwrap()],
+        Stdio::piped(),
+    );
+    let mut line = String::new();
+    BufReader::new(scheduler.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_owned();
+    let mut procs = Procs(vec![scheduler]);
+    let mut pods = 0;
+    for deployment in &wanted.deployments[1..] {
+        let replicas = deployment.spec.as_ref().unwrap().replicas.unwrap();
+        let c = container(deployment);
+        for _ in 0..replicas {
+            let url = format!("http://{addr}");
+            procs.0.push(start(
+                &c,
+                |arg| {
+                    if arg == "http://quickstart-scheduler:7070" {
+                        url.clone()
+                    } else {
+                        arg.into()
+                    }
+                },
+                &[],
+                Stdio::null(),
+            ));
+            pods += 1;
+        }
+    }
+    assert_eq!(pods, wanted.workers);
+
+    // The scheduler exits when the job ends: 0 when it succeeded.
+    let start = Instant::now();
+    let exit = loop {
+        if let Some(exit) = procs.0[0].try_wait().unwrap() {
+            break exit;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(240),
+            "the job did not end"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(exit.success(), "{exit:?}");
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Succeeded", "{report:#}");
+    assert_eq!(report["policy_version"], 2);
+    let trained = report["trained"].as_array().unwrap();
+    assert_eq!(trained.len(), 2 * 32);
+    assert!(report["trained_twice"].as_array().unwrap().is_empty());
+}
