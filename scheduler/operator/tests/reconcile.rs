@@ -151,14 +151,27 @@ fn permission(seen: &Seen) -> (String, String, String) {
     (group, resource, verb.to_owned())
 }
 
-fn context(client: kube::Client, url: String) -> Arc<Context> {
-    Arc::new(Context {
-        client,
+/// Starts reconciling `job` against a scripted API server (the returned handle answers it), with
+/// its scheduler at `url`.
+fn reconciling(
+    job: &RLJob,
+    url: String,
+) -> (
+    tokio::task::JoinHandle<Result<Action, kube::runtime::finalizer::Error<controller::Error>>>,
+    Handle,
+) {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = Arc::new(Context {
+        client: kube::Client::new(service, "rl"),
         settings: Settings {
             image: "rollfleet:test".into(),
         },
         scheduler_url: Box::new(move |_| url.clone()),
-    })
+    });
+    (
+        tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx)),
+        handle,
+    )
 }
 
 #[tokio::test]
@@ -166,9 +179,7 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
  {
     let job = quickstart();
     let (url, _scheduler) = scheduler(&job).await;
-    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let ctx = context(kube::Client::new(service, "rl"), url);
-    let reconciling = tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx));
+    let (reconciling, mut handle) = reconciling(&job, url);
 
     let mut applied = Vec::new();
     let mut permissions = BTreeSet::new();
@@ -307,12 +318,7 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
 async fn an_invalid_rljob_gets_its_problems_in_its_status_and_nothing_else() {
     let mut job = quickstart();
     job.spec["pools"][1]["gpu"] = "H2000".into();
-    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let ctx = context(
-        kube::Client::new(service, "rl"),
-        "http://127.0.0.1:1".into(),
-    );
-    let reconciling = tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx));
+    let (reconciling, mut handle) = reconciling(&job, "http://127.0.0.1:1".into());
     let (seen, send) = next(&mut handle).await;
     assert_eq!(seen.method, "PATCH");
     assert!(
@@ -341,12 +347,7 @@ async fn an_invalid_rljob_gets_its_problems_in_its_status_and_nothing_else() {
 async fn a_new_rljob_first_gets_the_finalizer_that_cancels_its_job() {
     let mut job = quickstart();
     job.metadata.finalizers = None;
-    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let ctx = context(
-        kube::Client::new(service, "rl"),
-        "http://127.0.0.1:1".into(),
-    );
-    let reconciling = tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx));
+    let (reconciling, mut handle) = reconciling(&job, "http://127.0.0.1:1".into());
     let (seen, send) = next(&mut handle).await;
     assert_eq!(seen.method, "PATCH");
     assert_eq!(seen.content_type, "application/json-patch+json");
@@ -366,9 +367,7 @@ async fn a_deleted_rljob_cancels_its_job_on_the_scheduler_before_its_finalizer_g
         k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
     ));
     let (url, scheduler) = scheduler(&job).await;
-    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let ctx = context(kube::Client::new(service, "rl"), url);
-    let reconciling = tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx));
+    let (reconciling, mut handle) = reconciling(&job, url);
     let (seen, send) = next(&mut handle).await;
     // By the time the finalizer is removed, the scheduler has been told to cancel.
     let report = tokio::time::timeout(Duration::from_secs(30), scheduler)
