@@ -9,7 +9,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus, SubmitJobRequest};
 use serde::Serialize;
@@ -152,27 +152,55 @@ impl From<&JobStatus> for StatusView {
     }
 }
 
-/// What went wrong talking to the scheduler, and the exit code it deserves.
-struct Refusal {
+/// Why a command stopped short, and the exit code that says so.
+struct Failure {
     code: u8,
     message: String,
 }
 
-/// Maps a scheduler's error answer: a job it does not know or a spec it refuses is the user's
-/// input; anything else is a failure while running.
-fn refusal(url: &str, what: &str, status: &tonic::Status) -> Refusal {
-    let code = match status.code() {
-        tonic::Code::NotFound | tonic::Code::InvalidArgument => exit::INVALID_INPUT,
-        _ => exit::FAILED,
-    };
-    let message = match status.code() {
-        tonic::Code::Unavailable => format!(
-            "{what}: the scheduler at {url} is unavailable: {}",
-            status.message()
-        ),
-        _ => format!("{what}: the scheduler at {url} says: {}", status.message()),
-    };
-    Refusal { code, message }
+impl Failure {
+    fn input(message: String) -> Failure {
+        Failure {
+            code: exit::INVALID_INPUT,
+            message,
+        }
+    }
+
+    fn running(message: String) -> Failure {
+        Failure {
+            code: exit::FAILED,
+            message,
+        }
+    }
+
+    /// A scheduler's error answer: a job it does not know or a spec it refuses is the user's
+    /// input; anything else is a failure while running.
+    fn answer(url: &str, what: &str, status: &tonic::Status) -> Failure {
+        let code = match status.code() {
+            tonic::Code::NotFound | tonic::Code::InvalidArgument => exit::INVALID_INPUT,
+            _ => exit::FAILED,
+        };
+        let message = match status.code() {
+            tonic::Code::Unavailable => format!(
+                "{what}: the scheduler at {url} is unavailable: {}",
+                status.message()
+            ),
+            _ => format!("{what}: the scheduler at {url} says: {}", status.message()),
+        };
+        Failure { code, message }
+    }
+}
+
+impl From<std::io::Error> for Failure {
+    fn from(e: std::io::Error) -> Failure {
+        Failure::running(e.to_string())
+    }
+}
+
+impl From<anyhow::Error> for Failure {
+    fn from(e: anyhow::Error) -> Failure {
+        Failure::running(format!("{e:#}"))
+    }
 }
 
 /// Runs the command; returns the exit code.
@@ -182,15 +210,6 @@ pub fn run(
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
 ) -> Result<u8> {
-    if let JobCommand::Submit { every, .. } | JobCommand::Watch { every, .. } = command
-        && !(every.is_finite() && *every >= 0.0)
-    {
-        writeln!(
-            stderr,
-            "error: --every {every}: must be a number of seconds, 0 or more"
-        )?;
-        return Ok(exit::INVALID_INPUT);
-    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -202,109 +221,72 @@ pub fn run(
                 watch: follow,
                 every,
             } => {
-                let Some(yaml) = checked_yaml(job, stderr)? else {
-                    return Ok(Ok(exit::INVALID_INPUT));
-                };
-                let mut client = match connect(&target.scheduler).await {
-                    Ok(c) => c,
-                    Err(r) => return Ok(Err(r)),
-                };
-                // No request key: a scheduler takes one job ever, and recognises it resubmitted.
-                let request = SubmitJobRequest {
-                    job_yaml: yaml,
-                    request_id: String::new(),
-                };
-                let name = match client.submit(request).await {
-                    Ok(answer) => answer.into_inner().job,
-                    Err(s) => return Ok(Err(refusal(&target.scheduler, "submit", &s))),
-                };
-                match format {
-                    OutputFormat::Table => {
-                        writeln!(stdout, "job {name} submitted to {}", target.scheduler)?
-                    }
-                    // One line, so that with `--watch` the output is one JSON object per line.
-                    OutputFormat::Json => writeln!(
-                        stdout,
-                        "{}",
-                        serde_json::json!({ "job": name, "scheduler": target.scheduler })
-                    )?,
-                    OutputFormat::Yaml => write_structured(
-                        OutputFormat::Yaml,
-                        &serde_json::json!({ "job": name, "scheduler": target.scheduler }),
-                        stdout,
-                    )?,
-                }
-                if !follow {
-                    writeln!(
-                        stderr,
-                        "watch it: rollfleet job watch {name} --scheduler {}",
-                        target.scheduler
-                    )?;
-                    return Ok(Ok(exit::OK));
-                }
-                watch(
-                    &mut client,
+                let every = interval(*every)?;
+                submit(
+                    job,
                     &target.scheduler,
-                    &name,
-                    *every,
+                    *follow,
+                    every,
                     format,
                     stdout,
+                    stderr,
                 )
                 .await
             }
             JobCommand::Status { name, target } => {
-                let mut client = match connect(&target.scheduler).await {
-                    Ok(c) => c,
-                    Err(r) => return Ok(Err(r)),
-                };
-                match client.status(job_ref(name)).await {
-                    Ok(s) => {
-                        write_status(&s.into_inner(), format, stdout)?;
-                        Ok(Ok(exit::OK))
-                    }
-                    Err(s) => Ok(Err(refusal(&target.scheduler, "status", &s))),
-                }
+                let mut client = connect(&target.scheduler).await?;
+                let status = client
+                    .status(job_ref(name))
+                    .await
+                    .map_err(|s| Failure::answer(&target.scheduler, "status", &s))?;
+                write_status(&status.into_inner(), format, stdout)?;
+                Ok(exit::OK)
             }
             JobCommand::Watch {
                 name,
                 target,
                 every,
             } => {
-                let mut client = match connect(&target.scheduler).await {
-                    Ok(c) => c,
-                    Err(r) => return Ok(Err(r)),
-                };
-                watch(&mut client, &target.scheduler, name, *every, format, stdout).await
+                let every = interval(*every)?;
+                let mut client = connect(&target.scheduler).await?;
+                watch(&mut client, &target.scheduler, name, every, format, stdout).await
             }
             JobCommand::Cancel { name, target } => {
-                let mut client = match connect(&target.scheduler).await {
-                    Ok(c) => c,
-                    Err(r) => return Ok(Err(r)),
-                };
-                match client.cancel(job_ref(name)).await {
-                    Ok(answer) => {
-                        writeln!(
-                            stderr,
-                            "job {name}: cancelling (its workers are drained; `rollfleet job \
-                             watch {name}` follows it to the end)"
-                        )?;
-                        if let Some(status) = answer.into_inner().status {
-                            write_status(&status, format, stdout)?;
-                        }
-                        Ok(Ok(exit::OK))
-                    }
-                    Err(s) => Ok(Err(refusal(&target.scheduler, "cancel", &s))),
+                let mut client = connect(&target.scheduler).await?;
+                let answer = client
+                    .cancel(job_ref(name))
+                    .await
+                    .map_err(|s| Failure::answer(&target.scheduler, "cancel", &s))?;
+                writeln!(
+                    stderr,
+                    "job {name}: cancelling (its workers are drained; `rollfleet job watch \
+                     {name}` follows it to the end)"
+                )?;
+                if let Some(status) = answer.into_inner().status {
+                    write_status(&status, format, stdout)?;
                 }
+                Ok(exit::OK)
             }
         }
     });
     match outcome {
-        Ok(Ok(code)) => Ok(code),
-        Ok(Err(refused)) => {
-            writeln!(stderr, "error: {}", refused.message)?;
-            Ok(refused.code)
+        Ok(code) => Ok(code),
+        Err(failure) => {
+            if !failure.message.is_empty() {
+                writeln!(stderr, "error: {}", failure.message)?;
+            }
+            Ok(failure.code)
         }
-        Err(e) => Err(e),
+    }
+}
+
+fn interval(seconds: f64) -> Result<Duration, Failure> {
+    if seconds.is_finite() && seconds >= 0.0 {
+        Ok(Duration::from_secs_f64(seconds))
+    } else {
+        Err(Failure::input(format!(
+            "--every {seconds}: must be a number of seconds, 0 or more"
+        )))
     }
 }
 
@@ -314,35 +296,63 @@ fn job_ref(name: &str) -> JobRef {
     }
 }
 
-/// The job's YAML when it is a valid job; its problems on `stderr` and `None` otherwise.
-fn checked_yaml(path: &Path, stderr: &mut dyn Write) -> Result<Option<String>> {
-    if let Err(e) = rollfleet_spec::load_job_file(path) {
-        writeln!(stderr, "error: {e}")?;
-        return Ok(None);
+async fn submit(
+    job: &Path,
+    url: &str,
+    follow: bool,
+    every: Duration,
+    format: OutputFormat,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<u8, Failure> {
+    // Checked here first: an invalid job is reported as `rollfleet validate` would, unsent.
+    rollfleet_spec::load_job_file(job).map_err(|e| Failure::input(e.to_string()))?;
+    let bytes = rollfleet_spec::read_limited(job).map_err(|e| Failure::input(e.to_string()))?;
+    let yaml = String::from_utf8(bytes)
+        .map_err(|_| Failure::input(format!("{}: not UTF-8", job.display())))?;
+    let mut client = connect(url).await?;
+    // No request key: a scheduler takes one job ever, and recognises it resubmitted.
+    let request = SubmitJobRequest {
+        job_yaml: yaml,
+        request_id: String::new(),
+    };
+    let name = client
+        .submit(request)
+        .await
+        .map_err(|s| Failure::answer(url, "submit", &s))?
+        .into_inner()
+        .job;
+    let said = serde_json::json!({ "job": name, "scheduler": url });
+    match format {
+        OutputFormat::Table => writeln!(stdout, "job {name} submitted to {url}")?,
+        // One line, so that with `--watch` the output is one JSON object per line.
+        OutputFormat::Json => writeln!(stdout, "{said}")?,
+        OutputFormat::Yaml => write_structured(OutputFormat::Yaml, &said, stdout)?,
     }
-    let bytes = rollfleet_spec::read_limited(path)?;
-    Ok(Some(String::from_utf8(bytes).with_context(|| {
-        format!("{}: not UTF-8", path.display())
-    })?))
+    if !follow {
+        writeln!(
+            stderr,
+            "watch it: rollfleet job watch {name} --scheduler {url}"
+        )?;
+        return Ok(exit::OK);
+    }
+    watch(&mut client, url, &name, every, format, stdout).await
 }
 
-async fn connect(url: &str) -> Result<JobServiceClient<Channel>, Refusal> {
-    let endpoint = Endpoint::from_shared(url.to_owned()).map_err(|e| Refusal {
-        code: exit::INVALID_INPUT,
-        message: format!("--scheduler {url:?}: not a URL ({e})"),
-    })?;
+async fn connect(url: &str) -> Result<JobServiceClient<Channel>, Failure> {
+    let endpoint = Endpoint::from_shared(url.to_owned())
+        .map_err(|e| Failure::input(format!("--scheduler {url:?}: not a URL ({e})")))?;
     let channel = endpoint
         .connect_timeout(Duration::from_secs(5))
         .connect()
         .await
-        .map_err(|e| Refusal {
-            code: exit::FAILED,
-            message: format!(
+        .map_err(|e| {
+            Failure::running(format!(
                 "cannot reach the scheduler at {url}: {e}{}",
                 std::error::Error::source(&e)
                     .map(|s| format!(" ({s})"))
                     .unwrap_or_default()
-            ),
+            ))
         })?;
     Ok(JobServiceClient::new(channel))
 }
@@ -352,24 +362,23 @@ async fn watch(
     client: &mut JobServiceClient<Channel>,
     url: &str,
     name: &str,
-    every: f64,
+    every: Duration,
     format: OutputFormat,
     out: &mut dyn Write,
-) -> Result<Result<u8, Refusal>> {
-    let mut stream = match client.watch(job_ref(name)).await {
-        Ok(s) => s.into_inner(),
-        Err(s) => return Ok(Err(refusal(url, "watch", &s))),
-    };
-    let every = Duration::from_secs_f64(every);
+) -> Result<u8, Failure> {
+    let mut stream = client
+        .watch(job_ref(name))
+        .await
+        .map_err(|s| Failure::answer(url, "watch", &s))?
+        .into_inner();
     let start = Instant::now();
     let mut last: Option<(Instant, JobPhase)> = None;
     let mut held: Option<JobStatus> = None;
-    loop {
-        let status = match stream.message().await {
-            Ok(Some(s)) => s,
-            Ok(None) => break,
-            Err(s) => return Ok(Err(refusal(url, "watch", &s))),
-        };
+    while let Some(status) = stream
+        .message()
+        .await
+        .map_err(|s| Failure::answer(url, "watch", &s))?
+    {
         let phase = status.phase();
         let due = last.is_none_or(|(at, seen)| seen != phase || at.elapsed() >= every);
         if due || ended(phase) {
@@ -377,23 +386,22 @@ async fn watch(
             last = Some((Instant::now(), phase));
             held = None;
         } else {
-            held = Some(status.clone());
+            held = Some(status);
         }
         if ended(phase) {
-            return Ok(Ok(if phase == JobPhase::Succeeded {
+            return Ok(if phase == JobPhase::Succeeded {
                 exit::OK
             } else {
                 exit::FAILED
-            }));
+            });
         }
     }
     if let Some(status) = held {
         write_progress(&status, start.elapsed(), format, out)?;
     }
-    Ok(Err(Refusal {
-        code: exit::FAILED,
-        message: format!("watch: the scheduler at {url} ended the stream before job {name} ended"),
-    }))
+    Err(Failure::running(format!(
+        "watch: the scheduler at {url} ended the stream before job {name} ended"
+    )))
 }
 
 /// One progress line (table) or one JSON object per line; YAML as a stream of documents.
