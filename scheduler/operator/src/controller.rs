@@ -27,7 +27,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::finalizer::{Event, finalizer};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
-use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus};
+use rollfleet_proto::v1::{JobRef, JobStatus};
 
 use crate::crd::{RLJob, RLJobStatus};
 use crate::desired::{self, JOB_LABEL, Settings};
@@ -130,17 +130,6 @@ fn condition(
         message: message.into(),
         observed_generation: generation,
         last_transition_time: since.unwrap_or_else(|| Time(k8s_openapi::jiff::Timestamp::now())),
-    }
-}
-
-fn phase_name(phase: JobPhase) -> &'static str {
-    match phase {
-        JobPhase::Unspecified => "Unknown",
-        JobPhase::Pending => "Pending",
-        JobPhase::Running => "Running",
-        JobPhase::Succeeded => "Succeeded",
-        JobPhase::Failed => "Failed",
-        JobPhase::Cancelled => "Cancelled",
     }
 }
 
@@ -262,9 +251,12 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     let url = (ctx.scheduler_url)(job);
     let answer = scheduler_status(&url, name).await;
     let valid = condition(previous, "Valid", true, "Planned", "", generation);
+    let ended = answer
+        .as_ref()
+        .is_ok_and(|s| rollfleet_server::job::ended(s.phase()));
     let status = match answer {
         Ok(s) => RLJobStatus {
-            phase: phase_name(s.phase()).into(),
+            phase: rollfleet_server::job::phase_name(s.phase()),
             observed_generation: generation,
             rl_step: s.rl_step,
             rl_steps_total: s.rl_steps_total,
@@ -302,7 +294,6 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
             ..previous.cloned().unwrap_or_default()
         },
     };
-    let ended = matches!(status.phase.as_str(), "Succeeded" | "Failed" | "Cancelled");
     write_status(&jobs, name, &status).await?;
     Ok(Action::requeue(Duration::from_secs(if ended {
         300

@@ -2758,7 +2758,7 @@ impl Actor {
         };
         Report {
             job: self.plan.name().to_owned(),
-            phase: format!("{phase:?}"),
+            phase: crate::job::phase_name(phase),
             wall_s: wall,
             time_scale: self.opts.time_scale,
             emulated_gpus: self.engine_generations == 0,

@@ -9,10 +9,9 @@ use std::sync::Arc;
 
 use futures_util::Stream;
 use rollfleet_proto::v1::{
-    CancelJobResponse, HeartbeatRequest, HeartbeatResponse, JobPhase, JobRef, JobStatus,
-    RegisterRequest, RegisterResponse, SchedulerMessage, SubmitJobRequest, SubmitJobResponse,
-    WorkerMessage, job_service_server::JobService, worker_message,
-    worker_service_server::WorkerService,
+    CancelJobResponse, HeartbeatRequest, HeartbeatResponse, JobRef, JobStatus, RegisterRequest,
+    RegisterResponse, SchedulerMessage, SubmitJobRequest, SubmitJobResponse, WorkerMessage,
+    job_service_server::JobService, worker_message, worker_service_server::WorkerService,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::StreamExt;
@@ -154,13 +153,6 @@ impl Jobs {
 
 type WatchResponse = Pin<Box<dyn Stream<Item = Result<JobStatus, Status>> + Send>>;
 
-fn terminal(status: &JobStatus) -> bool {
-    matches!(
-        status.phase(),
-        JobPhase::Succeeded | JobPhase::Failed | JobPhase::Cancelled
-    )
-}
-
 #[tonic::async_trait]
 impl JobService for Jobs {
     async fn submit(
@@ -226,7 +218,7 @@ impl JobService for Jobs {
                 if done {
                     return false;
                 }
-                done = terminal(s);
+                done = crate::job::ended(s.phase());
                 true
             })
             .map(Ok);

@@ -9,9 +9,23 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use rollfleet_proto::v1::JobPhase;
 use tokio::sync::watch;
 
 use crate::plan::{JobPlan, PlanError};
+
+/// A phase by the name the report, the CLI and the operator print (`Succeeded`, ...).
+pub fn phase_name(phase: JobPhase) -> String {
+    format!("{phase:?}")
+}
+
+/// Whether a job in `phase` has ended: succeeded, failed or cancelled.
+pub fn ended(phase: JobPhase) -> bool {
+    matches!(
+        phase,
+        JobPhase::Succeeded | JobPhase::Failed | JobPhase::Cancelled
+    )
+}
 
 /// A job the scheduler took: its YAML as submitted and its plan.
 #[derive(Debug)]
@@ -56,6 +70,22 @@ impl JobSlot {
             stage_timeout,
             chosen: watch::channel(None).0,
         }
+    }
+
+    /// A slot holding the job `yaml` from the start (`rollfleet scheduler JOB.yaml`).
+    pub fn with_job(
+        seed: u64,
+        stage_timeout: Duration,
+        yaml: &str,
+        origin: &str,
+    ) -> Result<JobSlot, PlanError> {
+        let slot = JobSlot::new(seed, stage_timeout);
+        let plan = Arc::new(slot.plan(yaml, origin)?);
+        slot.chosen.send_replace(Some(Arc::new(AcceptedJob {
+            yaml: yaml.to_owned(),
+            plan,
+        })));
+        Ok(slot)
     }
 
     /// Plans `yaml` as this scheduler runs it.

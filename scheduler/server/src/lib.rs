@@ -121,16 +121,10 @@ pub async fn serve_until(
     opts: ServerOptions,
     cancel: impl std::future::Future + Send + 'static,
 ) -> Result<Option<Report>, ServerError> {
-    let slot = Arc::new(job::JobSlot::new(opts.seed, opts.stage_timeout));
-    if let Some(yaml) = &opts.job_yaml {
-        slot.accept(yaml, &opts.origin).map_err(|e| match e {
-            job::SubmitError::Invalid(e) => ServerError::Plan(e),
-            busy => ServerError::Io {
-                what: "the job".into(),
-                source: std::io::Error::other(busy.to_string()),
-            },
-        })?;
-    }
+    let slot = Arc::new(match &opts.job_yaml {
+        Some(yaml) => job::JobSlot::with_job(opts.seed, opts.stage_timeout, yaml, &opts.origin)?,
+        None => job::JobSlot::new(opts.seed, opts.stage_timeout),
+    });
     let metrics = Arc::new(metrics::Metrics::new()?);
     if let Some(addr) = opts.metrics_addr {
         let l = metrics::bind_metrics(addr)

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
-use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus, SubmitJobRequest};
+use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus, PoolStatus, SubmitJobRequest};
+use rollfleet_server::job::{ended, phase_name};
 use serde::Serialize;
 use tonic::transport::{Channel, Endpoint};
 
@@ -88,7 +89,7 @@ pub struct Target {
 #[derive(Debug, Serialize)]
 struct StatusView {
     job: String,
-    phase: &'static str,
+    phase: String,
     policy_version: u64,
     rl_step: u64,
     rl_steps_total: u64,
@@ -108,22 +109,13 @@ struct PoolView {
     queued_stages: u32,
 }
 
-fn phase_name(phase: JobPhase) -> &'static str {
-    match phase {
-        JobPhase::Unspecified => "Unspecified",
-        JobPhase::Pending => "Pending",
-        JobPhase::Running => "Running",
-        JobPhase::Succeeded => "Succeeded",
-        JobPhase::Failed => "Failed",
-        JobPhase::Cancelled => "Cancelled",
-    }
-}
-
-fn ended(phase: JobPhase) -> bool {
-    matches!(
-        phase,
-        JobPhase::Succeeded | JobPhase::Failed | JobPhase::Cancelled
-    )
+/// Every pool's busy share in one line: `prefill 62%, decode 61%`.
+pub fn busy_line(pools: &[PoolStatus]) -> String {
+    pools
+        .iter()
+        .map(|p| format!("{} {:.0}%", p.pool, p.busy * 100.0))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl From<&JobStatus> for StatusView {
@@ -413,11 +405,6 @@ fn write_progress(
 ) -> Result<()> {
     match format {
         OutputFormat::Table => {
-            let busy: Vec<String> = status
-                .pools
-                .iter()
-                .map(|p| format!("{} {:.0}%", p.pool, p.busy * 100.0))
-                .collect();
             write!(
                 out,
                 "[{:>7.1} s] {} {:<9} step {}/{}, {} trained, {} in flight",
@@ -429,8 +416,8 @@ fn write_progress(
                 status.trajectories_trained,
                 status.trajectories_in_flight
             )?;
-            if !busy.is_empty() {
-                write!(out, "; busy: {}", busy.join(", "))?;
+            if !status.pools.is_empty() {
+                write!(out, "; busy: {}", busy_line(&status.pools))?;
             }
             if !status.message.is_empty() {
                 write!(out, "; {}", status.message)?;

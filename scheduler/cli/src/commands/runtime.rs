@@ -709,18 +709,13 @@ async fn watch(
         // Without a terminal the bars are hidden: print a plain line every few seconds instead.
         if hidden && last_print.elapsed() > Duration::from_secs(5) {
             last_print = Instant::now();
-            let busy: Vec<String> = status
-                .pools
-                .iter()
-                .map(|p| format!("{} {:.0}%", p.pool, p.busy * 100.0))
-                .collect();
             eprintln!(
                 "step {}/{} trajectories trained {}/{} busy: {}",
                 status.rl_step,
                 steps,
                 status.trajectories_trained,
                 trajectories,
-                busy.join(", ")
+                super::job::busy_line(&status.pools)
             );
         }
         if matches!(
