@@ -2389,3 +2389,120 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
     assert!(status.success(), "the scheduler failed: {status:?}");
     check_report(&report, 5, 0);
 }
+
+/// A `rollfleet` command with `ROLLFLEET_TOKEN` set to `token` (or removed).
+fn with_token(args: &[&str], token: Option<&str>) -> Command {
+    let mut command = Command::new(BIN);
+    command.args(args);
+    match token {
+        Some(t) => command.env("ROLLFLEET_TOKEN", t),
+        None => command.env_remove("ROLLFLEET_TOKEN"),
+    };
+    command
+}
+
+#[test]
+fn a_scheduler_with_a_token_serves_only_the_peers_that_carry_it() {
+    use rollfleet_proto::v1::trainer_feed_client::TrainerFeedClient;
+    const TOKEN: &str = "job-secret-0123456789abcdef";
+    let dir = temp_dir("token");
+    let job = job_file(&dir, 2);
+    let report = dir.join("report.json");
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let token_arg = token_file.to_str().unwrap();
+    let (sched, url) = scheduler(&job, &report, 5, &["--token-file", token_arg]);
+    let mut procs = Procs(vec![sched]);
+
+    // Workers without the token, or with another, are refused at registration and say why.
+    for (token, why) in [
+        (None, "none was sent"),
+        (Some("another-token-0123456789"), "not this scheduler's"),
+    ] {
+        let out = with_token(&["worker", "--scheduler", &url, "--pool", "envs"], token)
+            .args(["--name", "intruder"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(said.contains(why), "{said}");
+    }
+    // Neither the job service nor the trainer feed answers a call without it.
+    rt().block_on(async {
+        let mut jobs = JobServiceClient::connect(url.clone()).await.unwrap();
+        let refused = jobs
+            .cancel(JobRef {
+                job: "quickstart".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+        let mut feed = TrainerFeedClient::connect(url.clone()).await.unwrap();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(subscribe(1, 8)).unwrap();
+        let refused = feed
+            .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    });
+    let status = with_token(&["job", "status", "quickstart", "--scheduler", &url], None)
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(1), "{status:?}");
+    assert!(
+        String::from_utf8_lossy(&status.stderr).contains("refused the call"),
+        "{status:?}"
+    );
+
+    // Workers with the token (from the file, or from the environment) run the job to the end;
+    // the refused calls changed nothing (the cancel above did not cancel it).
+    for (i, pool) in ["prefill", "decode", "train", "envs", "rewards"]
+        .into_iter()
+        .enumerate()
+    {
+        let mut command = if i % 2 == 0 {
+            with_token(&["worker", "--token-file", token_arg], None)
+        } else {
+            with_token(&["worker"], Some(TOKEN))
+        };
+        let child = command
+            .args(["--scheduler", &url, "--pool", pool, "--name", pool])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        procs.0.push(child);
+    }
+    let watched = with_token(
+        &[
+            "job",
+            "watch",
+            "quickstart",
+            "--scheduler",
+            &url,
+            "-o",
+            "json",
+        ],
+        Some(TOKEN),
+    )
+    .output()
+    .unwrap();
+    assert_eq!(watched.status.code(), Some(0), "{watched:?}");
+    let exit = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(exit.success(), "{exit:?}");
+    let report = check_report(&report, 2, 0);
+    // Every worker that registered is listed with what it said of its GPUs: the five, no
+    // intruder.
+    let registered: Vec<&str> = report["gpu_telemetry"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["worker"].as_str().unwrap())
+        .collect();
+    assert_eq!(registered.len(), 5, "{report:#}");
+    assert!(
+        registered.iter().all(|w| !w.contains("intruder")),
+        "a refused worker was registered: {registered:?}"
+    );
+}

@@ -12,6 +12,11 @@
 //!    that carry the generation they describe;
 //! 4. look again in 10 s while the job runs, in 5 minutes once it has ended.
 //!
+//! An RLJob annotated `rollfleet.dev/token-secret: NAME` has its scheduler require the token in
+//! that Secret (key `token`); its pods read it as `ROLLFLEET_TOKEN`, and the operator reads the
+//! Secret to send it with its own calls. A Secret it cannot use makes `SchedulerReachable` false,
+//! naming the Secret.
+//!
 //! A finalizer (`rollfleet.dev/cancel-job`) cancels the job through its scheduler before the
 //! RLJob goes, so the workers are drained and a trainer reading the feed sees the job end; the
 //! owned objects are then deleted by the API server's garbage collector. A scheduler that does
@@ -21,11 +26,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::finalizer::{Event, finalizer};
+use rollfleet_proto::auth::{AuthChannel, ClientAuth, Token};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::{JobRef, JobStatus};
 
@@ -135,7 +141,8 @@ fn condition(
 
 async fn scheduler_client(
     url: &str,
-) -> Result<JobServiceClient<tonic::transport::Channel>, String> {
+    token: Option<&Token>,
+) -> Result<JobServiceClient<AuthChannel>, String> {
     let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
         .map_err(|e| format!("{url}: {e}"))?
         .connect_timeout(SCHEDULER_TIMEOUT)
@@ -144,11 +151,42 @@ async fn scheduler_client(
         .connect()
         .await
         .map_err(|e| format!("cannot reach {url}: {e}"))?;
-    Ok(JobServiceClient::new(channel))
+    Ok(JobServiceClient::with_interceptor(
+        channel,
+        ClientAuth::new(token),
+    ))
 }
 
-async fn scheduler_status(url: &str, name: &str) -> Result<JobStatus, String> {
-    let mut client = scheduler_client(url).await?;
+/// The token `job`'s scheduler requires, from the Secret its annotation names (none without
+/// one); a Secret that is missing, lacks the key or holds no valid token is an error naming it.
+async fn job_token(job: &RLJob, ctx: &Context) -> Result<Option<Token>, String> {
+    let Some(name) = desired::token_secret(job) else {
+        return Ok(None);
+    };
+    let origin = format!("secret {}/{name}", job.namespace());
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), job.namespace());
+    let secret = secrets
+        .get(&name)
+        .await
+        .map_err(|e| format!("{origin}: {e}"))?;
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(desired::TOKEN_SECRET_KEY))
+        .ok_or_else(|| format!("{origin}: no key {:?}", desired::TOKEN_SECRET_KEY))?;
+    let text =
+        std::str::from_utf8(&bytes.0).map_err(|_| format!("{origin}: the token is not UTF-8"))?;
+    Token::parse(text, &origin)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+async fn scheduler_status(
+    url: &str,
+    token: Option<&Token>,
+    name: &str,
+) -> Result<JobStatus, String> {
+    let mut client = scheduler_client(url, token).await?;
     client
         .status(JobRef { job: name.into() })
         .await
@@ -249,7 +287,10 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     }
 
     let url = (ctx.scheduler_url)(job);
-    let answer = scheduler_status(&url, name).await;
+    let answer = match job_token(job, ctx).await {
+        Ok(token) => scheduler_status(&url, token.as_ref(), name).await,
+        Err(why) => Err(why),
+    };
     let valid = condition(previous, "Valid", true, "Planned", "", generation);
     let ended = answer
         .as_ref()
@@ -305,7 +346,8 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
 async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     let url = (ctx.scheduler_url)(job);
     let cancelled = async {
-        let mut client = scheduler_client(&url).await?;
+        let token = job_token(job, ctx).await?;
+        let mut client = scheduler_client(&url, token.as_ref()).await?;
         client
             .cancel(JobRef {
                 job: job.name().into(),

@@ -17,8 +17,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, PodSpec, PodTemplateSpec,
-    ResourceRequirements, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource, PodSpec,
+    PodTemplateSpec, ResourceRequirements, SecretKeySelector, Service, ServicePort, ServiceSpec,
+    Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -44,6 +45,13 @@ pub const ENGINE_URL_ANNOTATION: &str = "rollfleet.dev/engine-url";
 /// the cluster for GPUs, to try a job on a cluster that has none (every GPU figure is then
 /// emulated, as in `rollfleet run`).
 pub const EMULATED_GPUS_ANNOTATION: &str = "rollfleet.dev/emulated-gpus";
+/// Annotation on an RLJob: the name of a Secret of its namespace whose key [`TOKEN_SECRET_KEY`]
+/// holds the bearer token its scheduler requires; the scheduler and every worker get it as
+/// `ROLLFLEET_TOKEN`, and the operator sends it when it asks the scheduler for the job's status
+/// or cancels the job.
+pub const TOKEN_SECRET_ANNOTATION: &str = "rollfleet.dev/token-secret";
+/// The key of the token in that Secret.
+pub const TOKEN_SECRET_KEY: &str = "token";
 /// Annotation on the scheduler's pod: a hash of the job file it runs.
 pub const JOB_HASH_ANNOTATION: &str = "rollfleet.dev/job-hash";
 /// Where the job file is mounted in the scheduler's pod.
@@ -214,13 +222,7 @@ fn worker_container(job: &RLJob, settings: &Settings, pool: &str, gpus: u32) -> 
         pool.to_owned(),
     ];
     let mut resources = None;
-    let annotation = |key: &str| {
-        job.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(key))
-            .cloned()
-    };
+    let annotation = |key: &str| annotation(job, key);
     if gpus > 0 {
         args.extend(["--gpus".to_owned(), gpus.to_string()]);
         if let Some(url) = annotation(ENGINE_URL_ANNOTATION) {
@@ -247,8 +249,40 @@ fn worker_container(job: &RLJob, settings: &Settings, pool: &str, gpus: u32) -> 
         command: Some(vec!["rollfleet".into()]),
         args: Some(args),
         resources,
+        env: token_env(job),
         ..Default::default()
     }
+}
+
+/// The value of one of `job`'s annotations.
+fn annotation(job: &RLJob, key: &str) -> Option<String> {
+    job.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .cloned()
+}
+
+/// The name of the Secret holding `job`'s token, when it names one.
+pub fn token_secret(job: &RLJob) -> Option<String> {
+    annotation(job, TOKEN_SECRET_ANNOTATION).filter(|s| !s.trim().is_empty())
+}
+
+/// `ROLLFLEET_TOKEN` from the job's token Secret, for its scheduler and workers.
+fn token_env(job: &RLJob) -> Option<Vec<EnvVar>> {
+    let secret = token_secret(job)?;
+    Some(vec![EnvVar {
+        name: rollfleet_proto::auth::TOKEN_ENV.into(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret,
+                key: TOKEN_SECRET_KEY.into(),
+                optional: Some(false),
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }])
 }
 
 /// What `job` should run, or why it cannot.
@@ -369,6 +403,7 @@ pub fn desired(job: &RLJob, settings: &Settings) -> Result<Desired, InvalidJob> 
             read_only: Some(true),
             ..Default::default()
         }]),
+        env: token_env(job),
         ..Default::default()
     };
     let scheduler_pod = PodSpec {
@@ -574,6 +609,43 @@ mod tests {
         let decode = args(named(&d, "quickstart-decode"));
         assert!(decode.ends_with(&["--engine-url".into(), "http://vllm:8000".into()]));
         assert!(!args(named(&d, "quickstart-envs")).contains(&"--engine".to_owned()));
+    }
+
+    fn token_source(container: &Container) -> Option<(String, String)> {
+        let env = container.env.as_ref()?;
+        assert_eq!(env.len(), 1, "{env:?}");
+        assert_eq!(env[0].name, "ROLLFLEET_TOKEN");
+        let key = env[0].value_from.as_ref()?.secret_key_ref.as_ref()?;
+        Some((key.name.clone(), key.key.clone()))
+    }
+
+    #[test]
+    fn a_token_secret_annotation_gives_the_scheduler_and_every_worker_the_token() {
+        let mut job = example("quickstart.yaml");
+        let plain = desired(&job, &settings()).expect("valid");
+        job.metadata.annotations = Some(BTreeMap::from([(
+            TOKEN_SECRET_ANNOTATION.to_owned(),
+            "rl-token".to_owned(),
+        )]));
+        let d = desired(&job, &settings()).expect("valid");
+        assert_eq!(d.deployments.len(), plain.deployments.len());
+        for (with, without) in d.deployments.iter().zip(&plain.deployments) {
+            let container = |d: &Deployment| {
+                d.spec
+                    .as_ref()
+                    .and_then(|s| s.template.spec.as_ref())
+                    .expect("pod")
+                    .containers[0]
+                    .clone()
+            };
+            assert_eq!(
+                token_source(&container(with)),
+                Some(("rl-token".to_owned(), TOKEN_SECRET_KEY.to_owned())),
+                "{:?}",
+                with.metadata.name
+            );
+            assert_eq!(container(without).env, None, "{:?}", without.metadata.name);
+        }
     }
 
     #[test]

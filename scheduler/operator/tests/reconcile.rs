@@ -37,6 +37,14 @@ type ServerRun = Result<Option<rollfleet_server::Report>, rollfleet_server::Serv
 /// A real scheduler serving `job` on loopback, expecting five workers (none come); its URL and
 /// the task that ends with its report.
 async fn scheduler(job: &RLJob) -> (String, tokio::task::JoinHandle<ServerRun>) {
+    scheduler_with_token(job, None).await
+}
+
+/// [`scheduler`], requiring `token` on every call.
+async fn scheduler_with_token(
+    job: &RLJob,
+    token: Option<&str>,
+) -> (String, tokio::task::JoinHandle<ServerRun>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let opts = rollfleet_server::ServerOptions {
@@ -50,6 +58,7 @@ async fn scheduler(job: &RLJob) -> (String, tokio::task::JoinHandle<ServerRun>) 
         report: None,
         metrics_addr: None,
         replan_on_drift: None,
+        token: token.map(|t| rollfleet_proto::auth::Token::parse(t, "test").unwrap()),
     };
     (url, tokio::spawn(rollfleet_server::serve(listener, opts)))
 }
@@ -308,10 +317,14 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
             "rbac.yaml does not allow {verb} {group}/{resource}"
         );
     }
-    assert!(
-        !granted("", "secrets", "get"),
-        "the operator reads no secrets"
-    );
+    // It reads the one Secret an RLJob names for its token (`get`), and can never list or
+    // watch the namespace's Secrets.
+    for verb in ["list", "watch", "create", "patch", "delete"] {
+        assert!(
+            !granted("", "secrets", verb),
+            "the operator may {verb} secrets"
+        );
+    }
 }
 
 #[tokio::test]
@@ -395,4 +408,109 @@ fn the_job_file_the_scheduler_reads_is_the_rljob_without_the_clusters_bookkeepin
     );
     let parsed = rollfleet_spec::parse_job(file.as_bytes(), "job file").unwrap();
     assert_eq!(parsed.manifest.metadata.name, "quickstart");
+}
+
+/// Reconciles `job` against the scripted API server, answering every apply with what was sent,
+/// the list of the job's Deployments with none, and a GET of the Secret `rl/rl-token` with
+/// `token`; returns the status written and every permission the requests needed.
+async fn status_written_with_secret(
+    job: &RLJob,
+    url: String,
+    token: &str,
+) -> (Value, BTreeSet<(String, String, String)>) {
+    let (reconciling, mut handle) = reconciling(job, url);
+    let mut permissions = BTreeSet::new();
+    let mut secret_read = false;
+    loop {
+        let (seen, send) = next(&mut handle).await;
+        permissions.insert(permission(&seen));
+        let path = seen.uri.split('?').next().unwrap().to_owned();
+        match seen.method.as_str() {
+            "GET" if path == "/api/v1/namespaces/rl/secrets/rl-token" => {
+                secret_read = true;
+                answer(
+                    send,
+                    &json!({"apiVersion": "v1", "kind": "Secret",
+                            "metadata": {"name": "rl-token", "namespace": "rl"},
+                            "data": {"token": base64_of_token(token)}}),
+                );
+            }
+            "GET" => answer(
+                send,
+                &json!({"apiVersion": "apps/v1", "kind": "DeploymentList", "metadata": {},
+                        "items": []}),
+            ),
+            "PATCH" if path.ends_with("/rljobs/quickstart/status") => {
+                let status = seen.body["status"].clone();
+                answer(send, &serde_json::to_value(job).unwrap());
+                reconciling.await.unwrap().unwrap();
+                assert!(secret_read, "the operator never read the token's Secret");
+                return (status, permissions);
+            }
+            "PATCH" => answer(send, &seen.body),
+            other => panic!("unexpected {other} {}", seen.uri),
+        }
+    }
+}
+
+/// Standard base64 of `text`, as the API server encodes a Secret's data.
+fn base64_of_token(text: &str) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in text.as_bytes().chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn an_rljob_with_a_token_secret_reaches_its_scheduler_with_that_token_and_says_when_it_is_wrong()
+ {
+    const TOKEN: &str = "cluster-secret-0123456789";
+    let mut job = quickstart();
+    job.metadata.annotations = Some(
+        [(
+            rollfleet_operator::desired::TOKEN_SECRET_ANNOTATION.to_owned(),
+            "rl-token".to_owned(),
+        )]
+        .into(),
+    );
+    let (url, _scheduler) = scheduler_with_token(&job, Some(TOKEN)).await;
+
+    let (status, permissions) = status_written_with_secret(&job, url.clone(), TOKEN).await;
+    assert_eq!(status["phase"], "Pending", "{status:#}");
+    assert_eq!(status["workers"], 5, "{status:#}");
+    let reachable = &status["conditions"][1];
+    assert_eq!(reachable["type"], "SchedulerReachable");
+    assert_eq!(reachable["status"], "True", "{status:#}");
+    for (group, resource, verb) in &permissions {
+        assert!(
+            granted(group, resource, verb),
+            "rbac.yaml does not grant {verb} on {group}/{resource}"
+        );
+    }
+
+    // A Secret holding another token: the scheduler refuses the operator, which says so.
+    let (status, _) = status_written_with_secret(&job, url, "another-token-0123456789").await;
+    let reachable = &status["conditions"][1];
+    assert_eq!(reachable["status"], "False", "{status:#}");
+    assert!(
+        status["message"]
+            .as_str()
+            .unwrap()
+            .contains("not this scheduler's"),
+        "{status:#}"
+    );
 }

@@ -133,6 +133,7 @@ fn run_once() -> (f64, Report) {
             report: None,
             metrics_addr: None,
             replan_on_drift: None,
+            token: None,
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {

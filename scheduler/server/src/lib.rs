@@ -24,6 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rollfleet_proto::auth::{ServerAuth, TOKEN_ENV, Token};
 use rollfleet_proto::v1::job_service_server::JobServiceServer;
 use rollfleet_proto::v1::trainer_feed_server::TrainerFeedServer;
 use rollfleet_proto::v1::worker_service_server::WorkerServiceServer;
@@ -104,6 +105,9 @@ pub struct ServerOptions {
     /// Re-plan when a share of peak the workers measure drifts from the running plan's by more
     /// than this (relative); `None`: re-plan only when GPUs come or go.
     pub replan_on_drift: Option<f64>,
+    /// The bearer token every call must carry ([`rollfleet_proto::auth`]); `None`: any peer
+    /// that reaches the address is served.
+    pub token: Option<Token>,
 }
 
 /// Serves the job on `listener` until it ends (or is cancelled); returns its report, or `None`
@@ -156,18 +160,37 @@ pub async fn serve_until(
         let _ = cancelled_tx.send(true);
         let _ = canceller.send(actor::Event::Cancel);
     });
-    let workers = WorkerServiceServer::new(grpc::Workers {
-        inbox: inbox.clone(),
-    });
-    let jobs = JobServiceServer::new(grpc::Jobs {
-        inbox,
-        status: status.clone(),
-        slot: slot.clone(),
-    });
-    let trainer_feed = TrainerFeedServer::new(feed::Feed {
-        log: feed_log.clone(),
-        slot: slot.clone(),
-    });
+    let auth = ServerAuth::new(opts.token.as_ref());
+    if !auth.required()
+        && let Ok(addr) = listener.local_addr()
+        && !addr.ip().is_loopback()
+    {
+        eprintln!(
+            "scheduler: warning: no token (--token-file or {TOKEN_ENV}); any peer that reaches \
+             {addr} may register workers, submit or cancel the job and read the trainer feed"
+        );
+    }
+    let workers = WorkerServiceServer::with_interceptor(
+        grpc::Workers {
+            inbox: inbox.clone(),
+        },
+        auth.clone(),
+    );
+    let jobs = JobServiceServer::with_interceptor(
+        grpc::Jobs {
+            inbox,
+            status: status.clone(),
+            slot: slot.clone(),
+        },
+        auth.clone(),
+    );
+    let trainer_feed = TrainerFeedServer::with_interceptor(
+        feed::Feed {
+            log: feed_log.clone(),
+            slot: slot.clone(),
+        },
+        auth,
+    );
     if slot.job().is_none() {
         eprintln!(
             "scheduler: waiting for a job (rollfleet job submit JOB.yaml --scheduler http://{})",

@@ -42,6 +42,7 @@ use rollfleet_engine::emulated::{EmulatedConfig, EmulatedEngine};
 use rollfleet_engine::openai::{OpenAiConfig, OpenAiEngine, WeightUpdate};
 use rollfleet_engine::{Engine, EngineError, GenerateEvent, GenerateRequest, Prompt};
 use rollfleet_envhost::{EnvHost, EpisodeId, Factory, HostConfig};
+use rollfleet_proto::auth::{AuthChannel, ClientAuth, Token};
 use rollfleet_proto::v1::{
     GenerationWork, GpuDevice, GpuInventory, GpuReading, GpuTelemetryInfo, HardwareInventory,
     HeartbeatRequest, ProfileKind, ProfileSample, RegisterRequest, SchedulerMessage, StageFailure,
@@ -55,7 +56,7 @@ use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::Channel;
+use tonic::transport::Endpoint;
 
 /// Why a worker stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +124,8 @@ pub struct WorkerOptions {
     /// GPUs this node offers its pool, declared at registration (`GpuInventory.count`); `None`:
     /// not said, and the scheduler counts the node as an equal share of the pool.
     pub gpus: Option<u32>,
+    /// The scheduler's bearer token, sent on every call (`None`: none is sent).
+    pub token: Option<Token>,
 }
 
 /// How a worker ended without error.
@@ -238,16 +241,24 @@ struct Node {
     model_environments: bool,
 }
 
-async fn connect(opts: &WorkerOptions) -> Result<WorkerServiceClient<Channel>, NodeError> {
+async fn connect(opts: &WorkerOptions) -> Result<WorkerServiceClient<AuthChannel>, NodeError> {
+    let refused = |reason: String| NodeError::Connect {
+        url: opts.scheduler.clone(),
+        reason,
+    };
+    let endpoint = Endpoint::from_shared(opts.scheduler.clone())
+        .map_err(|e| refused(format!("not a URL ({e})")))?;
     let deadline = tokio::time::Instant::now() + opts.connect_timeout;
     loop {
-        match WorkerServiceClient::connect(opts.scheduler.clone()).await {
-            Ok(c) => return Ok(c),
+        match endpoint.connect().await {
+            Ok(channel) => {
+                return Ok(WorkerServiceClient::with_interceptor(
+                    channel,
+                    ClientAuth::new(opts.token.as_ref()),
+                ));
+            }
             Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(NodeError::Connect {
-                    url: opts.scheduler.clone(),
-                    reason: e.to_string(),
-                });
+                return Err(refused(e.to_string()));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }

@@ -10,12 +10,14 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
+use rollfleet_proto::auth::{AuthChannel, ClientAuth};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus, PoolStatus, SubmitJobRequest};
 use rollfleet_server::job::{ended, phase_name};
 use serde::Serialize;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
+use crate::commands::TokenArgs;
 use crate::output::{OutputFormat, Table, exit, write_structured};
 
 /// Where the scheduler listens unless told otherwise (`rollfleet scheduler`'s default).
@@ -83,6 +85,8 @@ pub struct Target {
     /// The scheduler's URL.
     #[arg(long, default_value = DEFAULT_SCHEDULER, value_name = "URL")]
     scheduler: String,
+    #[command(flatten)]
+    token: TokenArgs,
 }
 
 /// A job's status as printed (`-o json|yaml`), with the phase by name.
@@ -177,6 +181,10 @@ impl Failure {
                 "{what}: the scheduler at {url} is unavailable: {}",
                 status.message()
             ),
+            tonic::Code::Unauthenticated => format!(
+                "{what}: the scheduler at {url} refused the call: {}",
+                status.message()
+            ),
             _ => format!("{what}: the scheduler at {url} says: {}", status.message()),
         };
         Failure { code, message }
@@ -214,19 +222,10 @@ pub fn run(
                 every,
             } => {
                 let every = interval(*every)?;
-                submit(
-                    job,
-                    &target.scheduler,
-                    *follow,
-                    every,
-                    format,
-                    stdout,
-                    stderr,
-                )
-                .await
+                submit(job, target, *follow, every, format, stdout, stderr).await
             }
             JobCommand::Status { name, target } => {
-                let mut client = connect(&target.scheduler).await?;
+                let mut client = connect(target).await?;
                 let status = client
                     .status(job_ref(name))
                     .await
@@ -240,11 +239,11 @@ pub fn run(
                 every,
             } => {
                 let every = interval(*every)?;
-                let mut client = connect(&target.scheduler).await?;
+                let mut client = connect(target).await?;
                 watch(&mut client, &target.scheduler, name, every, format, stdout).await
             }
             JobCommand::Cancel { name, target } => {
-                let mut client = connect(&target.scheduler).await?;
+                let mut client = connect(target).await?;
                 let answer = client
                     .cancel(job_ref(name))
                     .await
@@ -290,7 +289,7 @@ fn job_ref(name: &str) -> JobRef {
 
 async fn submit(
     job: &Path,
-    url: &str,
+    target: &Target,
     follow: bool,
     every: Duration,
     format: OutputFormat,
@@ -302,7 +301,8 @@ async fn submit(
     let bytes = rollfleet_spec::read_limited(job).map_err(|e| Failure::input(e.to_string()))?;
     let yaml = String::from_utf8(bytes)
         .map_err(|_| Failure::input(format!("{}: not UTF-8", job.display())))?;
-    let mut client = connect(url).await?;
+    let url = target.scheduler.as_str();
+    let mut client = connect(target).await?;
     // No request key: a scheduler takes one job ever, and recognises it resubmitted.
     let request = SubmitJobRequest {
         job_yaml: yaml,
@@ -331,7 +331,13 @@ async fn submit(
     watch(&mut client, url, &name, every, format, stdout).await
 }
 
-async fn connect(url: &str) -> Result<JobServiceClient<Channel>, Failure> {
+async fn connect(target: &Target) -> Result<JobServiceClient<AuthChannel>, Failure> {
+    let url = target.scheduler.as_str();
+    // A token that cannot be read stops the command before anything is sent.
+    let token = target
+        .token
+        .token()
+        .map_err(|e| Failure::input(e.to_string()))?;
     let endpoint = Endpoint::from_shared(url.to_owned())
         .map_err(|e| Failure::input(format!("--scheduler {url:?}: not a URL ({e})")))?;
     let channel = endpoint
@@ -346,12 +352,15 @@ async fn connect(url: &str) -> Result<JobServiceClient<Channel>, Failure> {
                     .unwrap_or_default()
             ))
         })?;
-    Ok(JobServiceClient::new(channel))
+    Ok(JobServiceClient::with_interceptor(
+        channel,
+        ClientAuth::new(token.as_ref()),
+    ))
 }
 
 /// Follows the job until it ends; exit code 0 when it succeeded.
 async fn watch(
-    client: &mut JobServiceClient<Channel>,
+    client: &mut JobServiceClient<AuthChannel>,
     url: &str,
     name: &str,
     every: Duration,

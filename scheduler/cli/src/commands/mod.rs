@@ -9,3 +9,24 @@ pub mod runtime;
 pub mod serverless;
 pub mod sim;
 pub mod validate;
+
+use std::path::PathBuf;
+
+use rollfleet_proto::auth::{Token, TokenError};
+
+/// The scheduler's bearer token, for every command that serves or calls it.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TokenArgs {
+    /// A file whose first line is the bearer token the scheduler requires on every call (at
+    /// least 16 printable characters); without it, the ROLLFLEET_TOKEN environment variable, if
+    /// set. A scheduler without a token serves any peer that reaches it.
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+}
+
+impl TokenArgs {
+    /// The token given, if any; an unreadable or malformed one is an error naming its origin.
+    pub fn token(&self) -> Result<Option<Token>, TokenError> {
+        Token::configured(self.token_file.as_deref())
+    }
+}

@@ -13,10 +13,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rollfleet_proto::auth::{ClientAuth, TOKEN_ENV, Token};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::{JobPhase, JobRef};
 use rollfleet_server::{Report, ServerOptions};
+use tonic::transport::Endpoint;
 
+use crate::commands::TokenArgs;
 use crate::output::{OutputFormat, Table, exit, write_structured};
 
 /// Wall seconds per modelled second that `run` uses unless told otherwise.
@@ -58,6 +61,8 @@ pub struct SchedulerArgs {
     /// (GPUs that come or go always re-plan.)
     #[arg(long, value_name = "MARGIN")]
     pub replan_on_drift: Option<f64>,
+    #[command(flatten)]
+    pub token: TokenArgs,
 }
 
 /// `rollfleet worker`.
@@ -91,6 +96,8 @@ pub struct WorkerArgs {
     /// GPUs by what its nodes declare; without it, a node counts as an equal share of the pool.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub gpus: Option<u32>,
+    #[command(flatten)]
+    pub token: TokenArgs,
     /// Which LLM engine generates.
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -233,6 +240,13 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
         writeln!(stderr, "error: {problem}")?;
         return Ok(exit::INVALID_INPUT);
     }
+    let token = match args.token.token() {
+        Ok(token) => token,
+        Err(e) => {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    };
     let (job_yaml, origin) = match &args.job {
         Some(path) => {
             let origin = path.display().to_string();
@@ -269,6 +283,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             report: args.report.clone(),
             metrics_addr: args.metrics_addr,
             replan_on_drift: args.replan_on_drift,
+            token,
         };
         let (cancel, cancelled) = tokio::sync::oneshot::channel();
         // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.
@@ -330,6 +345,13 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         )?;
         return Ok(exit::INVALID_INPUT);
     }
+    let token = match args.token.token() {
+        Ok(token) => token,
+        Err(e) => {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    };
     let name = args.name.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_owned())
@@ -347,6 +369,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         remote_envs: args.remote_envs.clone(),
         slowdown: args.emulate_slowdown,
         gpus: args.gpus,
+        token,
         engine: match (args.engine.engine, &args.engine.engine_url) {
             (EngineKind::Openai, Some(url)) => {
                 if !url.starts_with("http://") {
@@ -384,6 +407,18 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
             Ok(exit::FAILED)
         }
     }
+}
+
+/// A token for one run's processes: 192 bits from the OS, as 48 hex digits.
+fn fresh_token() -> Result<Token> {
+    let mut bytes = [0u8; 24];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open("/dev/urandom").context("opening /dev/urandom")?,
+        &mut bytes,
+    )
+    .context("reading /dev/urandom")?;
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    Ok(Token::parse(&hex, "a fresh token")?)
 }
 
 /// Child processes that are killed when dropped.
@@ -467,6 +502,13 @@ pub fn run(
     let pools = plan.pools_needed();
     let per_pool = args.workers_per_pool.max(1);
     let mut children = Children(Vec::new());
+    // The scheduler listens on loopback, where any local user could reach it: the run's
+    // processes share a token of their own (one given in ROLLFLEET_TOKEN is used as it is). It
+    // travels in their environment, which other users cannot read, not on their command lines.
+    let token = match Token::configured(None)? {
+        Some(token) => token,
+        None => fresh_token()?,
+    };
 
     let mut scheduler = Command::new(&exe);
     scheduler
@@ -478,6 +520,7 @@ pub fn run(
         .args(["--expect-workers", &(pools.len() * per_pool).to_string()])
         .arg("--report")
         .arg(&report_path)
+        .env(TOKEN_ENV, token.expose())
         .stdout(Stdio::piped())
         .stderr(log.try_clone()?);
     if let Some(m) = args.metrics_addr {
@@ -533,6 +576,7 @@ pub fn run(
                 .args(["--scheduler", &url])
                 .args(["--pool", &pool])
                 .args(["--name", &format!("{pool}-{i}")])
+                .env(TOKEN_ENV, token.expose())
                 .stdout(Stdio::null())
                 .stderr(log.try_clone()?)
                 .spawn()
@@ -562,6 +606,7 @@ pub fn run(
     let trajectories = steps * u64::from(plan.config.rollout_batch_size);
     let watched = rt.block_on(watch(
         &url,
+        &token,
         &name,
         steps,
         trajectories,
@@ -637,15 +682,19 @@ pub fn run(
 
 async fn watch(
     url: &str,
+    token: &Token,
     job: &str,
     steps: u64,
     trajectories: u64,
     deadline: Instant,
     children: &mut Children,
 ) -> Result<()> {
+    let endpoint = Endpoint::from_shared(url.to_owned())?;
     let mut client = loop {
-        match JobServiceClient::connect(url.to_owned()).await {
-            Ok(c) => break c,
+        match endpoint.connect().await {
+            Ok(channel) => {
+                break JobServiceClient::with_interceptor(channel, ClientAuth::new(Some(token)));
+            }
             Err(e) if Instant::now() > deadline => bail!("cannot reach the scheduler: {e}"),
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
