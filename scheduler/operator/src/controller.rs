@@ -55,6 +55,8 @@ pub struct Context {
     pub settings: Settings,
     /// Where an RLJob's scheduler answers gRPC (in the cluster: its Service).
     pub scheduler_url: Box<dyn Fn(&RLJob) -> String + Send + Sync>,
+    /// Each RLJob's plan, made again only when its job file changes.
+    pub plans: desired::PlanCache,
 }
 
 impl Context {
@@ -71,6 +73,7 @@ impl Context {
                     desired::GRPC_PORT
                 )
             }),
+            plans: desired::PlanCache::default(),
         }
     }
 }
@@ -207,7 +210,7 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     let generation = job.metadata.generation;
     let previous = job.status.as_ref();
     let jobs: Api<RLJob> = Api::namespaced(ctx.client.clone(), ns);
-    let wanted = match desired::desired(job, &ctx.settings) {
+    let wanted = match desired::desired_with(job, &ctx.settings, &ctx.plans) {
         Ok(wanted) => wanted,
         Err(invalid) => {
             let text = invalid.to_string();
@@ -344,6 +347,7 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
 }
 
 async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
+    ctx.plans.forget(job);
     let url = (ctx.scheduler_url)(job);
     let cancelled = async {
         let token = job_token(job, ctx).await?;

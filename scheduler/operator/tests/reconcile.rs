@@ -176,6 +176,7 @@ fn reconciling(
             image: "rollfleet:test".into(),
         },
         scheduler_url: Box::new(move |_| url.clone()),
+        plans: Default::default(),
     });
     (
         tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx)),
