@@ -21,16 +21,9 @@ use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_rollfleet");
 
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+#[path = "common/procs.rs"]
+mod procs;
+use procs::Procs;
 
 fn container(d: &Deployment) -> Container {
     d.spec

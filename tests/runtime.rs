@@ -23,16 +23,9 @@ use serde_json::Value;
 const BIN: &str = env!("CARGO_BIN_EXE_rollfleet");
 const DEADLINE: Duration = Duration::from_secs(240);
 
-struct Procs(Vec<Child>);
-
-impl Drop for Procs {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+#[path = "common/procs.rs"]
+mod procs;
+use procs::Procs;
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("rollfleet-rt-{name}-{}", std::process::id()));
