@@ -2412,12 +2412,17 @@ fn a_scheduler_with_a_token_serves_only_the_peers_that_carry_it() {
         (None, "none was sent"),
         (Some("another-token-0123456789"), "not this scheduler's"),
     ] {
-        let out = with_token(&["worker", "--scheduler", &url, "--pool", "envs"], token)
+        let mut intruder = with_token(&["worker", "--scheduler", &url, "--pool", "envs"], token)
             .args(["--name", "intruder"])
-            .output()
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
             .unwrap();
-        assert_eq!(out.status.code(), Some(1), "{out:?}");
-        let said = String::from_utf8_lossy(&out.stderr);
+        // Bounded: a scheduler that let it in would keep it waiting for the job to start.
+        let exit = wait_exit(&mut intruder, Duration::from_secs(60));
+        let mut said = String::new();
+        std::io::Read::read_to_string(&mut intruder.stderr.take().unwrap(), &mut said).unwrap();
+        assert_eq!(exit.code(), Some(1), "{said}");
         assert!(said.contains(why), "{said}");
     }
     // Neither the job service nor the trainer feed answers a call without it.
