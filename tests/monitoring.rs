@@ -123,5 +123,5 @@ fn the_grafana_dashboard_is_well_formed_and_every_panel_queries_prometheus() {
             queries += 1;
         }
     }
-    assert_eq!(queries, 18);
+    assert_eq!(queries, 19);
 }

@@ -194,6 +194,9 @@ pub struct Report {
     pub stage_retries: u64,
     /// Turns regenerated to keep the staleness bound.
     pub regenerated_turns: u64,
+    /// Groups restarted on new weights, having started too late in a step (the core's count).
+    #[serde(default)]
+    pub groups_restarted: u64,
     /// Groups given up as infrastructure failures (a trajectory's stages failed too often in a
     /// row), with the failing trajectory and what its last failure said; never trained on.
     #[serde(default)]
@@ -2598,6 +2601,11 @@ impl Actor {
                 .regenerated_turns
                 .saturating_sub(m.regenerated_turns.get()),
         );
+        m.groups_restarted.inc_by(
+            stats
+                .groups_restarted
+                .saturating_sub(m.groups_restarted.get()),
+        );
     }
 
     fn publish(&mut self) {
@@ -2772,6 +2780,7 @@ impl Actor {
             dispatch_p99_us: pct(0.99),
             stage_retries: stats.stage_retries,
             regenerated_turns: stats.regenerated_turns,
+            groups_restarted: stats.groups_restarted,
             groups_abandoned: self.abandoned.clone(),
             failure: self.failure.clone(),
             profiles: self.profiles.clone(),

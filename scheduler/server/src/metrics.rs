@@ -35,6 +35,8 @@ pub struct Metrics {
     pub trained_by_staleness: IntCounterVec,
     /// Turns thrown away to keep the staleness bound.
     pub regenerated_turns: IntCounter,
+    /// Groups restarted on the weights just published, having started too late in a step.
+    pub groups_restarted: IntCounter,
     /// Stages waiting for a worker of their pool to attach, per pool.
     pub pending_stages: IntGaugeVec,
     /// Share of the pool's capacity in use over the last second, per pool.
@@ -109,6 +111,11 @@ impl Metrics {
             "regenerated_turns_total",
             "Turns thrown away and generated again to keep the staleness bound.",
         )?;
+        let groups_restarted = IntCounter::new(
+            "groups_restarted_total",
+            "Groups restarted on the weights just published: they started so late in a step that \
+             a long chain of their task would not finish before their weights expire.",
+        )?;
         let pending_stages = IntGaugeVec::new(
             Opts::new(
                 "pool_pending_stages",
@@ -173,6 +180,7 @@ impl Metrics {
         registry.register(Box::new(trajectories.clone()))?;
         registry.register(Box::new(trained_by_staleness.clone()))?;
         registry.register(Box::new(regenerated_turns.clone()))?;
+        registry.register(Box::new(groups_restarted.clone()))?;
         registry.register(Box::new(pending_stages.clone()))?;
         registry.register(Box::new(pool_busy.clone()))?;
         registry.register(Box::new(policy_version.clone()))?;
@@ -193,6 +201,7 @@ impl Metrics {
             trajectories,
             trained_by_staleness,
             regenerated_turns,
+            groups_restarted,
             pending_stages,
             pool_busy,
             policy_version,
