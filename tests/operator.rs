@@ -1,7 +1,8 @@
 //! The operator's objects, run. Every container the operator would have Kubernetes start for an
 //! RLJob is started here as a real `rollfleet` process, as a kubelet would start it: the
 //! ConfigMap mounted as a file where the scheduler reads it, the scheduler's Service name
-//! resolving to its loopback address, each Deployment's pods as many processes. The job they
+//! resolving to its loopback address, each Deployment's pods as many processes, and the token
+//! the RLJob's `rollfleet.dev/token-secret` names set in each one's environment. The job they
 //! make must succeed: so the commands, flags and worker counts the operator writes are the ones
 //! the binaries take.
 
@@ -14,7 +15,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rollfleet_operator::crd::RLJob;
-use rollfleet_operator::desired::{EMULATED_GPUS_ANNOTATION, Settings, desired};
+use rollfleet_operator::desired::{
+    EMULATED_GPUS_ANNOTATION, Settings, TOKEN_SECRET_ANNOTATION, desired,
+};
 use rollfleet_operator::k8s_openapi::api::apps::v1::Deployment;
 use rollfleet_operator::k8s_openapi::api::core::v1::Container;
 use serde_json::Value;
@@ -37,13 +40,36 @@ fn container(d: &Deployment) -> Container {
         .clone()
 }
 
+/// The Secret the test's namespace holds: its name, key and value.
+const SECRET: (&str, &str, &str) = ("rl-token", "token", "namespace-secret-0123456789");
+
 /// A pod's process: the container's command and arguments, with `rewrite` applied to each
-/// argument (what the cluster would resolve differently from this machine).
+/// argument (what the cluster would resolve differently from this machine), and its environment
+/// as a kubelet would set it (only [`SECRET`] exists to take values from).
 fn start(c: &Container, rewrite: impl Fn(&str) -> String, extra: &[&str], stdout: Stdio) -> Child {
     let command = c.command.clone().unwrap();
     assert_eq!(command, ["rollfleet"], "the image's binary");
     let args: Vec<String> = c.args.clone().unwrap().iter().map(|a| rewrite(a)).collect();
-    Command::new(BIN)
+    let mut process = Command::new(BIN);
+    process
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default());
+    for var in c.env.iter().flatten() {
+        let value = match (&var.value, &var.value_from) {
+            (Some(value), None) => value.clone(),
+            (None, Some(from)) => {
+                let key = from
+                    .secret_key_ref
+                    .as_ref()
+                    .expect("only Secret references");
+                assert_eq!((key.name.as_str(), key.key.as_str()), (SECRET.0, SECRET.1));
+                SECRET.2.to_owned()
+            }
+            other => panic!("{}: {other:?}", var.name),
+        };
+        process.env(&var.name, value);
+    }
+    process
         .args(&args)
         .args(extra)
         .stdout(stdout)
@@ -60,11 +86,12 @@ fn the_scheduler_and_workers_the_operator_creates_for_the_quickstart_run_it_to_t
     job.spec["rl"]["steps"] = 2.into();
     job.metadata.namespace = Some("rl".into());
     job.metadata.uid = Some("uid-1".into());
-    // No GPUs on this machine: the workers emulate them, as on a cluster without any.
-    job.metadata.annotations = Some(BTreeMap::from([(
-        EMULATED_GPUS_ANNOTATION.to_owned(),
-        "true".to_owned(),
-    )]));
+    // No GPUs on this machine: the workers emulate them, as on a cluster without any. The
+    // scheduler requires the token of the namespace's Secret.
+    job.metadata.annotations = Some(BTreeMap::from([
+        (EMULATED_GPUS_ANNOTATION.to_owned(), "true".to_owned()),
+        (TOKEN_SECRET_ANNOTATION.to_owned(), SECRET.0.to_owned()),
+    ]));
     let wanted = desired(
         &job,
         &Settings {
@@ -107,6 +134,23 @@ fn the_scheduler_and_workers_the_operator_creates_for_the_quickstart_run_it_to_t
         .unwrap()
         .to_owned();
     let mut procs = Procs(vec![scheduler]);
+    // The scheduler took the Secret's token: a call without it is refused.
+    let refused = Command::new(BIN)
+        .args([
+            "job",
+            "status",
+            "quickstart",
+            "--scheduler",
+            &format!("http://{addr}"),
+        ])
+        .env_remove("ROLLFLEET_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("refused the call"),
+        "{refused:?}"
+    );
     let mut pods = 0;
     for deployment in &wanted.deployments[1..] {
         let replicas = deployment.spec.as_ref().unwrap().replicas.unwrap();
