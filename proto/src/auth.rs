@@ -48,9 +48,10 @@ pub enum TokenError {
         /// Its length.
         chars: usize,
     },
-    /// A character a header cannot carry, or whitespace inside it.
+    /// A character a header cannot carry, or a space inside it.
     #[error(
-        "{origin}: the token has a character that is not printable ASCII at position {position}"
+        "{origin}: the token has a space, a control or a non-ASCII character at position \
+         {position} (a token is printable ASCII without spaces)"
     )]
     BadCharacter {
         /// Where it came from.
