@@ -2353,7 +2353,7 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
             .iter()
             .flat_map(|g| g["rules"].as_array().unwrap())
             .collect();
-        assert_eq!(rules.len(), 13, "{groups:#}");
+        assert_eq!(rules.len(), 14, "{groups:#}");
         for rule in &rules {
             assert_ne!(rule["health"], "err", "{rule:#}");
         }
@@ -2404,7 +2404,15 @@ fn a_scheduler_with_a_token_serves_only_the_peers_that_carry_it() {
     let token_file = dir.join("token");
     std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
     let token_arg = token_file.to_str().unwrap();
-    let (sched, url) = scheduler(&job, &report, 5, &["--token-file", token_arg]);
+    let (mut sched, url) = start_scheduler(
+        &job,
+        &report,
+        5,
+        &["--token-file", token_arg, "--metrics-addr", "127.0.0.1:0"],
+        Stdio::piped(),
+    );
+    let log = stderr_lines(&mut sched);
+    let metrics = metrics_address(&log);
     let mut procs = Procs(vec![sched]);
 
     // Workers without the token, or with another, are refused at registration and say why.
@@ -2452,6 +2460,21 @@ fn a_scheduler_with_a_token_serves_only_the_peers_that_carry_it() {
         String::from_utf8_lossy(&status.stderr).contains("refused the call"),
         "{status:?}"
     );
+    // Every refusal is counted by why (no token: the first worker, the cancel, the feed and the
+    // status; another token: the second worker), and the first is in the log with its peer.
+    let exposition = scrape(&metrics);
+    let refused = |reason: &str| {
+        sample(
+            &exposition,
+            &format!("rollfleet_unauthenticated_calls_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(
+        (refused("missing"), refused("wrong")),
+        (Some(4.0), Some(1.0)),
+        "{exposition}"
+    );
+    wait_line(&log, "refused a call from 127.0.0.1:");
 
     // Workers with the token (from the file, or from the environment) run the job to the end;
     // the refused calls changed nothing (the cancel above did not cancel it).

@@ -188,26 +188,54 @@ impl ServerAuth {
     pub fn required(&self) -> bool {
         self.expected.is_some()
     }
+
+    /// Whether `request` may be served; why not, when not.
+    pub fn check<T>(&self, request: &Request<T>) -> Result<(), Refusal> {
+        let Some(expected) = &self.expected else {
+            return Ok(());
+        };
+        match request.metadata().get("authorization") {
+            None => Err(Refusal::Missing),
+            Some(given) if constant_time_eq(given.as_bytes(), expected) => Ok(()),
+            Some(_) => Err(Refusal::Wrong),
+        }
+    }
+}
+
+/// Why a call was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// It carried no token.
+    Missing,
+    /// It carried another token.
+    Wrong,
+}
+
+impl Refusal {
+    /// A short name, for a metric's label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::Missing => "missing",
+            Refusal::Wrong => "wrong",
+        }
+    }
+
+    /// The answer the caller gets.
+    pub fn status(self) -> Status {
+        match self {
+            Refusal::Missing => Status::unauthenticated(format!(
+                "this scheduler requires a token: none was sent (set {TOKEN_ENV} or pass \
+                 --token-file)"
+            )),
+            Refusal::Wrong => Status::unauthenticated("the token sent is not this scheduler's"),
+        }
+    }
 }
 
 impl Interceptor for ServerAuth {
     fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        let Some(expected) = &self.expected else {
-            return Ok(request);
-        };
-        let Some(given) = request.metadata().get("authorization") else {
-            return Err(Status::unauthenticated(format!(
-                "this scheduler requires a token: none was sent (set {TOKEN_ENV} or pass \
-                 --token-file)"
-            )));
-        };
-        if constant_time_eq(given.as_bytes(), expected) {
-            Ok(request)
-        } else {
-            Err(Status::unauthenticated(
-                "the token sent is not this scheduler's",
-            ))
-        }
+        self.check(&request).map_err(Refusal::status)?;
+        Ok(request)
     }
 }
 
@@ -283,6 +311,11 @@ mod tests {
             server
                 .call(call_with(Some(&format!("Bearer {GOOD}"))))
                 .is_ok()
+        );
+        assert_eq!(server.check(&call_with(None)), Err(Refusal::Missing));
+        assert_eq!(
+            server.check(&call_with(Some("Bearer another-token-0123"))),
+            Err(Refusal::Wrong)
         );
         let missing = server.call(call_with(None)).expect_err("no header");
         assert_eq!(missing.code(), tonic::Code::Unauthenticated);

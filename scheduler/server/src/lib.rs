@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rollfleet_proto::auth::{ServerAuth, TOKEN_ENV, Token};
+use rollfleet_proto::auth::{Refusal, ServerAuth, TOKEN_ENV, Token};
 use rollfleet_proto::v1::job_service_server::JobServiceServer;
 use rollfleet_proto::v1::trainer_feed_server::TrainerFeedServer;
 use rollfleet_proto::v1::worker_service_server::WorkerServiceServer;
@@ -110,6 +110,38 @@ pub struct ServerOptions {
     pub token: Option<Token>,
 }
 
+/// Counts a call refused for want of the token, and says so in the log at the 1st, 10th, 100th,
+/// ... refusal (a peer probing the port must not flood the log).
+fn refused(metrics: &metrics::Metrics, refusal: Refusal, peer: Option<SocketAddr>) {
+    metrics
+        .unauthenticated_calls
+        .with_label_values(&[refusal.label()])
+        .inc();
+    let total: u64 = [Refusal::Missing, Refusal::Wrong]
+        .iter()
+        .map(|r| {
+            metrics
+                .unauthenticated_calls
+                .with_label_values(&[r.label()])
+                .get()
+        })
+        .sum();
+    let mut power = 1;
+    while power < total {
+        power *= 10;
+    }
+    if power == total {
+        eprintln!(
+            "scheduler: refused a call from {}: {} token ({total} refused so far)",
+            peer.map_or_else(|| "an unknown peer".to_owned(), |p| p.to_string()),
+            match refusal {
+                Refusal::Missing => "no",
+                Refusal::Wrong => "another",
+            }
+        );
+    }
+}
+
 /// Serves the job on `listener` until it ends (or is cancelled); returns its report, or `None`
 /// when the scheduler was cancelled before any job was submitted.
 pub async fn serve(
@@ -170,11 +202,21 @@ pub async fn serve_until(
              {addr} may register workers, submit or cancel the job and read the trainer feed"
         );
     }
+    let guard = {
+        let metrics = metrics.clone();
+        move |request: tonic::Request<()>| match auth.check(&request) {
+            Ok(()) => Ok(request),
+            Err(refusal) => {
+                refused(&metrics, refusal, request.remote_addr());
+                Err(refusal.status())
+            }
+        }
+    };
     let workers = WorkerServiceServer::with_interceptor(
         grpc::Workers {
             inbox: inbox.clone(),
         },
-        auth.clone(),
+        guard.clone(),
     );
     let jobs = JobServiceServer::with_interceptor(
         grpc::Jobs {
@@ -182,14 +224,14 @@ pub async fn serve_until(
             status: status.clone(),
             slot: slot.clone(),
         },
-        auth.clone(),
+        guard.clone(),
     );
     let trainer_feed = TrainerFeedServer::with_interceptor(
         feed::Feed {
             log: feed_log.clone(),
             slot: slot.clone(),
         },
-        auth,
+        guard,
     );
     if slot.job().is_none() {
         eprintln!(

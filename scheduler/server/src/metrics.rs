@@ -37,6 +37,8 @@ pub struct Metrics {
     pub regenerated_turns: IntCounter,
     /// Groups restarted on the weights just published, having started too late in a step.
     pub groups_restarted: IntCounter,
+    /// gRPC calls refused for want of the scheduler's token, by `reason` (`missing`, `wrong`).
+    pub unauthenticated_calls: IntCounterVec,
     /// Stages waiting for a worker of their pool to attach, per pool.
     pub pending_stages: IntGaugeVec,
     /// Share of the pool's capacity in use over the last second, per pool.
@@ -116,6 +118,14 @@ impl Metrics {
             "Groups restarted on the weights just published: they started so late in a step that \
              a long chain of their task would not finish before their weights expire.",
         )?;
+        let unauthenticated_calls = IntCounterVec::new(
+            Opts::new(
+                "unauthenticated_calls_total",
+                "gRPC calls refused because they did not carry the scheduler's token: none \
+                 (reason=missing) or another (reason=wrong).",
+            ),
+            &["reason"],
+        )?;
         let pending_stages = IntGaugeVec::new(
             Opts::new(
                 "pool_pending_stages",
@@ -181,6 +191,7 @@ impl Metrics {
         registry.register(Box::new(trained_by_staleness.clone()))?;
         registry.register(Box::new(regenerated_turns.clone()))?;
         registry.register(Box::new(groups_restarted.clone()))?;
+        registry.register(Box::new(unauthenticated_calls.clone()))?;
         registry.register(Box::new(pending_stages.clone()))?;
         registry.register(Box::new(pool_busy.clone()))?;
         registry.register(Box::new(policy_version.clone()))?;
@@ -202,6 +213,7 @@ impl Metrics {
             trained_by_staleness,
             regenerated_turns,
             groups_restarted,
+            unauthenticated_calls,
             pending_stages,
             pool_busy,
             policy_version,
