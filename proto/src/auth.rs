@@ -29,6 +29,9 @@ pub const MIN_TOKEN_CHARS: usize = 16;
 /// Longest token accepted (it travels in a header on every call).
 pub const MAX_TOKEN_CHARS: usize = 1024;
 
+/// Most bytes of a token file read: its first line, with room to say it is too long.
+const FILE_BYTES_READ: u64 = 64 * 1024;
+
 /// Why a token could not be used.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum TokenError {
@@ -107,13 +110,20 @@ impl Token {
         Ok(Token(text.into()))
     }
 
-    /// The token in `path` (its first line).
+    /// The token in `path` (its first line). Only the file's first bytes are read, so a path to
+    /// something endless (`/dev/zero`) is refused rather than read forever.
     pub fn from_file(path: &Path) -> Result<Token, TokenError> {
+        use std::io::Read;
         let origin = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| TokenError::Unreadable {
+        let unreadable = |e: std::io::Error| TokenError::Unreadable {
             origin: origin.clone(),
             reason: e.to_string(),
-        })?;
+        };
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(FILE_BYTES_READ).read_to_end(&mut bytes))
+            .map_err(unreadable)?;
+        let text = String::from_utf8_lossy(&bytes);
         Token::parse(text.lines().next().unwrap_or_default(), &origin)
     }
 
@@ -123,8 +133,9 @@ impl Token {
         if let Some(path) = file {
             return Token::from_file(path).map(Some);
         }
-        match std::env::var(TOKEN_ENV) {
-            Ok(text) if !text.trim().is_empty() => Token::parse(&text, TOKEN_ENV).map(Some),
+        // Not UTF-8 is an error too: its bytes show as U+FFFD, which no token may hold.
+        match std::env::var_os(TOKEN_ENV).map(|v| v.to_string_lossy().into_owned()) {
+            Some(text) if !text.trim().is_empty() => Token::parse(&text, TOKEN_ENV).map(Some),
             _ => Ok(None),
         }
     }
@@ -294,6 +305,25 @@ mod tests {
             Token::parse(&long, "env"),
             Err(TokenError::TooLong { .. })
         ));
+    }
+
+    #[test]
+    fn a_token_file_is_read_for_its_first_line_only_and_an_endless_one_is_refused() {
+        let dir = std::env::temp_dir().join(format!("rollfleet-auth-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = dir.join("token");
+        std::fs::write(&file, format!("{GOOD}\nsecond line\n")).expect("write");
+        assert_eq!(Token::from_file(&file).expect("valid").expose(), GOOD);
+        // `/dev/zero` has no end: only its first bytes are read, and NULs are no token.
+        assert!(matches!(
+            Token::from_file(Path::new("/dev/zero")),
+            Err(TokenError::BadCharacter { position: 0, .. })
+        ));
+        assert!(matches!(
+            Token::from_file(&dir.join("missing")),
+            Err(TokenError::Unreadable { .. })
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
