@@ -304,19 +304,21 @@ impl PlanCache {
     /// The plan of `job`'s job file `yaml`: the one kept, when it was made from the same file.
     fn plan(&self, job: &RLJob, yaml: &str) -> Result<Arc<JobPlan>, PlanError> {
         let key = format!("{}/{}", job.namespace(), job.name());
-        let mut plans = self
-            .plans
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some((planned, plan)) = plans.get(&key)
+        let lock = || {
+            self.plans
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+        };
+        if let Some((planned, plan)) = lock().get(&key)
             && planned == yaml
         {
             return Ok(plan.clone());
         }
+        // Planned without the lock: other RLJobs' passes need not wait for this one's plan.
         let origin = format!("rljob/{}", job.name());
         let plan = Arc::new(JobPlan::from_yaml(yaml, &origin, 0)?);
         self.made.fetch_add(1, Ordering::Relaxed);
-        plans.insert(key, (yaml.to_owned(), plan.clone()));
+        lock().insert(key, (yaml.to_owned(), plan.clone()));
         Ok(plan)
     }
 
