@@ -27,6 +27,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_rollfleet");
 #[path = "common/procs.rs"]
 mod procs;
 use procs::Procs;
+#[path = "common/refused.rs"]
+mod refused;
+use refused::assert_job_status_refused_without_token;
 
 fn container(d: &Deployment) -> Container {
     d.spec
@@ -135,22 +138,7 @@ fn the_scheduler_and_workers_the_operator_creates_for_the_quickstart_run_it_to_t
         .to_owned();
     let mut procs = Procs(vec![scheduler]);
     // The scheduler took the Secret's token: a call without it is refused.
-    let refused = Command::new(BIN)
-        .args([
-            "job",
-            "status",
-            "quickstart",
-            "--scheduler",
-            &format!("http://{addr}"),
-        ])
-        .env_remove("ROLLFLEET_TOKEN")
-        .output()
-        .unwrap();
-    assert_eq!(refused.status.code(), Some(1), "{refused:?}");
-    assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("refused the call"),
-        "{refused:?}"
-    );
+    assert_job_status_refused_without_token(BIN, &format!("http://{addr}"));
     let mut pods = 0;
     for deployment in &wanted.deployments[1..] {
         let replicas = deployment.spec.as_ref().unwrap().replicas.unwrap();

@@ -26,6 +26,9 @@ const DEADLINE: Duration = Duration::from_secs(240);
 #[path = "common/procs.rs"]
 mod procs;
 use procs::Procs;
+#[path = "common/refused.rs"]
+mod refused;
+use refused::assert_job_status_refused_without_token;
 
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("rollfleet-rt-{name}-{}", std::process::id()));
@@ -2452,14 +2455,7 @@ fn a_scheduler_with_a_token_serves_only_the_peers_that_carry_it() {
             .unwrap_err();
         assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
     });
-    let status = with_token(&["job", "status", "quickstart", "--scheduler", &url], None)
-        .output()
-        .unwrap();
-    assert_eq!(status.status.code(), Some(1), "{status:?}");
-    assert!(
-        String::from_utf8_lossy(&status.stderr).contains("refused the call"),
-        "{status:?}"
-    );
+    assert_job_status_refused_without_token(BIN, &url);
     // Every refusal is counted by why (no token: the first worker, the cancel, the feed and the
     // status; another token: the second worker), and the first is in the log with its peer.
     let exposition = scrape(&metrics);

@@ -374,6 +374,7 @@ impl Core {
             Discipline::Continuous => Self::admission_terms(&cfg),
             Discipline::Batched { .. } => (0, 0),
         };
+        let turn_time = vec![TurnBooks::default(); cfg.tasks.len()];
         let mut core = Core {
             admission_terms,
             cpu_free: cfg.cpu_pools.iter().map(|p| p.millicpus).collect(),
@@ -412,10 +413,9 @@ impl Core {
             hold_until: None,
             last_publish: Time::ZERO,
             last_step: crate::time::Span::ZERO,
-            turn_time: Vec::new(),
+            turn_time,
             stats: Stats::default(),
         };
-        core.turn_time = vec![TurnBooks::default(); core.cfg.tasks.len()];
         for i in 0..core.replicas.len() {
             core.touch(ReplicaId(i as u64));
         }

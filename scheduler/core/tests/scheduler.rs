@@ -102,7 +102,12 @@ fn runs(commands: &[Command]) -> Vec<StageCommand> {
 }
 
 fn finish(core: &mut Core, stage: StageId, outcome: StageOutcome) -> Vec<Command> {
-    core.handle_input(Time(1), Input::StageFinished { stage, outcome });
+    finish_when(core, Time(1), stage, outcome)
+}
+
+/// Feeds a stage's outcome at `now`; the commands it caused.
+fn finish_when(core: &mut Core, now: Time, stage: StageId, outcome: StageOutcome) -> Vec<Command> {
+    core.handle_input(now, Input::StageFinished { stage, outcome });
     drain(core)
 }
 
@@ -1002,11 +1007,21 @@ fn finish_at(
     stage: StageId,
     outcome: StageOutcome,
 ) -> Vec<StageCommand> {
-    core.handle_input(
+    runs(&finish_when(
+        core,
         Time::from_secs_f64(secs),
-        Input::StageFinished { stage, outcome },
-    );
-    runs(&drain(core))
+        stage,
+        outcome,
+    ))
+}
+
+/// Ends generation stage `stage` of trajectory `t` at `secs` seconds with a 10-token action; the
+/// environment step it started.
+fn generated_at(core: &mut Core, secs: f64, stage: StageId, t: u64) -> StageCommand {
+    stage_of(
+        &finish_at(core, secs, stage, StageOutcome::Generated { tokens: 10 }),
+        t,
+    )
 }
 
 /// The stage of trajectory `t` among `stages`.
@@ -1043,15 +1058,7 @@ fn a_long_group_that_started_late_on_weights_a_publication_makes_old_starts_over
     );
     for turn in 0..17 {
         let t = turn as f64;
-        let step = stage_of(
-            &finish_at(
-                &mut core,
-                t + 0.5,
-                generate.stage,
-                StageOutcome::Generated { tokens: 10 },
-            ),
-            0,
-        );
+        let step = generated_at(&mut core, t + 0.5, generate.stage, 0);
         if turn < 16 {
             generate = stage_of(
                 &finish_at(&mut core, t + 1.0, step.stage, observed(100, false)),
@@ -1064,15 +1071,7 @@ fn a_long_group_that_started_late_on_weights_a_publication_makes_old_starts_over
         &finish_at(&mut core, 18.0, resets[1].stage, observed(100, false)),
         1,
     );
-    let s1 = stage_of(
-        &finish_at(
-            &mut core,
-            18.5,
-            g1.stage,
-            StageOutcome::Generated { tokens: 10 },
-        ),
-        1,
-    );
+    let s1 = generated_at(&mut core, 18.5, g1.stage, 1);
     let r1 = stage_of(&finish_at(&mut core, 29.0, s1.stage, observed(5, true)), 1);
     // Trajectory 2: its first turn at 27 s, its environment step still running at 30 s.
     let g2 = stage_of(
@@ -1080,23 +1079,13 @@ fn a_long_group_that_started_late_on_weights_a_publication_makes_old_starts_over
         2,
     );
     assert_eq!((g2.turn, g2.version), (0, 0));
-    let s2 = stage_of(
-        &finish_at(
-            &mut core,
-            28.0,
-            g2.stage,
-            StageOutcome::Generated { tokens: 10 },
-        ),
-        2,
-    );
-    core.handle_input(
+    let s2 = generated_at(&mut core, 28.0, g2.stage, 2);
+    let batch = trained_batch(&finish_when(
+        &mut core,
         Time::from_secs_f64(30.0),
-        Input::StageFinished {
-            stage: r1.stage,
-            outcome: StageOutcome::Rewarded { score: 0.0 },
-        },
-    );
-    let batch = trained_batch(&drain(&mut core));
+        r1.stage,
+        StageOutcome::Rewarded { score: 0.0 },
+    ));
     core.handle_input(Time::from_secs_f64(30.0), Input::TrainFinished { batch });
     let (replica, version) = weight_update(&drain(&mut core));
     assert_eq!(version, 1);
