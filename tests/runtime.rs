@@ -60,6 +60,13 @@ fn scheduler_with_log(
     expect: usize,
 ) -> (Child, String, std::sync::mpsc::Receiver<String>) {
     let (mut child, url) = start_scheduler(job, report, expect, &[], Stdio::piped());
+    let rx = tee_log(&mut child);
+    (child, url, rx)
+}
+
+/// The log lines of a child spawned with its stderr piped, sent to the receiver returned (and
+/// still printed).
+fn tee_log(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -70,7 +77,7 @@ fn scheduler_with_log(
             }
         }
     });
-    (child, url, rx)
+    rx
 }
 
 /// Spawns `rollfleet scheduler` with its log going to `stderr`, and reads the address it
@@ -87,7 +94,8 @@ fn start_scheduler(
     spawn_scheduler(&mut command, report, expect, extra, stderr)
 }
 
-/// Spawns the `rollfleet scheduler` command (its job, if any, already given) on a free port.
+/// Spawns the `rollfleet scheduler` command (its job, if any, already given) on a free port,
+/// unless `extra` says `--listen`.
 fn spawn_scheduler(
     command: &mut Command,
     report: &Path,
@@ -95,15 +103,11 @@ fn spawn_scheduler(
     extra: &[&str],
     stderr: Stdio,
 ) -> (Child, String) {
+    if !extra.contains(&"--listen") {
+        command.args(["--listen", "127.0.0.1:0"]);
+    }
     let mut child = command
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--time-scale",
-            "1",
-            "--lease-ms",
-            "2000",
-        ])
+        .args(["--time-scale", "1", "--lease-ms", "2000"])
         .args(["--expect-workers", &expect.to_string()])
         .arg("--report")
         .arg(report)
@@ -980,6 +984,182 @@ fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
         fed, trained,
         "the feed carries every trained trajectory once, in order"
     );
+}
+
+/// A trainer that reads the feed through scheduler restarts: it acknowledges every 8th item
+/// and, when the feed breaks, subscribes again from its first unacknowledged item, as a trainer
+/// that checkpoints what it consumed does. Checks that items come gap-free and that an item
+/// sent again is the item sent before; returns every item consumed, in order (sequence,
+/// trajectory), and how many were sent again.
+async fn train_through_restarts(url: String, total: usize) -> (Vec<(u64, u64)>, usize) {
+    use rollfleet_proto::v1::trainer_feed_client::TrainerFeedClient;
+    use rollfleet_proto::v1::trainer_feed_item::Item;
+    let start = Instant::now();
+    let mut consumed: Vec<(u64, u64)> = Vec::new();
+    let mut sent_before = std::collections::BTreeMap::new();
+    let mut resent = 0;
+    loop {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the trainer consumed {} of {total} within {DEADLINE:?}",
+            consumed.len()
+        );
+        let Ok(mut client) = TrainerFeedClient::connect(url.clone()).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(subscribe(consumed.len() as u64 + 1, 16)).unwrap();
+        let Ok(feed) = client
+            .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+        else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let mut feed = feed.into_inner();
+        let mut unacked = Vec::new();
+        while let Ok(Some(item)) = feed.message().await {
+            let Some(Item::Trajectory(t)) = item.item else {
+                continue;
+            };
+            let id = t.trajectory.unwrap().id;
+            assert_eq!(
+                t.sequence,
+                (consumed.len() + unacked.len() + 1) as u64,
+                "gap-free, from the resume point"
+            );
+            if let Some(before) = sent_before.insert(t.sequence, id) {
+                assert_eq!(before, id, "item {} sent again is another", t.sequence);
+                resent += 1;
+            }
+            unacked.push((t.sequence, id));
+            if unacked.len() == 8 || consumed.len() + unacked.len() == total {
+                tx.send(ack(t.sequence)).unwrap();
+                consumed.append(&mut unacked);
+            }
+            if consumed.len() == total {
+                return (consumed, resent);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_scheduler_killed_mid_run_resumes_from_its_journal_and_trains_and_feeds_every_trajectory_once()
+{
+    let dir = temp_dir("journal");
+    let steps = 10;
+    let job = job_file(&dir, steps);
+    let report = dir.join("report.json");
+    let journal = dir.join("scheduler.journal");
+    let journal = journal.to_str().unwrap();
+    let (sched, url) = scheduler(&job, &report, 5, &["--journal", journal]);
+    let addr = url.strip_prefix("http://").unwrap().to_owned();
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let trainer = {
+        let url = url.clone();
+        std::thread::spawn(move || rt().block_on(train_through_restarts(url, 32 * steps as usize)))
+    };
+    wait_status(&url, "two steps trained", |s| s.policy_version >= 2);
+    // SIGKILL: no goodbye, no flush; what the journal holds is what the kernel was handed.
+    procs.0[0].kill().unwrap();
+    procs.0[0].wait().unwrap();
+
+    // The same command on the same address: it replays the journal, and the workers, whose
+    // streams broke, register again.
+    let mut command = Command::new(BIN);
+    command.arg("scheduler").arg(&job);
+    let (mut sched, _) = spawn_scheduler(
+        &mut command,
+        &report,
+        5,
+        &["--journal", journal, "--listen", &addr],
+        Stdio::piped(),
+    );
+    let log = tee_log(&mut sched);
+    procs.0[0] = sched;
+    let resumed_at = {
+        let start = Instant::now();
+        loop {
+            let line = log
+                .recv_timeout(DEADLINE.saturating_sub(start.elapsed()))
+                .expect("the restarted scheduler says where it resumed");
+            if let Some(rest) = line.split("resumed job quickstart at version ").nth(1) {
+                break rest.split(' ').next().unwrap().parse::<u64>().unwrap();
+            }
+        }
+    };
+    assert!(
+        (2..u64::from(steps)).contains(&resumed_at),
+        "killed mid-run, not at version {resumed_at}"
+    );
+    let (consumed, resent) = trainer.join().unwrap();
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the resumed scheduler failed: {status:?}");
+    // Every step trained, every trajectory once, though the five workers of the scheduler
+    // before were lost with it.
+    let report_value = check_report(&report, u64::from(steps), 5);
+    let trained: Vec<u64> = report_value["trained"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let fed: Vec<u64> = consumed.iter().map(|x| x.1).collect();
+    assert_eq!(
+        fed, trained,
+        "the trainer consumed every trained trajectory once, in order, across the restart"
+    );
+    eprintln!("items sent again after the restart: {resent}");
+
+    // The journal is the job: a scheduler started on it alone (no job file) replays it to the
+    // very report the resumed one wrote, bit for bit, but for the dispatch latencies, which
+    // are measured live.
+    let replayed = dir.join("replayed.json");
+    let (mut sched, _) = spawn_scheduler(
+        Command::new(BIN).arg("scheduler"),
+        &replayed,
+        5,
+        &["--journal", journal],
+        Stdio::inherit(),
+    );
+    let status = wait_exit(&mut sched, DEADLINE);
+    assert!(status.success(), "{status:?}");
+    let mut again: Value = serde_json::from_slice(&std::fs::read(&replayed).unwrap()).unwrap();
+    let mut before = report_value;
+    for r in [&mut again, &mut before] {
+        r["dispatch_p50_us"] = Value::Null;
+        r["dispatch_p99_us"] = Value::Null;
+    }
+    assert_eq!(again, before);
+
+    // A scheduler with other settings is refused, naming the setting, and the journal is left
+    // as it was.
+    let size = std::fs::metadata(journal).unwrap().len();
+    let out = Command::new(BIN)
+        .args(["scheduler", "--listen", "127.0.0.1:0", "--seed", "1"])
+        .args([
+            "--time-scale",
+            "1",
+            "--lease-ms",
+            "2000",
+            "--expect-workers",
+            "5",
+        ])
+        .args(["--journal", journal])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--seed 0") && stderr.contains("has 1"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::metadata(journal).unwrap().len(), size);
 }
 
 #[test]

@@ -59,6 +59,7 @@ async fn scheduler_with_token(
         metrics_addr: None,
         replan_on_drift: None,
         token: token.map(|t| rollfleet_proto::auth::Token::parse(t, "test").unwrap()),
+        journal: None,
     };
     (url, tokio::spawn(rollfleet_server::serve(listener, opts)))
 }

@@ -6,7 +6,8 @@
 //! scheduler: the core, the actor, tonic and the loopback. Server and clients share the machine's
 //! cores. Prints stage completions per second and the server's dispatch latency (a worker message
 //! off the wire to every command it caused handed to the outboxes), per run and the median of
-//! three runs.
+//! three runs, without a journal and with one (`--journal`: every event written to a file before
+//! it is acted on), the two interleaved so that both see the same machine.
 
 use std::time::{Duration, Instant};
 
@@ -103,7 +104,7 @@ async fn instant_worker(url: String, pool: &'static str) {
     }
 }
 
-fn run_once() -> (f64, Report) {
+fn run_once(journal: Option<std::path::PathBuf>) -> (f64, Report) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -134,6 +135,7 @@ fn run_once() -> (f64, Report) {
             metrics_addr: None,
             replan_on_drift: None,
             token: None,
+            journal,
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {
@@ -158,29 +160,52 @@ fn main() {
     } else {
         1
     };
-    let mut rates = Vec::new();
-    let mut p99s = Vec::new();
+    let dir = std::env::temp_dir().join(format!("rollfleet-dispatch-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let mut results: [(Vec<f64>, Vec<u32>); 2] = Default::default();
     for i in 0..runs {
-        let (rate, r) = run_once();
-        println!(
-            "run {}: {} stages in {:.2} s = {:.0} stage completions/s over gRPC; dispatch latency p50 {} us, p99 {} us; {} trajectories trained ({} twice)",
-            i + 1,
-            r.stages_completed,
-            r.wall_s,
-            rate,
-            r.dispatch_p50_us,
-            r.dispatch_p99_us,
-            r.trained.len(),
-            r.trained_twice.len()
-        );
-        rates.push(rate);
-        p99s.push(r.dispatch_p99_us);
+        for (with_journal, (rates, p99s)) in results.iter_mut().enumerate() {
+            let journal = (with_journal == 1).then(|| dir.join(format!("run-{i}.journal")));
+            let (rate, r) = run_once(journal.clone());
+            let journal_bytes = journal
+                .as_ref()
+                .and_then(|p| std::fs::metadata(p).ok())
+                .map_or(String::new(), |m| {
+                    format!("; journal {:.1} MB", m.len() as f64 / 1e6)
+                });
+            println!(
+                "run {} ({}): {} stages in {:.2} s = {:.0} stage completions/s over gRPC; dispatch latency p50 {} us, p99 {} us; {} trajectories trained ({} twice){journal_bytes}",
+                i + 1,
+                if with_journal == 1 {
+                    "journal"
+                } else {
+                    "no journal"
+                },
+                r.stages_completed,
+                r.wall_s,
+                rate,
+                r.dispatch_p50_us,
+                r.dispatch_p99_us,
+                r.trained.len(),
+                r.trained_twice.len()
+            );
+            rates.push(rate);
+            p99s.push(r.dispatch_p99_us);
+        }
     }
-    rates.sort_by(f64::total_cmp);
-    p99s.sort_unstable();
-    println!(
-        "median of {runs}: {:.0} stage completions/s, dispatch p99 {} us",
-        rates[rates.len() / 2],
-        p99s[p99s.len() / 2]
-    );
+    let _ = std::fs::remove_dir_all(&dir);
+    for (with_journal, (rates, p99s)) in results.iter_mut().enumerate() {
+        rates.sort_by(f64::total_cmp);
+        p99s.sort_unstable();
+        println!(
+            "median of {runs} ({}): {:.0} stage completions/s, dispatch p99 {} us",
+            if with_journal == 1 {
+                "journal"
+            } else {
+                "no journal"
+            },
+            rates[rates.len() / 2],
+            p99s[p99s.len() / 2]
+        );
+    }
 }

@@ -14,6 +14,11 @@
 //!   never scored), and a training batch it held goes to another trainer;
 //! - the core itself ignores reports about stages it no longer expects.
 //!
+//! With a journal (`--journal`, [`crate::journal`]), every event is recorded with its time before
+//! the actor acts on it, and the actor reads no clock in the middle of a decision (each event's
+//! handling sees the one time `at` it was taken at): a scheduler restarted on the journal
+//! replays it into the same state, then loses the killed scheduler's workers as above.
+//!
 //! When a GPU pool's nodes come or go mid-run so that the GPUs present differ from the ones the
 //! running plan was made for, the planner plans again ([`crate::replan`]): replicas on a lost
 //! node are retired (their GPUs are gone), and the run moves to the new plan in waves, each
@@ -32,9 +37,10 @@ use rollfleet_core::{
 };
 use rollfleet_proto::v1::{
     CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
-    HeartbeatResponse, JobPhase, JobStatus, Lease, PoolStatus, RegisterResponse, ReplicaStart,
-    RewardWork, SchedulerMessage, StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork,
-    WorkAssignment, WorkResult, WorkerLoad, WorkerMessage, hardware_inventory::Device,
+    HeartbeatResponse, JobPhase, JobStatus, JournalDetach, JournalHeartbeat, JournalMessage,
+    JournalRecord, Lease, PoolStatus, RegisterResponse, ReplicaStart, RewardWork, SchedulerMessage,
+    StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult,
+    WorkerHello, WorkerLoad, WorkerMessage, hardware_inventory::Device, journal_record,
     scheduler_message, work_assignment, work_result, worker_message,
 };
 use rollfleet_sim::hardware::Meter;
@@ -44,13 +50,54 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use crate::feed::FeedLog;
+use crate::journal::{JournalError, JournalReader, JournalWriter};
 use crate::metrics::Metrics;
 use crate::plan::{JobPlan, PoolRole, episode_seed};
 use crate::replan::Replanner;
 use rollfleet_planner::replan::{Drift, Settle, Settling};
 
+/// Logs a line, except while a journal is replayed (the scheduler that wrote it logged it then).
+macro_rules! log {
+    ($actor:expr, $($arg:tt)*) => {
+        if !$actor.replaying {
+            eprintln!($($arg)*)
+        }
+    };
+}
+
 /// The sending half of a worker's work stream.
 pub type Outbox = mpsc::UnboundedSender<Result<SchedulerMessage, Status>>;
+
+/// Where a worker's assignments go: its stream, or nowhere for a worker of a replayed journal
+/// (its stream died with the scheduler that wrote the journal).
+enum Sink {
+    Stream(Outbox),
+    Replayed,
+}
+
+impl Sink {
+    /// Whether the message went. A replayed stream takes everything: when a send failed live,
+    /// the worker's detach that followed is in the journal, and is replayed in its place.
+    fn send(&self, message: Result<SchedulerMessage, Status>) -> bool {
+        match self {
+            Sink::Stream(outbox) => outbox.send(message).is_ok(),
+            Sink::Replayed => true,
+        }
+    }
+}
+
+/// What the actor takes next: an event from the handlers, or one of its own timers.
+// A step lives on the stack for the one event it carries; boxing it would allocate per message.
+#[allow(clippy::large_enum_variant)]
+enum Step {
+    Event(Event),
+    /// The core's timer fired.
+    Wake,
+    /// The periodic tick: leases, drift, meters.
+    Tick,
+    /// This actor replayed a journal: every worker of the scheduler that wrote it is gone.
+    Recovered,
+}
 
 /// What the gRPC handlers tell the actor.
 pub enum Event {
@@ -360,8 +407,9 @@ struct Worker {
     /// Its engine takes text (an OpenAI-compatible engine): generation assignments carry the
     /// rendered context, and its output text goes to the environment step.
     text_policy: bool,
-    lease_until: Instant,
-    outbox: Option<Outbox>,
+    /// On the job's clock (the actor's `at`).
+    lease_until: Duration,
+    outbox: Option<Sink>,
     alive: bool,
     assignments: BTreeSet<u64>,
     cancelled: BTreeSet<u64>,
@@ -396,8 +444,23 @@ pub struct Actor {
     plan: Arc<JobPlan>,
     opts: ActorOptions,
     core: Core,
-    started: Option<Instant>,
-    ended: Option<(Instant, JobPhase)>,
+    /// The job's clock: `at` is when the event being handled was taken, as an offset from when
+    /// the actor was created (across restarts: the first actor of the journal). Live, the
+    /// offset at `origin` was `base`.
+    at: Duration,
+    origin: Instant,
+    base: Duration,
+    /// Where every event goes before it is acted on (`None`: no journal).
+    journal: Option<JournalWriter>,
+    /// A journal was replayed and its `recovered` step is still to be taken.
+    recovering: bool,
+    /// A journal is being replayed (nothing is logged).
+    replaying: bool,
+    /// Events the actor caused itself (a worker whose stream was found closed), taken after the
+    /// one being handled, and journaled as they are.
+    loopback: VecDeque<Event>,
+    started: Option<Duration>,
+    ended: Option<(Duration, JobPhase)>,
     workers: BTreeMap<u64, Worker>,
     next_worker: u64,
     owner: Vec<Option<u64>>,
@@ -497,6 +560,13 @@ impl Actor {
         }
         Actor {
             core,
+            at: Duration::ZERO,
+            origin: Instant::now(),
+            base: Duration::ZERO,
+            journal: None,
+            recovering: false,
+            replaying: false,
+            loopback: VecDeque::new(),
             started: None,
             ended: None,
             workers: BTreeMap::new(),
@@ -554,35 +624,231 @@ impl Actor {
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         self.publish();
+        if self.recovering {
+            self.recovering = false;
+            self.take(Step::Recovered);
+        }
         loop {
             let wake = self.core_wake();
-            tokio::select! {
+            let step = tokio::select! {
                 event = inbox.recv() => match event {
-                    Some(event) => self.handle(event),
+                    Some(event) => Step::Event(event),
                     None => break,
                 },
-                _ = sleep_until_opt(wake) => {
-                    let now = self.now();
-                    self.core.handle_timeout(now);
-                    self.pump();
-                }
-                _ = tick.tick() => self.on_tick(),
+                _ = sleep_until_opt(wake) => Step::Wake,
+                _ = tick.tick() => Step::Tick,
+            };
+            self.take(step);
+            while let Some(event) = self.loopback.pop_front() {
+                self.take(Step::Event(event));
             }
             // After the end, a subscribed trainer gets a while to acknowledge the whole feed.
-            if let Some((at, _)) = self.ended
-                && at.elapsed() > Duration::from_millis(500)
-                && (self.feed.drained() || at.elapsed() > FEED_GRACE)
-            {
-                break;
+            if let Some((at, _)) = self.ended {
+                let since = self.wall().saturating_sub(at);
+                if since > Duration::from_millis(500) && (self.feed.drained() || since > FEED_GRACE)
+                {
+                    break;
+                }
             }
         }
         self.feed.close();
         self.report()
     }
 
+    /// Starts writing every event to `journal` (a new one, or one just replayed).
+    pub fn set_journal(&mut self, journal: JournalWriter) {
+        self.journal = Some(journal);
+    }
+
+    /// Replays a journal's records into this fresh actor; the next [`Actor::run`] starts by
+    /// losing every worker of the scheduler that wrote them. Returns how many were replayed.
+    pub fn replay(&mut self, reader: &mut JournalReader) -> Result<u64, JournalError> {
+        self.replaying = true;
+        let replayed = self.replay_records(reader);
+        self.replaying = false;
+        // The clock goes on from the last record.
+        self.base = self.at;
+        self.origin = Instant::now();
+        self.recovering = true;
+        replayed
+    }
+
+    fn replay_records(&mut self, reader: &mut JournalReader) -> Result<u64, JournalError> {
+        let mut replayed = 0;
+        while let Some(record) = reader.next_record()? {
+            self.at = self.at.max(Duration::from_nanos(record.at_ns));
+            let Some(event) = record.event else {
+                continue;
+            };
+            match event {
+                journal_record::Event::Register(inventory) => {
+                    let _ = self.register(inventory);
+                }
+                journal_record::Event::Heartbeat(h) => {
+                    let _ = self.heartbeat(&h.worker_id, h.epoch, h.load);
+                }
+                journal_record::Event::Attach(hello) => {
+                    let _ = self.attach_stream(&hello.worker_id, hello.epoch, Sink::Replayed);
+                }
+                journal_record::Event::Message(m) => {
+                    if let Some(message) = m.message {
+                        self.message(m.worker, message);
+                        self.pump();
+                    }
+                }
+                journal_record::Event::Detach(d) => self.detach(d.worker, &d.reason),
+                journal_record::Event::Cancel(_) => self.cancel_job(),
+                journal_record::Event::Wake(_) => self.wake(),
+                journal_record::Event::Tick(_) => self.on_tick(),
+                journal_record::Event::Recovered(_) => self.recover(),
+            }
+            replayed += 1;
+        }
+        Ok(replayed)
+    }
+
+    /// The job's clock now (live only: a replay takes each record's time).
+    fn wall(&self) -> Duration {
+        self.base + self.origin.elapsed()
+    }
+
+    /// The instant at which the job's clock reads `offset`.
+    fn instant_at(&self, offset: Duration) -> Instant {
+        self.origin + offset.saturating_sub(self.base)
+    }
+
+    /// Takes one step live: stamps it with the clock, journals it, handles it.
+    fn take(&mut self, step: Step) {
+        self.at = self.at.max(self.wall());
+        let step = self.journal_step(step);
+        match step {
+            Step::Event(event) => self.handle(event),
+            Step::Wake => self.wake(),
+            Step::Tick => self.on_tick(),
+            Step::Recovered => self.recover(),
+        }
+    }
+
+    /// Writes `step` to the journal, if there is one (a worker's message is moved into the
+    /// record and back rather than copied).
+    fn journal_step(&mut self, step: Step) -> Step {
+        let Some(journal) = &mut self.journal else {
+            return step;
+        };
+        let at_ns = self.at.as_nanos().min(u128::from(u64::MAX)) as u64;
+        let (event, step) = match step {
+            Step::Event(Event::Message {
+                worker,
+                message,
+                received,
+            }) => {
+                let record = JournalRecord {
+                    at_ns,
+                    event: Some(journal_record::Event::Message(JournalMessage {
+                        worker,
+                        message: Some(message),
+                    })),
+                };
+                let written = journal.write(&record);
+                let message = match record.event {
+                    Some(journal_record::Event::Message(JournalMessage {
+                        message: Some(message),
+                        ..
+                    })) => message,
+                    _ => WorkerMessage::default(),
+                };
+                let step = Step::Event(Event::Message {
+                    worker,
+                    message,
+                    received,
+                });
+                self.journal_written(written);
+                return step;
+            }
+            Step::Event(event) => {
+                let recorded = match &event {
+                    Event::Register { inventory, .. } => {
+                        journal_record::Event::Register(inventory.clone())
+                    }
+                    Event::Heartbeat {
+                        worker_id,
+                        epoch,
+                        load,
+                        ..
+                    } => journal_record::Event::Heartbeat(JournalHeartbeat {
+                        worker_id: worker_id.clone(),
+                        epoch: *epoch,
+                        load: load.clone(),
+                    }),
+                    Event::Attach {
+                        worker_id, epoch, ..
+                    } => journal_record::Event::Attach(WorkerHello {
+                        worker_id: worker_id.clone(),
+                        epoch: *epoch,
+                    }),
+                    Event::Message { worker, .. } => {
+                        journal_record::Event::Message(JournalMessage {
+                            worker: *worker,
+                            message: None,
+                        })
+                    }
+                    Event::Detach { worker, reason } => {
+                        journal_record::Event::Detach(JournalDetach {
+                            worker: *worker,
+                            reason: reason.clone(),
+                        })
+                    }
+                    Event::Cancel => journal_record::Event::Cancel(true),
+                };
+                (recorded, Step::Event(event))
+            }
+            Step::Wake => (journal_record::Event::Wake(true), Step::Wake),
+            Step::Tick => (journal_record::Event::Tick(true), Step::Tick),
+            Step::Recovered => (journal_record::Event::Recovered(true), Step::Recovered),
+        };
+        let written = journal.write(&JournalRecord {
+            at_ns,
+            event: Some(event),
+        });
+        self.journal_written(written);
+        step
+    }
+
+    /// A journal that cannot be written is emptied and dropped: the job goes on, but a restart
+    /// must not resume from a journal with a gap in it.
+    fn journal_written(&mut self, written: Result<(), JournalError>) {
+        let Err(e) = written else {
+            return;
+        };
+        let Some(journal) = self.journal.take() else {
+            return;
+        };
+        let emptied = std::fs::OpenOptions::new()
+            .write(true)
+            .open(journal.path())
+            .and_then(|f| f.set_len(0));
+        eprintln!(
+            "scheduler: {e}; the job goes on without a journal{}",
+            match emptied {
+                Ok(()) =>
+                    " (the file is emptied: a restart on it starts the job afresh)".to_owned(),
+                Err(e) =>
+                    format!(" (and the file could not be emptied: {e}; do not restart on it)"),
+            }
+        );
+        self.metrics.journal_failures.inc();
+    }
+
+    /// The core's time: since the job started, on the job's clock.
     fn now(&self) -> Time {
-        self.started
-            .map_or(Time::ZERO, |s| Time(s.elapsed().as_nanos() as u64))
+        self.started.map_or(Time::ZERO, |s| {
+            Time(
+                self.at
+                    .saturating_sub(s)
+                    .as_nanos()
+                    .min(u128::from(u64::MAX)) as u64,
+            )
+        })
     }
 
     fn core_wake(&self) -> Option<Instant> {
@@ -591,7 +857,13 @@ impl Actor {
             return None;
         }
         let t = self.core.poll_timeout()?;
-        Some(start + Duration::from_nanos(t.0.min(u64::MAX / 2)))
+        Some(self.instant_at(start + Duration::from_nanos(t.0.min(u64::MAX / 2))))
+    }
+
+    fn wake(&mut self) {
+        let now = self.now();
+        self.core.handle_timeout(now);
+        self.pump();
     }
 
     fn handle(&mut self, event: Event) {
@@ -613,13 +885,7 @@ impl Actor {
                 outbox,
                 reply,
             } => {
-                let result = self.attach(&worker_id, epoch, outbox);
-                let ok = result.is_ok();
-                let _ = reply.send(result);
-                if ok {
-                    self.maybe_start();
-                    self.pump();
-                }
+                let _ = reply.send(self.attach_stream(&worker_id, epoch, Sink::Stream(outbox)));
             }
             Event::Message {
                 worker,
@@ -634,26 +900,77 @@ impl Actor {
                     self.latencies_us.push(us);
                 }
             }
-            Event::Detach { worker, reason } => {
-                if self.ended.is_some() {
-                    // After the drain, workers leave: that is no failure.
-                    if let Some(w) = self.workers.get_mut(&worker) {
-                        w.alive = false;
-                        w.outbox = None;
-                    }
-                    self.forget_gpus(worker);
-                    self.update_worker_gauges();
-                } else {
-                    self.cut_off(worker, &reason);
-                    self.pump();
-                }
-            }
-            Event::Cancel => {
-                if self.ended.is_none() {
-                    self.finish(JobPhase::Cancelled);
-                }
-            }
+            Event::Detach { worker, reason } => self.detach(worker, &reason),
+            Event::Cancel => self.cancel_job(),
         }
+    }
+
+    fn attach_stream(&mut self, worker_id: &str, epoch: u64, sink: Sink) -> Result<u64, Status> {
+        let result = self.attach(worker_id, epoch, sink);
+        if result.is_ok() {
+            self.maybe_start();
+            self.pump();
+        }
+        result
+    }
+
+    fn detach(&mut self, worker: u64, reason: &str) {
+        if self.ended.is_some() {
+            // After the drain, workers leave: that is no failure.
+            if let Some(w) = self.workers.get_mut(&worker) {
+                w.alive = false;
+                w.outbox = None;
+            }
+            self.forget_gpus(worker);
+            self.update_worker_gauges();
+        } else {
+            self.cut_off(worker, reason);
+            self.pump();
+        }
+    }
+
+    fn cancel_job(&mut self) {
+        if self.ended.is_none() {
+            self.finish(JobPhase::Cancelled);
+        }
+    }
+
+    /// After a replay: the workers of the scheduler that wrote the journal are gone with its
+    /// streams. Their stages go back to the queues and their replicas wait for the workers that
+    /// register again, as for any lost worker; but no pool is re-planned for the moment with no
+    /// workers at all (the workers coming back are the pool; if fewer come back, the re-plan
+    /// follows when they attach).
+    fn recover(&mut self) {
+        let gone: Vec<u64> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| w.alive)
+            .map(|(&id, _)| id)
+            .collect();
+        match self.ended {
+            Some((_, phase)) => log!(
+                self,
+                "scheduler: resumed job {} from its journal: it had ended ({phase:?}) at version {}",
+                self.plan.name(),
+                self.core.version()
+            ),
+            None => log!(
+                self,
+                "scheduler: resumed job {} at version {} from its journal; the {} workers of the \
+                 scheduler before are gone, their work waits for the workers that register again",
+                self.plan.name(),
+                self.core.version(),
+                gone.len()
+            ),
+        }
+        for id in gone {
+            self.lose_worker(
+                id,
+                "the scheduler restarted (its work stream ended with the scheduler before)",
+                false,
+            );
+        }
+        self.pump();
     }
 
     fn worker_number(&self, worker_id: &str) -> Option<u64> {
@@ -732,7 +1049,7 @@ impl Actor {
                 telemetry: inventory.gpu_telemetry.clone(),
                 gpu_series: BTreeSet::new(),
                 text_policy: matches!(inventory.backend.as_str(), "openai" | "vllm" | "sglang"),
-                lease_until: Instant::now() + ttl,
+                lease_until: self.at + ttl,
                 outbox: None,
                 alive: true,
                 assignments: BTreeSet::new(),
@@ -768,9 +1085,12 @@ impl Actor {
                         .set(1.0);
                 }
             }
-            Some(t) if role == Some(PoolRole::Gpu) => eprintln!(
+            Some(t) if role == Some(PoolRole::Gpu) => log!(
+                self,
                 "scheduler: worker w{id} ({}@{}) has no GPU telemetry: {}",
-                inventory.pool, inventory.hostname, t.unavailable_reason
+                inventory.pool,
+                inventory.hostname,
+                t.unavailable_reason
             ),
             _ => {}
         }
@@ -805,14 +1125,14 @@ impl Actor {
             && self
                 .workers
                 .get(&id)
-                .is_some_and(|w| w.alive && w.lease_until < Instant::now())
+                .is_some_and(|w| w.alive && w.lease_until < self.at)
         {
             self.cut_off(id, &format!("lease expired: no heartbeat within {ttl:?}"));
             self.pump();
         }
         match id.and_then(|id| self.workers.get_mut(&id).map(|w| (id, w))) {
             Some((id, w)) if w.alive && epoch == 1 => {
-                w.lease_until = Instant::now() + ttl;
+                w.lease_until = self.at + ttl;
                 if let Some(load) = load
                     && let Err(reason) = self.load_report(id, &load)
                 {
@@ -833,7 +1153,7 @@ impl Actor {
         }
     }
 
-    fn attach(&mut self, worker_id: &str, epoch: u64, outbox: Outbox) -> Result<u64, Status> {
+    fn attach(&mut self, worker_id: &str, epoch: u64, outbox: Sink) -> Result<u64, Status> {
         let id = self
             .worker_number(worker_id)
             .filter(|id| self.workers.get(id).is_some_and(|w| w.alive))
@@ -858,7 +1178,11 @@ impl Actor {
         }
         w.outbox = Some(outbox);
         let pool = w.pool;
-        eprintln!("scheduler: worker {} attached its work stream", w.name);
+        log!(
+            self,
+            "scheduler: worker {} attached its work stream",
+            w.name
+        );
         self.update_worker_gauges();
         if self.started.is_some() {
             let name = self
@@ -898,7 +1222,8 @@ impl Actor {
             .map(|p| self.plan.pool_name(p))
             .collect();
         if !missing.is_empty() {
-            eprintln!(
+            log!(
+                self,
                 "scheduler: {attached} workers attached; waiting for pools {}",
                 missing.join(", ")
             );
@@ -931,7 +1256,8 @@ impl Actor {
                 continue;
             };
             if self.workers.get(&id).map(|w| self.free_gpus(w)) < Some(self.replicas[r].gpus) {
-                eprintln!(
+                log!(
+                    self,
                     "scheduler: pool {}: no worker has {} GPUs free for replica {r}; it goes to \
                      worker w{id}, which has the most",
                     self.plan.pool_name(pool),
@@ -949,7 +1275,8 @@ impl Actor {
             .filter(|w| w.alive && !w.replicas.is_empty())
         {
             let gpus = self.worker_gpus(w);
-            eprintln!(
+            log!(
+                self,
                 "scheduler: worker {}, with {gpus} GPUs{}, serves {} replica{} of pool {} on {} GPUs",
                 w.name,
                 if w.gpus > 0 { "" } else { ", its share" },
@@ -959,9 +1286,9 @@ impl Actor {
                 self.used_gpus(w)
             );
         }
-        let now = Instant::now();
-        self.started = Some(now);
-        eprintln!(
+        self.started = Some(self.at);
+        log!(
+            self,
             "scheduler: job {} starts with {attached} workers ({} replicas, time scale {})",
             self.plan.name(),
             self.owner.len(),
@@ -1052,7 +1379,8 @@ impl Actor {
             .as_ref()
             .and_then(|p| p.decide(&gpus, &running, 0.0))
         else {
-            eprintln!(
+            log!(
+                self,
                 "scheduler: {why}; no placement fits the {present} GPUs of pool {name} left, so \
                  nothing is re-planned: its replicas move as they are to the pool's other \
                  workers, or wait for a node"
@@ -1123,7 +1451,8 @@ impl Actor {
                 }
                 if wait {
                     let pools: Vec<&str> = forget.iter().map(|(p, _)| p.as_str()).collect();
-                    eprintln!(
+                    log!(
+                        self,
                         "scheduler: measured profiles drifted at version {version} ({}); \
                          re-planning once the other kinds of work on {} are measured afresh",
                         describe_drifts(&drifts),
@@ -1165,7 +1494,10 @@ impl Actor {
         let decision = remeasured.decide(&self.planned_gpus, &running, crate::replan::MIN_GAIN);
         self.replanner = Some(remeasured);
         let Some(decision) = decision else {
-            eprintln!("scheduler: {why}; no placement fits with the measured profiles");
+            log!(
+                self,
+                "scheduler: {why}; no placement fits with the measured profiles"
+            );
             return;
         };
         let record = ReplanRecord::new(
@@ -1185,7 +1517,8 @@ impl Actor {
             || "none as it runs (it no longer fits the GPUs or cannot decode)".to_owned(),
             |s| format!("{s:.1} s as it runs"),
         );
-        eprintln!(
+        log!(
+            self,
             "scheduler: {}: pool {} has {} GPUs (the plan had {}); re-plan: replicas retired \
              with their node: {}; predicted step (modelled) {}, {:.1} s on the new plan; {}",
             record.reason,
@@ -1229,7 +1562,7 @@ impl Actor {
                     r.done_at_s = Some(now);
                 }
                 if moved {
-                    eprintln!("scheduler: the move to the new plan is done");
+                    log!(self, "scheduler: the move to the new plan is done");
                 }
                 return;
             };
@@ -1308,7 +1641,10 @@ impl Actor {
                 if let Some(r) = self.replans.get_mut(record) {
                     r.trainer_gpus = Some(gpus);
                 }
-                eprintln!("scheduler: the trainer now trains on {gpus} GPUs (was {before})");
+                log!(
+                    self,
+                    "scheduler: the trainer now trains on {gpus} GPUs (was {before})"
+                );
             }
         }
     }
@@ -1354,7 +1690,8 @@ impl Actor {
     /// `None` when no worker has the room.
     fn start_replica(&mut self, config: ReplicaConfig) -> Option<u64> {
         let Some(worker) = self.roomiest_worker(config.pool, config.gpus) else {
-            eprintln!(
+            log!(
+                self,
                 "scheduler: no worker of pool {} has {} GPUs free: a replica of the new plan is not \
                  started",
                 self.plan.pool_name(config.pool),
@@ -1384,11 +1721,13 @@ impl Actor {
             w.replicas.insert(id);
             // A closed stream is noticed by its reader, which reports the worker lost.
             if let Some(outbox) = &w.outbox {
-                let _ = outbox.send(Ok(message));
+                outbox.send(Ok(message));
             }
-            eprintln!(
+            log!(
+                self,
                 "scheduler: replica {id} ({role}, {} GPUs) starts on worker {}",
-                config.gpus, w.name
+                config.gpus,
+                w.name
             );
         }
         self.deferred.push_back(Input::ReplicaAdded { config });
@@ -1407,7 +1746,7 @@ impl Actor {
                 message: Some(scheduler_message::Message::StopReplica(r)),
             };
             if let Some(outbox) = &w.outbox {
-                let _ = outbox.send(Ok(message));
+                outbox.send(Ok(message));
             }
         }
         self.migration_progress(r);
@@ -1430,7 +1769,7 @@ impl Actor {
             if let Some(w) = self.workers.get_mut(&id) {
                 w.replicas.insert(r as u64);
             }
-            eprintln!("scheduler: replica {r} moves to worker w{id}");
+            log!(self, "scheduler: replica {r} moves to worker w{id}");
             self.replicas_moved += 1;
             self.deferred.push_back(Input::ReplicaRecovered {
                 replica: ReplicaId(r as u64),
@@ -1529,7 +1868,8 @@ impl Actor {
                 for t in &trajectories {
                     self.trajs.remove(t);
                 }
-                eprintln!(
+                log!(
+                    self,
                     "scheduler: gave up group {} ({} trajectories) as an infrastructure failure: \
                      trajectory {} failed {} times in a row; last: {}",
                     group.0,
@@ -1556,7 +1896,7 @@ impl Actor {
                             &last_failure
                         }
                     );
-                    eprintln!("scheduler: job fails: {reason}");
+                    log!(self, "scheduler: job fails: {reason}");
                     self.failure = Some(reason);
                 }
                 self.abandoned.push(AbandonedGroup {
@@ -1991,10 +2331,7 @@ impl Actor {
         let message = SchedulerMessage {
             message: Some(scheduler_message::Message::Assign(a.message.clone())),
         };
-        let sent = w
-            .outbox
-            .as_ref()
-            .is_some_and(|o| o.send(Ok(message)).is_ok());
+        let sent = w.outbox.as_ref().is_some_and(|o| o.send(Ok(message)));
         if !matches!(
             what,
             What::Weights { .. }
@@ -2006,7 +2343,12 @@ impl Actor {
             self.book_units(pool, &what, 1);
         }
         if !sent {
-            self.cut_off(worker, "its work stream is closed");
+            // Handled as the stream's reader would report it, after this event and journaled
+            // as an event of its own (a replay sends nothing, so never fails here).
+            self.loopback.push_back(Event::Detach {
+                worker,
+                reason: "its work stream is closed".into(),
+            });
         }
     }
 
@@ -2036,7 +2378,7 @@ impl Actor {
                     if worker.alive {
                         worker.cancelled.insert(id);
                         if let Some(o) = &worker.outbox {
-                            let _ = o.send(Ok(SchedulerMessage {
+                            o.send(Ok(SchedulerMessage {
                                 message: Some(scheduler_message::Message::AbortAssignmentId(id)),
                             }));
                         }
@@ -2130,7 +2472,8 @@ impl Actor {
         let output = match result.outcome {
             Some(work_result::Outcome::Output(o)) => Some(o),
             Some(work_result::Outcome::Failure(f)) => {
-                eprintln!(
+                log!(
+                    self,
                     "scheduler: assignment {id} failed on w{worker} ({:?}): {}",
                     f.cause(),
                     f.message
@@ -2470,6 +2813,12 @@ impl Actor {
 
     /// Cuts a worker off: closes its stream with the reason, and undoes every booking it held.
     fn cut_off(&mut self, worker: u64, reason: &str) {
+        self.lose_worker(worker, reason, true);
+    }
+
+    /// Undoes every booking of a lost worker; with `replan`, the pool is re-planned for the
+    /// GPUs left when they differ from the plan's.
+    fn lose_worker(&mut self, worker: u64, reason: &str, replan: bool) {
         let Some(w) = self.workers.get_mut(&worker) else {
             return;
         };
@@ -2478,11 +2827,11 @@ impl Actor {
         }
         w.alive = false;
         let name = w.name.clone();
-        eprintln!("scheduler: worker {name} is cut off: {reason}");
+        log!(self, "scheduler: worker {name} is cut off: {reason}");
         self.lost.push(format!("{name}: {reason}"));
         self.metrics.workers_lost.inc();
         if let Some(outbox) = w.outbox.take() {
-            let _ = outbox.send(Err(Status::aborted(format!("cut off: {reason}"))));
+            outbox.send(Err(Status::aborted(format!("cut off: {reason}"))));
         }
         self.forget_gpus(worker);
         let Some(w) = self.workers.get_mut(&worker) else {
@@ -2520,13 +2869,13 @@ impl Actor {
                 });
             }
         }
-        if self.started.is_some() {
+        if self.started.is_some() && replan {
             self.pool_changed(pool, &format!("worker {name} was lost ({reason})"));
         }
     }
 
     fn on_tick(&mut self) {
-        let now = Instant::now();
+        let now = self.at;
         let expired: Vec<(u64, Duration)> = self
             .workers
             .iter()
@@ -2680,15 +3029,16 @@ impl Actor {
     }
 
     fn finish(&mut self, phase: JobPhase) {
-        self.ended = Some((Instant::now(), phase));
-        eprintln!(
+        self.ended = Some((self.at, phase));
+        log!(
+            self,
             "scheduler: job {} ends: {phase:?} at version {}",
             self.plan.name(),
             self.core.version()
         );
         for w in self.workers.values() {
             if let Some(o) = &w.outbox {
-                let _ = o.send(Ok(SchedulerMessage {
+                o.send(Ok(SchedulerMessage {
                     message: Some(scheduler_message::Message::Drain(true)),
                 }));
             }
@@ -2700,10 +3050,10 @@ impl Actor {
             match serde_json::to_vec_pretty(&report) {
                 Ok(bytes) => {
                     if let Err(e) = std::fs::write(path, bytes) {
-                        eprintln!("scheduler: cannot write {}: {e}", path.display());
+                        log!(self, "scheduler: cannot write {}: {e}", path.display());
                     }
                 }
-                Err(e) => eprintln!("scheduler: cannot encode the report: {e}"),
+                Err(e) => log!(self, "scheduler: cannot encode the report: {e}"),
             }
         }
     }
@@ -2717,8 +3067,8 @@ impl Actor {
 
     fn report(&self) -> Report {
         let wall = match (self.started, self.ended) {
-            (Some(s), Some((e, _))) => e.duration_since(s).as_secs_f64(),
-            (Some(s), None) => s.elapsed().as_secs_f64(),
+            (Some(s), Some((e, _))) => e.saturating_sub(s).as_secs_f64(),
+            (Some(s), None) => self.at.saturating_sub(s).as_secs_f64(),
             _ => 0.0,
         };
         let phase = self.ended.map_or(JobPhase::Running, |(_, p)| p);

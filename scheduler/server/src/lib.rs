@@ -9,12 +9,14 @@
 //! - [`feed`]: the trainer feed (`TrainerFeed`): trajectories handed to training, sequenced,
 //!   resent until acknowledged;
 //! - [`metrics`]: Prometheus metrics and their HTTP endpoint;
-//! - [`replan`]: what to run when a GPU pool's nodes come or go mid-run.
+//! - [`replan`]: what to run when a GPU pool's nodes come or go mid-run;
+//! - [`journal`]: the record of every event that lets a restarted scheduler resume its job.
 
 pub mod actor;
 pub mod feed;
 pub mod grpc;
 pub mod job;
+pub mod journal;
 pub mod metrics;
 pub mod plan;
 pub mod replan;
@@ -79,6 +81,9 @@ pub enum ServerError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// The journal could not be read, written or resumed from.
+    #[error(transparent)]
+    Journal(#[from] journal::JournalError),
 }
 
 /// Settings of a scheduler server.
@@ -108,6 +113,10 @@ pub struct ServerOptions {
     /// The bearer token every call must carry ([`rollfleet_proto::auth`]); `None`: any peer
     /// that reaches the address is served.
     pub token: Option<Token>,
+    /// Where every event is recorded before it is acted on ([`journal`]); a scheduler started on
+    /// a journal that has records resumes its job (`None`: no journal, a lost scheduler loses
+    /// the job).
+    pub journal: Option<PathBuf>,
 }
 
 /// Counts a call refused for want of the token, and says so in the log at the 1st, 10th, 100th,
@@ -157,8 +166,21 @@ pub async fn serve_until(
     opts: ServerOptions,
     cancel: impl std::future::Future + Send + 'static,
 ) -> Result<Option<Report>, ServerError> {
-    let slot = Arc::new(match &opts.job_yaml {
-        Some(yaml) => job::JobSlot::with_job(opts.seed, opts.stage_timeout, yaml, &opts.origin)?,
+    let resumed = match &opts.journal {
+        Some(path) => journal::JournalReader::open(path)?,
+        None => None,
+    };
+    // A journal with records holds its job: a scheduler started on it alone resumes that job.
+    let (job_yaml, origin) = match (&opts.job_yaml, &resumed, &opts.journal) {
+        (Some(yaml), _, _) => (Some(yaml.clone()), opts.origin.clone()),
+        (None, Some((header, _)), Some(path)) => (
+            Some(header.job_yaml.clone()),
+            format!("the job of journal {}", path.display()),
+        ),
+        _ => (None, opts.origin.clone()),
+    };
+    let slot = Arc::new(match &job_yaml {
+        Some(yaml) => job::JobSlot::with_job(opts.seed, opts.stage_timeout, yaml, &origin)?,
         None => job::JobSlot::new(opts.seed, opts.stage_timeout),
     });
     let metrics = Arc::new(metrics::Metrics::new()?);
@@ -248,7 +270,48 @@ pub async fn serve_until(
         report: opts.report.clone(),
         replan_on_drift: opts.replan_on_drift,
     };
-    let given = opts.job_yaml.is_some();
+    // With a journal and the job known now, the actor is made (and a journal with records
+    // replayed) before anything is served: a trainer resuming its feed must find every item it
+    // had before.
+    let mut prepared = None;
+    if let (Some(path), Some(job)) = (&opts.journal, slot.job()) {
+        let header = journal_header(&opts, &job.plan.yaml);
+        let mut actor = actor::Actor::new(
+            job.plan.clone(),
+            actor_options.clone(),
+            status.clone(),
+            metrics.clone(),
+            feed_log.clone(),
+        );
+        match resumed {
+            Some((found, mut reader)) => {
+                journal::check_header(path, &found, &header)?;
+                let replayed = actor.replay(&mut reader)?;
+                metrics.journal_replayed.inc_by(replayed);
+                if reader.torn_bytes() > 0 {
+                    eprintln!(
+                        "scheduler: journal {}: the last {} bytes are a record the scheduler \
+                         before was killed while writing (before acting on it); cut off",
+                        path.display(),
+                        reader.torn_bytes()
+                    );
+                }
+                eprintln!(
+                    "scheduler: journal {}: {replayed} records replayed",
+                    path.display()
+                );
+                actor.set_journal(journal::JournalWriter::append(path, reader.valid_bytes())?);
+            }
+            None => actor.set_journal(journal::JournalWriter::create(path, &header)?),
+        }
+        prepared = Some(actor);
+    }
+    let journal_path = opts.journal.clone();
+    let journal_header_of = {
+        let opts = opts.clone();
+        move |yaml: &str| journal_header(&opts, yaml)
+    };
+    let given = job_yaml.is_some();
     let accepted = slot.clone();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Report>();
     // The actor starts with the job; until then, workers that register wait in its inbox. The
@@ -263,7 +326,24 @@ pub async fn serve_until(
             eprintln!("scheduler: job {} submitted", job.plan.name());
         }
         status.send_modify(|s| s.job = job.plan.name().to_owned());
-        let actor = actor::Actor::new(job.plan.clone(), actor_options, status, metrics, feed_log);
+        let actor = match prepared {
+            Some(actor) => actor,
+            None => {
+                let mut actor =
+                    actor::Actor::new(job.plan.clone(), actor_options, status, metrics, feed_log);
+                // A submitted job's journal starts with it.
+                if let Some(path) = &journal_path {
+                    match journal::JournalWriter::create(path, &journal_header_of(&job.plan.yaml)) {
+                        Ok(writer) => actor.set_journal(writer),
+                        Err(e) => eprintln!(
+                            "scheduler: {e}; the job runs without a journal (a restart cannot \
+                             resume it)"
+                        ),
+                    }
+                }
+                actor
+            }
+        };
         if let Ok(report) = tokio::spawn(actor.run(events)).await {
             let _ = done_tx.send(report);
         }
@@ -282,6 +362,20 @@ pub async fn serve_until(
             what: "scheduler actor".into(),
             source: std::io::Error::other("the actor stopped without a report"),
         }),
+    }
+}
+
+/// The header a journal of `job_yaml` gets under `opts`: the settings that steer decisions.
+fn journal_header(opts: &ServerOptions, job_yaml: &str) -> rollfleet_proto::v1::JournalHeader {
+    rollfleet_proto::v1::JournalHeader {
+        format: journal::FORMAT.to_owned(),
+        job_yaml: job_yaml.to_owned(),
+        seed: opts.seed,
+        time_scale: opts.time_scale,
+        lease_ttl_ms: opts.lease_ttl.as_millis().min(u128::from(u64::MAX)) as u64,
+        expect_workers: opts.expect_workers as u64,
+        replan_on_drift: opts.replan_on_drift,
+        stage_timeout_ms: opts.stage_timeout.as_millis().min(u128::from(u64::MAX)) as u64,
     }
 }
 

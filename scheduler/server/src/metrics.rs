@@ -37,6 +37,10 @@ pub struct Metrics {
     pub regenerated_turns: IntCounter,
     /// Groups restarted on the weights just published, having started too late in a step.
     pub groups_restarted: IntCounter,
+    /// Journal writes that failed (the job went on without its journal).
+    pub journal_failures: IntCounter,
+    /// Journal records replayed when the scheduler resumed a job.
+    pub journal_replayed: IntCounter,
     /// gRPC calls refused for want of the scheduler's token, by `reason` (`missing`, `wrong`).
     pub unauthenticated_calls: IntCounterVec,
     /// Stages waiting for a worker of their pool to attach, per pool.
@@ -118,6 +122,15 @@ impl Metrics {
             "Groups restarted on the weights just published: they started so late in a step that \
              a long chain of their task would not finish before their weights expire.",
         )?;
+        let journal_failures = IntCounter::new(
+            "journal_failures_total",
+            "Journal writes that failed: the job went on without its journal, and a restart cannot \
+             resume it.",
+        )?;
+        let journal_replayed = IntCounter::new(
+            "journal_replayed_records_total",
+            "Journal records replayed when this scheduler resumed the job of one that was killed.",
+        )?;
         let unauthenticated_calls = IntCounterVec::new(
             Opts::new(
                 "unauthenticated_calls_total",
@@ -191,6 +204,8 @@ impl Metrics {
         registry.register(Box::new(trained_by_staleness.clone()))?;
         registry.register(Box::new(regenerated_turns.clone()))?;
         registry.register(Box::new(groups_restarted.clone()))?;
+        registry.register(Box::new(journal_failures.clone()))?;
+        registry.register(Box::new(journal_replayed.clone()))?;
         registry.register(Box::new(unauthenticated_calls.clone()))?;
         registry.register(Box::new(pending_stages.clone()))?;
         registry.register(Box::new(pool_busy.clone()))?;
@@ -213,6 +228,8 @@ impl Metrics {
             trained_by_staleness,
             regenerated_turns,
             groups_restarted,
+            journal_failures,
+            journal_replayed,
             unauthenticated_calls,
             pending_stages,
             pool_busy,

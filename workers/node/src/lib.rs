@@ -126,6 +126,11 @@ pub struct WorkerOptions {
     pub gpus: Option<u32>,
     /// The scheduler's bearer token, sent on every call (`None`: none is sent).
     pub token: Option<Token>,
+    /// When the scheduler goes away mid-job (its stream breaks, or it no longer knows the
+    /// lease: a scheduler restarted on its journal), how long to keep trying to register again
+    /// with it; zero: end as before (a closed stream is [`WorkerExit::Closed`], a broken one an
+    /// error).
+    pub rejoin_for: Duration,
 }
 
 /// How a worker ended without error.
@@ -233,7 +238,7 @@ struct Node {
     started_replicas: Mutex<BTreeMap<u64, rollfleet_core::ReplicaConfig>>,
     /// Share of the modelled rates its emulated GPUs achieve.
     slowdown: f64,
-    openai: Option<OpenAiBackend>,
+    openai: Option<Arc<OpenAiBackend>>,
     host: EnvHost,
     episodes: Mutex<BTreeMap<(u64, u32), (EpisodeId, usize)>>,
     slots: usize,
@@ -241,14 +246,30 @@ struct Node {
     model_environments: bool,
 }
 
-async fn connect(opts: &WorkerOptions) -> Result<WorkerServiceClient<AuthChannel>, NodeError> {
+/// How a refusal from the scheduler ends the session (`prefix` says which call it answered).
+fn gone_or_refused(status: &tonic::Status, prefix: &str) -> Ended {
+    let reason = format!("{prefix}{}", status.message());
+    if scheduler_gone(status) {
+        Ended::SchedulerGone {
+            reason,
+            closed: false,
+        }
+    } else {
+        Ended::Error(NodeError::Refused(reason))
+    }
+}
+
+async fn connect(
+    opts: &WorkerOptions,
+    connect_for: Duration,
+) -> Result<WorkerServiceClient<AuthChannel>, NodeError> {
     let refused = |reason: String| NodeError::Connect {
         url: opts.scheduler.clone(),
         reason,
     };
     let endpoint = Endpoint::from_shared(opts.scheduler.clone())
         .map_err(|e| refused(format!("not a URL ({e})")))?;
-    let deadline = tokio::time::Instant::now() + opts.connect_timeout;
+    let deadline = tokio::time::Instant::now() + connect_for;
     loop {
         match endpoint.connect().await {
             Ok(channel) => {
@@ -384,21 +405,107 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
             url,
             model,
             temperature,
-        } => Some(openai_backend(url, model.as_deref(), *temperature, opts.connect_timeout).await?),
+        } => Some(Arc::new(
+            openai_backend(url, model.as_deref(), *temperature, opts.connect_timeout).await?,
+        )),
     };
-    let (backend, backend_version) = match &openai {
-        None => ("emulated", env!("CARGO_PKG_VERSION").to_owned()),
-        Some(b) => (
-            "openai",
-            format!(
+    let software = Software {
+        backend: if openai.is_some() {
+            "openai"
+        } else {
+            "emulated"
+        },
+        version: match &openai {
+            None => env!("CARGO_PKG_VERSION").to_owned(),
+            Some(b) => format!(
                 "rollfleet-node {}; model {:?} at {}",
                 env!("CARGO_PKG_VERSION"),
                 b.engine.model(),
                 b.engine.base_url()
             ),
-        ),
+        },
+        telemetry_info,
+        telemetry,
+        openai,
     };
-    let mut client = connect(&opts).await?;
+    let mut connect_for = opts.connect_timeout;
+    loop {
+        match session(&opts, &software, connect_for).await {
+            Ok(exit) => return Ok(exit),
+            Err(Ended::Error(e)) => return Err(e),
+            Err(Ended::SchedulerGone { reason, .. }) if !opts.rejoin_for.is_zero() => {
+                eprintln!(
+                    "worker ({}): the scheduler went away ({reason}); registering again for up \
+                     to {:?}",
+                    opts.hostname, opts.rejoin_for
+                );
+                connect_for = opts.rejoin_for;
+            }
+            Err(Ended::SchedulerGone { closed: true, .. }) => return Ok(WorkerExit::Closed),
+            Err(Ended::SchedulerGone { reason, .. }) => return Err(NodeError::Refused(reason)),
+        }
+    }
+}
+
+/// What a node runs its work with, the same in every session.
+struct Software {
+    backend: &'static str,
+    version: String,
+    telemetry_info: GpuTelemetryInfo,
+    telemetry: Option<Arc<rollfleet_gpu::Telemetry>>,
+    openai: Option<Arc<OpenAiBackend>>,
+}
+
+/// How a session with the scheduler ended, short of the job's drain.
+enum Ended {
+    /// The scheduler went away or forgot the lease: a worker may register again.
+    SchedulerGone {
+        /// What the worker saw.
+        reason: String,
+        /// The scheduler closed the stream (rather than the stream breaking).
+        closed: bool,
+    },
+    /// Anything else ends the worker.
+    Error(NodeError),
+}
+
+impl From<NodeError> for Ended {
+    fn from(e: NodeError) -> Ended {
+        Ended::Error(e)
+    }
+}
+
+/// Whether a refusal means the scheduler is gone or no longer knows this worker (so registering
+/// again may work), rather than that it refuses this worker.
+fn scheduler_gone(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Cancelled
+            | tonic::Code::Internal
+            | tonic::Code::NotFound
+    )
+}
+
+/// One registration with the scheduler and the work it gives until the job drains it or the
+/// scheduler goes away.
+async fn session(
+    opts: &WorkerOptions,
+    software: &Software,
+    connect_for: Duration,
+) -> Result<WorkerExit, Ended> {
+    let Software {
+        backend,
+        version: backend_version,
+        telemetry_info,
+        telemetry,
+        openai,
+    } = software;
+    let (backend, backend_version) = (*backend, backend_version.clone());
+    let telemetry = telemetry.clone();
+    let openai = openai.clone();
+    let mut client = connect(opts, connect_for).await?;
     let response = client
         .register(RegisterRequest {
             inventory: Some(HardwareInventory {
@@ -419,12 +526,13 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
             previous_worker_id: String::new(),
         })
         .await
-        .map_err(|s| NodeError::Refused(s.message().to_owned()))?
+        .map_err(|s| gone_or_refused(&s, ""))?
         .into_inner();
     let lease = response
         .lease
         .ok_or_else(|| NodeError::Refused("the registration answer has no lease".into()))?;
-    let plan = JobPlan::from_yaml(&response.job_yaml, "the scheduler's job", 0)?;
+    let plan = JobPlan::from_yaml(&response.job_yaml, "the scheduler's job", 0)
+        .map_err(NodeError::from)?;
     let pool = plan
         .pool_index(&opts.pool)
         .ok_or_else(|| NodeError::Refused(format!("the job has no pool {:?}", opts.pool)))?;
@@ -434,11 +542,11 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
         1.0
     };
     if openai.is_some() && plan.pool_role(pool) != Some(PoolRole::Gpu) {
-        return Err(NodeError::Engine(format!(
+        return Err(Ended::Error(NodeError::Engine(format!(
             "--engine openai serves generation, which runs on GPU pools; pool {:?} is a {:?} pool",
             opts.pool,
             plan.pool_role(pool)
-        )));
+        ))));
     }
     match &openai {
         None => eprintln!(
@@ -487,7 +595,7 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
         started_replicas: Mutex::new(BTreeMap::new()),
         slowdown: opts.slowdown,
         openai,
-        host: env_host(&opts),
+        host: env_host(opts),
         episodes: Mutex::new(BTreeMap::new()),
         slots: opts.env_slots.max(1),
         rewards: rollfleet_rewards::Handler::default(),
@@ -495,7 +603,7 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
     });
 
     // Heartbeats on their own task; losing the lease ends the worker.
-    let (lost_tx, mut lost_rx) = mpsc::unbounded_channel::<String>();
+    let (lost_tx, mut lost_rx) = mpsc::unbounded_channel::<tonic::Status>();
     let mut hb_client = client.clone();
     let hb_id = lease.worker_id.clone();
     let epoch = lease.epoch;
@@ -520,7 +628,7 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
                 })
                 .await;
             if let Err(status) = r {
-                let _ = lost_tx.send(status.message().to_owned());
+                let _ = lost_tx.send(status);
                 return;
             }
         }
@@ -536,19 +644,25 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
     let mut inbound = client
         .work(UnboundedReceiverStream::new(out_rx))
         .await
-        .map_err(|s| NodeError::Refused(s.message().to_owned()))?
+        .map_err(|s| gone_or_refused(&s, ""))?
         .into_inner();
     let running: Arc<Mutex<BTreeMap<u64, AbortHandle>>> = Arc::new(Mutex::new(BTreeMap::new()));
     let result = loop {
         let message = tokio::select! {
             m = inbound.next() => m,
-            reason = lost_rx.recv() => {
-                break Err(NodeError::Refused(format!("heartbeat refused: {}", reason.unwrap_or_default())));
+            status = lost_rx.recv() => {
+                let status = status.unwrap_or_else(|| tonic::Status::unknown("the heartbeat task ended"));
+                break Err(gone_or_refused(&status, "heartbeat refused: "));
             }
         };
         match message {
-            None => break Ok(WorkerExit::Closed),
-            Some(Err(status)) => break Err(NodeError::Refused(status.message().to_owned())),
+            None => {
+                break Err(Ended::SchedulerGone {
+                    reason: "the scheduler closed the work stream".into(),
+                    closed: true,
+                });
+            }
+            Some(Err(status)) => break Err(gone_or_refused(&status, "")),
             Some(Ok(SchedulerMessage { message: None })) => {}
             Some(Ok(SchedulerMessage {
                 message: Some(m), ..

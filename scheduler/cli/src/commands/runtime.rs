@@ -61,6 +61,13 @@ pub struct SchedulerArgs {
     /// (GPUs that come or go always re-plan.)
     #[arg(long, value_name = "MARGIN")]
     pub replan_on_drift: Option<f64>,
+    /// Record every event here before acting on it. Started again on the same file (with the
+    /// same settings; the job file may be left out, the journal holds it), the scheduler
+    /// replays it, resumes the job where the killed one stopped, and the workers that register
+    /// again carry on: no trajectory lost, none handed to the trainer twice
+    /// (docs/runtime.md#failover). A file that does not exist or is empty starts a new journal.
+    #[arg(long, value_name = "FILE")]
+    pub journal: Option<PathBuf>,
     #[command(flatten)]
     pub token: TokenArgs,
 }
@@ -96,6 +103,11 @@ pub struct WorkerArgs {
     /// GPUs by what its nodes declare; without it, a node counts as an equal share of the pool.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub gpus: Option<u32>,
+    /// Seconds to keep trying to register again when the scheduler goes away mid-job (a
+    /// scheduler restarted on its `--journal` resumes the job with the workers that come back);
+    /// 0: exit instead.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub rejoin_for: u64,
     #[command(flatten)]
     pub token: TokenArgs,
     /// Which LLM engine generates.
@@ -261,7 +273,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
         None => (None, "job_yaml".to_owned()),
     };
     let rt = runtime()?;
-    let report = rt.block_on(async {
+    let served = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("--listen {}", args.listen))?;
@@ -284,6 +296,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             metrics_addr: args.metrics_addr,
             replan_on_drift: args.replan_on_drift,
             token,
+            journal: args.journal.clone(),
         };
         let (cancel, cancelled) = tokio::sync::oneshot::channel();
         // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.
@@ -291,8 +304,17 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             stop.await;
             let _ = cancel.send(());
         });
-        anyhow::Ok(rollfleet_server::serve_until(listener, opts, cancelled).await?)
+        anyhow::Ok(rollfleet_server::serve_until(listener, opts, cancelled).await)
     })?;
+    let report = match served {
+        Ok(report) => report,
+        // A journal of another job or settings, or not a journal: the user's input.
+        Err(e @ rollfleet_server::ServerError::Journal(_)) => {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
+        Err(e) => return Err(e.into()),
+    };
     let Some(report) = report else {
         writeln!(stderr, "scheduler: stopped before any job was submitted")?;
         return Ok(exit::OK);
@@ -370,6 +392,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         slowdown: args.emulate_slowdown,
         gpus: args.gpus,
         token,
+        rejoin_for: Duration::from_secs(args.rejoin_for),
         engine: match (args.engine.engine, &args.engine.engine_url) {
             (EngineKind::Openai, Some(url)) => {
                 if !url.starts_with("http://") {
