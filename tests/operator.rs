@@ -82,7 +82,8 @@ fn start(c: &Container, rewrite: impl Fn(&str) -> String, extra: &[&str], stdout
 }
 
 #[test]
-fn the_scheduler_and_workers_the_operator_creates_for_the_quickstart_run_it_to_the_end() {
+fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_to_the_end_and_a_restarted_scheduler_does_not_run_it_again()
+ {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let text = std::fs::read_to_string(root.join("examples/jobs/quickstart.yaml")).unwrap();
     let mut job: RLJob = serde_yaml_ng::from_str(&text).unwrap();
@@ -115,14 +116,19 @@ fn the_scheduler_and_workers_the_operator_creates_for_the_quickstart_run_it_to_t
     .unwrap();
     let report = dir.join("report.json");
 
-    let scheduler = container(&wanted.deployments[0]);
-    let mut scheduler = start(
-        &scheduler,
-        |arg| match arg {
-            "/etc/rollfleet/job.yaml" => job_file.display().to_string(),
-            "0.0.0.0:7070" | "0.0.0.0:9464" => "127.0.0.1:0".into(),
-            other => other.into(),
+    let scheduler_container = container(&wanted.deployments[0]);
+    // The pod's volumes: the ConfigMap's file, and the emptyDir the journal is on.
+    let volumes = |arg: &str| match arg {
+        "/etc/rollfleet/job.yaml" => job_file.display().to_string(),
+        "0.0.0.0:7070" | "0.0.0.0:9464" => "127.0.0.1:0".into(),
+        other => match other.strip_prefix("/var/lib/rollfleet/") {
+            Some(file) => dir.join(file).display().to_string(),
+            None => other.into(),
         },
+    };
+    let mut scheduler = start(
+        &scheduler_container,
+        volumes,
         // What a pod would not keep: the final report, to check every trajectory was trained once.
         &["--report", report.to_str().unwrap()],
         Stdio::piped(),
@@ -163,13 +169,13 @@ fn the_scheduler_and_workers_the_operator_creates_for_the_quickstart_run_it_to_t
     assert_eq!(pods, wanted.workers);
 
     // The scheduler exits when the job ends: 0 when it succeeded.
-    let start = Instant::now();
+    let began = Instant::now();
     let exit = loop {
         if let Some(exit) = procs.0[0].try_wait().unwrap() {
             break exit;
         }
         assert!(
-            start.elapsed() < Duration::from_secs(240),
+            began.elapsed() < Duration::from_secs(240),
             "the job did not end"
         );
         std::thread::sleep(Duration::from_millis(100));
@@ -181,4 +187,40 @@ fn the_scheduler_and_workers_the_operator_creates_for_the_quickstart_run_it_to_t
     let trained = report["trained"].as_array().unwrap();
     assert_eq!(trained.len(), 2 * 32);
     assert!(report["trained_twice"].as_array().unwrap().is_empty());
+
+    // The scheduler's container exited; the kubelet starts it again in the same pod, on the
+    // same emptyDir. It finds the ended job in its journal and exits at once, without running
+    // the job a second time.
+    let journals: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "journal"))
+        .collect();
+    assert_eq!(
+        journals.len(),
+        1,
+        "one journal, on the emptyDir: {journals:?}"
+    );
+    let again = dir.join("report-again.json");
+    let mut restarted = start(
+        &scheduler_container,
+        volumes,
+        &["--report", again.to_str().unwrap()],
+        Stdio::null(),
+    );
+    let started = Instant::now();
+    let exit = loop {
+        if let Some(exit) = restarted.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the restarted scheduler did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(exit.success(), "{exit:?}");
+    let again: Value = serde_json::from_slice(&std::fs::read(&again).unwrap()).unwrap();
+    assert_eq!(again["phase"], "Succeeded");
+    assert_eq!(again["trained"], report["trained"], "nothing trained again");
 }

@@ -23,9 +23,9 @@ use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, EnvVarSource, PodSpec,
-    PodTemplateSpec, ResourceRequirements, SecretKeySelector, Service, ServicePort, ServiceSpec,
-    Volume, VolumeMount,
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
+    EnvVarSource, PodSpec, PodTemplateSpec, ResourceRequirements, SecretKeySelector, Service,
+    ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -62,6 +62,10 @@ pub const TOKEN_SECRET_KEY: &str = "token";
 pub const JOB_HASH_ANNOTATION: &str = "rollfleet.dev/job-hash";
 /// Where the job file is mounted in the scheduler's pod.
 const JOB_DIR: &str = "/etc/rollfleet";
+/// Where the scheduler keeps its journal: an `emptyDir`, which outlives the scheduler's
+/// container (a crash, an OOM kill: the kubelet restarts the container in the same pod, and it
+/// resumes the job) but not its pod.
+pub const JOURNAL_DIR: &str = "/var/lib/rollfleet";
 
 /// The operator's settings that shape what it creates.
 #[derive(Debug, Clone)]
@@ -429,6 +433,7 @@ pub fn desired_with(
 
     let scheduler_labels = labels(job, "scheduler", None);
     let config_map_name = dns_name(&[name, "job"]);
+    let job_hash = format!("{:016x}", fnv1a(&yaml));
     let scheduler = Container {
         name: "scheduler".into(),
         image: Some(settings.image.clone()),
@@ -444,6 +449,9 @@ pub fn desired_with(
             workers.to_string(),
             "--time-scale".into(),
             "1".into(),
+            // Named by the job file: a changed spec starts a journal of its own.
+            "--journal".into(),
+            format!("{JOURNAL_DIR}/{job_hash}.journal"),
         ]),
         ports: Some(vec![
             ContainerPort {
@@ -457,32 +465,43 @@ pub fn desired_with(
                 ..Default::default()
             },
         ]),
-        volume_mounts: Some(vec![VolumeMount {
-            name: "job".into(),
-            mount_path: JOB_DIR.into(),
-            read_only: Some(true),
-            ..Default::default()
-        }]),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: "job".into(),
+                mount_path: JOB_DIR.into(),
+                read_only: Some(true),
+                ..Default::default()
+            },
+            VolumeMount {
+                name: "journal".into(),
+                mount_path: JOURNAL_DIR.into(),
+                ..Default::default()
+            },
+        ]),
         env: token_env(job),
         ..Default::default()
     };
     let scheduler_pod = PodSpec {
         containers: vec![scheduler],
-        volumes: Some(vec![Volume {
-            name: "job".into(),
-            config_map: Some(ConfigMapVolumeSource {
-                name: config_map_name.clone(),
+        volumes: Some(vec![
+            Volume {
+                name: "job".into(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: config_map_name.clone(),
+                    ..Default::default()
+                }),
                 ..Default::default()
-            }),
-            ..Default::default()
-        }]),
+            },
+            Volume {
+                name: "journal".into(),
+                empty_dir: Some(EmptyDirVolumeSource::default()),
+                ..Default::default()
+            },
+        ]),
         ..Default::default()
     };
     let pod_annotations = BTreeMap::from([
-        (
-            JOB_HASH_ANNOTATION.to_owned(),
-            format!("{:016x}", fnv1a(&yaml)),
-        ),
+        (JOB_HASH_ANNOTATION.to_owned(), job_hash.clone()),
         ("prometheus.io/scrape".to_owned(), "true".to_owned()),
         ("prometheus.io/port".to_owned(), METRICS_PORT.to_string()),
     ]);
@@ -620,7 +639,8 @@ mod tests {
     }
 
     #[test]
-    fn the_scheduler_reads_the_job_from_its_config_map_and_restarts_when_it_changes() {
+    fn the_scheduler_reads_the_job_from_its_config_map_keeps_a_journal_and_restarts_when_it_changes()
+     {
         let job = example("quickstart.yaml");
         let d = desired(&job, &settings()).expect("valid");
         let file = &d.config_map.data.as_ref().expect("data")["job.yaml"];
@@ -643,6 +663,31 @@ mod tests {
         let scheduler = &d.deployments[0];
         let strategy = scheduler.spec.as_ref().and_then(|s| s.strategy.clone());
         assert_eq!(strategy.and_then(|s| s.type_).as_deref(), Some("Recreate"));
+        // Its journal is on an emptyDir, named by the job file's hash.
+        let pod = scheduler
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.clone())
+            .expect("a pod");
+        let a = pod.containers[0].args.clone().expect("args");
+        let at = a.iter().position(|x| x == "--journal").expect("the flag");
+        assert_eq!(
+            Some(a[at + 1].clone()),
+            hash(&d).map(|h| format!("{JOURNAL_DIR}/{h}.journal"))
+        );
+        let mounts = pod.containers[0].volume_mounts.clone().expect("mounts");
+        let journal = mounts
+            .iter()
+            .find(|m| m.name == "journal")
+            .expect("mounted");
+        assert_eq!(journal.mount_path, JOURNAL_DIR);
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "journal")
+            .expect("a volume");
+        assert!(volume.empty_dir.is_some(), "{volume:?}");
         for object in d
             .deployments
             .iter()
