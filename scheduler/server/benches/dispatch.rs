@@ -6,8 +6,10 @@
 //! scheduler: the core, the actor, tonic and the loopback. Server and clients share the machine's
 //! cores. Prints stage completions per second and the server's dispatch latency (a worker message
 //! off the wire to every command it caused handed to the outboxes), per run and the median of
-//! three runs, without a journal and with one (`--journal`: every event written to a file before
-//! it is acted on), the two interleaved so that both see the same machine.
+//! three runs (`ROLLFLEET_BENCH_RUNS` for more), without a journal and with one (`--journal`:
+//! every event written to a file before it is acted on), the two interleaved so that both see
+//! the same machine. Each journal is then replayed into a fresh actor, as a restarted scheduler
+//! does: how fast, and whether it ends with the very report the live run wrote.
 
 use std::time::{Duration, Instant};
 
@@ -104,6 +106,45 @@ async fn instant_worker(url: String, pool: &'static str) {
     }
 }
 
+/// Replays the journal at `path` into a fresh actor, as a scheduler restarted on it does;
+/// returns the records replayed, the seconds it took, and the report the actor then holds.
+fn replay(path: &std::path::Path) -> (u64, f64, Report) {
+    use rollfleet_server::actor::{Actor, ActorOptions};
+    let (header, mut reader) = rollfleet_server::journal::JournalReader::open(path)
+        .expect("the journal reads")
+        .expect("the run wrote a journal");
+    let slot = rollfleet_server::job::JobSlot::with_job(
+        header.seed,
+        Duration::from_millis(header.stage_timeout_ms),
+        &header.job_yaml,
+        "the journal",
+    )
+    .expect("the journal's job plans");
+    let plan = slot.job().expect("the job").plan.clone();
+    let options = ActorOptions {
+        time_scale: header.time_scale,
+        lease_ttl: Duration::from_millis(header.lease_ttl_ms),
+        expect_workers: header.expect_workers as usize,
+        report: None,
+        replan_on_drift: header.replan_on_drift,
+    };
+    let status = std::sync::Arc::new(tokio::sync::watch::channel(Default::default()).0);
+    let metrics = std::sync::Arc::new(rollfleet_server::metrics::Metrics::new().expect("metrics"));
+    let feed = std::sync::Arc::new(rollfleet_server::feed::FeedLog::default());
+    let mut actor = Actor::new(plan, options, status, metrics, feed);
+    let started = Instant::now();
+    let records = actor.replay(&mut reader).expect("the journal replays");
+    (records, started.elapsed().as_secs_f64(), actor.report())
+}
+
+/// A report as JSON without the dispatch latencies, which only a live run measures.
+fn decisions(report: &Report) -> serde_json::Value {
+    let mut value = serde_json::to_value(report).expect("a report is JSON");
+    value["dispatch_p50_us"] = serde_json::Value::Null;
+    value["dispatch_p99_us"] = serde_json::Value::Null;
+    value
+}
+
 fn run_once(journal: Option<std::path::PathBuf>) -> (f64, Report) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -155,8 +196,13 @@ fn run_once(journal: Option<std::path::PathBuf>) -> (f64, Report) {
 
 fn main() {
     // `cargo bench` passes `--bench`; a plain `cargo test --benches` run does one short pass.
+    // `ROLLFLEET_BENCH_RUNS` asks for more runs of each.
     let runs = if std::env::args().any(|a| a == "--bench") {
-        3
+        std::env::var("ROLLFLEET_BENCH_RUNS")
+            .ok()
+            .and_then(|r| r.parse::<usize>().ok())
+            .filter(|&r| r > 0)
+            .unwrap_or(3)
     } else {
         1
     };
@@ -191,6 +237,19 @@ fn main() {
             );
             rates.push(rate);
             p99s.push(r.dispatch_p99_us);
+            if let Some(path) = &journal {
+                let (records, seconds, again) = replay(path);
+                assert_eq!(
+                    decisions(&again),
+                    decisions(&r),
+                    "the replayed journal ends with another report than the live run's"
+                );
+                println!(
+                    "run {} (journal): replayed {records} records in {seconds:.3} s = {:.0} records/s, to the live run's report",
+                    i + 1,
+                    records as f64 / seconds.max(1e-9)
+                );
+            }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -153,6 +153,9 @@ pub enum Event {
 /// How long a subscribed trainer has after the end to acknowledge the rest of the feed.
 const FEED_GRACE: Duration = Duration::from_secs(30);
 
+/// Events taken (and journaled) together, at most.
+const MAX_BATCH: usize = 64;
+
 /// Dispatch latencies kept for the report, at most.
 const MAX_LATENCY_SAMPLES: usize = 4_000_000;
 
@@ -626,7 +629,7 @@ impl Actor {
         self.publish();
         if self.recovering {
             self.recovering = false;
-            self.take(Step::Recovered);
+            self.take(vec![Step::Recovered]);
         }
         loop {
             let wake = self.core_wake();
@@ -638,9 +641,18 @@ impl Actor {
                 _ = sleep_until_opt(wake) => Step::Wake,
                 _ = tick.tick() => Step::Tick,
             };
-            self.take(step);
+            // Under load, the events already waiting are taken together: one journal write for
+            // all of them, before any is acted on.
+            let mut steps = vec![step];
+            while steps.len() < MAX_BATCH {
+                match inbox.try_recv() {
+                    Ok(event) => steps.push(Step::Event(event)),
+                    Err(_) => break,
+                }
+            }
+            self.take(steps);
             while let Some(event) = self.loopback.pop_front() {
-                self.take(Step::Event(event));
+                self.take(vec![Step::Event(event)]);
             }
             // After the end, a subscribed trainer gets a while to acknowledge the whole feed.
             if let Some((at, _)) = self.ended {
@@ -717,15 +729,25 @@ impl Actor {
         self.origin + offset.saturating_sub(self.base)
     }
 
-    /// Takes one step live: stamps it with the clock, journals it, handles it.
-    fn take(&mut self, step: Step) {
+    /// Takes steps live: stamps them with the clock, journals them (handing the records to the
+    /// operating system before acting on any), and handles them in order.
+    fn take(&mut self, steps: Vec<Step>) {
         self.at = self.at.max(self.wall());
-        let step = self.journal_step(step);
-        match step {
-            Step::Event(event) => self.handle(event),
-            Step::Wake => self.wake(),
-            Step::Tick => self.on_tick(),
-            Step::Recovered => self.recover(),
+        let steps: Vec<Step> = steps
+            .into_iter()
+            .map(|step| self.journal_step(step))
+            .collect();
+        if let Some(journal) = &mut self.journal {
+            let flushed = journal.flush();
+            self.journal_written(flushed);
+        }
+        for step in steps {
+            match step {
+                Step::Event(event) => self.handle(event),
+                Step::Wake => self.wake(),
+                Step::Tick => self.on_tick(),
+                Step::Recovered => self.recover(),
+            }
         }
     }
 
@@ -3065,7 +3087,8 @@ impl Actor {
         }
     }
 
-    fn report(&self) -> Report {
+    /// What the job did so far (at its end: the report written with `--report`).
+    pub fn report(&self) -> Report {
         let wall = match (self.started, self.ended) {
             (Some(s), Some((e, _))) => e.saturating_sub(s).as_secs_f64(),
             (Some(s), None) => self.at.saturating_sub(s).as_secs_f64(),

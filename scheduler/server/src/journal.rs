@@ -87,6 +87,7 @@ impl JournalWriter {
             buf: Vec::with_capacity(1024),
         };
         writer.put(header)?;
+        writer.flush()?;
         Ok(writer)
     }
 
@@ -109,9 +110,14 @@ impl JournalWriter {
         })
     }
 
-    /// Writes `record` and hands it to the operating system.
+    /// Writes `record` into the buffer; it reaches the file at the next [`JournalWriter::flush`].
     pub fn write(&mut self, record: &JournalRecord) -> Result<(), JournalError> {
         self.put(record)
+    }
+
+    /// Hands every record written so far to the operating system (one `write`).
+    pub fn flush(&mut self) -> Result<(), JournalError> {
+        self.out.flush().map_err(|source| io(&self.path, source))
     }
 
     fn put(&mut self, message: &impl Message) -> Result<(), JournalError> {
@@ -121,7 +127,6 @@ impl JournalWriter {
             .map_err(|e| io(&self.path, std::io::Error::other(e)))?;
         self.out
             .write_all(&self.buf)
-            .and_then(|()| self.out.flush())
             .map_err(|source| io(&self.path, source))
     }
 
@@ -361,6 +366,7 @@ mod tests {
         for t in 1..=3 {
             w.write(&tick(t)).unwrap();
         }
+        w.flush().unwrap();
         drop(w);
         let (h, records, valid, torn) = read_all(&path);
         assert_eq!(h, header());
