@@ -644,6 +644,44 @@ fn run_refuses_a_slowdown_of_a_pool_the_job_has_no_gpus_in_or_a_share_past_one()
 }
 
 #[test]
+fn a_journal_that_cannot_be_written_or_is_not_a_journal_is_refused_naming_the_file() {
+    // A full disk: the scheduler does not start a job it could not resume.
+    let out = rollfleet(&[
+        "scheduler",
+        "examples/jobs/quickstart.yaml",
+        "--listen",
+        "127.0.0.1:0",
+        "--journal",
+        "/dev/full",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("journal /dev/full:"),
+        "{}",
+        text(&out.stderr)
+    );
+    // A job file given as the journal is not replayed, and not overwritten.
+    let job = scratch("journal-is-a-job.yaml", "name: not a journal\n");
+    let out = rollfleet(&[
+        "scheduler",
+        "--listen",
+        "127.0.0.1:0",
+        "--journal",
+        job.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("journal-is-a-job.yaml"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&job).unwrap(),
+        "name: not a journal\n"
+    );
+}
+
+#[test]
 fn serverless_serve_answers_the_lambda_invoke_api_and_stops_on_ctrl_c() {
     use std::io::{BufRead, BufReader, Read, Write};
     use std::process::Stdio;

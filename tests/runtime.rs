@@ -2536,7 +2536,7 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
             .iter()
             .flat_map(|g| g["rules"].as_array().unwrap())
             .collect();
-        assert_eq!(rules.len(), 14, "{groups:#}");
+        assert_eq!(rules.len(), 15, "{groups:#}");
         for rule in &rules {
             assert_ne!(rule["health"], "err", "{rule:#}");
         }

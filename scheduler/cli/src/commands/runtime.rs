@@ -65,7 +65,7 @@ pub struct SchedulerArgs {
     /// same settings; the job file may be left out, the journal holds it), the scheduler
     /// replays it, resumes the job where the killed one stopped, and the workers that register
     /// again carry on: no trajectory lost, none handed to the trainer twice
-    /// (docs/runtime.md#failover). A file that does not exist or is empty starts a new journal.
+    /// (docs/runtime.md, "Failover"). A file that does not exist or is empty starts a new journal.
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
     #[command(flatten)]
