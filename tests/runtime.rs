@@ -1039,6 +1039,8 @@ async fn train_through_restarts(url: String, total: usize) -> (Vec<(u64, u64)>, 
                 consumed.append(&mut unacked);
             }
             if consumed.len() == total {
+                // Everything is acknowledged: the scheduler ends the feed when it leaves.
+                while let Ok(Some(_)) = feed.message().await {}
                 return (consumed, resent);
             }
         }
@@ -1118,16 +1120,38 @@ fn a_scheduler_killed_mid_run_resumes_from_its_journal_and_trains_and_feeds_ever
 
     // The journal is the job: a scheduler started on it alone (no job file) replays it to the
     // very report the resumed one wrote, bit for bit, but for the dispatch latencies, which
-    // are measured live.
+    // are measured live. The journal says a trainer was subscribed, so the scheduler waits for
+    // it to say it consumed everything before it leaves.
     let replayed = dir.join("replayed.json");
-    let (mut sched, _) = spawn_scheduler(
+    let (sched, url) = spawn_scheduler(
         Command::new(BIN).arg("scheduler"),
         &replayed,
         5,
         &["--journal", journal],
         Stdio::inherit(),
     );
-    let status = wait_exit(&mut sched, DEADLINE);
+    procs.0.push(sched);
+    std::thread::sleep(Duration::from_secs(2));
+    let sched = procs.0.last_mut().unwrap();
+    assert!(
+        sched.try_wait().unwrap().is_none(),
+        "the scheduler of an ended job left without its trainer's word"
+    );
+    rt().block_on(async {
+        use rollfleet_proto::v1::trainer_feed_client::TrainerFeedClient;
+        let mut client = TrainerFeedClient::connect(url).await.unwrap();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(subscribe(u64::from(32 * steps) + 1, 16)).unwrap();
+        let mut feed = client
+            .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        // Nothing is left to send; the feed ends when the scheduler leaves.
+        let rest = tokio::time::timeout(DEADLINE, feed.message()).await;
+        assert!(matches!(rest, Ok(Ok(None)) | Ok(Err(_))), "{rest:?}");
+    });
+    let status = wait_exit(procs.0.last_mut().unwrap(), DEADLINE);
     assert!(status.success(), "{status:?}");
     let mut again: Value = serde_json::from_slice(&std::fs::read(&replayed).unwrap()).unwrap();
     let mut before = report_value;

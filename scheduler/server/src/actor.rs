@@ -148,6 +148,8 @@ pub enum Event {
     },
     /// `JobService.Cancel`.
     Cancel,
+    /// A trainer subscribed to the feed for the first time.
+    FeedSubscribed,
 }
 
 /// How long a subscribed trainer has after the end to acknowledge the rest of the feed.
@@ -654,9 +656,10 @@ impl Actor {
             while let Some(event) = self.loopback.pop_front() {
                 self.take(vec![Step::Event(event)]);
             }
-            // After the end, a subscribed trainer gets a while to acknowledge the whole feed.
+            // After the end, a subscribed trainer gets a while to acknowledge the whole feed;
+            // after a restart (at `base`), a while again, to subscribe again first.
             if let Some((at, _)) = self.ended {
-                let since = self.wall().saturating_sub(at);
+                let since = self.wall().saturating_sub(at.max(self.base));
                 if since > Duration::from_millis(500) && (self.feed.drained() || since > FEED_GRACE)
                 {
                     break;
@@ -710,6 +713,7 @@ impl Actor {
                 }
                 journal_record::Event::Detach(d) => self.detach(d.worker, &d.reason),
                 journal_record::Event::Cancel(_) => self.cancel_job(),
+                journal_record::Event::FeedSubscribed(_) => self.feed.mark_subscribed(),
                 journal_record::Event::Wake(_) => self.wake(),
                 journal_record::Event::Tick(_) => self.on_tick(),
                 journal_record::Event::Recovered(_) => self.recover(),
@@ -821,6 +825,7 @@ impl Actor {
                         })
                     }
                     Event::Cancel => journal_record::Event::Cancel(true),
+                    Event::FeedSubscribed => journal_record::Event::FeedSubscribed(true),
                 };
                 (recorded, Step::Event(event))
             }
@@ -924,6 +929,8 @@ impl Actor {
             }
             Event::Detach { worker, reason } => self.detach(worker, &reason),
             Event::Cancel => self.cancel_job(),
+            // The feed's handler marked it already; the event is there for the journal.
+            Event::FeedSubscribed => self.feed.mark_subscribed(),
         }
     }
 

@@ -98,6 +98,12 @@ impl FeedLog {
         self.last.send_modify(|_| {});
     }
 
+    /// Marks that a trainer subscribed: after the job, the scheduler waits for it to
+    /// acknowledge everything (a scheduler resumed from a journal learns it from there).
+    pub fn mark_subscribed(&self) {
+        self.lock().subscribed = true;
+    }
+
     /// Whether a trainer ever subscribed.
     pub fn subscribed(&self) -> bool {
         self.lock().subscribed
@@ -146,6 +152,8 @@ pub struct Feed {
     pub log: Arc<FeedLog>,
     /// The job.
     pub slot: Arc<crate::job::JobSlot>,
+    /// The actor, told of a trainer's first subscription (for its journal).
+    pub actor: mpsc::UnboundedSender<crate::actor::Event>,
 }
 
 type FeedStream = Pin<Box<dyn Stream<Item = Result<TrainerFeedItem, Status>> + Send>>;
@@ -191,7 +199,10 @@ impl TrainerFeed for Feed {
         }
         let resume = subscribe.resume_from.max(1);
         log.ack(resume - 1);
-        log.lock().subscribed = true;
+        let first = !std::mem::replace(&mut log.lock().subscribed, true);
+        if first {
+            let _ = self.actor.send(crate::actor::Event::FeedSubscribed);
+        }
         let window = u64::from(if subscribe.window == 0 {
             DEFAULT_WINDOW
         } else {

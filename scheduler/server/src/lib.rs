@@ -242,7 +242,7 @@ pub async fn serve_until(
     );
     let jobs = JobServiceServer::with_interceptor(
         grpc::Jobs {
-            inbox,
+            inbox: inbox.clone(),
             status: status.clone(),
             slot: slot.clone(),
         },
@@ -252,6 +252,7 @@ pub async fn serve_until(
         feed::Feed {
             log: feed_log.clone(),
             slot: slot.clone(),
+            actor: inbox,
         },
         guard,
     );
