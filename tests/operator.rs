@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rollfleet_operator::crd::RLJob;
 use rollfleet_operator::desired::{
@@ -26,7 +26,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_rollfleet");
 
 #[path = "common/procs.rs"]
 mod procs;
-use procs::Procs;
+use procs::{Procs, wait_exit};
 #[path = "common/refused.rs"]
 mod refused;
 use refused::assert_job_status_refused_without_token;
@@ -169,17 +169,7 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_to_the_end_
     assert_eq!(pods, wanted.workers);
 
     // The scheduler exits when the job ends: 0 when it succeeded.
-    let began = Instant::now();
-    let exit = loop {
-        if let Some(exit) = procs.0[0].try_wait().unwrap() {
-            break exit;
-        }
-        assert!(
-            began.elapsed() < Duration::from_secs(240),
-            "the job did not end"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let exit = wait_exit(&mut procs.0[0], Duration::from_secs(240));
     assert!(exit.success(), "{exit:?}");
     let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(report["phase"], "Succeeded", "{report:#}");
@@ -202,23 +192,13 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_to_the_end_
         "one journal, on the emptyDir: {journals:?}"
     );
     let again = dir.join("report-again.json");
-    let mut restarted = start(
+    procs.0.push(start(
         &scheduler_container,
         volumes,
         &["--report", again.to_str().unwrap()],
         Stdio::null(),
-    );
-    let started = Instant::now();
-    let exit = loop {
-        if let Some(exit) = restarted.try_wait().unwrap() {
-            break exit;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the restarted scheduler did not exit"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    ));
+    let exit = wait_exit(procs.0.last_mut().unwrap(), Duration::from_secs(60));
     assert!(exit.success(), "{exit:?}");
     let again: Value = serde_json::from_slice(&std::fs::read(&again).unwrap()).unwrap();
     assert_eq!(again["phase"], "Succeeded");

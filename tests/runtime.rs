@@ -25,7 +25,7 @@ const DEADLINE: Duration = Duration::from_secs(240);
 
 #[path = "common/procs.rs"]
 mod procs;
-use procs::Procs;
+use procs::{Procs, wait_exit};
 #[path = "common/refused.rs"]
 mod refused;
 use refused::assert_job_status_refused_without_token;
@@ -159,20 +159,6 @@ fn worker(url: &str, pool: &str, name: &str) -> Child {
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap()
-}
-
-fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            start.elapsed() < limit,
-            "the process did not exit within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn rt() -> tokio::runtime::Runtime {

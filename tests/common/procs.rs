@@ -1,7 +1,9 @@
 //! Child processes of a test, killed and reaped when the test ends, however it ends (a failed
-//! assertion unwinds through the drop), so no scheduler or worker outlives its test.
+//! assertion unwinds through the drop), so no scheduler or worker outlives its test; and the
+//! bounded wait for one to exit.
 
-use std::process::Child;
+use std::process::{Child, ExitStatus};
+use std::time::{Duration, Instant};
 
 /// The processes a test started.
 pub struct Procs(pub Vec<Child>);
@@ -12,5 +14,20 @@ impl Drop for Procs {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// Waits for `child` to exit, failing the test after `limit`.
+pub fn wait_exit(child: &mut Child, limit: Duration) -> ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "the process did not exit within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -267,61 +267,54 @@ pub fn check_header(
     journal: &JournalHeader,
     now: &JournalHeader,
 ) -> Result<(), JournalError> {
-    let mismatch = |field: &'static str, journal: String, given: String| {
-        Err(JournalError::Mismatch {
-            path: path.to_owned(),
-            field,
-            journal,
-            given,
-        })
+    let mismatch = |field: &'static str, journal: String, given: String| JournalError::Mismatch {
+        path: path.to_owned(),
+        field,
+        journal,
+        given,
     };
     if journal.job_yaml != now.job_yaml {
-        return mismatch(
+        return Err(mismatch(
             "the job file",
             format!("of {} bytes", journal.job_yaml.len()),
             format!("another, of {} bytes", now.job_yaml.len()),
-        );
+        ));
     }
-    if journal.seed != now.seed {
-        return mismatch("--seed", journal.seed.to_string(), now.seed.to_string());
-    }
-    if journal.time_scale.to_bits() != now.time_scale.to_bits() {
-        return mismatch(
+    // Each as the flag takes it; a float's shortest text is exact, so equal texts are equal
+    // values.
+    let drift = |d: Option<f64>| d.map_or_else(|| "none".to_owned(), |d| d.to_string());
+    let settings = [
+        ("--seed", journal.seed.to_string(), now.seed.to_string()),
+        (
             "--time-scale",
             journal.time_scale.to_string(),
             now.time_scale.to_string(),
-        );
-    }
-    if journal.lease_ttl_ms != now.lease_ttl_ms {
-        return mismatch(
-            "a lease of (ms)",
+        ),
+        (
+            "--lease-ms",
             journal.lease_ttl_ms.to_string(),
             now.lease_ttl_ms.to_string(),
-        );
-    }
-    if journal.expect_workers != now.expect_workers {
-        return mismatch(
+        ),
+        (
             "--expect-workers",
             journal.expect_workers.to_string(),
             now.expect_workers.to_string(),
-        );
-    }
-    if journal.stage_timeout_ms != now.stage_timeout_ms {
-        return mismatch(
-            "--stage-timeout (ms)",
+        ),
+        (
+            "a stage timeout (ms) of",
             journal.stage_timeout_ms.to_string(),
             now.stage_timeout_ms.to_string(),
-        );
-    }
-    if journal.replan_on_drift.map(f64::to_bits) != now.replan_on_drift.map(f64::to_bits) {
-        let show = |d: Option<f64>| d.map_or_else(|| "none".to_owned(), |d| d.to_string());
-        return mismatch(
+        ),
+        (
             "--replan-on-drift",
-            show(journal.replan_on_drift),
-            show(now.replan_on_drift),
-        );
+            drift(journal.replan_on_drift),
+            drift(now.replan_on_drift),
+        ),
+    ];
+    match settings.into_iter().find(|(_, j, n)| j != n) {
+        Some((field, journal, given)) => Err(mismatch(field, journal, given)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 #[cfg(test)]
