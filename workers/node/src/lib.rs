@@ -440,6 +440,9 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
                     opts.hostname, opts.rejoin_for
                 );
                 connect_for = opts.rejoin_for;
+                // A scheduler that takes the registration and loses the worker again at once
+                // is not hammered.
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
             Err(Ended::SchedulerGone { closed: true, .. }) => return Ok(WorkerExit::Closed),
             Err(Ended::SchedulerGone { reason, .. }) => return Err(NodeError::Refused(reason)),
@@ -525,9 +528,21 @@ async fn session(
             requested_lease_ms: opts.lease_ms,
             previous_worker_id: String::new(),
         })
-        .await
-        .map_err(|s| gone_or_refused(&s, ""))?
-        .into_inner();
+        .await;
+    let response = match response {
+        Ok(response) => response.into_inner(),
+        // A scheduler that comes back to find its job over (it was resumed from its journal
+        // after the end) has nothing for the worker: the job is drained.
+        Err(status) if status.code() == tonic::Code::FailedPrecondition => {
+            eprintln!(
+                "worker ({}): the scheduler says {}; nothing left to do",
+                opts.hostname,
+                status.message()
+            );
+            return Ok(WorkerExit::Drained);
+        }
+        Err(status) => return Err(gone_or_refused(&status, "")),
+    };
     let lease = response
         .lease
         .ok_or_else(|| NodeError::Refused("the registration answer has no lease".into()))?;
