@@ -169,7 +169,14 @@ impl JournalReader {
         };
         let header: JournalHeader = match reader.next_message()? {
             Some(h) => h,
-            None => return Err(reader.corrupt(0, "the header is cut short".into())),
+            None => {
+                return Err(reader.corrupt(
+                    0,
+                    "not a rollfleet journal, or one whose scheduler was killed while writing its \
+                     header (before serving anything: delete it to start the job afresh)"
+                        .into(),
+                ));
+            }
         };
         if header.format != FORMAT {
             return Err(reader.corrupt(
