@@ -1056,6 +1056,20 @@ fn a_scheduler_killed_mid_run_resumes_from_its_journal_and_trains_and_feeds_ever
     // SIGKILL: no goodbye, no flush; what the journal holds is what the kernel was handed.
     procs.0[0].kill().unwrap();
     procs.0[0].wait().unwrap();
+    // Replayed offline, the journal says where the job stood and how to resume it.
+    let out = Command::new(BIN)
+        .args(["journal", "show", journal, "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let shown: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(shown["phase"], "Running", "{shown:#}");
+    let stood_at = shown["policy_version"].as_u64().unwrap();
+    let resume = shown["resume"].as_str().unwrap();
+    assert!(
+        resume.contains("--expect-workers 5") && resume.contains("--lease-ms 2000"),
+        "{resume}"
+    );
 
     // The same command on the same address: it replays the journal, and the workers, whose
     // streams broke, register again.
@@ -1084,6 +1098,10 @@ fn a_scheduler_killed_mid_run_resumes_from_its_journal_and_trains_and_feeds_ever
     assert!(
         (2..u64::from(steps)).contains(&resumed_at),
         "killed mid-run, not at version {resumed_at}"
+    );
+    assert_eq!(
+        resumed_at, stood_at,
+        "the offline replay is the scheduler's"
     );
     let (consumed, resent) = trainer.join().unwrap();
     let status = wait_exit(&mut procs.0[0], DEADLINE);

@@ -82,6 +82,10 @@ enum Command {
     /// Submit a job to a scheduler, and follow, inspect or cancel it.
     #[command(subcommand)]
     Job(commands::job::JobCommand),
+    /// A scheduler's journal (`rollfleet scheduler --journal`): replay it offline to see where
+    /// its job stood, and how to resume it.
+    #[command(subcommand)]
+    Journal(commands::journal::JournalCommand),
     /// The node daemon: register with a scheduler and run what it assigns.
     #[command(after_help = "Examples:\n  \
         rollfleet worker --scheduler http://127.0.0.1:7070 --pool decode\n  \
@@ -110,6 +114,9 @@ fn main() -> ExitCode {
         Command::Run(args) => commands::runtime::run(args, cli.output, &mut stdout, &mut stderr),
         Command::Scheduler(args) => commands::runtime::scheduler(args, &mut stderr),
         Command::Job(command) => commands::job::run(command, cli.output, &mut stdout, &mut stderr),
+        Command::Journal(command) => {
+            commands::journal::run(command, cli.output, &mut stdout, &mut stderr)
+        }
         Command::Worker(args) => commands::runtime::worker(args, &mut stderr),
     };
     match result {

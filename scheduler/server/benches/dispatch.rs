@@ -106,35 +106,16 @@ async fn instant_worker(url: String, pool: &'static str) {
     }
 }
 
-/// Replays the journal at `path` into a fresh actor, as a scheduler restarted on it does;
-/// returns the records replayed, the seconds it took, and the report the actor then holds.
+/// Replays the journal at `path` as a scheduler restarted on it does; returns the records
+/// replayed, the seconds it took, and the report the replay leaves.
 fn replay(path: &std::path::Path) -> (u64, f64, Report) {
-    use rollfleet_server::actor::{Actor, ActorOptions};
-    let (header, mut reader) = rollfleet_server::journal::JournalReader::open(path)
-        .expect("the journal reads")
-        .expect("the run wrote a journal");
-    let slot = rollfleet_server::job::JobSlot::with_job(
-        header.seed,
-        Duration::from_millis(header.stage_timeout_ms),
-        &header.job_yaml,
-        "the journal",
-    )
-    .expect("the journal's job plans");
-    let plan = slot.job().expect("the job").plan.clone();
-    let options = ActorOptions {
-        time_scale: header.time_scale,
-        lease_ttl: Duration::from_millis(header.lease_ttl_ms),
-        expect_workers: header.expect_workers as usize,
-        report: None,
-        replan_on_drift: header.replan_on_drift,
-    };
-    let status = std::sync::Arc::new(tokio::sync::watch::channel(Default::default()).0);
-    let metrics = std::sync::Arc::new(rollfleet_server::metrics::Metrics::new().expect("metrics"));
-    let feed = std::sync::Arc::new(rollfleet_server::feed::FeedLog::default());
-    let mut actor = Actor::new(plan, options, status, metrics, feed);
     let started = Instant::now();
-    let records = actor.replay(&mut reader).expect("the journal replays");
-    (records, started.elapsed().as_secs_f64(), actor.report())
+    let replayed = rollfleet_server::replay_journal(path).expect("the journal replays");
+    (
+        replayed.records,
+        started.elapsed().as_secs_f64(),
+        replayed.report,
+    )
 }
 
 /// A report as JSON without the dispatch latencies, which only a live run measures.
@@ -245,7 +226,7 @@ fn main() {
                     "the replayed journal ends with another report than the live run's"
                 );
                 println!(
-                    "run {} (journal): replayed {records} records in {seconds:.3} s = {:.0} records/s, to the live run's report",
+                    "run {} (journal): planned the job and replayed {records} records in {seconds:.3} s = {:.0} records/s, to the live run's report",
                     i + 1,
                     records as f64 / seconds.max(1e-9)
                 );

@@ -52,6 +52,12 @@ pub enum JournalError {
         /// What is wrong.
         reason: String,
     },
+    /// There is nothing to replay: no such file, or an empty one.
+    #[error("journal {path}: no such file, or an empty one: nothing to replay")]
+    Empty {
+        /// The file.
+        path: PathBuf,
+    },
     /// The journal was written by a scheduler with other settings: replaying it would not give
     /// its state back.
     #[error(

@@ -366,6 +366,58 @@ pub async fn serve_until(
     }
 }
 
+/// What a journal holds, replayed without serving anything ([`replay_journal`]).
+pub struct Replayed {
+    /// The job and the settings it was written with.
+    pub header: rollfleet_proto::v1::JournalHeader,
+    /// Records replayed.
+    pub records: u64,
+    /// Bytes of a record torn at the end (0: none).
+    pub torn_bytes: u64,
+    /// The job's report as the replay leaves it (a live run's dispatch latencies excepted).
+    pub report: Report,
+}
+
+/// Replays the journal at `path` into a fresh actor, as a scheduler restarted on it would, but
+/// serving nothing and writing nothing: what the job had done when its scheduler stopped.
+pub fn replay_journal(path: &std::path::Path) -> Result<Replayed, ServerError> {
+    let (header, mut reader) =
+        journal::JournalReader::open(path)?.ok_or_else(|| journal::JournalError::Empty {
+            path: path.to_owned(),
+        })?;
+    let slot = job::JobSlot::with_job(
+        header.seed,
+        Duration::from_millis(header.stage_timeout_ms),
+        &header.job_yaml,
+        &format!("the job of journal {}", path.display()),
+    )?;
+    let plan = slot
+        .job()
+        .map(|job| job.plan.clone())
+        .ok_or_else(|| ServerError::Io {
+            what: format!("journal {}", path.display()),
+            source: std::io::Error::other("its job was not taken"),
+        })?;
+    let options = actor::ActorOptions {
+        time_scale: header.time_scale,
+        lease_ttl: Duration::from_millis(header.lease_ttl_ms),
+        expect_workers: usize::try_from(header.expect_workers).unwrap_or(usize::MAX),
+        report: None,
+        replan_on_drift: header.replan_on_drift,
+    };
+    let status = Arc::new(watch::channel(JobStatus::default()).0);
+    let metrics = Arc::new(metrics::Metrics::new()?);
+    let feed = Arc::new(feed::FeedLog::default());
+    let mut actor = actor::Actor::new(plan, options, status, metrics, feed);
+    let records = actor.replay(&mut reader)?;
+    Ok(Replayed {
+        records,
+        torn_bytes: reader.torn_bytes(),
+        report: actor.report(),
+        header,
+    })
+}
+
 /// The header a journal of `job_yaml` gets under `opts`: the settings that steer decisions.
 fn journal_header(opts: &ServerOptions, job_yaml: &str) -> rollfleet_proto::v1::JournalHeader {
     rollfleet_proto::v1::JournalHeader {

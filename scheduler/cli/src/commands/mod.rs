@@ -3,6 +3,7 @@
 pub mod catalog;
 pub mod gpus;
 pub mod job;
+pub mod journal;
 pub mod plan;
 pub mod profile;
 pub mod runtime;
