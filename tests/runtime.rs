@@ -317,7 +317,13 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
         ("rewards", 1),
     ];
     let expect: usize = pools.iter().map(|(_, n)| n).sum();
-    let (sched, url) = scheduler(&job, &report, expect, &[]);
+    let journal = dir.join("scheduler.journal");
+    let (sched, url) = scheduler(
+        &job,
+        &report,
+        expect,
+        &["--journal", journal.to_str().unwrap()],
+    );
     let mut procs = Procs(vec![sched]);
     let mut victim = 0;
     for (pool, n) in pools {
@@ -362,6 +368,31 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
         .as_f64()
         .expect("the move to the new plan ended");
     assert!(done < report["wall_s"].as_f64().unwrap(), "{report:#}");
+    // Through the loss, both re-plans, the waves and the join, the journal replays to this
+    // very report.
+    assert_journal_replays_to(&journal, &report);
+}
+
+/// A report without the dispatch latencies, which only a live run measures.
+fn decisions(report: &Value) -> Value {
+    let mut report = report.clone();
+    report["dispatch_p50_us"] = Value::Null;
+    report["dispatch_p99_us"] = Value::Null;
+    report
+}
+
+/// Checks that `rollfleet journal show` replays `journal` offline to `report`, bit for bit but
+/// for the dispatch latencies.
+fn assert_journal_replays_to(journal: &Path, report: &Value) {
+    let out = Command::new(BIN)
+        .args(["journal", "show"])
+        .arg(journal)
+        .args(["-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let shown: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(decisions(&shown["report"]), decisions(report));
 }
 
 #[test]
@@ -1157,13 +1188,9 @@ fn a_scheduler_killed_mid_run_resumes_from_its_journal_and_trains_and_feeds_ever
     });
     let status = wait_exit(procs.0.last_mut().unwrap(), DEADLINE);
     assert!(status.success(), "{status:?}");
-    let mut again: Value = serde_json::from_slice(&std::fs::read(&replayed).unwrap()).unwrap();
-    let mut before = report_value;
-    for r in [&mut again, &mut before] {
-        r["dispatch_p50_us"] = Value::Null;
-        r["dispatch_p99_us"] = Value::Null;
-    }
-    assert_eq!(again, before);
+    let again: Value = serde_json::from_slice(&std::fs::read(&replayed).unwrap()).unwrap();
+    assert_eq!(decisions(&again), decisions(&report_value));
+    assert_journal_replays_to(Path::new(journal), &report_value);
 
     // A scheduler with other settings is refused, naming the setting, and the journal is left
     // as it was.

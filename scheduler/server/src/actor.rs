@@ -466,6 +466,8 @@ pub struct Actor {
     loopback: VecDeque<Event>,
     started: Option<Duration>,
     ended: Option<(Duration, JobPhase)>,
+    /// The report as the job's end left it (what `--report` holds).
+    final_report: Option<Report>,
     workers: BTreeMap<u64, Worker>,
     next_worker: u64,
     owner: Vec<Option<u64>>,
@@ -574,6 +576,7 @@ impl Actor {
             loopback: VecDeque::new(),
             started: None,
             ended: None,
+            final_report: None,
             workers: BTreeMap::new(),
             next_worker: 1,
             owner: vec![None; replicas],
@@ -3075,6 +3078,7 @@ impl Actor {
         self.on_tick_meters();
         self.publish();
         let report = self.report();
+        self.final_report = Some(report.clone());
         if let Some(path) = &self.opts.report {
             match serde_json::to_vec_pretty(&report) {
                 Ok(bytes) => {
@@ -3094,7 +3098,12 @@ impl Actor {
         }
     }
 
-    /// What the job did so far (at its end: the report written with `--report`).
+    /// The report written at the job's end (`--report`); `None` while it runs.
+    pub fn final_report(&self) -> Option<&Report> {
+        self.final_report.as_ref()
+    }
+
+    /// What the job did so far.
     pub fn report(&self) -> Report {
         let wall = match (self.started, self.ended) {
             (Some(s), Some((e, _))) => e.saturating_sub(s).as_secs_f64(),

@@ -374,7 +374,8 @@ pub struct Replayed {
     pub records: u64,
     /// Bytes of a record torn at the end (0: none).
     pub torn_bytes: u64,
-    /// The job's report as the replay leaves it (a live run's dispatch latencies excepted).
+    /// The report the job wrote at its end, or, when it had not ended, where it stood (a live
+    /// run's dispatch latencies excepted).
     pub report: Report,
 }
 
@@ -413,7 +414,10 @@ pub fn replay_journal(path: &std::path::Path) -> Result<Replayed, ServerError> {
     Ok(Replayed {
         records,
         torn_bytes: reader.torn_bytes(),
-        report: actor.report(),
+        report: actor
+            .final_report()
+            .cloned()
+            .unwrap_or_else(|| actor.report()),
         header,
     })
 }

@@ -49,6 +49,9 @@ struct Shown {
     failure: Option<String>,
     /// The command that resumes the job (the journal's own settings).
     resume: String,
+    /// The job's report as the replay leaves it (`--report` of `rollfleet scheduler`; the
+    /// dispatch latencies, which only a live run measures, are 0).
+    report: rollfleet_server::Report,
 }
 
 /// Runs `rollfleet journal`.
@@ -67,6 +70,7 @@ pub fn run(
         }
     };
     let report = &replayed.report;
+    // Only JSON and YAML carry the whole report; the table says what it holds.
     let shown = Shown {
         journal: file.display().to_string(),
         records: replayed.records,
@@ -82,6 +86,7 @@ pub fn run(
         workers_lost: report.workers_lost.len(),
         failure: report.failure.clone(),
         resume: resume_command(file, &replayed.header),
+        report: replayed.report.clone(),
     };
     if format != OutputFormat::Table {
         write_structured(format, &shown, stdout)?;
