@@ -627,7 +627,8 @@ impl Actor {
         }
     }
 
-    /// Runs until the job ends and its end has been announced; returns the final report.
+    /// Runs until the job ends and its end has been announced; returns the report written at
+    /// the end.
     pub async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Event>) -> Report {
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -670,7 +671,9 @@ impl Actor {
             }
         }
         self.feed.close();
-        self.report()
+        // The report the end wrote (`--report`), so that what the caller gets is what the file
+        // holds and what a replay of the journal gives.
+        self.final_report.take().unwrap_or_else(|| self.report())
     }
 
     /// Starts writing every event to `journal` (a new one, or one just replayed).
