@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    EnvVarSource, PodSpec, PodTemplateSpec, ResourceRequirements, SecretKeySelector, Service,
+    EnvVarSource, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec, ResourceRequirements, SecretKeySelector, Service,
     ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -58,6 +58,10 @@ pub const EMULATED_GPUS_ANNOTATION: &str = "rollfleet.dev/emulated-gpus";
 pub const TOKEN_SECRET_ANNOTATION: &str = "rollfleet.dev/token-secret";
 /// The key of the token in that Secret.
 pub const TOKEN_SECRET_KEY: &str = "token";
+/// Annotation on an RLJob: the name of a PersistentVolumeClaim of its namespace to keep the
+/// scheduler's journal on, instead of the pod's `emptyDir`: then a scheduler pod that is
+/// replaced (evicted, its node lost) resumes the job too, not only a restarted container.
+pub const JOURNAL_CLAIM_ANNOTATION: &str = "rollfleet.dev/journal-claim";
 /// Annotation on the scheduler's pod: a hash of the job file it runs.
 pub const JOB_HASH_ANNOTATION: &str = "rollfleet.dev/job-hash";
 /// Where the job file is mounted in the scheduler's pod.
@@ -278,6 +282,20 @@ pub fn token_secret(job: &RLJob) -> Option<String> {
     annotation(job, TOKEN_SECRET_ANNOTATION).filter(|s| !s.trim().is_empty())
 }
 
+/// The volume the scheduler's journal is on: the claim the job names, or the pod's `emptyDir`.
+fn journal_volume(job: &RLJob) -> Volume {
+    let claim = annotation(job, JOURNAL_CLAIM_ANNOTATION).filter(|c| !c.trim().is_empty());
+    Volume {
+        name: "journal".into(),
+        empty_dir: claim.is_none().then(EmptyDirVolumeSource::default),
+        persistent_volume_claim: claim.map(|claim_name| PersistentVolumeClaimVolumeSource {
+            claim_name,
+            read_only: Some(false),
+        }),
+        ..Default::default()
+    }
+}
+
 /// `ROLLFLEET_TOKEN` from the job's token Secret, for its scheduler and workers.
 fn token_env(job: &RLJob) -> Option<Vec<EnvVar>> {
     let secret = token_secret(job)?;
@@ -492,11 +510,7 @@ pub fn desired_with(
                 }),
                 ..Default::default()
             },
-            Volume {
-                name: "journal".into(),
-                empty_dir: Some(EmptyDirVolumeSource::default()),
-                ..Default::default()
-            },
+            journal_volume(job),
         ]),
         ..Default::default()
     };
@@ -751,6 +765,34 @@ mod tests {
             );
             assert_eq!(container(without).env, None, "{:?}", without.metadata.name);
         }
+    }
+
+    #[test]
+    fn a_journal_claim_annotation_puts_the_schedulers_journal_on_that_claim() {
+        let journal = |d: &Desired| {
+            d.deployments[0]
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref())
+                .and_then(|p| p.volumes.as_ref())
+                .and_then(|v| v.iter().find(|v| v.name == "journal").cloned())
+                .expect("a journal volume")
+        };
+        let mut job = example("quickstart.yaml");
+        let plain = journal(&desired(&job, &settings()).expect("valid"));
+        assert!(plain.empty_dir.is_some() && plain.persistent_volume_claim.is_none());
+        job.metadata.annotations = Some(BTreeMap::from([(
+            JOURNAL_CLAIM_ANNOTATION.to_owned(),
+            "rl-journals".to_owned(),
+        )]));
+        let claimed = journal(&desired(&job, &settings()).expect("valid"));
+        assert!(claimed.empty_dir.is_none(), "{claimed:?}");
+        assert_eq!(
+            claimed
+                .persistent_volume_claim
+                .map(|c| (c.claim_name, c.read_only)),
+            Some(("rl-journals".to_owned(), Some(false)))
+        );
     }
 
     #[test]
