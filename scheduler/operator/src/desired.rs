@@ -24,8 +24,9 @@ use std::sync::{Arc, Mutex};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    EnvVarSource, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec, ResourceRequirements, SecretKeySelector, Service,
-    ServicePort, ServiceSpec, Volume, VolumeMount,
+    EnvVarSource, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec,
+    ResourceRequirements, SecretKeySelector, Service, ServicePort, ServiceSpec, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};

@@ -13,9 +13,10 @@
 //!
 //! The file is a [`JournalHeader`] then [`JournalRecord`]s, each prefixed by its length as a
 //! varint. The records of the events the actor takes together (those waiting in its inbox) are
-//! handed to the operating system in one `write` before it acts on any of them, so a killed
-//! process loses nothing it acted on; a torn record at the end (the process died in the middle
-//! of writing it, before acting on it) is cut off when the file is opened again.
+//! handed to the operating system (buffered, so one `write` for a small batch) before it acts on
+//! any of them, so a killed process loses nothing it acted on; a torn record at the end (the
+//! process died in the middle of writing it, before acting on it) is cut off when the file is
+//! opened again.
 //! The file is not `fsync`ed: a machine that loses power can lose records the actor had acted
 //! on, and a journal that lost them is not one to resume from.
 
