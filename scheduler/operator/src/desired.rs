@@ -67,9 +67,10 @@ pub const JOURNAL_CLAIM_ANNOTATION: &str = "rollfleet.dev/journal-claim";
 pub const JOB_HASH_ANNOTATION: &str = "rollfleet.dev/job-hash";
 /// Where the job file is mounted in the scheduler's pod.
 const JOB_DIR: &str = "/etc/rollfleet";
-/// Where the scheduler keeps its journal: an `emptyDir`, which outlives the scheduler's
+/// Where the scheduler keeps its journal: the pod's `emptyDir`, which outlives the scheduler's
 /// container (a crash, an OOM kill: the kubelet restarts the container in the same pod, and it
-/// resumes the job) but not its pod.
+/// resumes the job) but not its pod; or the claim [`JOURNAL_CLAIM_ANNOTATION`] names, which
+/// outlives the pod.
 pub const JOURNAL_DIR: &str = "/var/lib/rollfleet";
 
 /// The operator's settings that shape what it creates.
