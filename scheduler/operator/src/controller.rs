@@ -10,7 +10,10 @@
 //! 3. ask the scheduler for the job's status over gRPC (`JobService.Status`) and write phase, RL
 //!    step, trajectories trained and message, with `Valid` and `SchedulerReachable` conditions
 //!    that carry the generation they describe;
-//! 4. look again in 10 s while the job runs, in 5 minutes once it has ended.
+//! 4. look again in 10 s while the job runs, in 5 minutes once it has ended; on the pass after
+//!    the end was written, every Deployment of the job is scaled to zero (a scheduler or worker
+//!    that exits after the end would only be started again) and the status is left as it is,
+//!    until the spec changes.
 //!
 //! An RLJob annotated `rollfleet.dev/token-secret: NAME` has its scheduler require the token in
 //! that Secret (key `token`); its pods read it as `ROLLFLEET_TOKEN`, and the operator reads the
@@ -289,6 +292,11 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
         }
     }
 
+    // An ended job's pods are scaled to nothing (above); its status stays as it was written,
+    // and nothing is asked of a scheduler that is gone.
+    if desired::finished(job) {
+        return Ok(Action::await_change());
+    }
     let url = (ctx.scheduler_url)(job);
     let answer = match job_token(job, ctx).await {
         Ok(token) => scheduler_status(&url, token.as_ref(), name).await,

@@ -284,6 +284,15 @@ pub fn token_secret(job: &RLJob) -> Option<String> {
     annotation(job, TOKEN_SECRET_ANNOTATION).filter(|s| !s.trim().is_empty())
 }
 
+/// Whether `job`'s status says its job ended (succeeded, failed or was cancelled) for the spec it
+/// has now: a changed spec is a new job.
+pub fn finished(job: &RLJob) -> bool {
+    job.status.as_ref().is_some_and(|s| {
+        s.observed_generation == job.metadata.generation
+            && ["Succeeded", "Failed", "Cancelled"].contains(&s.phase.as_str())
+    })
+}
+
 /// The volume the scheduler's journal is on: the claim the job names, or the pod's `emptyDir`.
 fn journal_volume(job: &RLJob) -> Volume {
     let claim = annotation(job, JOURNAL_CLAIM_ANNOTATION).filter(|c| !c.trim().is_empty());
@@ -533,6 +542,15 @@ pub fn desired_with(
             true,
         ),
     );
+    // An ended job keeps no pods: a scheduler or worker that exits after the end would only be
+    // started again (the status the operator wrote stays in the object).
+    if finished(job) {
+        for d in &mut deployments {
+            if let Some(spec) = d.spec.as_mut() {
+                spec.replicas = Some(0);
+            }
+        }
+    }
 
     let port = |name: &str, port: i32| ServicePort {
         name: Some(name.into()),
@@ -766,6 +784,41 @@ mod tests {
                 with.metadata.name
             );
             assert_eq!(container(without).env, None, "{:?}", without.metadata.name);
+        }
+    }
+
+    #[test]
+    fn an_ended_job_keeps_no_pods_until_its_spec_changes() {
+        let replicas = |d: &Desired| -> Vec<i32> {
+            d.deployments
+                .iter()
+                .map(|d| d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(-1))
+                .collect()
+        };
+        let mut job = example("quickstart.yaml");
+        job.metadata.generation = Some(3);
+        let running = replicas(&desired(&job, &settings()).expect("valid"));
+        assert!(running.iter().all(|&r| r >= 1), "{running:?}");
+        for (phase, generation, scaled) in [
+            ("Running", 3, false),
+            ("Succeeded", 3, true),
+            ("Failed", 3, true),
+            ("Cancelled", 3, true),
+            // The spec changed since the job ended: the new one runs.
+            ("Succeeded", 2, false),
+        ] {
+            job.status = Some(crate::crd::RLJobStatus {
+                phase: phase.into(),
+                observed_generation: Some(generation),
+                ..Default::default()
+            });
+            let now = replicas(&desired(&job, &settings()).expect("valid"));
+            let expected = if scaled {
+                vec![0; running.len()]
+            } else {
+                running.clone()
+            };
+            assert_eq!(now, expected, "{phase} at generation {generation}");
         }
     }
 

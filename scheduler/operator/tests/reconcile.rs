@@ -359,6 +359,59 @@ async fn an_invalid_rljob_gets_its_problems_in_its_status_and_nothing_else() {
 }
 
 #[tokio::test]
+async fn an_ended_rljob_has_every_deployment_scaled_to_zero_and_its_status_kept() {
+    let mut job = quickstart();
+    job.status = Some(rollfleet_operator::crd::RLJobStatus {
+        phase: "Succeeded".into(),
+        observed_generation: Some(3),
+        rl_step: 2,
+        rl_steps_total: 2,
+        trajectories_trained: 64,
+        ..Default::default()
+    });
+    // No scheduler there: asking one would fail and write a status, which this test would see.
+    let (reconciling, mut handle) = reconciling(&job, "http://127.0.0.1:1".into());
+    let mut scaled = Vec::new();
+    loop {
+        let (seen, send) = next(&mut handle).await;
+        if seen.method == "GET" {
+            answer(
+                send,
+                &json!({"apiVersion": "apps/v1", "kind": "DeploymentList", "metadata": {},
+                        "items": []}),
+            );
+            break;
+        }
+        assert_eq!(seen.method, "PATCH", "{}", seen.uri);
+        if seen.body["kind"] == "Deployment" {
+            scaled.push((
+                seen.body["metadata"]["name"].as_str().unwrap().to_owned(),
+                seen.body["spec"]["replicas"].as_i64().unwrap(),
+            ));
+        }
+        answer(send, &seen.body);
+    }
+    assert_eq!(
+        scaled,
+        [
+            "quickstart-scheduler",
+            "quickstart-prefill",
+            "quickstart-decode",
+            "quickstart-train",
+            "quickstart-envs",
+            "quickstart-rewards"
+        ]
+        .map(|name| (name.to_owned(), 0))
+    );
+    let done = tokio::time::timeout(Duration::from_secs(30), reconciling)
+        .await
+        .expect("the pass ends without asking anything more");
+    assert_eq!(done.unwrap().unwrap(), Action::await_change());
+    let more = tokio::time::timeout(Duration::from_millis(200), handle.next_request()).await;
+    assert!(matches!(more, Err(_) | Ok(None)), "another request came");
+}
+
+#[tokio::test]
 async fn a_new_rljob_first_gets_the_finalizer_that_cancels_its_job() {
     let mut job = quickstart();
     job.metadata.finalizers = None;
