@@ -214,17 +214,22 @@ fn loss_and_join(scheduler: &mut Child, report: &Path, steps: u64) -> (Value, Va
     (report, loss, join)
 }
 
+/// The trajectories a report says were trained, in order.
+fn trained(report: &Value) -> Vec<u64> {
+    report["trained"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect()
+}
+
 /// Checks that every trajectory of every step was trained exactly once.
 fn check_report(report: &Path, steps: u64, min_lost: usize) -> Value {
     let report: Value = serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap();
     assert_eq!(report["phase"], "Succeeded", "{report:#}");
     assert_eq!(report["policy_version"], steps);
-    let trained: Vec<u64> = report["trained"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect();
+    let trained = trained(&report);
     // rolloutBatchSize 32 per step.
     assert_eq!(trained.len() as u64, 32 * steps, "{report:#}");
     let mut unique = trained.clone();
@@ -990,12 +995,7 @@ fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success());
     let report = check_report(&report, 2, 0);
-    let trained: Vec<u64> = report["trained"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect();
+    let trained = trained(&report);
     let fed: Vec<u64> = first[..5].iter().chain(&second).map(|x| x.1).collect();
     assert_eq!(
         fed, trained,
@@ -1140,12 +1140,7 @@ fn a_scheduler_killed_mid_run_resumes_from_its_journal_and_trains_and_feeds_ever
     // Every step trained, every trajectory once, though the five workers of the scheduler
     // before were lost with it.
     let report_value = check_report(&report, u64::from(steps), 5);
-    let trained: Vec<u64> = report_value["trained"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect();
+    let trained = trained(&report_value);
     let fed: Vec<u64> = consumed.iter().map(|x| x.1).collect();
     assert_eq!(
         fed, trained,

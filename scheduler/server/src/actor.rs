@@ -787,6 +787,7 @@ impl Actor {
                         message: Some(message),
                         ..
                     })) => message,
+                    // Never: the record was built with the message just above.
                     _ => WorkerMessage::default(),
                 };
                 let step = Step::Event(Event::Message {
@@ -818,6 +819,7 @@ impl Actor {
                         worker_id: worker_id.clone(),
                         epoch: *epoch,
                     }),
+                    // Never: a message is journaled by the arm above, without a copy.
                     Event::Message { worker, .. } => {
                         journal_record::Event::Message(JournalMessage {
                             worker: *worker,

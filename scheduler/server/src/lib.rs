@@ -314,11 +314,9 @@ pub async fn serve_until(
         }
         prepared = Some(actor);
     }
+    // A submitted job's journal starts with it: the header is these settings and its file.
     let journal_path = opts.journal.clone();
-    let journal_header_of = {
-        let opts = opts.clone();
-        move |yaml: &str| journal_header(&opts, yaml)
-    };
+    let header_settings = journal_header(&opts, "");
     let given = job_yaml.is_some();
     let accepted = slot.clone();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel::<Report>();
@@ -339,9 +337,12 @@ pub async fn serve_until(
             None => {
                 let mut actor =
                     actor::Actor::new(job.plan.clone(), actor_options, status, metrics, feed_log);
-                // A submitted job's journal starts with it.
                 if let Some(path) = &journal_path {
-                    match journal::JournalWriter::create(path, &journal_header_of(&job.plan.yaml)) {
+                    let header = rollfleet_proto::v1::JournalHeader {
+                        job_yaml: job.plan.yaml.clone(),
+                        ..header_settings
+                    };
+                    match journal::JournalWriter::create(path, &header) {
                         Ok(writer) => actor.set_journal(writer),
                         Err(e) => eprintln!(
                             "scheduler: {e}; the job runs without a journal (a restart cannot \
@@ -393,19 +394,12 @@ pub fn replay_journal(path: &std::path::Path) -> Result<Replayed, ServerError> {
         journal::JournalReader::open(path)?.ok_or_else(|| journal::JournalError::Empty {
             path: path.to_owned(),
         })?;
-    let slot = job::JobSlot::with_job(
-        header.seed,
-        Duration::from_millis(header.stage_timeout_ms),
-        &header.job_yaml,
-        &format!("the job of journal {}", path.display()),
-    )?;
-    let plan = slot
-        .job()
-        .map(|job| job.plan.clone())
-        .ok_or_else(|| ServerError::Io {
-            what: format!("journal {}", path.display()),
-            source: std::io::Error::other("its job was not taken"),
-        })?;
+    // Planned as a scheduler started with the journal's settings plans it.
+    let plan = job::JobSlot::new(header.seed, Duration::from_millis(header.stage_timeout_ms))
+        .plan(
+            &header.job_yaml,
+            &format!("the job of journal {}", path.display()),
+        )?;
     let options = actor::ActorOptions {
         time_scale: header.time_scale,
         lease_ttl: Duration::from_millis(header.lease_ttl_ms),
@@ -416,7 +410,7 @@ pub fn replay_journal(path: &std::path::Path) -> Result<Replayed, ServerError> {
     let status = Arc::new(watch::channel(JobStatus::default()).0);
     let metrics = Arc::new(metrics::Metrics::new()?);
     let feed = Arc::new(feed::FeedLog::default());
-    let mut actor = actor::Actor::new(plan, options, status, metrics, feed);
+    let mut actor = actor::Actor::new(Arc::new(plan), options, status, metrics, feed);
     let records = actor.replay(&mut reader)?;
     Ok(Replayed {
         records,
