@@ -1213,6 +1213,78 @@ fn a_scheduler_killed_mid_run_resumes_from_its_journal_and_trains_and_feeds_ever
 }
 
 #[test]
+fn a_journal_that_cannot_be_written_is_emptied_and_the_job_goes_on_without_it() {
+    let dir = temp_dir("journal-full");
+    let steps = 6;
+    let job = job_file(&dir, steps);
+    let report = dir.join("report.json");
+    let journal = dir.join("scheduler.journal");
+    // A real failed write: the scheduler may grow no file past 128 KiB (RLIMIT_FSIZE, inherited
+    // across exec), with SIGXFSZ ignored, so a write past it fails with EFBIG as one to a full
+    // disk fails with ENOSPC. The report (about 50 KB) fits; the journal (about 70 KB a step)
+    // does not.
+    let mut command = Command::new("bash");
+    command
+        .arg("-c")
+        .arg(r#"trap '' XFSZ; ulimit -f 128; exec "$0" "$@""#)
+        .arg(BIN)
+        .arg("scheduler")
+        .arg(&job)
+        .arg("--journal")
+        .arg(&journal);
+    let (mut sched, url) = spawn_scheduler(
+        &mut command,
+        &report,
+        5,
+        &["--metrics-addr", "127.0.0.1:0"],
+        Stdio::piped(),
+    );
+    let log = stderr_lines(&mut sched);
+    let metrics = metrics_address(&log);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let failed = wait_line(&log, "the job goes on without a journal");
+    assert!(
+        failed.contains("scheduler.journal")
+            && failed.contains("File too large")
+            && failed.contains("the file is emptied"),
+        "{failed}"
+    );
+    // Counted once, while the job still runs.
+    let start = Instant::now();
+    loop {
+        let exposition = scrape(&metrics);
+        if sample(&exposition, "rollfleet_journal_failures_total") == Some(1.0) {
+            break;
+        }
+        assert!(
+            start.elapsed() < DEADLINE && procs.0[0].try_wait().unwrap().is_none(),
+            "the failed journal write was not counted while the job ran:\n{exposition}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    // Nothing accepted was lost to the failure: every step trained, every trajectory once.
+    check_report(&report, steps.into(), 0);
+    // The journal has no gap to resume from: it is empty, and says there is nothing to replay.
+    assert_eq!(std::fs::metadata(&journal).unwrap().len(), 0);
+    let out = Command::new(BIN)
+        .arg("journal")
+        .arg("show")
+        .arg(&journal)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("nothing to replay"),
+        "{out:?}"
+    );
+}
+
+#[test]
 fn rollfleet_run_trains_every_step_and_says_the_gpus_are_emulated() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let out = Command::new(BIN)

@@ -858,10 +858,7 @@ impl Actor {
         let Some(journal) = self.journal.take() else {
             return;
         };
-        let emptied = std::fs::OpenOptions::new()
-            .write(true)
-            .open(journal.path())
-            .and_then(|f| f.set_len(0));
+        let emptied = journal.abandon();
         eprintln!(
             "scheduler: {e}; the job goes on without a journal{}",
             match emptied {

@@ -142,6 +142,16 @@ impl JournalWriter {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Gives the journal up after a failed write: drops what is still buffered, unwritten (a
+    /// `BufWriter` dropped whole would try to write it once more, and on a disk the emptying
+    /// just freed it could land past the new end, leaving zeros where the header was), and
+    /// empties the file, so that a restart on it starts the job afresh instead of resuming from
+    /// a journal with a gap in it.
+    pub fn abandon(self) -> Result<(), JournalError> {
+        let (file, _unwritten) = self.out.into_parts();
+        file.set_len(0).map_err(|source| io(&self.path, source))
+    }
 }
 
 /// Reads a journal file's records in order.
@@ -410,6 +420,26 @@ mod tests {
         let (_, records, _, torn) = read_all(&path);
         assert_eq!(records, vec![tick(1), tick(2)]);
         assert_eq!(torn, 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_abandoned_journal_is_left_empty_and_what_it_still_buffered_is_never_written() {
+        let dir = std::env::temp_dir().join(format!("rollfleet-journal-a-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("a.journal");
+        let mut w = JournalWriter::create(&path, &header()).unwrap();
+        w.write(&tick(1)).unwrap();
+        w.flush().unwrap();
+        // Buffered, not yet handed over: a writer dropped whole would write it on its way out,
+        // at the offset it had reached, past the end of the emptied file.
+        w.write(&tick(2)).unwrap();
+        w.abandon().unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
+        assert!(
+            JournalReader::open(&path).unwrap().is_none(),
+            "nothing to replay"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
