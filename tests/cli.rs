@@ -682,6 +682,23 @@ fn a_journal_that_cannot_be_written_or_is_not_a_journal_is_refused_naming_the_fi
 }
 
 #[test]
+fn journal_sync_without_a_journal_is_refused_naming_the_flag_it_needs() {
+    let out = rollfleet(&[
+        "scheduler",
+        "examples/jobs/quickstart.yaml",
+        "--listen",
+        "127.0.0.1:0",
+        "--journal-sync",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--journal <FILE>"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
 fn serverless_serve_answers_the_lambda_invoke_api_and_stops_on_ctrl_c() {
     use std::io::{BufRead, BufReader, Read, Write};
     use std::process::Stdio;

@@ -322,12 +322,13 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
         ("rewards", 1),
     ];
     let expect: usize = pools.iter().map(|(_, n)| n).sum();
+    // Synced to the disk before each batch is acted on: the same journal, the slower path.
     let journal = dir.join("scheduler.journal");
     let (sched, url) = scheduler(
         &job,
         &report,
         expect,
-        &["--journal", journal.to_str().unwrap()],
+        &["--journal", journal.to_str().unwrap(), "--journal-sync"],
     );
     let mut procs = Procs(vec![sched]);
     let mut victim = 0;

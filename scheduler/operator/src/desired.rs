@@ -61,7 +61,10 @@ pub const TOKEN_SECRET_ANNOTATION: &str = "rollfleet.dev/token-secret";
 pub const TOKEN_SECRET_KEY: &str = "token";
 /// Annotation on an RLJob: the name of a PersistentVolumeClaim of its namespace to keep the
 /// scheduler's journal on, instead of the pod's `emptyDir`: then a scheduler pod that is
-/// replaced (evicted, its node lost) resumes the job too, not only a restarted container.
+/// replaced (evicted, its node lost) resumes the job too, not only a restarted container. On a
+/// claim the journal is also synced to the disk before the scheduler acts on it
+/// (`--journal-sync`): a node that loses power must not take acted-on records with it. (On the
+/// `emptyDir` that would buy nothing: the directory goes with the node.)
 pub const JOURNAL_CLAIM_ANNOTATION: &str = "rollfleet.dev/journal-claim";
 /// Annotation on the scheduler's pod: a hash of the job file it runs.
 pub const JOB_HASH_ANNOTATION: &str = "rollfleet.dev/job-hash";
@@ -293,9 +296,14 @@ pub fn finished(job: &RLJob) -> bool {
     })
 }
 
+/// The claim the job names for its scheduler's journal, if any.
+fn journal_claim(job: &RLJob) -> Option<String> {
+    annotation(job, JOURNAL_CLAIM_ANNOTATION).filter(|c| !c.trim().is_empty())
+}
+
 /// The volume the scheduler's journal is on: the claim the job names, or the pod's `emptyDir`.
 fn journal_volume(job: &RLJob) -> Volume {
-    let claim = annotation(job, JOURNAL_CLAIM_ANNOTATION).filter(|c| !c.trim().is_empty());
+    let claim = journal_claim(job);
     Volume {
         name: "journal".into(),
         empty_dir: claim.is_none().then(EmptyDirVolumeSource::default),
@@ -463,25 +471,29 @@ pub fn desired_with(
     let scheduler_labels = labels(job, "scheduler", None);
     let config_map_name = dns_name(&[name, "job"]);
     let job_hash = format!("{:016x}", fnv1a(&yaml));
+    let mut scheduler_args = vec![
+        "scheduler".into(),
+        format!("{JOB_DIR}/job.yaml"),
+        "--listen".into(),
+        format!("0.0.0.0:{GRPC_PORT}"),
+        "--metrics-addr".into(),
+        format!("0.0.0.0:{METRICS_PORT}"),
+        "--expect-workers".into(),
+        workers.to_string(),
+        "--time-scale".into(),
+        "1".into(),
+        // Named by the job file: a changed spec starts a journal of its own.
+        "--journal".into(),
+        format!("{JOURNAL_DIR}/{job_hash}.journal"),
+    ];
+    if journal_claim(job).is_some() {
+        scheduler_args.push("--journal-sync".into());
+    }
     let scheduler = Container {
         name: "scheduler".into(),
         image: Some(settings.image.clone()),
         command: Some(vec!["rollfleet".into()]),
-        args: Some(vec![
-            "scheduler".into(),
-            format!("{JOB_DIR}/job.yaml"),
-            "--listen".into(),
-            format!("0.0.0.0:{GRPC_PORT}"),
-            "--metrics-addr".into(),
-            format!("0.0.0.0:{METRICS_PORT}"),
-            "--expect-workers".into(),
-            workers.to_string(),
-            "--time-scale".into(),
-            "1".into(),
-            // Named by the job file: a changed spec starts a journal of its own.
-            "--journal".into(),
-            format!("{JOURNAL_DIR}/{job_hash}.journal"),
-        ]),
+        args: Some(scheduler_args),
         ports: Some(vec![
             ContainerPort {
                 name: Some("grpc".into()),
@@ -823,7 +835,16 @@ mod tests {
     }
 
     #[test]
-    fn a_journal_claim_annotation_puts_the_schedulers_journal_on_that_claim() {
+    fn a_journal_claim_annotation_puts_the_schedulers_journal_on_that_claim_synced_to_its_disk() {
+        let synced = |d: &Desired| {
+            d.deployments[0]
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref())
+                .and_then(|p| p.containers[0].args.as_ref())
+                .expect("the scheduler's args")
+                .contains(&"--journal-sync".to_owned())
+        };
         let journal = |d: &Desired| {
             d.deployments[0]
                 .spec
@@ -834,13 +855,23 @@ mod tests {
                 .expect("a journal volume")
         };
         let mut job = example("quickstart.yaml");
-        let plain = journal(&desired(&job, &settings()).expect("valid"));
+        let plain = desired(&job, &settings()).expect("valid");
+        assert!(
+            !synced(&plain),
+            "an emptyDir goes with its node: syncing it buys nothing"
+        );
+        let plain = journal(&plain);
         assert!(plain.empty_dir.is_some() && plain.persistent_volume_claim.is_none());
         job.metadata.annotations = Some(BTreeMap::from([(
             JOURNAL_CLAIM_ANNOTATION.to_owned(),
             "rl-journals".to_owned(),
         )]));
-        let claimed = journal(&desired(&job, &settings()).expect("valid"));
+        let claimed = desired(&job, &settings()).expect("valid");
+        assert!(
+            synced(&claimed),
+            "a claim outlives the node: the journal is synced"
+        );
+        let claimed = journal(&claimed);
         assert!(claimed.empty_dir.is_none(), "{claimed:?}");
         assert_eq!(
             claimed

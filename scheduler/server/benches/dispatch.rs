@@ -6,10 +6,11 @@
 //! scheduler: the core, the actor, tonic and the loopback. Server and clients share the machine's
 //! cores. Prints stage completions per second and the server's dispatch latency (a worker message
 //! off the wire to every command it caused handed to the outboxes), per run and the median of
-//! three runs (`ROLLFLEET_BENCH_RUNS` for more), without a journal and with one (`--journal`:
-//! every event written to a file before it is acted on), the two interleaved so that both see
-//! the same machine. Each journal is then replayed into a fresh actor, as a restarted scheduler
-//! does: how fast, and whether it ends with the very report the live run wrote.
+//! three runs (`ROLLFLEET_BENCH_RUNS` for more), without a journal, with one (`--journal`: every
+//! event written to a file before it is acted on) and with one synced to the disk before each
+//! batch is acted on (`--journal-sync`), the three interleaved so that all see the same
+//! machine. Each journal is then replayed into a fresh actor, as a restarted scheduler does: how
+//! fast, and whether it ends with the very report the live run wrote.
 
 use std::time::{Duration, Instant};
 
@@ -126,7 +127,10 @@ fn decisions(report: &Report) -> serde_json::Value {
     value
 }
 
-fn run_once(journal: Option<std::path::PathBuf>) -> (f64, Report) {
+/// The three ways the benchmark runs the scheduler.
+const MODES: [&str; 3] = ["no journal", "journal", "journal, synced"];
+
+fn run_once(journal: Option<std::path::PathBuf>, journal_sync: bool) -> (f64, Report) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -158,6 +162,7 @@ fn run_once(journal: Option<std::path::PathBuf>) -> (f64, Report) {
             replan_on_drift: None,
             token: None,
             journal,
+            journal_sync,
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {
@@ -189,11 +194,11 @@ fn main() {
     };
     let dir = std::env::temp_dir().join(format!("rollfleet-dispatch-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary directory");
-    let mut results: [(Vec<f64>, Vec<u32>); 2] = Default::default();
+    let mut results: [(Vec<f64>, Vec<u32>); 3] = Default::default();
     for i in 0..runs {
-        for (with_journal, (rates, p99s)) in results.iter_mut().enumerate() {
-            let journal = (with_journal == 1).then(|| dir.join(format!("run-{i}.journal")));
-            let (rate, r) = run_once(journal.clone());
+        for (mode, (rates, p99s)) in results.iter_mut().enumerate() {
+            let journal = (mode > 0).then(|| dir.join(format!("run-{i}-{mode}.journal")));
+            let (rate, r) = run_once(journal.clone(), mode == 2);
             let journal_bytes = journal
                 .as_ref()
                 .and_then(|p| std::fs::metadata(p).ok())
@@ -203,11 +208,7 @@ fn main() {
             println!(
                 "run {} ({}): {} stages in {:.2} s = {:.0} stage completions/s over gRPC; dispatch latency p50 {} us, p99 {} us; {} trajectories trained ({} twice){journal_bytes}",
                 i + 1,
-                if with_journal == 1 {
-                    "journal"
-                } else {
-                    "no journal"
-                },
+                MODES[mode],
                 r.stages_completed,
                 r.wall_s,
                 rate,
@@ -226,24 +227,21 @@ fn main() {
                     "the replayed journal ends with another report than the live run's"
                 );
                 println!(
-                    "run {} (journal): planned the job and replayed {records} records in {seconds:.3} s = {:.0} records/s, to the live run's report",
+                    "run {} ({}): planned the job and replayed {records} records in {seconds:.3} s = {:.0} records/s, to the live run's report",
                     i + 1,
+                    MODES[mode],
                     records as f64 / seconds.max(1e-9)
                 );
             }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    for (with_journal, (rates, p99s)) in results.iter_mut().enumerate() {
+    for (mode, (rates, p99s)) in results.iter_mut().enumerate() {
         rates.sort_by(f64::total_cmp);
         p99s.sort_unstable();
         println!(
             "median of {runs} ({}): {:.0} stage completions/s, dispatch p99 {} us",
-            if with_journal == 1 {
-                "journal"
-            } else {
-                "no journal"
-            },
+            MODES[mode],
             rates[rates.len() / 2],
             p99s[p99s.len() / 2]
         );

@@ -117,6 +117,9 @@ pub struct ServerOptions {
     /// a journal that has records resumes its job (`None`: no journal, a lost scheduler loses
     /// the job).
     pub journal: Option<PathBuf>,
+    /// Wait for every batch of journal records to reach the disk before acting on it
+    /// ([`journal::JournalWriter::syncing`]): a journal that survives the machine losing power.
+    pub journal_sync: bool,
 }
 
 /// Counts a call refused for want of the token, and says so in the log at the 1st, 10th, 100th,
@@ -308,14 +311,20 @@ pub async fn serve_until(
                     "scheduler: journal {}: {replayed} records replayed",
                     path.display()
                 );
-                actor.set_journal(journal::JournalWriter::append(path, reader.valid_bytes())?);
+                actor.set_journal(
+                    journal::JournalWriter::append(path, reader.valid_bytes())?
+                        .syncing(opts.journal_sync)?,
+                );
             }
-            None => actor.set_journal(journal::JournalWriter::create(path, &header)?),
+            None => actor.set_journal(
+                journal::JournalWriter::create(path, &header)?.syncing(opts.journal_sync)?,
+            ),
         }
         prepared = Some(actor);
     }
     // A submitted job's journal starts with it: the header is these settings and its file.
     let journal_path = opts.journal.clone();
+    let journal_sync = opts.journal_sync;
     let header_settings = journal_header(&opts, "");
     let given = job_yaml.is_some();
     let accepted = slot.clone();
@@ -342,7 +351,9 @@ pub async fn serve_until(
                         job_yaml: job.plan.yaml.clone(),
                         ..header_settings
                     };
-                    match journal::JournalWriter::create(path, &header) {
+                    match journal::JournalWriter::create(path, &header)
+                        .and_then(|writer| writer.syncing(journal_sync))
+                    {
                         Ok(writer) => actor.set_journal(writer),
                         Err(e) => eprintln!(
                             "scheduler: {e}; the job runs without a journal (a restart cannot \

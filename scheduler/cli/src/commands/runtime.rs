@@ -68,6 +68,12 @@ pub struct SchedulerArgs {
     /// (docs/runtime.md, "Failover"). A file that does not exist or is empty starts a new journal.
     #[arg(long, value_name = "FILE")]
     pub journal: Option<PathBuf>,
+    /// Wait for every batch of journal records to reach the disk (`fdatasync`) before acting on
+    /// it, so that the journal survives the machine losing power (use it with a journal on
+    /// storage that outlives the machine). Without it a killed scheduler loses nothing, but a
+    /// power loss can.
+    #[arg(long, requires = "journal")]
+    pub journal_sync: bool,
     #[command(flatten)]
     pub token: TokenArgs,
 }
@@ -297,6 +303,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             replan_on_drift: args.replan_on_drift,
             token,
             journal: args.journal.clone(),
+            journal_sync: args.journal_sync,
         };
         let (cancel, cancelled) = tokio::sync::oneshot::channel();
         // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.
