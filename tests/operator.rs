@@ -81,8 +81,65 @@ fn start(c: &Container, rewrite: impl Fn(&str) -> String, extra: &[&str], stdout
         .unwrap()
 }
 
+/// `rollfleet job status -o json` against the scheduler at `url`, with the namespace's token,
+/// as the operator asks it; `None` while it does not answer.
+fn job_status(url: &str) -> Option<Value> {
+    let out = Command::new(BIN)
+        .args([
+            "job",
+            "status",
+            "quickstart",
+            "--scheduler",
+            url,
+            "-o",
+            "json",
+        ])
+        .env("ROLLFLEET_TOKEN", SECRET.2)
+        .output()
+        .unwrap();
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).unwrap())
+}
+
+/// Polls [`job_status`] until the phase is `phase`.
+fn wait_phase(url: &str, phase: &str) -> Value {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(status) = job_status(url)
+            && status["phase"] == phase
+        {
+            return status;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(240),
+            "the scheduler at {url} never said {phase}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// SIGTERM, as the kubelet stops a container when its Deployment is scaled down.
+fn terminate(child: &Child) {
+    let sent = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
+/// Reads the `listening on ADDR` line of a scheduler started with its stdout piped.
+fn listening(scheduler: &mut Child) -> String {
+    let mut line = String::new();
+    BufReader::new(scheduler.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line.trim().strip_prefix("listening on ").unwrap();
+    format!("http://{addr}")
+}
+
 #[test]
-fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_to_the_end_and_a_restarted_scheduler_does_not_run_it_again()
+fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_and_wait_at_its_end_to_be_scaled_down()
  {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let text = std::fs::read_to_string(root.join("examples/jobs/quickstart.yaml")).unwrap();
@@ -133,24 +190,16 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_to_the_end_
         &["--report", report.to_str().unwrap()],
         Stdio::piped(),
     );
-    let mut line = String::new();
-    BufReader::new(scheduler.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap()
-        .to_owned();
+    let url = listening(&mut scheduler);
     let mut procs = Procs(vec![scheduler]);
     // The scheduler took the Secret's token: a call without it is refused.
-    assert_job_status_refused_without_token(BIN, &format!("http://{addr}"));
+    assert_job_status_refused_without_token(BIN, &url);
     let mut pods = 0;
     for deployment in &wanted.deployments[1..] {
         let replicas = deployment.spec.as_ref().unwrap().replicas.unwrap();
         let c = container(deployment);
         for _ in 0..replicas {
-            let url = format!("http://{addr}");
+            let url = url.clone();
             procs.0.push(start(
                 &c,
                 |arg| {
@@ -168,9 +217,29 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_to_the_end_
     }
     assert_eq!(pods, wanted.workers);
 
-    // The scheduler exits when the job ends: 0 when it succeeded.
-    let exit = wait_exit(&mut procs.0[0], Duration::from_secs(240));
-    assert!(exit.success(), "{exit:?}");
+    // At the job's end every pod stays, and the scheduler keeps saying how the job ended, for
+    // the operator to read and scale the Deployments down (exiting, they would be restarted).
+    let ended = wait_phase(&url, "Succeeded");
+    assert_eq!(ended["rl_step"], 2, "{ended:#}");
+    std::thread::sleep(Duration::from_secs(1));
+    for process in &mut procs.0 {
+        assert!(
+            process.try_wait().unwrap().is_none(),
+            "a pod's process exited at the job's end"
+        );
+    }
+    assert_eq!(
+        job_status(&url).expect("still answering")["phase"],
+        "Succeeded"
+    );
+    // Scaled down: SIGTERM to every pod. Each exits, the scheduler with the job's success.
+    for process in &procs.0 {
+        terminate(process);
+    }
+    for process in &mut procs.0 {
+        let exit = wait_exit(process, Duration::from_secs(60));
+        assert!(exit.success(), "{exit:?}");
+    }
     let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
     assert_eq!(report["phase"], "Succeeded", "{report:#}");
     assert_eq!(report["policy_version"], 2);
@@ -178,9 +247,9 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_to_the_end_
     assert_eq!(trained.len(), 2 * 32);
     assert!(report["trained_twice"].as_array().unwrap().is_empty());
 
-    // The scheduler's container exited; the kubelet starts it again in the same pod, on the
-    // same emptyDir. It finds the ended job in its journal and exits at once, without running
-    // the job a second time.
+    // Had the scheduler's container died after the end instead (a crash, an OOM kill), the
+    // kubelet would start it again in the same pod, on the same emptyDir. It finds the ended job
+    // in its journal and says so, without running the job a second time, until stopped.
     let journals: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -192,12 +261,17 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_to_the_end_
         "one journal, on the emptyDir: {journals:?}"
     );
     let again = dir.join("report-again.json");
-    procs.0.push(start(
+    let mut restarted = start(
         &scheduler_container,
         volumes,
         &["--report", again.to_str().unwrap()],
-        Stdio::null(),
-    ));
+        Stdio::piped(),
+    );
+    let url = listening(&mut restarted);
+    procs.0.push(restarted);
+    let said = wait_phase(&url, "Succeeded");
+    assert_eq!(said["rl_step"], 2, "{said:#}");
+    terminate(procs.0.last().unwrap());
     let exit = wait_exit(procs.0.last_mut().unwrap(), Duration::from_secs(60));
     assert!(exit.success(), "{exit:?}");
     let again: Value = serde_json::from_slice(&std::fs::read(&again).unwrap()).unwrap();

@@ -239,6 +239,9 @@ fn worker_container(job: &RLJob, settings: &Settings, pool: &str, gpus: u32) -> 
         format!("http://{}:{GRPC_PORT}", scheduler_name(job)),
         "--pool".to_owned(),
         pool.to_owned(),
+        // At the job's end a worker waits to be scaled down rather than exiting: a Deployment
+        // would start it again only to be told the job has ended.
+        "--until-stopped".to_owned(),
     ];
     let mut resources = None;
     let annotation = |key: &str| annotation(job, key);
@@ -482,6 +485,9 @@ pub fn desired_with(
         workers.to_string(),
         "--time-scale".into(),
         "1".into(),
+        // At the job's end it keeps answering its status until the operator, having read the
+        // end, scales the Deployment down; exiting, it would be started again.
+        "--until-stopped".into(),
         // Named by the job file: a changed spec starts a journal of its own.
         "--journal".into(),
         format!("{JOURNAL_DIR}/{job_hash}.journal"),
@@ -879,6 +885,27 @@ mod tests {
                 .map(|c| (c.claim_name, c.read_only)),
             Some(("rl-journals".to_owned(), Some(false)))
         );
+    }
+
+    #[test]
+    fn every_container_of_a_job_waits_at_its_end_to_be_scaled_down_rather_than_exiting() {
+        let d = desired(&example("rollart-agentic.yaml"), &settings()).expect("valid");
+        assert!(d.deployments.len() > 1, "a scheduler and worker pools");
+        for deployment in &d.deployments {
+            let pod = deployment
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref())
+                .expect("a pod");
+            for container in &pod.containers {
+                let args = container.args.clone().expect("args");
+                assert!(
+                    args.contains(&"--until-stopped".to_owned()),
+                    "{}: {args:?}",
+                    container.name
+                );
+            }
+        }
     }
 
     #[test]

@@ -61,6 +61,7 @@ async fn scheduler_with_token(
         token: token.map(|t| rollfleet_proto::auth::Token::parse(t, "test").unwrap()),
         journal: None,
         journal_sync: false,
+        until_stopped: false,
     };
     (url, tokio::spawn(rollfleet_server::serve(listener, opts)))
 }

@@ -163,6 +163,7 @@ fn run_once(journal: Option<std::path::PathBuf>, journal_sync: bool) -> (f64, Re
             token: None,
             journal,
             journal_sync,
+            until_stopped: false,
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {

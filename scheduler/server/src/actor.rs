@@ -175,6 +175,10 @@ pub struct ActorOptions {
     /// Re-plan when a measured share of peak drifts from the running plan's by more than this
     /// (relative); `None`: never on drift.
     pub replan_on_drift: Option<f64>,
+    /// After the job ends, keep serving (its status, the trainer feed, "the job has ended" to
+    /// workers that register) until stopped, instead of stopping once a trainer has everything:
+    /// a scheduler that a Deployment runs must not exit at the end, or it is started again.
+    pub until_stopped: bool,
 }
 
 /// One line of the final report per pool.
@@ -459,6 +463,10 @@ pub struct Actor {
     journal: Option<JournalWriter>,
     /// A journal was replayed and its `recovered` step is still to be taken.
     recovering: bool,
+    /// A stop (Ctrl-C, SIGTERM, a `Cancel`) came to this scheduler live. Only whether to exit
+    /// after the end depends on it, never a decision, so a replay leaves it unset: a scheduler
+    /// serving until stopped, started again on its journal, serves again until it is stopped.
+    stop_seen: bool,
     /// A journal is being replayed (nothing is logged).
     replaying: bool,
     /// Events the actor caused itself (a worker whose stream was found closed), taken after the
@@ -572,6 +580,7 @@ impl Actor {
             base: Duration::ZERO,
             journal: None,
             recovering: false,
+            stop_seen: false,
             replaying: false,
             loopback: VecDeque::new(),
             started: None,
@@ -664,8 +673,12 @@ impl Actor {
             // after a restart (at `base`), a while again, to subscribe again first.
             if let Some((at, _)) = self.ended {
                 let since = self.wall().saturating_sub(at.max(self.base));
-                if since > Duration::from_millis(500) && (self.feed.drained() || since > FEED_GRACE)
-                {
+                let done = if self.opts.until_stopped {
+                    self.stop_seen
+                } else {
+                    self.feed.drained() || since > FEED_GRACE
+                };
+                if since > Duration::from_millis(500) && done {
                     break;
                 }
             }
@@ -743,6 +756,9 @@ impl Actor {
     /// operating system before acting on any), and handles them in order.
     fn take(&mut self, steps: Vec<Step>) {
         self.at = self.at.max(self.wall());
+        self.stop_seen |= steps
+            .iter()
+            .any(|step| matches!(step, Step::Event(Event::Cancel)));
         let steps: Vec<Step> = steps
             .into_iter()
             .map(|step| self.journal_step(step))

@@ -120,6 +120,10 @@ pub struct ServerOptions {
     /// Wait for every batch of journal records to reach the disk before acting on it
     /// ([`journal::JournalWriter::syncing`]): a journal that survives the machine losing power.
     pub journal_sync: bool,
+    /// After the job ends, keep serving until `cancel` completes (a stop), instead of exiting
+    /// once a trainer has everything: for a scheduler a Deployment runs, whose end must be read
+    /// (by the operator) rather than restarted.
+    pub until_stopped: bool,
 }
 
 /// Counts a call refused for want of the token, and says so in the log at the 1st, 10th, 100th,
@@ -273,6 +277,7 @@ pub async fn serve_until(
         expect_workers: opts.expect_workers,
         report: opts.report.clone(),
         replan_on_drift: opts.replan_on_drift,
+        until_stopped: opts.until_stopped,
     };
     // With a journal and the job known now, the actor is made (and a journal with records
     // replayed) before anything is served: a trainer resuming its feed must find every item it
@@ -417,6 +422,7 @@ pub fn replay_journal(path: &std::path::Path) -> Result<Replayed, ServerError> {
         expect_workers: usize::try_from(header.expect_workers).unwrap_or(usize::MAX),
         report: None,
         replan_on_drift: header.replan_on_drift,
+        until_stopped: false,
     };
     let status = Arc::new(watch::channel(JobStatus::default()).0);
     let metrics = Arc::new(metrics::Metrics::new()?);

@@ -74,6 +74,12 @@ pub struct SchedulerArgs {
     /// power loss can.
     #[arg(long, requires = "journal")]
     pub journal_sync: bool,
+    /// After the job ends, keep serving its status (and the trainer feed) until stopped
+    /// (SIGTERM, Ctrl-C), instead of exiting: what a scheduler run by a Kubernetes Deployment
+    /// needs (the operator sets it), so that the end is read and the Deployment scaled down
+    /// rather than the scheduler started again. The exit status is still the job's.
+    #[arg(long)]
+    pub until_stopped: bool,
     #[command(flatten)]
     pub token: TokenArgs,
 }
@@ -114,6 +120,11 @@ pub struct WorkerArgs {
     /// 0: exit instead.
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub rejoin_for: u64,
+    /// Once the job is over (drained), wait to be stopped (SIGTERM, Ctrl-C) instead of exiting:
+    /// what a worker a Kubernetes Deployment runs needs (the operator sets it), or it is started
+    /// again only to be told the job has ended. Stopped mid-job, it exits at once.
+    #[arg(long)]
+    pub until_stopped: bool,
     #[command(flatten)]
     pub token: TokenArgs,
     /// Which LLM engine generates.
@@ -304,6 +315,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             token,
             journal: args.journal.clone(),
             journal_sync: args.journal_sync,
+            until_stopped: args.until_stopped,
         };
         let (cancel, cancelled) = tokio::sync::oneshot::channel();
         // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.
@@ -430,8 +442,26 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         },
     };
     let rt = runtime()?;
-    match rt.block_on(rollfleet_node::run(opts)) {
-        Ok(_) => Ok(exit::OK),
+    let until_stopped = args.until_stopped;
+    let worked: Result<()> = rt.block_on(async move {
+        if !until_stopped {
+            return Ok(rollfleet_node::run(opts).await.map(|_| ())?);
+        }
+        let stop = shutdown_signal()?;
+        tokio::pin!(stop);
+        tokio::select! {
+            worked = rollfleet_node::run(opts) => {
+                if worked.is_ok() {
+                    eprintln!("worker: the job is over; waiting to be stopped (--until-stopped)");
+                    (&mut stop).await;
+                }
+                Ok(worked.map(|_| ())?)
+            }
+            () = &mut stop => Ok(()),
+        }
+    });
+    match worked {
+        Ok(()) => Ok(exit::OK),
         Err(e) => {
             writeln!(stderr, "worker: {e}")?;
             Ok(exit::FAILED)
