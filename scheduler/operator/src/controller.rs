@@ -11,9 +11,9 @@
 //!    step, trajectories trained and message, with `Valid` and `SchedulerReachable` conditions
 //!    that carry the generation they describe;
 //! 4. look again in 10 s while the job runs, in 5 minutes once it has ended; on the pass after
-//!    the end was written, every Deployment of the job is scaled to zero (a scheduler or worker
-//!    that exits after the end would only be started again) and the status is left as it is,
-//!    until the spec changes.
+//!    the end was written, every Deployment of the job is scaled to zero (its scheduler and
+//!    workers, run `--until-stopped`, wait at the end for that) and the status is left as it
+//!    is, until the spec changes.
 //!
 //! An RLJob annotated `rollfleet.dev/token-secret: NAME` has its scheduler require the token in
 //! that Secret (key `token`); its pods read it as `ROLLFLEET_TOKEN`, and the operator reads the

@@ -231,7 +231,7 @@ mod tests {
     fn the_operator_manifests_are_kubernetes_objects_that_fit_together() {
         use k8s_openapi::api::apps::v1::Deployment;
         use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
-        use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+        use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 
         let docs: Vec<serde_json::Value> = manifest("rbac.yaml")
             .split("\n---\n")
@@ -269,13 +269,36 @@ mod tests {
         let container = &pod.containers[0];
         assert_eq!(
             container.command.clone().unwrap_or_default(),
-            ["rollfleet-operator", "run"]
+            ["rollfleet-operator", "run", "--leader-elect"]
         );
         let env = container.env.clone().unwrap_or_default();
         assert!(
             env.iter()
                 .any(|e| e.name == "ROLLFLEET_IMAGE" && e.value.is_some())
         );
+        // Leader election: each replica's identity and the Lease's namespace, from the pod.
+        for (name, field) in [
+            ("POD_NAME", "metadata.name"),
+            ("POD_NAMESPACE", "metadata.namespace"),
+        ] {
+            let from = env
+                .iter()
+                .find(|e| e.name == name)
+                .and_then(|e| e.value_from.as_ref())
+                .and_then(|v| v.field_ref.as_ref())
+                .map(|f| f.field_path.as_str());
+            assert_eq!(from, Some(field), "{name}");
+        }
+        let role: Role = serde_json::from_value(of("Role")).expect("Role");
+        let role_binding: RoleBinding =
+            serde_json::from_value(of("RoleBinding")).expect("RoleBinding");
+        assert_eq!(role.metadata.namespace, namespace.metadata.name);
+        assert_eq!(
+            role_binding.role_ref.name,
+            role.metadata.name.clone().unwrap_or_default()
+        );
+        let subject = &role_binding.subjects.unwrap_or_default()[0];
+        assert_eq!(Some(&subject.name), account.metadata.name.as_ref());
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! - [`crd`]: the `RLJob` resource and its CustomResourceDefinition;
 //! - [`desired`]: what an RLJob should run (its scheduler, a Deployment of workers per pool), a
 //!   pure function tested without a cluster;
-//! - [`controller`]: the reconciler that applies it and reports the scheduler's status back.
+//! - [`controller`]: the reconciler that applies it and reports the scheduler's status back;
+//! - [`lease`]: leader election over a Lease, so that only one of several replicas reconciles.
 //!
 //! It depends on kube and k8s-openapi, which the scheduler core and the simulator never do.
 
@@ -14,3 +15,4 @@ pub use k8s_openapi;
 pub mod controller;
 pub mod crd;
 pub mod desired;
+pub mod lease;

@@ -2,6 +2,7 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -12,6 +13,8 @@ use kube::runtime::{Controller, watcher};
 use rollfleet_operator::controller::{self, Context};
 use rollfleet_operator::crd::{self, RLJob};
 use rollfleet_operator::desired::Settings;
+use rollfleet_operator::k8s_openapi::jiff::Timestamp;
+use rollfleet_operator::lease::{self, LeaseLock};
 
 /// The rollfleet Kubernetes operator.
 #[derive(Debug, Parser)]
@@ -29,9 +32,34 @@ enum Command {
         /// The image with the `rollfleet` binary that schedulers and workers run.
         #[arg(long, env = "ROLLFLEET_IMAGE")]
         image: String,
+        #[command(flatten)]
+        election: Election,
     },
     /// Print the CustomResourceDefinition of RLJob as YAML.
     Crd,
+}
+
+/// Leader election: which of several replicas reconciles.
+#[derive(Debug, clap::Args)]
+struct Election {
+    /// Reconcile only while holding a Lease, so that several replicas can run (one leads, the
+    /// others stand by and take over when it stops renewing). Without it, run one replica.
+    #[arg(long, env = "ROLLFLEET_LEADER_ELECT")]
+    leader_elect: bool,
+    /// The Lease's namespace (in a pod: its own, from the downward API).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "rollfleet-system")]
+    lease_namespace: String,
+    /// The Lease's name.
+    #[arg(long, default_value = "rollfleet-operator")]
+    lease_name: String,
+    /// This replica's identity in the Lease (in a pod: its name; default: host name and pid).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Seconds a leader keeps the Lease without renewing it: how long a standby waits to take
+    /// over from a leader that died. The leader renews every third of it and stops leading when
+    /// it could not renew for two thirds.
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(3..))]
+    lease_duration: u64,
 }
 
 fn main() -> ExitCode {
@@ -39,7 +67,7 @@ fn main() -> ExitCode {
         Command::Crd => crd::crd_yaml()
             .map(|yaml| print!("{yaml}"))
             .map_err(anyhow::Error::from),
-        Command::Run { image } => run(image),
+        Command::Run { image, election } => run(image, election),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -56,7 +84,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(image: String) -> anyhow::Result<()> {
+fn run(image: String, election: Election) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -70,9 +98,37 @@ fn run(image: String) -> anyhow::Result<()> {
         jobs.list(&Default::default())
             .await
             .context("listing RLJobs (is manifests/operator/crd.yaml applied?)")?;
+        let lock = election.leader_elect.then(|| {
+            let identity = election.identity.clone().unwrap_or_else(|| {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_owned())
+                    .unwrap_or_else(|_| "operator".into());
+                format!("{host}-{}", std::process::id())
+            });
+            LeaseLock::new(
+                client.clone(),
+                &election.lease_namespace,
+                &election.lease_name,
+                &identity,
+                Duration::from_secs(election.lease_duration),
+            )
+        });
+        if let Some(lock) = &lock {
+            eprintln!(
+                "rollfleet-operator: {} is a candidate for lease {}/{}",
+                lock.identity(),
+                election.lease_namespace,
+                election.lease_name
+            );
+            lease::acquire(lock, Duration::from_secs(2), |line| {
+                eprintln!("rollfleet-operator: {line}")
+            })
+            .await;
+            eprintln!("rollfleet-operator: {} leads", lock.identity());
+        }
         let ctx = Arc::new(Context::in_cluster(client.clone(), Settings { image }));
         eprintln!("rollfleet-operator: watching RLJobs in every namespace");
-        Controller::new(jobs, watcher::Config::default())
+        let controller = Controller::new(jobs, watcher::Config::default())
             .owns(Api::<Deployment>::all(client), watcher::Config::default())
             .shutdown_on_signal()
             .run(controller::reconcile, controller::error_policy, ctx)
@@ -80,8 +136,24 @@ fn run(image: String) -> anyhow::Result<()> {
                 if let Err(e) = result {
                     eprintln!("rollfleet-operator: {e}");
                 }
-            })
-            .await;
-        anyhow::Ok(())
+            });
+        let Some(lock) = &lock else {
+            controller.await;
+            return anyhow::Ok(());
+        };
+        let duration = lock.duration();
+        tokio::select! {
+            () = controller => {
+                // Stopped (SIGTERM): hand the lease to a standby at once.
+                if let Err(e) = lock.release(Timestamp::now()).await {
+                    eprintln!("rollfleet-operator: {e}");
+                }
+                anyhow::Ok(())
+            }
+            // Exiting, the pod is restarted as a candidate: no two replicas reconcile at once.
+            lost = lease::keep(lock, duration / 3, duration * 2 / 3) => {
+                Err(anyhow::anyhow!("{lost}; stopping, to start again as a candidate"))
+            }
+        }
     })
 }
