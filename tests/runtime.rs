@@ -297,6 +297,88 @@ fn a_job_completes_with_every_trajectory_once_after_workers_are_killed_mid_run()
 }
 
 #[test]
+fn workers_told_to_stop_mid_run_leave_once_their_work_is_done_and_nothing_of_theirs_is_lost() {
+    let dir = temp_dir("leave");
+    let job = job_file(&dir, 4);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 6, &[]);
+    let mut procs = Procs(vec![sched]);
+    // The decode node that will go declares the pool's two GPUs, so it holds the decode replica.
+    procs
+        .0
+        .push(worker_declaring_gpus(&url, "decode", "decode-0", 2));
+    let leaving_decode = 1;
+    for (pool, name) in [
+        ("prefill", "prefill-0"),
+        ("train", "train-0"),
+        ("envs", "envs-0"),
+        ("envs", "envs-1"),
+        ("rewards", "rewards-0"),
+    ] {
+        procs.0.push(worker(&url, pool, name));
+    }
+    let leaving_envs = 4;
+    wait_status(&url, "the job running", |s| s.phase() == JobPhase::Running);
+    // A second decode node, with room for the replica.
+    procs
+        .0
+        .push(worker_declaring_gpus(&url, "decode", "decode-1", 2));
+    wait_status(
+        &url,
+        "trajectories in flight and the second decode node attached",
+        |s| {
+            s.trajectories_in_flight > 0
+                && s.trajectories_completed > 0
+                && s.pools.iter().any(|p| p.pool == "decode" && p.workers == 2)
+        },
+    );
+    // SIGTERM, as a node drain or a spot instance's notice sends it: the worker says it is
+    // leaving, finishes what it runs, and exits 0 when the scheduler releases it.
+    for &victim in &[leaving_decode, leaving_envs] {
+        let pid = procs.0[victim].id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(sent.success());
+    }
+    for &victim in &[leaving_decode, leaving_envs] {
+        let exit = wait_exit(&mut procs.0[victim], DEADLINE);
+        assert!(
+            exit.success(),
+            "a leaving worker was not released: {exit:?}"
+        );
+    }
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    let report = check_report(&report, 4, 0);
+    assert_eq!(
+        report["workers_lost"].as_array().unwrap().len(),
+        0,
+        "a leaving worker was lost: {report:#}"
+    );
+    let left: Vec<&str> = report["workers_left"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w.as_str().unwrap())
+        .collect();
+    assert_eq!(left.len(), 2, "{report:#}");
+    assert!(
+        left.iter().any(|w| w.contains("decode@decode-0"))
+            && left.iter().any(|w| w.contains("envs@envs-0")),
+        "{left:?}"
+    );
+    // The decode node's going was planned for: its replica retired, one started on the other.
+    let replans = report["replans"].as_array().unwrap();
+    assert!(
+        replans.iter().any(|r| r["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("is leaving")
+            && r["replicas_started"].as_u64().unwrap_or(0) >= 1),
+        "{replans:#?}"
+    );
+}
+
+#[test]
 fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_the_new_plan() {
     let dir = temp_dir("replan");
     // The quick-start job, long enough to lose a node and gain one mid-run, with its decode

@@ -269,6 +269,10 @@ pub struct Report {
     pub profile_samples: u64,
     /// Workers lost or cut off, with the reason.
     pub workers_lost: Vec<String>,
+    /// Workers that said they were leaving and were released once they held nothing (nothing
+    /// of theirs was lost or redone).
+    #[serde(default)]
+    pub workers_left: Vec<String>,
     /// Inference replicas handed to another worker of their pool after theirs was lost.
     #[serde(default)]
     pub replicas_moved: u64,
@@ -425,6 +429,8 @@ struct Worker {
     replicas: BTreeSet<u64>,
     /// GPUs it declared (`GpuInventory.count`); 0 when it did not say.
     gpus: u32,
+    /// It said it is leaving: it gets nothing new, and is released once it holds nothing.
+    leaving: bool,
 }
 
 #[derive(Default)]
@@ -536,6 +542,10 @@ pub struct Actor {
     replicas_moved: u64,
     latencies_us: Vec<u32>,
     lost: Vec<String>,
+    /// Workers released after they said they were leaving.
+    left: Vec<String>,
+    /// Workers leaving: given nothing new, released once they hold nothing.
+    leaving: BTreeSet<u64>,
     status: Arc<watch::Sender<JobStatus>>,
     metrics: Arc<Metrics>,
     feed: Arc<FeedLog>,
@@ -628,6 +638,8 @@ impl Actor {
             replicas_moved: 0,
             latencies_us: Vec::new(),
             lost: Vec::new(),
+            left: Vec::new(),
+            leaving: BTreeSet::new(),
             status,
             metrics,
             feed,
@@ -1109,6 +1121,7 @@ impl Actor {
                     Some(Device::Gpu(g)) => g.count,
                     _ => 0,
                 },
+                leaving: false,
             },
         );
         self.metrics.workers_registered.inc();
@@ -1248,7 +1261,7 @@ impl Actor {
     fn attached(&self, pool: u32) -> impl Iterator<Item = (u64, &Worker)> {
         self.workers
             .iter()
-            .filter(move |(_, w)| w.alive && w.outbox.is_some() && w.pool == pool)
+            .filter(move |(_, w)| w.alive && w.outbox.is_some() && !w.leaving && w.pool == pool)
             .map(|(&id, w)| (id, w))
     }
 
@@ -1405,7 +1418,7 @@ impl Actor {
             && self.replanner.is_some()
             && self.planned_gpus.get(&pool).is_some_and(|&p| p != present);
         if changed {
-            self.replan(pool, present, why);
+            self.replan(pool, present, why, 0);
         } else {
             self.adopt_orphans(pool);
         }
@@ -1415,7 +1428,9 @@ impl Actor {
     /// and the move to the new plan starts (superseding one under way). When no placement fits
     /// what is left, nothing is re-planned: as before, the lost node's replicas move as they are
     /// to the pool's other workers, or wait for a node if none is left.
-    fn replan(&mut self, pool: u32, present: u32, why: &str) {
+    /// `leaving`: replicas already retiring because their worker is leaving (counted with those
+    /// retired here, as replicas that went with their node).
+    fn replan(&mut self, pool: u32, present: u32, why: &str, leaving: u32) {
         let before = self.planned_gpus.get(&pool).copied().unwrap_or(0);
         if present >= self.gpus_wanted(pool) {
             self.adopt_orphans(pool);
@@ -1456,7 +1471,7 @@ impl Actor {
             why.to_owned(),
             name,
             (before, present),
-            orphans.len() as u32,
+            orphans.len() as u32 + leaving,
             &decision,
         );
         self.begin_move(record, decision.waves);
@@ -1844,8 +1859,121 @@ impl Actor {
                 None => break,
             }
         }
+        self.release_leavers();
         if self.ended.is_none() && self.core.finished() {
             self.finish(JobPhase::Succeeded);
+        }
+    }
+
+    /// A worker said it is leaving (its node is drained, preempted or scaled down): from now on
+    /// it gets no new work, its replicas are retired (the core lets the stages running on them
+    /// finish and places nothing new there), the pool is planned again for the GPUs left, so that
+    /// the others start replicas where they have room, and the worker is released once it holds
+    /// nothing. What it runs is neither lost nor redone; if it goes before it is released, it is
+    /// lost as any worker is.
+    fn worker_leaving(&mut self, worker: u64, reason: &str) {
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        if !w.alive || w.leaving {
+            return;
+        }
+        w.leaving = true;
+        let (name, pool) = (w.name.clone(), w.pool);
+        let replicas: Vec<u64> = w.replicas.iter().copied().collect();
+        self.leaving.insert(worker);
+        let reason = if reason.is_empty() {
+            "no reason given"
+        } else {
+            reason
+        };
+        log!(
+            self,
+            "scheduler: worker {name} is leaving ({reason}): it gets nothing new, and is released \
+             once what it runs is done"
+        );
+        self.update_worker_gauges();
+        if self.started.is_none() || self.ended.is_some() {
+            self.release_leavers();
+            return;
+        }
+        if self.replanner.is_none() && !replicas.is_empty() {
+            // With no planner to start its replicas elsewhere, retiring them would shrink the
+            // pool for good: they stay, and move as a lost worker's do when it goes.
+            log!(
+                self,
+                "scheduler: no planner for this job: the replicas of worker {name} move to the \
+                 pool's other workers when it goes"
+            );
+            self.pump();
+            return;
+        }
+        let mut retiring = 0;
+        for r in replicas {
+            if self.in_service(r as usize) {
+                retiring += 1;
+                self.retiring.insert(r);
+                self.deferred.push_back(Input::RetireReplica {
+                    replica: ReplicaId(r),
+                });
+            }
+        }
+        if self.plan.pool_role(pool) == Some(PoolRole::Gpu) && self.replanner.is_some() {
+            let present = self.gpus_present(pool);
+            let planned = self.planned_gpus.get(&pool).copied();
+            self.replan(
+                pool,
+                present,
+                &format!("worker {name} is leaving"),
+                retiring,
+            );
+            // Nothing fitted the GPUs left: the next node to join is planned for afresh.
+            if self.planned_gpus.get(&pool).copied() == planned {
+                self.planned_gpus.insert(pool, present);
+            }
+        }
+        self.pump();
+    }
+
+    /// Releases every leaving worker that holds nothing any more: it is told to drain, and goes
+    /// as a worker does at the job's end (not lost).
+    fn release_leavers(&mut self) {
+        if self.leaving.is_empty() {
+            return;
+        }
+        let done: Vec<u64> = self
+            .leaving
+            .iter()
+            .copied()
+            .filter(|id| {
+                self.workers
+                    .get(id)
+                    .is_none_or(|w| !w.alive || (w.assignments.is_empty() && w.replicas.is_empty()))
+            })
+            .collect();
+        for id in done {
+            self.leaving.remove(&id);
+            let Some(w) = self.workers.get_mut(&id) else {
+                continue;
+            };
+            if !w.alive {
+                continue;
+            }
+            w.alive = false;
+            let name = w.name.clone();
+            if let Some(outbox) = w.outbox.take() {
+                outbox.send(Ok(SchedulerMessage {
+                    message: Some(scheduler_message::Message::Drain(true)),
+                }));
+            }
+            self.forget_gpus(id);
+            self.update_worker_gauges();
+            self.left.push(name.clone());
+            self.metrics.workers_left.inc();
+            log!(
+                self,
+                "scheduler: worker {name} left: released, nothing of it lost"
+            );
         }
     }
 
@@ -2288,7 +2416,7 @@ impl Actor {
             .filter(|w| {
                 self.workers
                     .get(w)
-                    .is_some_and(|w| w.alive && w.outbox.is_some() && w.pool == pool)
+                    .is_some_and(|w| w.alive && w.outbox.is_some() && !w.leaving && w.pool == pool)
             })
             .or_else(|| {
                 self.attached(pool)
@@ -2478,6 +2606,9 @@ impl Actor {
             }
             Some(worker_message::Message::Hello(_)) => {
                 self.cut_off(worker, "sent a second hello on its work stream")
+            }
+            Some(worker_message::Message::Leaving(leaving)) => {
+                self.worker_leaving(worker, &leaving.reason)
             }
             None => self.cut_off(worker, "sent an empty message (no field of the oneof set)"),
         }
@@ -3193,6 +3324,7 @@ impl Actor {
             profiles: self.profiles.clone(),
             profile_samples: self.profile_samples,
             workers_lost: self.lost.clone(),
+            workers_left: self.left.clone(),
             replicas_moved: self.replicas_moved,
             replans: self.replans.clone(),
             gpu_telemetry: self

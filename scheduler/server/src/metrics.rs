@@ -24,6 +24,8 @@ pub struct Metrics {
     pub workers_registered: IntCounter,
     /// Workers lost or cut off.
     pub workers_lost: IntCounter,
+    /// Workers that said they were leaving and were released with nothing lost.
+    pub workers_left: IntCounter,
     /// Re-plans while the job runs (nodes came or went, or profiles drifted).
     pub replans: IntCounter,
     /// Workers with an open work stream, per pool.
@@ -87,6 +89,11 @@ impl Metrics {
         let workers_lost = IntCounter::new(
             "workers_lost_total",
             "Workers lost (stream closed, lease expired) or cut off (protocol violation).",
+        )?;
+        let workers_left = IntCounter::new(
+            "workers_left_total",
+            "Workers that said they were leaving (SIGTERM: a node drain or preemption) and were \
+             released once what they ran was done, nothing of theirs lost.",
         )?;
         let replans = IntCounter::new(
             "replans_total",
@@ -198,6 +205,7 @@ impl Metrics {
         registry.register(Box::new(groups_abandoned.clone()))?;
         registry.register(Box::new(workers_registered.clone()))?;
         registry.register(Box::new(workers_lost.clone()))?;
+        registry.register(Box::new(workers_left.clone()))?;
         registry.register(Box::new(replans.clone()))?;
         registry.register(Box::new(workers.clone()))?;
         registry.register(Box::new(trajectories.clone()))?;
@@ -222,6 +230,7 @@ impl Metrics {
             groups_abandoned,
             workers_registered,
             workers_lost,
+            workers_left,
             replans,
             workers,
             trajectories,

@@ -46,13 +46,13 @@ use rollfleet_proto::auth::{AuthChannel, ClientAuth, Token};
 use rollfleet_proto::v1::{
     GenerationWork, GpuDevice, GpuInventory, GpuReading, GpuTelemetryInfo, HardwareInventory,
     HeartbeatRequest, ProfileKind, ProfileSample, RegisterRequest, SchedulerMessage, StageFailure,
-    StageOutput, WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage,
+    StageOutput, WorkAssignment, WorkResult, WorkerHello, WorkerLeaving, WorkerLoad, WorkerMessage,
     hardware_inventory, scheduler_message, stage_failure::Cause, work_assignment::Work,
     work_result, worker_message, worker_service_client::WorkerServiceClient,
 };
 use rollfleet_server::plan::{JobPlan, PoolRole};
 use rollfleet_sim::hardware::{ModelCosts, WorkKind};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -131,6 +131,36 @@ pub struct WorkerOptions {
     /// with it; zero: end as before (a closed stream is [`WorkerExit::Closed`], a broken one an
     /// error).
     pub rejoin_for: Duration,
+    /// Set to `true` when the node must go (the CLI does on SIGTERM or Ctrl-C): the worker says
+    /// so to the scheduler ([`WorkerLeaving`]), keeps running what it has, and ends when the
+    /// scheduler releases it ([`WorkerExit::Drained`]) or after `leave_timeout`.
+    pub leave: Option<watch::Receiver<bool>>,
+    /// How long a leaving worker waits for the scheduler to release it.
+    pub leave_timeout: Duration,
+}
+
+/// Completes once `leave` says the node must go (never without a `leave`, or once its sender
+/// is gone without saying so).
+async fn leave_asked(leave: &mut Option<watch::Receiver<bool>>) {
+    if let Some(rx) = leave
+        && rx.wait_for(|go| *go).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending::<()>().await
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending::<()>().await,
+    }
+}
+
+/// Whether `leave` says the node must go.
+fn leaving(leave: &Option<watch::Receiver<bool>>) -> bool {
+    leave.as_ref().is_some_and(|rx| *rx.borrow())
 }
 
 /// How a worker ended without error.
@@ -433,6 +463,10 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
         match session(&opts, &software, connect_for).await {
             Ok(exit) => return Ok(exit),
             Err(Ended::Error(e)) => return Err(e),
+            // A node that is going does not come back.
+            Err(Ended::SchedulerGone { .. }) if leaving(&opts.leave) => {
+                return Ok(WorkerExit::Closed);
+            }
             Err(Ended::SchedulerGone { reason, .. }) if !opts.rejoin_for.is_zero() => {
                 eprintln!(
                     "worker ({}): the scheduler went away ({reason}); registering again for up \
@@ -508,6 +542,9 @@ async fn session(
     let (backend, backend_version) = (*backend, backend_version.clone());
     let telemetry = telemetry.clone();
     let openai = openai.clone();
+    if leaving(&opts.leave) {
+        return Ok(WorkerExit::Closed);
+    }
     let mut client = connect(opts, connect_for).await?;
     let response = client
         .register(RegisterRequest {
@@ -662,12 +699,34 @@ async fn session(
         .map_err(|s| gone_or_refused(&s, ""))?
         .into_inner();
     let running: Arc<Mutex<BTreeMap<u64, AbortHandle>>> = Arc::new(Mutex::new(BTreeMap::new()));
+    let mut leave = opts.leave.clone();
+    let mut release_by: Option<tokio::time::Instant> = None;
     let result = loop {
         let message = tokio::select! {
             m = inbound.next() => m,
             status = lost_rx.recv() => {
                 let status = status.unwrap_or_else(|| tonic::Status::unknown("the heartbeat task ended"));
                 break Err(gone_or_refused(&status, "heartbeat refused: "));
+            }
+            () = leave_asked(&mut leave), if release_by.is_none() => {
+                eprintln!(
+                    "worker {} ({}): leaving: the scheduler gives this node nothing new and \
+                     releases it once what it runs is done (at most {:?})",
+                    lease.worker_id, opts.hostname, opts.leave_timeout
+                );
+                let _ = out.send(WorkerMessage {
+                    message: Some(worker_message::Message::Leaving(WorkerLeaving {
+                        reason: format!("node {} is going away", opts.hostname),
+                    })),
+                });
+                release_by = Some(tokio::time::Instant::now() + opts.leave_timeout);
+                continue;
+            }
+            () = sleep_until_opt(release_by) => {
+                break Err(Ended::Error(NodeError::Refused(format!(
+                    "leaving: the scheduler did not release this node within {:?}",
+                    opts.leave_timeout
+                ))));
             }
         };
         match message {

@@ -122,9 +122,15 @@ pub struct WorkerArgs {
     pub rejoin_for: u64,
     /// Once the job is over (drained), wait to be stopped (SIGTERM, Ctrl-C) instead of exiting:
     /// what a worker a Kubernetes Deployment runs needs (the operator sets it), or it is started
-    /// again only to be told the job has ended. Stopped mid-job, it exits at once.
+    /// again only to be told the job has ended.
     #[arg(long)]
     pub until_stopped: bool,
+    /// Stopped mid-job (SIGTERM, Ctrl-C: a node drain, a spot instance's notice), the worker
+    /// tells the scheduler it is leaving, finishes what it runs while it gets nothing new, and
+    /// exits 0 when the scheduler releases it; after this many seconds, or at a second signal,
+    /// it exits at once (its work is then redone elsewhere, as for a lost worker).
+    #[arg(long, value_name = "SECS", default_value_t = 25)]
+    pub leave_timeout: u64,
     #[command(flatten)]
     pub token: TokenArgs,
     /// Which LLM engine generates.
@@ -362,6 +368,31 @@ fn read_job(path: &Path, origin: &str, seed: u64) -> Result<String> {
     Ok(yaml)
 }
 
+/// Ctrl-C and SIGTERM, as many times as they come.
+struct StopSignals {
+    interrupt: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// Installs both handlers (from now on neither signal ends the process by itself).
+    fn new() -> Result<StopSignals> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(StopSignals {
+            interrupt: signal(SignalKind::interrupt()).context("installing a SIGINT handler")?,
+            term: signal(SignalKind::terminate()).context("installing a SIGTERM handler")?,
+        })
+    }
+
+    /// Completes at the next of either.
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.term.recv() => {}
+        }
+    }
+}
+
 /// Completes on Ctrl-C or SIGTERM. Both handlers are installed when this returns, not when the
 /// future is first polled.
 fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
@@ -412,6 +443,8 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         gpus: args.gpus,
         token,
         rejoin_for: Duration::from_secs(args.rejoin_for),
+        leave: None,
+        leave_timeout: Duration::from_secs(args.leave_timeout),
         engine: match (args.engine.engine, &args.engine.engine_url) {
             (EngineKind::Openai, Some(url)) => {
                 if !url.starts_with("http://") {
@@ -444,20 +477,31 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
     let rt = runtime()?;
     let until_stopped = args.until_stopped;
     let worked: Result<()> = rt.block_on(async move {
-        if !until_stopped {
-            return Ok(rollfleet_node::run(opts).await.map(|_| ())?);
-        }
-        let stop = shutdown_signal()?;
-        tokio::pin!(stop);
+        let mut stops = StopSignals::new()?;
+        let (leave, leave_rx) = tokio::sync::watch::channel(false);
+        let opts = rollfleet_node::WorkerOptions {
+            leave: Some(leave_rx),
+            ..opts
+        };
+        let run = rollfleet_node::run(opts);
+        tokio::pin!(run);
         tokio::select! {
-            worked = rollfleet_node::run(opts) => {
-                if worked.is_ok() {
+            worked = &mut run => {
+                worked?;
+                if until_stopped {
                     eprintln!("worker: the job is over; waiting to be stopped (--until-stopped)");
-                    (&mut stop).await;
+                    stops.next().await;
                 }
-                Ok(worked.map(|_| ())?)
+                return Ok(());
             }
-            () = &mut stop => Ok(()),
+            () = stops.next() => {}
+        }
+        let _ = leave.send(true);
+        tokio::select! {
+            worked = &mut run => Ok(worked.map(|_| ())?),
+            () = stops.next() => Err(anyhow::anyhow!(
+                "stopped again before the scheduler released this node"
+            )),
         }
     });
     match worked {
