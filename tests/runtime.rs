@@ -379,6 +379,49 @@ fn workers_told_to_stop_mid_run_leave_once_their_work_is_done_and_nothing_of_the
 }
 
 #[test]
+fn the_only_decode_node_leaving_waits_for_the_next_one_which_gets_the_replicas_and_the_job_ends() {
+    let dir = temp_dir("leave-alone");
+    let job = job_file(&dir, 3);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched]);
+    procs
+        .0
+        .push(worker_declaring_gpus(&url, "decode", "decode-0", 2));
+    for pool in ["prefill", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    wait_status(&url, "trajectories in flight", |s| {
+        s.trajectories_in_flight > 0 && s.trajectories_completed > 0
+    });
+    let pid = procs.0[1].id().to_string();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success());
+    let exit = wait_exit(&mut procs.0[1], DEADLINE);
+    assert!(
+        exit.success(),
+        "the leaving decode node was not released: {exit:?}"
+    );
+    // No decode node now: the job waits, and goes on when one joins.
+    procs
+        .0
+        .push(worker_declaring_gpus(&url, "decode", "decode-1", 2));
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    let report = check_report(&report, 3, 0);
+    assert_eq!(
+        report["workers_lost"].as_array().unwrap().len(),
+        0,
+        "{report:#}"
+    );
+    assert_eq!(
+        report["workers_left"].as_array().unwrap().len(),
+        1,
+        "{report:#}"
+    );
+}
+
+#[test]
 fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_the_new_plan() {
     let dir = temp_dir("replan");
     // The quick-start job, long enough to lose a node and gain one mid-run, with its decode
