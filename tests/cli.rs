@@ -682,6 +682,50 @@ fn a_journal_that_cannot_be_written_or_is_not_a_journal_is_refused_naming_the_fi
 }
 
 #[test]
+fn a_scheduler_given_half_a_tls_identity_or_a_key_file_without_a_key_serves_nothing_and_says_why() {
+    let cert = scratch(
+        "tls-cert.pem",
+        "-----BEGIN CERTIFICATE-----\nAA==\n-----END CERTIFICATE-----\n",
+    );
+    let out = rollfleet(&[
+        "scheduler",
+        "examples/jobs/quickstart.yaml",
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        cert.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--tls-key"),
+        "{}",
+        text(&out.stderr)
+    );
+    let key = scratch("tls-key.pem", "not a key\n");
+    let out = rollfleet(&[
+        "scheduler",
+        "examples/jobs/quickstart.yaml",
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-cert",
+        cert.to_str().unwrap(),
+        "--tls-key",
+        key.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    let said = text(&out.stderr);
+    assert!(
+        said.contains("--tls-key") && said.contains("tls-key.pem") && said.contains("PRIVATE KEY"),
+        "{said}"
+    );
+    assert!(
+        text(&out.stdout).is_empty(),
+        "it listened: {}",
+        text(&out.stdout)
+    );
+}
+
+#[test]
 fn journal_sync_without_a_journal_is_refused_naming_the_flag_it_needs() {
     let out = rollfleet(&[
         "scheduler",

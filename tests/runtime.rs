@@ -421,6 +421,171 @@ fn the_only_decode_node_leaving_waits_for_the_next_one_which_gets_the_replicas_a
     );
 }
 
+/// A CA and a certificate it signed for 127.0.0.1, made with the `openssl` command (P-256 keys,
+/// two days): `(ca.pem, server.pem, server.key)` in `dir`, named with `prefix`.
+fn tls_files(dir: &Path, prefix: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let file = |name: &str| dir.join(format!("{prefix}-{name}"));
+    let openssl = |args: &[&str]| {
+        let out = Command::new("openssl").args(args).output().unwrap();
+        assert!(out.status.success(), "openssl {args:?}: {out:?}");
+    };
+    let s = |p: &PathBuf| p.to_str().unwrap().to_owned();
+    let (ca_key, ca, key, csr, cert, ext) = (
+        file("ca.key"),
+        file("ca.pem"),
+        file("server.key"),
+        file("server.csr"),
+        file("server.pem"),
+        file("server.ext"),
+    );
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec[..],
+            &["-keyout", &s(&ca_key), "-out", &s(&ca)],
+        ]
+        .concat()
+        .into_iter()
+        .chain(["-days", "2", "-subj", "/CN=rollfleet test CA"])
+        .collect::<Vec<_>>(),
+    );
+    openssl(
+        &[
+            &["req"][..],
+            &ec[..],
+            &["-keyout", &s(&key), "-out", &s(&csr)],
+        ]
+        .concat()
+        .into_iter()
+        .chain(["-subj", "/CN=scheduler"])
+        .collect::<Vec<_>>(),
+    );
+    std::fs::write(
+        &ext,
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        &s(&csr),
+        "-CA",
+        &s(&ca),
+        "-CAkey",
+        &s(&ca_key),
+        "-CAcreateserial",
+        "-out",
+        &s(&cert),
+        "-days",
+        "2",
+        "-extfile",
+        &s(&ext),
+    ]);
+    (ca, cert, key)
+}
+
+#[test]
+fn a_scheduler_serving_tls_runs_a_job_for_workers_that_trust_its_ca_and_refuses_other_clients() {
+    let dir = temp_dir("tls");
+    let job = job_file(&dir, 2);
+    let report = dir.join("report.json");
+    let (ca, cert, key) = tls_files(&dir, "good");
+    let (other_ca, _, _) = tls_files(&dir, "other");
+    // Six workers expected: the job waits for the last one until the clients below are checked.
+    let (sched, plain) = scheduler(
+        &job,
+        &report,
+        6,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let url = plain.replace("http://", "https://");
+    let mut procs = Procs(vec![sched]);
+    let worker = |pool: &str, name: &str| {
+        Command::new(BIN)
+            .args(["worker", "--scheduler", &url, "--pool", pool])
+            .args(["--name", name, "--tls-ca"])
+            .arg(&ca)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap()
+    };
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(pool, &format!("{pool}-0")));
+    }
+    let status = |url: &str, ca: Option<&Path>| {
+        let mut command = Command::new(BIN);
+        command.args([
+            "job",
+            "status",
+            "quickstart",
+            "--scheduler",
+            url,
+            "-o",
+            "json",
+        ]);
+        if let Some(ca) = ca {
+            command.arg("--tls-ca").arg(ca);
+        }
+        command.output().unwrap()
+    };
+    // A client that trusts the CA reads the status; the five workers got through too.
+    let start = Instant::now();
+    loop {
+        let out = status(&url, Some(&ca));
+        assert!(out.status.success(), "{out:?}");
+        let said: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(said["phase"], "Pending", "{said:#}");
+        let workers: u64 = said["pools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["workers"].as_u64().unwrap())
+            .sum();
+        if workers == 5 {
+            break;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the workers never attached over TLS: {said:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // One that trusts another CA does not get through the handshake; nor does plain HTTP/2.
+    let out = status(&url, Some(&other_ca));
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot reach the scheduler"),
+        "{out:?}"
+    );
+    let out = status(&plain, None);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    // An https:// URL without a CA, or a CA with a plain URL, is the user's mistake, said so.
+    let out = status(&url, None);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("needs --tls-ca"),
+        "{out:?}"
+    );
+    procs.0.push(worker("envs", "envs-1"));
+    let exit = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(exit.success(), "the scheduler failed: {exit:?}");
+    check_report(&report, 2, 0);
+}
+
 #[test]
 fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_the_new_plan() {
     let dir = temp_dir("replan");

@@ -60,6 +60,7 @@ async fn scheduler_with_token(
         replan_on_drift: None,
         token: token.map(|t| rollfleet_proto::auth::Token::parse(t, "test").unwrap()),
         journal: None,
+        tls: None,
         journal_sync: false,
         until_stopped: false,
     };

@@ -162,6 +162,7 @@ fn run_once(journal: Option<std::path::PathBuf>, journal_sync: bool) -> (f64, Re
             replan_on_drift: None,
             token: None,
             journal,
+            tls: None,
             journal_sync,
             until_stopped: false,
         };

@@ -84,6 +84,9 @@ pub enum ServerError {
     /// The journal could not be read, written or resumed from.
     #[error(transparent)]
     Journal(#[from] journal::JournalError),
+    /// The TLS certificate or key could not be used.
+    #[error(transparent)]
+    Tls(#[from] rollfleet_proto::tls::TlsError),
 }
 
 /// Settings of a scheduler server.
@@ -117,6 +120,9 @@ pub struct ServerOptions {
     /// a journal that has records resumes its job (`None`: no journal, a lost scheduler loses
     /// the job).
     pub journal: Option<PathBuf>,
+    /// Serve TLS with this certificate chain and private key (PEM files,
+    /// [`rollfleet_proto::tls::server_config`]); `None`: plain HTTP/2.
+    pub tls: Option<(PathBuf, PathBuf)>,
     /// Wait for every batch of journal records to reach the disk before acting on it
     /// ([`journal::JournalWriter::syncing`]): a journal that survives the machine losing power.
     pub journal_sync: bool,
@@ -173,6 +179,10 @@ pub async fn serve_until(
     opts: ServerOptions,
     cancel: impl std::future::Future + Send + 'static,
 ) -> Result<Option<Report>, ServerError> {
+    let tls = match &opts.tls {
+        Some((cert, key)) => Some(rollfleet_proto::tls::server_config(cert, key)?),
+        None => None,
+    };
     let resumed = match &opts.journal {
         Some(path) => journal::JournalReader::open(path)?,
         None => None,
@@ -222,14 +232,21 @@ pub async fn serve_until(
         let _ = canceller.send(actor::Event::Cancel);
     });
     let auth = ServerAuth::new(opts.token.as_ref());
-    if !auth.required()
-        && let Ok(addr) = listener.local_addr()
+    if let Ok(addr) = listener.local_addr()
         && !addr.ip().is_loopback()
     {
-        eprintln!(
-            "scheduler: warning: no token (--token-file or {TOKEN_ENV}); any peer that reaches \
-             {addr} may register workers, submit or cancel the job and read the trainer feed"
-        );
+        if !auth.required() {
+            eprintln!(
+                "scheduler: warning: no token (--token-file or {TOKEN_ENV}); any peer that \
+                 reaches {addr} may register workers, submit or cancel the job and read the \
+                 trainer feed"
+            );
+        } else if tls.is_none() {
+            eprintln!(
+                "scheduler: warning: no TLS (--tls-cert, --tls-key): the token and every \
+                 trajectory cross the network to {addr} in clear"
+            );
+        }
     }
     let guard = {
         let metrics = metrics.clone();
@@ -373,8 +390,13 @@ pub async fn serve_until(
             let _ = done_tx.send(report);
         }
     };
-    let server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+    let mut builder = tonic::transport::Server::builder().tcp_nodelay(true);
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .map_err(rollfleet_proto::tls::TlsError::from)?;
+    }
+    let server = builder
         .add_service(workers)
         .add_service(jobs)
         .add_service(trainer_feed)

@@ -56,7 +56,6 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::Endpoint;
 
 /// Why a worker stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -137,6 +136,8 @@ pub struct WorkerOptions {
     pub leave: Option<watch::Receiver<bool>>,
     /// How long a leaving worker waits for the scheduler to release it.
     pub leave_timeout: Duration,
+    /// The CA certificate (PEM) to trust for an `https://` scheduler ([`rollfleet_proto::tls`]).
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 /// Completes once `leave` says the node must go (never without a `leave`, or once its sender
@@ -297,8 +298,8 @@ async fn connect(
         url: opts.scheduler.clone(),
         reason,
     };
-    let endpoint = Endpoint::from_shared(opts.scheduler.clone())
-        .map_err(|e| refused(format!("not a URL ({e})")))?;
+    let endpoint = rollfleet_proto::tls::endpoint(&opts.scheduler, opts.tls_ca.as_deref())
+        .map_err(|e| refused(e.to_string()))?;
     let deadline = tokio::time::Instant::now() + connect_for;
     loop {
         match endpoint.connect().await {

@@ -15,9 +15,8 @@ use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus, PoolStatus, SubmitJobRequest};
 use rollfleet_server::job::{ended, phase_name};
 use serde::Serialize;
-use tonic::transport::Endpoint;
 
-use crate::commands::TokenArgs;
+use crate::commands::{TlsClientArgs, TokenArgs};
 use crate::output::{OutputFormat, Table, exit, write_structured};
 
 /// Where the scheduler listens unless told otherwise (`rollfleet scheduler`'s default).
@@ -87,6 +86,8 @@ pub struct Target {
     scheduler: String,
     #[command(flatten)]
     token: TokenArgs,
+    #[command(flatten)]
+    tls: TlsClientArgs,
 }
 
 /// A job's status as printed (`-o json|yaml`), with the phase by name.
@@ -338,8 +339,8 @@ async fn connect(target: &Target) -> Result<JobServiceClient<AuthChannel>, Failu
         .token
         .token()
         .map_err(|e| Failure::input(e.to_string()))?;
-    let endpoint = Endpoint::from_shared(url.to_owned())
-        .map_err(|e| Failure::input(format!("--scheduler {url:?}: not a URL ({e})")))?;
+    let endpoint = rollfleet_proto::tls::endpoint(url, target.tls.tls_ca.as_deref())
+        .map_err(|e| Failure::input(e.to_string()))?;
     let channel = endpoint
         .connect_timeout(Duration::from_secs(5))
         .connect()

@@ -25,6 +25,15 @@ pub struct TokenArgs {
     pub token_file: Option<PathBuf>,
 }
 
+/// The CA a client trusts for an `https://` scheduler.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TlsClientArgs {
+    /// The CA certificate (PEM) that signed an https:// scheduler's certificate; needed for
+    /// an https:// URL, refused with a plain http:// one.
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+}
+
 impl TokenArgs {
     /// The token given, if any; an unreadable or malformed one is an error naming its origin.
     pub fn token(&self) -> Result<Option<Token>, TokenError> {

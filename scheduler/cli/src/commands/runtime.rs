@@ -19,7 +19,7 @@ use rollfleet_proto::v1::{JobPhase, JobRef};
 use rollfleet_server::{Report, ServerOptions};
 use tonic::transport::Endpoint;
 
-use crate::commands::TokenArgs;
+use crate::commands::{TlsClientArgs, TokenArgs};
 use crate::output::{OutputFormat, Table, exit, write_structured};
 
 /// Wall seconds per modelled second that `run` uses unless told otherwise.
@@ -80,6 +80,14 @@ pub struct SchedulerArgs {
     /// rather than the scheduler started again. The exit status is still the job's.
     #[arg(long)]
     pub until_stopped: bool,
+    /// Serve gRPC over TLS with this certificate (PEM; its chain may follow it), so that the
+    /// token and the trajectories do not cross the network in clear; clients then use an
+    /// https:// URL and --tls-ca. Needs --tls-key.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     #[command(flatten)]
     pub token: TokenArgs,
 }
@@ -133,6 +141,8 @@ pub struct WorkerArgs {
     pub leave_timeout: u64,
     #[command(flatten)]
     pub token: TokenArgs,
+    #[command(flatten)]
+    pub tls: TlsClientArgs,
     /// Which LLM engine generates.
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -282,6 +292,14 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             return Ok(exit::INVALID_INPUT);
         }
     };
+    let tls = args.tls_cert.clone().zip(args.tls_key.clone());
+    // Checked before the address is taken: a scheduler that cannot serve TLS serves nothing.
+    if let Some((cert, key)) = &tls
+        && let Err(e) = rollfleet_proto::tls::server_config(cert, key)
+    {
+        writeln!(stderr, "error: {e}")?;
+        return Ok(exit::INVALID_INPUT);
+    }
     let (job_yaml, origin) = match &args.job {
         Some(path) => {
             let origin = path.display().to_string();
@@ -320,6 +338,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             replan_on_drift: args.replan_on_drift,
             token,
             journal: args.journal.clone(),
+            tls,
             journal_sync: args.journal_sync,
             until_stopped: args.until_stopped,
         };
@@ -334,7 +353,9 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
     let report = match served {
         Ok(report) => report,
         // A journal of another job or settings, or not a journal: the user's input.
-        Err(e @ rollfleet_server::ServerError::Journal(_)) => {
+        Err(
+            e @ (rollfleet_server::ServerError::Journal(_) | rollfleet_server::ServerError::Tls(_)),
+        ) => {
             writeln!(stderr, "error: {e}")?;
             return Ok(exit::INVALID_INPUT);
         }
@@ -445,6 +466,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         rejoin_for: Duration::from_secs(args.rejoin_for),
         leave: None,
         leave_timeout: Duration::from_secs(args.leave_timeout),
+        tls_ca: args.tls.tls_ca.clone(),
         engine: match (args.engine.engine, &args.engine.engine_url) {
             (EngineKind::Openai, Some(url)) => {
                 if !url.starts_with("http://") {
