@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use rollfleet_operator::crd::RLJob;
 use rollfleet_operator::desired::{
-    EMULATED_GPUS_ANNOTATION, Settings, TOKEN_SECRET_ANNOTATION, desired,
+    EMULATED_GPUS_ANNOTATION, Settings, TLS_SECRET_ANNOTATION, TOKEN_SECRET_ANNOTATION, desired,
 };
 use rollfleet_operator::k8s_openapi::api::apps::v1::Deployment;
 use rollfleet_operator::k8s_openapi::api::core::v1::Container;
@@ -29,6 +29,8 @@ mod procs;
 use procs::{Procs, wait_exit};
 #[path = "common/refused.rs"]
 mod refused;
+#[path = "common/tls.rs"]
+mod tls;
 use refused::assert_job_status_refused_without_token;
 
 fn container(d: &Deployment) -> Container {
@@ -83,8 +85,9 @@ fn start(c: &Container, rewrite: impl Fn(&str) -> String, extra: &[&str], stdout
 
 /// `rollfleet job status -o json` against the scheduler at `url`, with the namespace's token,
 /// as the operator asks it; `None` while it does not answer.
-fn job_status(url: &str) -> Option<Value> {
-    let out = Command::new(BIN)
+fn job_status(url: &str, ca: Option<&Path>) -> Option<Value> {
+    let mut command = Command::new(BIN);
+    command
         .args([
             "job",
             "status",
@@ -94,19 +97,21 @@ fn job_status(url: &str) -> Option<Value> {
             "-o",
             "json",
         ])
-        .env("ROLLFLEET_TOKEN", SECRET.2)
-        .output()
-        .unwrap();
+        .env("ROLLFLEET_TOKEN", SECRET.2);
+    if let Some(ca) = ca {
+        command.arg("--tls-ca").arg(ca);
+    }
+    let out = command.output().unwrap();
     out.status
         .success()
         .then(|| serde_json::from_slice(&out.stdout).unwrap())
 }
 
 /// Polls [`job_status`] until the phase is `phase`.
-fn wait_phase(url: &str, phase: &str) -> Value {
+fn wait_phase(url: &str, ca: Option<&Path>, phase: &str) -> Value {
     let start = std::time::Instant::now();
     loop {
-        if let Some(status) = job_status(url)
+        if let Some(status) = job_status(url, ca)
             && status["phase"] == phase
         {
             return status;
@@ -219,7 +224,7 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_and_wait_at
 
     // At the job's end every pod stays, and the scheduler keeps saying how the job ended, for
     // the operator to read and scale the Deployments down (exiting, they would be restarted).
-    let ended = wait_phase(&url, "Succeeded");
+    let ended = wait_phase(&url, None, "Succeeded");
     assert_eq!(ended["rl_step"], 2, "{ended:#}");
     std::thread::sleep(Duration::from_secs(1));
     for process in &mut procs.0 {
@@ -229,7 +234,7 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_and_wait_at
         );
     }
     assert_eq!(
-        job_status(&url).expect("still answering")["phase"],
+        job_status(&url, None).expect("still answering")["phase"],
         "Succeeded"
     );
     // Scaled down: SIGTERM to every pod. Each exits, the scheduler with the job's success.
@@ -269,7 +274,7 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_and_wait_at
     );
     let url = listening(&mut restarted);
     procs.0.push(restarted);
-    let said = wait_phase(&url, "Succeeded");
+    let said = wait_phase(&url, None, "Succeeded");
     assert_eq!(said["rl_step"], 2, "{said:#}");
     terminate(procs.0.last().unwrap());
     let exit = wait_exit(procs.0.last_mut().unwrap(), Duration::from_secs(60));
@@ -277,4 +282,92 @@ fn the_scheduler_and_workers_the_operator_creates_run_the_quickstart_and_wait_at
     let again: Value = serde_json::from_slice(&std::fs::read(&again).unwrap()).unwrap();
     assert_eq!(again["phase"], "Succeeded");
     assert_eq!(again["trained"], report["trained"], "nothing trained again");
+}
+
+#[test]
+fn the_pods_of_an_rljob_with_a_tls_secret_serve_and_call_the_scheduler_over_tls() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let text = std::fs::read_to_string(root.join("examples/jobs/quickstart.yaml")).unwrap();
+    let mut job: RLJob = serde_yaml_ng::from_str(&text).unwrap();
+    job.spec["rl"]["steps"] = 1.into();
+    job.metadata.namespace = Some("rl".into());
+    job.metadata.uid = Some("uid-2".into());
+    job.metadata.annotations = Some(BTreeMap::from([
+        (EMULATED_GPUS_ANNOTATION.to_owned(), "true".to_owned()),
+        (TLS_SECRET_ANNOTATION.to_owned(), "rl-tls".to_owned()),
+    ]));
+    let wanted = desired(
+        &job,
+        &Settings {
+            image: "rollfleet:test".into(),
+        },
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("rollfleet-operator-tls-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let job_file = dir.join("job.yaml");
+    std::fs::write(
+        &job_file,
+        &wanted.config_map.data.as_ref().unwrap()["job.yaml"],
+    )
+    .unwrap();
+    // The Secret's files, as its volume would hold them.
+    let (ca, cert, key) = tls::tls_files(&dir, "rl-tls");
+    let secret_file = |arg: &str| match arg {
+        "/etc/rollfleet/tls/tls.crt" => Some(cert.display().to_string()),
+        "/etc/rollfleet/tls/tls.key" => Some(key.display().to_string()),
+        "/etc/rollfleet/tls/ca.crt" => Some(ca.display().to_string()),
+        _ => None,
+    };
+    let report = dir.join("report.json");
+    let mut scheduler = start(
+        &container(&wanted.deployments[0]),
+        |arg| {
+            secret_file(arg).unwrap_or_else(|| match arg {
+                "/etc/rollfleet/job.yaml" => job_file.display().to_string(),
+                "0.0.0.0:7070" | "0.0.0.0:9464" => "127.0.0.1:0".into(),
+                other => match other.strip_prefix("/var/lib/rollfleet/") {
+                    Some(file) => dir.join(file).display().to_string(),
+                    None => other.into(),
+                },
+            })
+        },
+        &["--report", report.to_str().unwrap()],
+        Stdio::piped(),
+    );
+    // The certificate names 127.0.0.1, where the Service's name would resolve.
+    let url = listening(&mut scheduler).replace("http://", "https://");
+    let mut procs = Procs(vec![scheduler]);
+    for deployment in &wanted.deployments[1..] {
+        let c = container(deployment);
+        for _ in 0..deployment.spec.as_ref().unwrap().replicas.unwrap() {
+            let url = url.clone();
+            procs.0.push(start(
+                &c,
+                |arg| {
+                    secret_file(arg).unwrap_or_else(|| {
+                        if arg == "https://quickstart-scheduler:7070" {
+                            url.clone()
+                        } else {
+                            arg.into()
+                        }
+                    })
+                },
+                &[],
+                Stdio::null(),
+            ));
+        }
+    }
+    let ended = wait_phase(&url, Some(&ca), "Succeeded");
+    assert_eq!(ended["rl_step"], 1, "{ended:#}");
+    for process in &procs.0 {
+        terminate(process);
+    }
+    for process in &mut procs.0 {
+        let exit = wait_exit(process, Duration::from_secs(60));
+        assert!(exit.success(), "{exit:?}");
+    }
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(report["trained"].as_array().unwrap().len(), 32);
 }

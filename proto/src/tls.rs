@@ -121,12 +121,27 @@ pub fn server_config(cert_path: &Path, key_path: &Path) -> Result<ServerTlsConfi
 /// A client's endpoint for the scheduler at `url`: plain for `http://`, TLS trusting the CA
 /// certificate `ca` (PEM) for `https://`.
 pub fn endpoint(url: &str, ca: Option<&Path>) -> Result<Endpoint, TlsError> {
+    // A plain URL with a CA is refused before the file is read: the mistake is the URL's.
+    if let (false, Some(_)) = (url.starts_with("https://"), ca) {
+        return Err(TlsError::CaWithoutHttps {
+            url: url.to_owned(),
+        });
+    }
+    let ca = match ca {
+        Some(path) => Some(read_pem("--tls-ca", path, "CERTIFICATE")?),
+        None => None,
+    };
+    endpoint_trusting(url, ca)
+}
+
+/// [`endpoint`], with the CA certificate given as PEM bytes (the operator reads it from a
+/// Secret) rather than as a file.
+pub fn endpoint_trusting(url: &str, ca_pem: Option<Vec<u8>>) -> Result<Endpoint, TlsError> {
     let endpoint = Endpoint::from_shared(url.to_owned()).map_err(|e| TlsError::Url {
         url: url.to_owned(),
         reason: e.to_string(),
     })?;
-    let https = url.starts_with("https://");
-    match (https, ca) {
+    match (url.starts_with("https://"), ca_pem) {
         (false, None) => Ok(endpoint),
         (false, Some(_)) => Err(TlsError::CaWithoutHttps {
             url: url.to_owned(),
@@ -134,11 +149,8 @@ pub fn endpoint(url: &str, ca: Option<&Path>) -> Result<Endpoint, TlsError> {
         (true, None) => Err(TlsError::NoCa {
             url: url.to_owned(),
         }),
-        (true, Some(ca)) => {
-            let ca = read_pem("--tls-ca", ca, "CERTIFICATE")?;
-            Ok(endpoint
-                .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))?)
-        }
+        (true, Some(ca)) => Ok(endpoint
+            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)))?),
     }
 }
 

@@ -15,6 +15,10 @@
 //!    workers, run `--until-stopped`, wait at the end for that) and the status is left as it
 //!    is, until the spec changes.
 //!
+//! An RLJob annotated `rollfleet.dev/tls-secret: NAME` has its scheduler serve TLS with that
+//! `kubernetes.io/tls` Secret; the operator calls it at `https://`, trusting the Secret's
+//! `ca.crt` (a Secret without one makes `SchedulerReachable` false, naming it).
+//!
 //! An RLJob annotated `rollfleet.dev/token-secret: NAME` has its scheduler require the token in
 //! that Secret (key `token`); its pods read it as `ROLLFLEET_TOKEN`, and the operator reads the
 //! Secret to send it with its own calls. A Secret it cannot use makes `SchedulerReachable` false,
@@ -145,12 +149,29 @@ fn condition(
     }
 }
 
-async fn scheduler_client(
-    url: &str,
-    token: Option<&Token>,
-) -> Result<JobServiceClient<AuthChannel>, String> {
-    let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
-        .map_err(|e| format!("{url}: {e}"))?
+/// How to call `job`'s scheduler: its URL (`https://` when the job names a TLS Secret), the
+/// token its Secret holds, and the CA certificate to trust from the TLS Secret.
+struct Call {
+    url: String,
+    token: Option<Token>,
+    ca: Option<Vec<u8>>,
+}
+
+async fn call(job: &RLJob, ctx: &Context) -> Result<Call, String> {
+    let token = job_token(job, ctx).await?;
+    let ca = job_tls_ca(job, ctx).await?;
+    let url = (ctx.scheduler_url)(job);
+    let url = match (&ca, url.strip_prefix("http://")) {
+        (Some(_), Some(rest)) => format!("https://{rest}"),
+        _ => url,
+    };
+    Ok(Call { url, token, ca })
+}
+
+async fn scheduler_client(call: &Call) -> Result<JobServiceClient<AuthChannel>, String> {
+    let url = &call.url;
+    let endpoint = rollfleet_proto::tls::endpoint_trusting(url, call.ca.clone())
+        .map_err(|e| e.to_string())?
         .connect_timeout(SCHEDULER_TIMEOUT)
         .timeout(SCHEDULER_TIMEOUT);
     let channel = endpoint
@@ -159,8 +180,32 @@ async fn scheduler_client(
         .map_err(|e| format!("cannot reach {url}: {e}"))?;
     Ok(JobServiceClient::with_interceptor(
         channel,
-        ClientAuth::new(token),
+        ClientAuth::new(call.token.as_ref()),
     ))
+}
+
+/// The CA certificate in the TLS Secret `job` names (none without one); a Secret that is
+/// missing or lacks `ca.crt` is an error naming it.
+async fn job_tls_ca(job: &RLJob, ctx: &Context) -> Result<Option<Vec<u8>>, String> {
+    let Some(name) = desired::tls_secret(job) else {
+        return Ok(None);
+    };
+    let origin = format!("secret {}/{name}", job.namespace());
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), job.namespace());
+    let secret = secrets
+        .get(&name)
+        .await
+        .map_err(|e| format!("{origin}: {e}"))?;
+    secret
+        .data
+        .and_then(|mut d| d.remove(desired::TLS_CA_KEY))
+        .map(|bytes| Some(bytes.0))
+        .ok_or_else(|| {
+            format!(
+                "{origin}: no key {:?} (the CA certificate the scheduler's is signed by)",
+                desired::TLS_CA_KEY
+            )
+        })
 }
 
 /// The token `job`'s scheduler requires, from the Secret its annotation names (none without
@@ -187,17 +232,13 @@ async fn job_token(job: &RLJob, ctx: &Context) -> Result<Option<Token>, String> 
         .map_err(|e| e.to_string())
 }
 
-async fn scheduler_status(
-    url: &str,
-    token: Option<&Token>,
-    name: &str,
-) -> Result<JobStatus, String> {
-    let mut client = scheduler_client(url, token).await?;
+async fn scheduler_status(call: &Call, name: &str) -> Result<JobStatus, String> {
+    let mut client = scheduler_client(call).await?;
     client
         .status(JobRef { job: name.into() })
         .await
         .map(tonic::Response::into_inner)
-        .map_err(|s| format!("{url} answered: {}", s.message()))
+        .map_err(|s| format!("{} answered: {}", call.url, s.message()))
 }
 
 async fn write_status(api: &Api<RLJob>, name: &str, status: &RLJobStatus) -> Result<(), Error> {
@@ -297,9 +338,8 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     if desired::finished(job) {
         return Ok(Action::await_change());
     }
-    let url = (ctx.scheduler_url)(job);
-    let answer = match job_token(job, ctx).await {
-        Ok(token) => scheduler_status(&url, token.as_ref(), name).await,
+    let answer = match call(job, ctx).await {
+        Ok(call) => scheduler_status(&call, name).await,
         Err(why) => Err(why),
     };
     let valid = condition(previous, "Valid", true, "Planned", "", generation);
@@ -356,16 +396,15 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
 
 async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     ctx.plans.forget(job);
-    let url = (ctx.scheduler_url)(job);
     let cancelled = async {
-        let token = job_token(job, ctx).await?;
-        let mut client = scheduler_client(&url, token.as_ref()).await?;
+        let call = call(job, ctx).await?;
+        let mut client = scheduler_client(&call).await?;
         client
             .cancel(JobRef {
                 job: job.name().into(),
             })
             .await
-            .map_err(|s| format!("{url} answered: {}", s.message()))
+            .map_err(|s| format!("{} answered: {}", call.url, s.message()))
     };
     match tokio::time::timeout(SCHEDULER_TIMEOUT, cancelled).await {
         Ok(Ok(_)) => eprintln!(

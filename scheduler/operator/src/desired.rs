@@ -24,9 +24,9 @@ use std::sync::{Arc, Mutex};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    EnvVarSource, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec,
-    ResourceRequirements, SecretKeySelector, Service, ServicePort, ServiceSpec, Volume,
-    VolumeMount,
+    EnvVarSource, KeyToPath, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec,
+    ResourceRequirements, SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec,
+    Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -66,6 +66,20 @@ pub const TOKEN_SECRET_KEY: &str = "token";
 /// (`--journal-sync`): a node that loses power must not take acted-on records with it. (On the
 /// `emptyDir` that would buy nothing: the directory goes with the node.)
 pub const JOURNAL_CLAIM_ANNOTATION: &str = "rollfleet.dev/journal-claim";
+/// Annotation on an RLJob: the name of a TLS Secret of its namespace (`kubernetes.io/tls`, with
+/// `ca.crt`, as cert-manager writes them) for its scheduler to serve gRPC with: the scheduler
+/// mounts `tls.crt` and `tls.key`, the workers only `ca.crt` and reach it at `https://`, and the
+/// operator reads `ca.crt` to call it. The certificate must name `<job>-scheduler` (the workers'
+/// URL) and `<job>-scheduler.<namespace>.svc` (the operator's).
+pub const TLS_SECRET_ANNOTATION: &str = "rollfleet.dev/tls-secret";
+/// The keys of that Secret.
+pub const TLS_CERT_KEY: &str = "tls.crt";
+/// The private key's key in it.
+pub const TLS_KEY_KEY: &str = "tls.key";
+/// The CA certificate's key in it.
+pub const TLS_CA_KEY: &str = "ca.crt";
+/// Where the TLS Secret's files are mounted, in the scheduler's pod and the workers'.
+const TLS_DIR: &str = "/etc/rollfleet/tls";
 /// Annotation on the scheduler's pod: a hash of the job file it runs.
 pub const JOB_HASH_ANNOTATION: &str = "rollfleet.dev/job-hash";
 /// Where the job file is mounted in the scheduler's pod.
@@ -233,16 +247,24 @@ fn deployment(
 /// A worker pod's container for `pool`, with `gpus` GPUs of its node (0: a CPU or serverless
 /// pool).
 fn worker_container(job: &RLJob, settings: &Settings, pool: &str, gpus: u32) -> Container {
+    let tls = tls_files(job, &[TLS_CA_KEY]);
     let mut args = vec![
         "worker".to_owned(),
         "--scheduler".to_owned(),
-        format!("http://{}:{GRPC_PORT}", scheduler_name(job)),
+        format!(
+            "{}://{}:{GRPC_PORT}",
+            if tls.is_some() { "https" } else { "http" },
+            scheduler_name(job)
+        ),
         "--pool".to_owned(),
         pool.to_owned(),
         // At the job's end a worker waits to be scaled down rather than exiting: a Deployment
         // would start it again only to be told the job has ended.
         "--until-stopped".to_owned(),
     ];
+    if tls.is_some() {
+        args.extend(["--tls-ca".to_owned(), format!("{TLS_DIR}/{TLS_CA_KEY}")]);
+    }
     let mut resources = None;
     let annotation = |key: &str| annotation(job, key);
     if gpus > 0 {
@@ -272,6 +294,7 @@ fn worker_container(job: &RLJob, settings: &Settings, pool: &str, gpus: u32) -> 
         args: Some(args),
         resources,
         env: token_env(job),
+        volume_mounts: tls.map(|(_, mount)| vec![mount]),
         ..Default::default()
     }
 }
@@ -302,6 +325,41 @@ pub fn finished(job: &RLJob) -> bool {
 /// The claim the job names for its scheduler's journal, if any.
 fn journal_claim(job: &RLJob) -> Option<String> {
     annotation(job, JOURNAL_CLAIM_ANNOTATION).filter(|c| !c.trim().is_empty())
+}
+
+/// The name of the TLS Secret `job` names for its scheduler, if any.
+pub fn tls_secret(job: &RLJob) -> Option<String> {
+    annotation(job, TLS_SECRET_ANNOTATION).filter(|s| !s.trim().is_empty())
+}
+
+/// The volume and mount of the TLS Secret's files `keys` (the scheduler: its certificate and
+/// key; a worker: the CA only), when the job names one.
+fn tls_files(job: &RLJob, keys: &[&str]) -> Option<(Volume, VolumeMount)> {
+    let secret = tls_secret(job)?;
+    let volume = Volume {
+        name: "tls".into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(secret),
+            items: Some(
+                keys.iter()
+                    .map(|&key| KeyToPath {
+                        key: key.into(),
+                        path: key.into(),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mount = VolumeMount {
+        name: "tls".into(),
+        mount_path: TLS_DIR.into(),
+        read_only: Some(true),
+        ..Default::default()
+    };
+    Some((volume, mount))
 }
 
 /// The volume the scheduler's journal is on: the claim the job names, or the pod's `emptyDir`.
@@ -412,6 +470,7 @@ pub fn desired_with(
         };
         let pod = |gpus: u32| PodSpec {
             containers: vec![worker_container(job, settings, pool_name, gpus)],
+            volumes: tls_files(job, &[TLS_CA_KEY]).map(|(volume, _)| vec![volume]),
             ..Default::default()
         };
         let count = u32::try_from(spec.count.unwrap_or(1).max(1)).unwrap_or(u32::MAX);
@@ -495,6 +554,15 @@ pub fn desired_with(
     if journal_claim(job).is_some() {
         scheduler_args.push("--journal-sync".into());
     }
+    let tls = tls_files(job, &[TLS_CERT_KEY, TLS_KEY_KEY]);
+    if tls.is_some() {
+        scheduler_args.extend([
+            "--tls-cert".into(),
+            format!("{TLS_DIR}/{TLS_CERT_KEY}"),
+            "--tls-key".into(),
+            format!("{TLS_DIR}/{TLS_KEY_KEY}"),
+        ]);
+    }
     let scheduler = Container {
         name: "scheduler".into(),
         image: Some(settings.image.clone()),
@@ -512,35 +580,45 @@ pub fn desired_with(
                 ..Default::default()
             },
         ]),
-        volume_mounts: Some(vec![
-            VolumeMount {
-                name: "job".into(),
-                mount_path: JOB_DIR.into(),
-                read_only: Some(true),
-                ..Default::default()
-            },
-            VolumeMount {
-                name: "journal".into(),
-                mount_path: JOURNAL_DIR.into(),
-                ..Default::default()
-            },
-        ]),
+        volume_mounts: Some(
+            vec![
+                VolumeMount {
+                    name: "job".into(),
+                    mount_path: JOB_DIR.into(),
+                    read_only: Some(true),
+                    ..Default::default()
+                },
+                VolumeMount {
+                    name: "journal".into(),
+                    mount_path: JOURNAL_DIR.into(),
+                    ..Default::default()
+                },
+            ]
+            .into_iter()
+            .chain(tls.clone().map(|(_, mount)| mount))
+            .collect(),
+        ),
         env: token_env(job),
         ..Default::default()
     };
     let scheduler_pod = PodSpec {
         containers: vec![scheduler],
-        volumes: Some(vec![
-            Volume {
-                name: "job".into(),
-                config_map: Some(ConfigMapVolumeSource {
-                    name: config_map_name.clone(),
+        volumes: Some(
+            vec![
+                Volume {
+                    name: "job".into(),
+                    config_map: Some(ConfigMapVolumeSource {
+                        name: config_map_name.clone(),
+                        ..Default::default()
+                    }),
                     ..Default::default()
-                }),
-                ..Default::default()
-            },
-            journal_volume(job),
-        ]),
+                },
+                journal_volume(job),
+            ]
+            .into_iter()
+            .chain(tls.map(|(volume, _)| volume))
+            .collect(),
+        ),
         ..Default::default()
     };
     let pod_annotations = BTreeMap::from([
@@ -885,6 +963,82 @@ mod tests {
                 .map(|c| (c.claim_name, c.read_only)),
             Some(("rl-journals".to_owned(), Some(false)))
         );
+    }
+
+    #[test]
+    fn a_tls_secret_gives_the_scheduler_its_certificate_and_the_workers_only_the_ca_and_https() {
+        let mut job = example("quickstart.yaml");
+        job.metadata.annotations = Some(BTreeMap::from([(
+            TLS_SECRET_ANNOTATION.to_owned(),
+            "rl-tls".to_owned(),
+        )]));
+        let d = desired(&job, &settings()).expect("valid");
+        let pod = |deployment: &Deployment| {
+            deployment
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.clone())
+                .expect("a pod")
+        };
+        let items = |pod: &PodSpec| -> Vec<String> {
+            pod.volumes
+                .iter()
+                .flatten()
+                .filter(|v| v.name == "tls")
+                .filter_map(|v| v.secret.as_ref())
+                .inspect(|s| assert_eq!(s.secret_name.as_deref(), Some("rl-tls")))
+                .flat_map(|s| s.items.clone().unwrap_or_default())
+                .map(|item| item.key)
+                .collect()
+        };
+        let scheduler = pod(&d.deployments[0]);
+        assert_eq!(items(&scheduler), ["tls.crt", "tls.key"]);
+        let args = scheduler.containers[0].args.clone().expect("args");
+        let after = |flag: &str| {
+            args.iter()
+                .position(|a| a == flag)
+                .map(|i| args[i + 1].clone())
+        };
+        assert_eq!(
+            after("--tls-cert").as_deref(),
+            Some("/etc/rollfleet/tls/tls.crt")
+        );
+        assert_eq!(
+            after("--tls-key").as_deref(),
+            Some("/etc/rollfleet/tls/tls.key")
+        );
+        for deployment in &d.deployments[1..] {
+            let worker = pod(deployment);
+            // The private key never reaches a worker's pod.
+            assert_eq!(items(&worker), ["ca.crt"]);
+            let args = worker.containers[0].args.clone().expect("args");
+            assert!(
+                args.contains(&"https://quickstart-scheduler:7070".to_owned()),
+                "{args:?}"
+            );
+            let ca = args
+                .iter()
+                .position(|a| a == "--tls-ca")
+                .map(|i| &args[i + 1]);
+            assert_eq!(ca.map(String::as_str), Some("/etc/rollfleet/tls/ca.crt"));
+            let mounts = worker.containers[0]
+                .volume_mounts
+                .clone()
+                .unwrap_or_default();
+            assert!(
+                mounts
+                    .iter()
+                    .any(|m| m.name == "tls" && m.read_only == Some(true))
+            );
+        }
+        // Without the annotation: plain gRPC, no TLS volume.
+        let plain = desired(&example("quickstart.yaml"), &settings()).expect("valid");
+        for deployment in &plain.deployments {
+            let pod = pod(deployment);
+            assert!(items(&pod).is_empty());
+            let args = pod.containers[0].args.clone().expect("args");
+            assert!(!args.iter().any(|a| a.starts_with("--tls")), "{args:?}");
+        }
     }
 
     #[test]

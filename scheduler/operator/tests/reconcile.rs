@@ -19,6 +19,9 @@ use serde_json::{Value, json};
 
 type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
 
+#[path = "../../../tests/common/tls.rs"]
+mod tls;
+
 fn quickstart() -> RLJob {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -45,6 +48,15 @@ async fn scheduler_with_token(
     job: &RLJob,
     token: Option<&str>,
 ) -> (String, tokio::task::JoinHandle<ServerRun>) {
+    scheduler_serving(job, token, None).await
+}
+
+/// [`scheduler_with_token`], serving TLS with `(certificate, key)` when given.
+async fn scheduler_serving(
+    job: &RLJob,
+    token: Option<&str>,
+    tls: Option<(std::path::PathBuf, std::path::PathBuf)>,
+) -> (String, tokio::task::JoinHandle<ServerRun>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let opts = rollfleet_server::ServerOptions {
@@ -60,7 +72,7 @@ async fn scheduler_with_token(
         replan_on_drift: None,
         token: token.map(|t| rollfleet_proto::auth::Token::parse(t, "test").unwrap()),
         journal: None,
-        tls: None,
+        tls,
         journal_sync: false,
         until_stopped: false,
     };
@@ -476,21 +488,35 @@ async fn status_written_with_secret(
     url: String,
     token: &str,
 ) -> (Value, BTreeSet<(String, String, String)>) {
+    status_written_with_secrets(job, url, &[("rl-token", "token", token)]).await
+}
+
+/// [`status_written_with_secret`], for any Secrets of `rl`: `(name, key, value)`, each of
+/// which must be read.
+async fn status_written_with_secrets(
+    job: &RLJob,
+    url: String,
+    secrets: &[(&str, &str, &str)],
+) -> (Value, BTreeSet<(String, String, String)>) {
     let (reconciling, mut handle) = reconciling(job, url);
     let mut permissions = BTreeSet::new();
-    let mut secret_read = false;
+    let mut read = BTreeSet::new();
     loop {
         let (seen, send) = next(&mut handle).await;
         permissions.insert(permission(&seen));
         let path = seen.uri.split('?').next().unwrap().to_owned();
+        let secret = secrets
+            .iter()
+            .find(|(name, _, _)| path == format!("/api/v1/namespaces/rl/secrets/{name}"));
         match seen.method.as_str() {
-            "GET" if path == "/api/v1/namespaces/rl/secrets/rl-token" => {
-                secret_read = true;
+            "GET" if secret.is_some() => {
+                let (name, key, value) = secret.unwrap();
+                read.insert(*name);
                 answer(
                     send,
                     &json!({"apiVersion": "v1", "kind": "Secret",
-                            "metadata": {"name": "rl-token", "namespace": "rl"},
-                            "data": {"token": base64_of_token(token)}}),
+                            "metadata": {"name": name, "namespace": "rl"},
+                            "data": {*key: base64_of_token(value)}}),
                 );
             }
             "GET" => answer(
@@ -502,7 +528,7 @@ async fn status_written_with_secret(
                 let status = seen.body["status"].clone();
                 answer(send, &serde_json::to_value(job).unwrap());
                 reconciling.await.unwrap().unwrap();
-                assert!(secret_read, "the operator never read the token's Secret");
+                assert_eq!(read.len(), secrets.len(), "the operator read only {read:?}");
                 return (status, permissions);
             }
             "PATCH" => answer(send, &seen.body),
@@ -569,6 +595,57 @@ async fn an_rljob_with_a_token_secret_reaches_its_scheduler_with_that_token_and_
             .as_str()
             .unwrap()
             .contains("not this scheduler's"),
+        "{status:#}"
+    );
+}
+
+#[tokio::test]
+async fn an_rljob_with_a_tls_secret_reaches_its_scheduler_over_tls_trusting_the_secrets_ca() {
+    let dir = std::env::temp_dir().join(format!("rollfleet-reconcile-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ca, cert, key) = tls::tls_files(&dir, "good");
+    let (other_ca, _, _) = tls::tls_files(&dir, "other");
+    let mut job = quickstart();
+    job.metadata.annotations = Some(
+        [(
+            rollfleet_operator::desired::TLS_SECRET_ANNOTATION.to_owned(),
+            "rl-tls".to_owned(),
+        )]
+        .into(),
+    );
+    let (url, _scheduler) = scheduler_serving(&job, None, Some((cert, key))).await;
+    let ca_pem = std::fs::read_to_string(&ca).unwrap();
+
+    // The Secret's CA signed the scheduler's certificate: the operator gets its status.
+    let (status, permissions) =
+        status_written_with_secrets(&job, url.clone(), &[("rl-tls", "ca.crt", &ca_pem)]).await;
+    let reachable = &status["conditions"][1];
+    assert_eq!(reachable["status"], "True", "{status:#}");
+    assert_eq!(status["phase"], "Pending", "{status:#}");
+    for (group, resource, verb) in &permissions {
+        assert!(
+            granted(group, resource, verb),
+            "rbac.yaml does not grant {verb} on {group}/{resource}"
+        );
+    }
+
+    // Another CA: the handshake fails, and the status says the scheduler is not reachable.
+    let other = std::fs::read_to_string(&other_ca).unwrap();
+    let (status, _) =
+        status_written_with_secrets(&job, url.clone(), &[("rl-tls", "ca.crt", &other)]).await;
+    let reachable = &status["conditions"][1];
+    assert_eq!(reachable["status"], "False", "{status:#}");
+    assert!(
+        reachable["message"].as_str().unwrap().contains("https://"),
+        "{status:#}"
+    );
+
+    // A Secret without the CA: said so, naming it and the key.
+    let (status, _) =
+        status_written_with_secrets(&job, url, &[("rl-tls", "tls.crt", &ca_pem)]).await;
+    let message = status["conditions"][1]["message"].as_str().unwrap();
+    assert!(
+        message.contains("secret rl/rl-tls") && message.contains("ca.crt"),
         "{status:#}"
     );
 }
