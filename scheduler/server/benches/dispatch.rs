@@ -7,9 +7,10 @@
 //! cores. Prints stage completions per second and the server's dispatch latency (a worker message
 //! off the wire to every command it caused handed to the outboxes), per run and the median of
 //! three runs (`ROLLFLEET_BENCH_RUNS` for more), without a journal, with one (`--journal`: every
-//! event written to a file before it is acted on) and with one synced to the disk before each
-//! batch is acted on (`--journal-sync`), the three interleaved so that all see the same
-//! machine. Each journal is then replayed into a fresh actor, as a restarted scheduler does: how
+//! event written to a file before it is acted on), with one synced to the disk before each
+//! batch is acted on (`--journal-sync`), and over TLS (`--tls-cert`; its certificates made by
+//! the `openssl` command, the runs left out without one), the four interleaved so that all see
+//! the same machine. Each journal is then replayed into a fresh actor, as a restarted scheduler does: how
 //! fast, and whether it ends with the very report the live run wrote.
 
 use std::time::{Duration, Instant};
@@ -23,8 +24,13 @@ use rollfleet_server::{Report, ServerOptions, serve};
 
 const STEPS: u32 = 150;
 
-async fn instant_worker(url: String, pool: &'static str) {
-    let mut client = WorkerServiceClient::connect(url).await.expect("connect");
+async fn instant_worker(url: String, pool: &'static str, ca: Option<std::path::PathBuf>) {
+    let channel = rollfleet_proto::tls::endpoint(&url, ca.as_deref())
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = WorkerServiceClient::new(channel);
     let lease = client
         .register(RegisterRequest {
             inventory: Some(HardwareInventory {
@@ -127,10 +133,95 @@ fn decisions(report: &Report) -> serde_json::Value {
     value
 }
 
-/// The three ways the benchmark runs the scheduler.
-const MODES: [&str; 3] = ["no journal", "journal", "journal, synced"];
+/// The four ways the benchmark runs the scheduler.
+const MODES: [&str; 4] = [
+    "no journal",
+    "journal",
+    "journal, synced",
+    "TLS, no journal",
+];
 
-fn run_once(journal: Option<std::path::PathBuf>, journal_sync: bool) -> (f64, Report) {
+/// A TLS identity for the scheduler and the CA its clients trust.
+struct TlsFiles {
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+    ca: std::path::PathBuf,
+}
+
+/// A CA and a certificate for 127.0.0.1 made by the `openssl` command in `dir`; `None` when
+/// there is no such command (the TLS runs are then left out, and the output says so).
+fn tls_files(dir: &std::path::Path) -> Option<TlsFiles> {
+    let run = |args: &[&str]| {
+        std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let p = |name: &str| dir.join(name).display().to_string();
+    std::fs::write(
+        dir.join("san.ext"),
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n",
+    )
+    .ok()?;
+    let ec = "ec_paramgen_curve:prime256v1";
+    let made = run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        ec,
+        "-nodes",
+        "-keyout",
+        &p("ca.key"),
+        "-out",
+        &p("ca.pem"),
+        "-days",
+        "1",
+        "-subj",
+        "/CN=bench CA",
+    ]) && run(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        ec,
+        "-nodes",
+        "-keyout",
+        &p("server.key"),
+        "-out",
+        &p("server.csr"),
+        "-subj",
+        "/CN=scheduler",
+    ]) && run(&[
+        "x509",
+        "-req",
+        "-in",
+        &p("server.csr"),
+        "-CA",
+        &p("ca.pem"),
+        "-CAkey",
+        &p("ca.key"),
+        "-CAcreateserial",
+        "-out",
+        &p("server.pem"),
+        "-days",
+        "1",
+        "-extfile",
+        &p("san.ext"),
+    ]);
+    made.then(|| TlsFiles {
+        cert: dir.join("server.pem"),
+        key: dir.join("server.key"),
+        ca: dir.join("ca.pem"),
+    })
+}
+
+fn run_once(
+    journal: Option<std::path::PathBuf>,
+    journal_sync: bool,
+    tls: Option<&TlsFiles>,
+) -> (f64, Report) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -147,7 +238,11 @@ fn run_once(journal: Option<std::path::PathBuf>, journal_sync: bool) -> (f64, Re
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let url = format!(
+            "{}://{}",
+            if tls.is_some() { "https" } else { "http" },
+            listener.local_addr().expect("addr")
+        );
         let pools = ["prefill", "decode", "train", "envs", "rewards"];
         let opts = ServerOptions {
             job_yaml: Some(yaml),
@@ -162,13 +257,13 @@ fn run_once(journal: Option<std::path::PathBuf>, journal_sync: bool) -> (f64, Re
             replan_on_drift: None,
             token: None,
             journal,
-            tls: None,
+            tls: tls.map(|t| (t.cert.clone(), t.key.clone())),
             journal_sync,
             until_stopped: false,
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {
-            tokio::spawn(instant_worker(url.clone(), pool));
+            tokio::spawn(instant_worker(url.clone(), pool, tls.map(|t| t.ca.clone())));
         }
         let started = Instant::now();
         let report = server
@@ -196,11 +291,23 @@ fn main() {
     };
     let dir = std::env::temp_dir().join(format!("rollfleet-dispatch-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary directory");
-    let mut results: [(Vec<f64>, Vec<u32>); 3] = Default::default();
+    let tls = tls_files(&dir);
+    if tls.is_none() {
+        println!("no openssl command: the TLS runs are left out");
+    }
+    let mut results: [(Vec<f64>, Vec<u32>); 4] = Default::default();
     for i in 0..runs {
         for (mode, (rates, p99s)) in results.iter_mut().enumerate() {
-            let journal = (mode > 0).then(|| dir.join(format!("run-{i}-{mode}.journal")));
-            let (rate, r) = run_once(journal.clone(), mode == 2);
+            if mode == 3 && tls.is_none() {
+                continue;
+            }
+            let journal =
+                (mode == 1 || mode == 2).then(|| dir.join(format!("run-{i}-{mode}.journal")));
+            let (rate, r) = run_once(
+                journal.clone(),
+                mode == 2,
+                tls.as_ref().filter(|_| mode == 3),
+            );
             let journal_bytes = journal
                 .as_ref()
                 .and_then(|p| std::fs::metadata(p).ok())
@@ -239,6 +346,9 @@ fn main() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     for (mode, (rates, p99s)) in results.iter_mut().enumerate() {
+        if rates.is_empty() {
+            continue;
+        }
         rates.sort_by(f64::total_cmp);
         p99s.sort_unstable();
         println!(
