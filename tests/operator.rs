@@ -315,9 +315,9 @@ fn the_pods_of_an_rljob_with_a_tls_secret_serve_and_call_the_scheduler_over_tls(
     // The Secret's files, as its volume would hold them.
     let (ca, cert, key) = tls::tls_files(&dir, "rl-tls");
     let secret_file = |arg: &str| match arg {
-        "/etc/rollfleet/tls/tls.crt" => Some(cert.display().to_string()),
-        "/etc/rollfleet/tls/tls.key" => Some(key.display().to_string()),
-        "/etc/rollfleet/tls/ca.crt" => Some(ca.display().to_string()),
+        "/etc/rollfleet-tls/tls.crt" => Some(cert.display().to_string()),
+        "/etc/rollfleet-tls/tls.key" => Some(key.display().to_string()),
+        "/etc/rollfleet-tls/ca.crt" => Some(ca.display().to_string()),
         _ => None,
     };
     let report = dir.join("report.json");

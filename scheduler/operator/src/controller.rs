@@ -184,49 +184,49 @@ async fn scheduler_client(call: &Call) -> Result<JobServiceClient<AuthChannel>, 
     ))
 }
 
-/// The CA certificate in the TLS Secret `job` names (none without one); a Secret that is
-/// missing or lacks `ca.crt` is an error naming it.
+/// The value of `key` in the Secret `name` of `job`'s namespace, with where it came from (for
+/// errors); a Secret that is missing or lacks the key is an error naming both (`what` says what
+/// the key should hold).
+async fn secret_value(
+    job: &RLJob,
+    ctx: &Context,
+    name: &str,
+    key: &str,
+    what: &str,
+) -> Result<(Vec<u8>, String), String> {
+    let origin = format!("secret {}/{name}", job.namespace());
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), job.namespace());
+    let secret = secrets
+        .get(name)
+        .await
+        .map_err(|e| format!("{origin}: {e}"))?;
+    let value = secret
+        .data
+        .and_then(|mut d| d.remove(key))
+        .ok_or_else(|| format!("{origin}: no key {key:?} ({what})"))?;
+    Ok((value.0, origin))
+}
+
+/// The CA certificate in the TLS Secret `job` names (none without one).
 async fn job_tls_ca(job: &RLJob, ctx: &Context) -> Result<Option<Vec<u8>>, String> {
     let Some(name) = desired::tls_secret(job) else {
         return Ok(None);
     };
-    let origin = format!("secret {}/{name}", job.namespace());
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), job.namespace());
-    let secret = secrets
-        .get(&name)
-        .await
-        .map_err(|e| format!("{origin}: {e}"))?;
-    secret
-        .data
-        .and_then(|mut d| d.remove(desired::TLS_CA_KEY))
-        .map(|bytes| Some(bytes.0))
-        .ok_or_else(|| {
-            format!(
-                "{origin}: no key {:?} (the CA certificate the scheduler's is signed by)",
-                desired::TLS_CA_KEY
-            )
-        })
+    let what = "the CA certificate that signed the scheduler's";
+    let (ca, _) = secret_value(job, ctx, &name, desired::TLS_CA_KEY, what).await?;
+    Ok(Some(ca))
 }
 
 /// The token `job`'s scheduler requires, from the Secret its annotation names (none without
-/// one); a Secret that is missing, lacks the key or holds no valid token is an error naming it.
+/// one); one that is not UTF-8 or not a valid token is an error naming the Secret.
 async fn job_token(job: &RLJob, ctx: &Context) -> Result<Option<Token>, String> {
     let Some(name) = desired::token_secret(job) else {
         return Ok(None);
     };
-    let origin = format!("secret {}/{name}", job.namespace());
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), job.namespace());
-    let secret = secrets
-        .get(&name)
-        .await
-        .map_err(|e| format!("{origin}: {e}"))?;
-    let bytes = secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(desired::TOKEN_SECRET_KEY))
-        .ok_or_else(|| format!("{origin}: no key {:?}", desired::TOKEN_SECRET_KEY))?;
+    let what = "the scheduler's bearer token";
+    let (bytes, origin) = secret_value(job, ctx, &name, desired::TOKEN_SECRET_KEY, what).await?;
     let text =
-        std::str::from_utf8(&bytes.0).map_err(|_| format!("{origin}: the token is not UTF-8"))?;
+        std::str::from_utf8(&bytes).map_err(|_| format!("{origin}: the token is not UTF-8"))?;
     Token::parse(text, &origin)
         .map(Some)
         .map_err(|e| e.to_string())

@@ -78,8 +78,9 @@ pub const TLS_CERT_KEY: &str = "tls.crt";
 pub const TLS_KEY_KEY: &str = "tls.key";
 /// The CA certificate's key in it.
 pub const TLS_CA_KEY: &str = "ca.crt";
-/// Where the TLS Secret's files are mounted, in the scheduler's pod and the workers'.
-const TLS_DIR: &str = "/etc/rollfleet/tls";
+/// Where the TLS Secret's files are mounted, in the scheduler's pod and the workers' (beside the
+/// job file's directory, not in it: a mount point cannot be made inside a read-only ConfigMap).
+const TLS_DIR: &str = "/etc/rollfleet-tls";
 /// Annotation on the scheduler's pod: a hash of the job file it runs.
 pub const JOB_HASH_ANNOTATION: &str = "rollfleet.dev/job-hash";
 /// Where the job file is mounted in the scheduler's pod.
@@ -1001,11 +1002,11 @@ mod tests {
         };
         assert_eq!(
             after("--tls-cert").as_deref(),
-            Some("/etc/rollfleet/tls/tls.crt")
+            Some("/etc/rollfleet-tls/tls.crt")
         );
         assert_eq!(
             after("--tls-key").as_deref(),
-            Some("/etc/rollfleet/tls/tls.key")
+            Some("/etc/rollfleet-tls/tls.key")
         );
         for deployment in &d.deployments[1..] {
             let worker = pod(deployment);
@@ -1020,7 +1021,7 @@ mod tests {
                 .iter()
                 .position(|a| a == "--tls-ca")
                 .map(|i| &args[i + 1]);
-            assert_eq!(ca.map(String::as_str), Some("/etc/rollfleet/tls/ca.crt"));
+            assert_eq!(ca.map(String::as_str), Some("/etc/rollfleet-tls/ca.crt"));
             let mounts = worker.containers[0]
                 .volume_mounts
                 .clone()
