@@ -292,24 +292,24 @@ pub enum LostLease {
 }
 
 /// Waits until `lock`'s candidate leads, trying every `retry`; `log` hears who else holds the
-/// Lease whenever that changes, and every failure to reach the API server.
+/// Lease, or why the API server could not be asked, whenever that changes.
 pub async fn acquire(lock: &LeaseLock, retry: Duration, mut log: impl FnMut(String)) {
+    // Each state is said once, not at every try: a standby may wait for days.
     let mut told: Option<String> = None;
     loop {
-        match lock
+        let said = match lock
             .try_acquire_or_renew(Instant::now(), Timestamp::now())
             .await
         {
             Ok(Leadership::Leading) => return,
             Ok(Leadership::Following { holder }) => {
-                if told.as_ref() != Some(&holder) {
-                    log(format!(
-                        "the lease is held by {holder}; waiting to take it over (standby)"
-                    ));
-                    told = Some(holder);
-                }
+                format!("the lease is held by {holder}; waiting to take it over (standby)")
             }
-            Err(e) => log(format!("{e}; trying again in {retry:?}")),
+            Err(e) => format!("{e}; trying again every {retry:?}"),
+        };
+        if told.as_ref() != Some(&said) {
+            log(said.clone());
+            told = Some(said);
         }
         tokio::time::sleep(retry).await;
     }

@@ -326,3 +326,46 @@ async fn a_leader_that_stops_hands_its_lease_over_and_one_that_does_not_hold_it_
     let more = tokio::time::timeout(Duration::from_millis(200), handle.next_request()).await;
     assert!(more.is_err(), "a lease it does not hold was written");
 }
+
+#[tokio::test]
+async fn a_standby_waiting_for_the_lease_says_each_new_state_once_and_returns_when_it_leads() {
+    let (lock, mut handle) = lock("operator-a");
+    let logged = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let log = logged.clone();
+    let acquiring = tokio::spawn(async move {
+        lease::acquire(&lock, Duration::from_millis(10), |line| {
+            log.lock().unwrap().push(line)
+        })
+        .await
+    });
+    let held = held_by(Some("operator-b"), "1", "2026-11-25T10:00:00.000000Z");
+    for _ in 0..2 {
+        let (_, _, _, send) = next(&mut handle).await;
+        answer(send, StatusCode::OK, &held);
+    }
+    for _ in 0..2 {
+        let (_, _, _, send) = next(&mut handle).await;
+        answer(
+            send,
+            StatusCode::SERVICE_UNAVAILABLE,
+            &failure(503, "ServiceUnavailable"),
+        );
+    }
+    // Deleted by someone: created anew, and led.
+    let (_, _, _, send) = next(&mut handle).await;
+    answer(send, StatusCode::NOT_FOUND, &failure(404, "NotFound"));
+    let (method, _, body, send) = next(&mut handle).await;
+    assert_eq!(method, "POST");
+    answer(send, StatusCode::CREATED, &body);
+    tokio::time::timeout(Duration::from_secs(30), acquiring)
+        .await
+        .expect("it leads")
+        .unwrap();
+    let logged = logged.lock().unwrap().clone();
+    assert_eq!(logged.len(), 2, "{logged:#?}");
+    assert!(logged[0].contains("held by operator-b"), "{logged:#?}");
+    assert!(
+        logged[1].contains("rollfleet-system/rollfleet-operator"),
+        "{logged:#?}"
+    );
+}
