@@ -1875,7 +1875,8 @@ impl Actor {
         let Some(w) = self.workers.get_mut(&worker) else {
             return;
         };
-        if !w.alive || w.leaving {
+        // After the end every worker was told to drain: a node going then changes nothing.
+        if !w.alive || w.leaving || self.ended.is_some() {
             return;
         }
         w.leaving = true;
@@ -1893,7 +1894,7 @@ impl Actor {
              once what it runs is done"
         );
         self.update_worker_gauges();
-        if self.started.is_none() || self.ended.is_some() {
+        if self.started.is_none() {
             self.release_leavers();
             return;
         }
