@@ -726,6 +726,33 @@ fn a_scheduler_given_half_a_tls_identity_or_a_key_file_without_a_key_serves_noth
 }
 
 #[test]
+fn client_certificate_flags_come_with_what_they_need() {
+    // A client certificate needs its key and the CA that signed the scheduler's.
+    let out = rollfleet(&["job", "status", "quickstart", "--tls-cert", "client.pem"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let said = text(&out.stderr);
+    assert!(
+        said.contains("--tls-key") && said.contains("--tls-ca"),
+        "{said}"
+    );
+    // A scheduler asks for client certificates only when it serves TLS itself.
+    let out = rollfleet(&[
+        "scheduler",
+        "examples/jobs/quickstart.yaml",
+        "--listen",
+        "127.0.0.1:0",
+        "--tls-client-ca",
+        "ca.pem",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--tls-cert"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
 fn journal_sync_without_a_journal_is_refused_naming_the_flag_it_needs() {
     let out = rollfleet(&[
         "scheduler",

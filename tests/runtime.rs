@@ -519,6 +519,113 @@ fn a_scheduler_serving_tls_runs_a_job_for_workers_that_trust_its_ca_and_refuses_
 }
 
 #[test]
+fn a_scheduler_requiring_client_certificates_serves_only_the_clients_that_present_one_it_trusts() {
+    let dir = temp_dir("mtls");
+    let job = job_file(&dir, 1);
+    let report = dir.join("report.json");
+    let (ca, cert, key) = tls_files(&dir, "good");
+    let (client_cert, client_key) = tls::client_files(&dir, "good");
+    let _ = tls_files(&dir, "other");
+    let (stranger_cert, stranger_key) = tls::client_files(&dir, "other");
+    // Six workers expected: the job waits for the last one until the clients below are checked.
+    let (sched, plain) = scheduler(
+        &job,
+        &report,
+        6,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--tls-client-ca",
+            ca.to_str().unwrap(),
+        ],
+    );
+    let url = plain.replace("http://", "https://");
+    let mut procs = Procs(vec![sched]);
+    let worker = |pool: &str, name: &str| {
+        Command::new(BIN)
+            .args([
+                "worker",
+                "--scheduler",
+                &url,
+                "--pool",
+                pool,
+                "--name",
+                name,
+            ])
+            .arg("--tls-ca")
+            .arg(&ca)
+            .arg("--tls-cert")
+            .arg(&client_cert)
+            .arg("--tls-key")
+            .arg(&client_key)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap()
+    };
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(pool, &format!("{pool}-0")));
+    }
+    let status = |identity: Option<(&Path, &Path)>| {
+        let mut command = Command::new(BIN);
+        command
+            .args([
+                "job",
+                "status",
+                "quickstart",
+                "--scheduler",
+                &url,
+                "-o",
+                "json",
+            ])
+            .arg("--tls-ca")
+            .arg(&ca);
+        if let Some((cert, key)) = identity {
+            command
+                .arg("--tls-cert")
+                .arg(cert)
+                .arg("--tls-key")
+                .arg(key);
+        }
+        command.output().unwrap()
+    };
+    let start = Instant::now();
+    loop {
+        let out = status(Some((&client_cert, &client_key)));
+        assert!(out.status.success(), "{out:?}");
+        let said: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let workers: u64 = said["pools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["workers"].as_u64().unwrap())
+            .sum();
+        if workers == 5 {
+            break;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the workers never attached: {said:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Without a certificate, or with one another CA signed, nothing gets through.
+    for identity in [
+        None,
+        Some((stranger_cert.as_path(), stranger_key.as_path())),
+    ] {
+        let out = status(identity);
+        assert_eq!(out.status.code(), Some(1), "{identity:?}: {out:?}");
+    }
+    procs.0.push(worker("envs", "envs-1"));
+    let exit = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(exit.success(), "the scheduler failed: {exit:?}");
+    check_report(&report, 1, 0);
+}
+
+#[test]
 fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_the_new_plan() {
     let dir = temp_dir("replan");
     // The quick-start job, long enough to lose a node and gain one mid-run, with its decode

@@ -3,9 +3,10 @@
 //! `rollfleet job`) reach it at an `https://` URL, trusting the CA that signed that certificate
 //! (`--tls-ca FILE`). With a token ([`crate::auth`]), that keeps the token off the wire in clear.
 //!
-//! Only the server is authenticated: a client presents no certificate (who may call is the
-//! token's business). There are no system roots either: an `https://` scheduler needs the CA
-//! given, as a cluster's own CA is what signs a scheduler's certificate.
+//! The server is authenticated by its certificate; clients are by the token, and also by a
+//! certificate of their own when the scheduler requires one (`--tls-client-ca`: mutual TLS, a
+//! key per node). There are no system roots: an `https://` scheduler needs the CA given, as a
+//! cluster's own CA is what signs a scheduler's certificate.
 
 use std::path::{Path, PathBuf};
 
@@ -118,9 +119,25 @@ pub fn server_config(cert_path: &Path, key_path: &Path) -> Result<ServerTlsConfi
     Ok(config)
 }
 
+/// Makes a scheduler's TLS `config` require every client to present a certificate signed by the
+/// CA in `client_ca` (`--tls-client-ca`, PEM): mutual TLS, so that each node holds a key of its
+/// own rather than only the job's shared token.
+pub fn require_client_certificates(
+    config: ServerTlsConfig,
+    client_ca: &Path,
+) -> Result<ServerTlsConfig, TlsError> {
+    let ca = read_pem("--tls-client-ca", client_ca, "CERTIFICATE")?;
+    Ok(config.client_ca_root(Certificate::from_pem(ca)))
+}
+
 /// A client's endpoint for the scheduler at `url`: plain for `http://`, TLS trusting the CA
-/// certificate `ca` (PEM) for `https://`.
-pub fn endpoint(url: &str, ca: Option<&Path>) -> Result<Endpoint, TlsError> {
+/// certificate `ca` (PEM) for `https://`, presenting the certificate and key `identity` (PEM
+/// files, `--tls-cert` and `--tls-key` of a client) when the scheduler asks for one.
+pub fn endpoint(
+    url: &str,
+    ca: Option<&Path>,
+    identity: Option<(&Path, &Path)>,
+) -> Result<Endpoint, TlsError> {
     // A plain URL with a CA is refused before the file is read: the mistake is the URL's.
     if let (false, Some(_)) = (url.starts_with("https://"), ca) {
         return Err(TlsError::CaWithoutHttps {
@@ -131,7 +148,22 @@ pub fn endpoint(url: &str, ca: Option<&Path>) -> Result<Endpoint, TlsError> {
         Some(path) => Some(read_pem("--tls-ca", path, "CERTIFICATE")?),
         None => None,
     };
-    endpoint_trusting(url, ca)
+    let endpoint = endpoint_trusting(url, ca.clone())?;
+    let Some((cert, key)) = identity else {
+        return Ok(endpoint);
+    };
+    let Some(ca) = ca else {
+        return Err(TlsError::NoCa {
+            url: url.to_owned(),
+        });
+    };
+    let cert = read_pem("--tls-cert", cert, "CERTIFICATE")?;
+    let key = read_pem("--tls-key", key, "PRIVATE KEY")?;
+    Ok(endpoint.tls_config(
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca))
+            .identity(Identity::from_pem(cert, key)),
+    )?)
 }
 
 /// [`endpoint`], with the CA certificate given as PEM bytes (the operator reads it from a
@@ -168,24 +200,24 @@ mod tests {
 
     #[test]
     fn a_plain_url_needs_no_ca_and_refuses_one() {
-        assert!(endpoint("http://127.0.0.1:7070", None).is_ok());
+        assert!(endpoint("http://127.0.0.1:7070", None, None).is_ok());
         let ca = scratch("unused-ca.pem", "-----BEGIN CERTIFICATE-----\n");
-        let err = endpoint("http://127.0.0.1:7070", Some(&ca)).unwrap_err();
+        let err = endpoint("http://127.0.0.1:7070", Some(&ca), None).unwrap_err();
         assert!(err.to_string().contains("plain http://"), "{err}");
     }
 
     #[test]
     fn an_https_url_needs_the_ca_and_a_file_that_holds_one() {
-        let err = endpoint("https://scheduler:7070", None).unwrap_err();
+        let err = endpoint("https://scheduler:7070", None, None).unwrap_err();
         assert!(err.to_string().contains("needs --tls-ca"), "{err}");
         let not = scratch("not-a-ca.pem", "hello\n");
-        let err = endpoint("https://scheduler:7070", Some(&not)).unwrap_err();
+        let err = endpoint("https://scheduler:7070", Some(&not), None).unwrap_err();
         assert!(
             err.to_string().contains("--tls-ca") && err.to_string().contains("not-a-ca.pem"),
             "{err}"
         );
         let missing = Path::new("/nonexistent/ca.pem");
-        let err = endpoint("https://scheduler:7070", Some(missing)).unwrap_err();
+        let err = endpoint("https://scheduler:7070", Some(missing), None).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
     }
 

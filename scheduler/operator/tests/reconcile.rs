@@ -73,6 +73,7 @@ async fn scheduler_serving(
         token: token.map(|t| rollfleet_proto::auth::Token::parse(t, "test").unwrap()),
         journal: None,
         tls,
+        tls_client_ca: None,
         journal_sync: false,
         until_stopped: false,
     };

@@ -25,7 +25,7 @@ use rollfleet_server::{Report, ServerOptions, serve};
 const STEPS: u32 = 150;
 
 async fn instant_worker(url: String, pool: &'static str, ca: Option<std::path::PathBuf>) {
-    let channel = rollfleet_proto::tls::endpoint(&url, ca.as_deref())
+    let channel = rollfleet_proto::tls::endpoint(&url, ca.as_deref(), None)
         .expect("endpoint")
         .connect()
         .await
@@ -258,6 +258,7 @@ fn run_once(
             token: None,
             journal,
             tls: tls.map(|t| (t.cert.clone(), t.key.clone())),
+            tls_client_ca: None,
             journal_sync,
             until_stopped: false,
         };

@@ -123,6 +123,9 @@ pub struct ServerOptions {
     /// Serve TLS with this certificate chain and private key (PEM files,
     /// [`rollfleet_proto::tls::server_config`]); `None`: plain HTTP/2.
     pub tls: Option<(PathBuf, PathBuf)>,
+    /// With `tls`: require every client to present a certificate signed by this CA (PEM file;
+    /// [`rollfleet_proto::tls::require_client_certificates`]).
+    pub tls_client_ca: Option<PathBuf>,
     /// Wait for every batch of journal records to reach the disk before acting on it
     /// ([`journal::JournalWriter::syncing`]): a journal that survives the machine losing power.
     pub journal_sync: bool,
@@ -180,7 +183,13 @@ pub async fn serve_until(
     cancel: impl std::future::Future + Send + 'static,
 ) -> Result<Option<Report>, ServerError> {
     let tls = match &opts.tls {
-        Some((cert, key)) => Some(rollfleet_proto::tls::server_config(cert, key)?),
+        Some((cert, key)) => {
+            let config = rollfleet_proto::tls::server_config(cert, key)?;
+            Some(match &opts.tls_client_ca {
+                Some(ca) => rollfleet_proto::tls::require_client_certificates(config, ca)?,
+                None => config,
+            })
+        }
         None => None,
     };
     let resumed = match &opts.journal {

@@ -138,6 +138,8 @@ pub struct WorkerOptions {
     pub leave_timeout: Duration,
     /// The CA certificate (PEM) to trust for an `https://` scheduler ([`rollfleet_proto::tls`]).
     pub tls_ca: Option<std::path::PathBuf>,
+    /// This node's certificate and key (PEM files), for a scheduler that requires one.
+    pub tls_identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
 }
 
 /// Completes once `leave` says the node must go (never without a `leave`, or once its sender
@@ -298,8 +300,13 @@ async fn connect(
         url: opts.scheduler.clone(),
         reason,
     };
-    let endpoint = rollfleet_proto::tls::endpoint(&opts.scheduler, opts.tls_ca.as_deref())
-        .map_err(|e| refused(e.to_string()))?;
+    let identity = opts
+        .tls_identity
+        .as_ref()
+        .map(|(cert, key)| (cert.as_path(), key.as_path()));
+    let endpoint =
+        rollfleet_proto::tls::endpoint(&opts.scheduler, opts.tls_ca.as_deref(), identity)
+            .map_err(|e| refused(e.to_string()))?;
     let deadline = tokio::time::Instant::now() + connect_for;
     loop {
         match endpoint.connect().await {

@@ -339,8 +339,9 @@ async fn connect(target: &Target) -> Result<JobServiceClient<AuthChannel>, Failu
         .token
         .token()
         .map_err(|e| Failure::input(e.to_string()))?;
-    let endpoint = rollfleet_proto::tls::endpoint(url, target.tls.tls_ca.as_deref())
-        .map_err(|e| Failure::input(e.to_string()))?;
+    let endpoint =
+        rollfleet_proto::tls::endpoint(url, target.tls.tls_ca.as_deref(), target.tls.identity())
+            .map_err(|e| Failure::input(e.to_string()))?;
     let channel = endpoint
         .connect_timeout(Duration::from_secs(5))
         .connect()

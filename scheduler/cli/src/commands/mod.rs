@@ -32,6 +32,20 @@ pub struct TlsClientArgs {
     /// an https:// URL, refused with a plain http:// one.
     #[arg(long, value_name = "FILE")]
     pub tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM), for a scheduler that requires one (`rollfleet scheduler
+    /// --tls-client-ca`); needs --tls-key and --tls-ca.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl TlsClientArgs {
+    /// The client certificate and key given, if any.
+    pub fn identity(&self) -> Option<(&std::path::Path, &std::path::Path)> {
+        self.tls_cert.as_deref().zip(self.tls_key.as_deref())
+    }
 }
 
 impl TokenArgs {

@@ -88,6 +88,10 @@ pub struct SchedulerArgs {
     /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// Require every worker and client to present a certificate signed by this CA (PEM):
+    /// mutual TLS, a key per node besides the shared token. Needs --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
     #[command(flatten)]
     pub token: TokenArgs,
 }
@@ -294,11 +298,17 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
     };
     let tls = args.tls_cert.clone().zip(args.tls_key.clone());
     // Checked before the address is taken: a scheduler that cannot serve TLS serves nothing.
-    if let Some((cert, key)) = &tls
-        && let Err(e) = rollfleet_proto::tls::server_config(cert, key)
-    {
-        writeln!(stderr, "error: {e}")?;
-        return Ok(exit::INVALID_INPUT);
+    if let Some((cert, key)) = &tls {
+        let checked = rollfleet_proto::tls::server_config(cert, key).and_then(|config| match &args
+            .tls_client_ca
+        {
+            Some(ca) => rollfleet_proto::tls::require_client_certificates(config, ca),
+            None => Ok(config),
+        });
+        if let Err(e) = checked {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
     }
     let (job_yaml, origin) = match &args.job {
         Some(path) => {
@@ -339,6 +349,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             token,
             journal: args.journal.clone(),
             tls,
+            tls_client_ca: args.tls_client_ca.clone(),
             journal_sync: args.journal_sync,
             until_stopped: args.until_stopped,
         };
@@ -467,6 +478,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         leave: None,
         leave_timeout: Duration::from_secs(args.leave_timeout),
         tls_ca: args.tls.tls_ca.clone(),
+        tls_identity: args.tls.tls_cert.clone().zip(args.tls.tls_key.clone()),
         engine: match (args.engine.engine, &args.engine.engine_url) {
             (EngineKind::Openai, Some(url)) => {
                 if !url.starts_with("http://") {
