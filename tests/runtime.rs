@@ -424,6 +424,75 @@ fn the_only_decode_node_leaving_waits_for_the_next_one_which_gets_the_replicas_a
     );
 }
 
+/// The TLS flags of a client (`--tls-ca`, and `--tls-cert`/`--tls-key` when given).
+fn tls_flags(ca: Option<&Path>, identity: Option<(&Path, &Path)>) -> Vec<std::ffi::OsString> {
+    let mut flags = Vec::new();
+    if let Some(ca) = ca {
+        flags.extend(["--tls-ca".into(), ca.into()]);
+    }
+    if let Some((cert, key)) = identity {
+        flags.extend([
+            "--tls-cert".into(),
+            cert.into(),
+            "--tls-key".into(),
+            key.into(),
+        ]);
+    }
+    flags
+}
+
+/// `rollfleet job status quickstart -o json` at `url` with the client TLS `flags`.
+fn status_with(url: &str, flags: &[std::ffi::OsString]) -> std::process::Output {
+    Command::new(BIN)
+        .args(["job", "status", "quickstart", "--scheduler", url])
+        .args(["-o", "json"])
+        .args(flags)
+        .output()
+        .unwrap()
+}
+
+/// A worker of `pool` for the scheduler at `url`, with the client TLS `flags`.
+fn worker_with(url: &str, pool: &str, name: &str, flags: &[std::ffi::OsString]) -> Child {
+    Command::new(BIN)
+        .args(["worker", "--scheduler", url, "--pool", pool, "--name", name])
+        .args(flags)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+/// Starts the five workers of the quick-start with `flags` and waits, reading the status with
+/// the same flags, until all are attached (the job, expecting six, has not started).
+fn five_workers_attached(procs: &mut Procs, url: &str, flags: &[std::ffi::OsString]) {
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs
+            .0
+            .push(worker_with(url, pool, &format!("{pool}-0"), flags));
+    }
+    let start = Instant::now();
+    loop {
+        let out = status_with(url, flags);
+        assert!(out.status.success(), "{out:?}");
+        let said: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(said["phase"], "Pending", "{said:#}");
+        let workers: u64 = said["pools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["workers"].as_u64().unwrap())
+            .sum();
+        if workers == 5 {
+            return;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the workers never attached over TLS: {said:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn a_scheduler_serving_tls_runs_a_job_for_workers_that_trust_its_ca_and_refuses_other_clients() {
     let dir = temp_dir("tls");
@@ -445,74 +514,26 @@ fn a_scheduler_serving_tls_runs_a_job_for_workers_that_trust_its_ca_and_refuses_
     );
     let url = plain.replace("http://", "https://");
     let mut procs = Procs(vec![sched]);
-    let worker = |pool: &str, name: &str| {
-        Command::new(BIN)
-            .args(["worker", "--scheduler", &url, "--pool", pool])
-            .args(["--name", name, "--tls-ca"])
-            .arg(&ca)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap()
-    };
-    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
-        procs.0.push(worker(pool, &format!("{pool}-0")));
-    }
-    let status = |url: &str, ca: Option<&Path>| {
-        let mut command = Command::new(BIN);
-        command.args([
-            "job",
-            "status",
-            "quickstart",
-            "--scheduler",
-            url,
-            "-o",
-            "json",
-        ]);
-        if let Some(ca) = ca {
-            command.arg("--tls-ca").arg(ca);
-        }
-        command.output().unwrap()
-    };
     // A client that trusts the CA reads the status; the five workers got through too.
-    let start = Instant::now();
-    loop {
-        let out = status(&url, Some(&ca));
-        assert!(out.status.success(), "{out:?}");
-        let said: Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(said["phase"], "Pending", "{said:#}");
-        let workers: u64 = said["pools"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| p["workers"].as_u64().unwrap())
-            .sum();
-        if workers == 5 {
-            break;
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "the workers never attached over TLS: {said:#}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let trusting = tls_flags(Some(&ca), None);
+    five_workers_attached(&mut procs, &url, &trusting);
     // One that trusts another CA does not get through the handshake; nor does plain HTTP/2.
-    let out = status(&url, Some(&other_ca));
+    let out = status_with(&url, &tls_flags(Some(&other_ca), None));
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("cannot reach the scheduler"),
         "{out:?}"
     );
-    let out = status(&plain, None);
+    let out = status_with(&plain, &[]);
     assert_eq!(out.status.code(), Some(1), "{out:?}");
     // An https:// URL without a CA, or a CA with a plain URL, is the user's mistake, said so.
-    let out = status(&url, None);
+    let out = status_with(&url, &[]);
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("needs --tls-ca"),
         "{out:?}"
     );
-    procs.0.push(worker("envs", "envs-1"));
+    procs.0.push(worker_with(&url, "envs", "envs-1", &trusting));
     let exit = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(exit.success(), "the scheduler failed: {exit:?}");
     check_report(&report, 2, 0);
@@ -543,83 +564,17 @@ fn a_scheduler_requiring_client_certificates_serves_only_the_clients_that_presen
     );
     let url = plain.replace("http://", "https://");
     let mut procs = Procs(vec![sched]);
-    let worker = |pool: &str, name: &str| {
-        Command::new(BIN)
-            .args([
-                "worker",
-                "--scheduler",
-                &url,
-                "--pool",
-                pool,
-                "--name",
-                name,
-            ])
-            .arg("--tls-ca")
-            .arg(&ca)
-            .arg("--tls-cert")
-            .arg(&client_cert)
-            .arg("--tls-key")
-            .arg(&client_key)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap()
-    };
-    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
-        procs.0.push(worker(pool, &format!("{pool}-0")));
-    }
-    let status = |identity: Option<(&Path, &Path)>| {
-        let mut command = Command::new(BIN);
-        command
-            .args([
-                "job",
-                "status",
-                "quickstart",
-                "--scheduler",
-                &url,
-                "-o",
-                "json",
-            ])
-            .arg("--tls-ca")
-            .arg(&ca);
-        if let Some((cert, key)) = identity {
-            command
-                .arg("--tls-cert")
-                .arg(cert)
-                .arg("--tls-key")
-                .arg(key);
-        }
-        command.output().unwrap()
-    };
-    let start = Instant::now();
-    loop {
-        let out = status(Some((&client_cert, &client_key)));
-        assert!(out.status.success(), "{out:?}");
-        let said: Value = serde_json::from_slice(&out.stdout).unwrap();
-        let workers: u64 = said["pools"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| p["workers"].as_u64().unwrap())
-            .sum();
-        if workers == 5 {
-            break;
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "the workers never attached: {said:#}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let trusted = tls_flags(Some(&ca), Some((&client_cert, &client_key)));
+    five_workers_attached(&mut procs, &url, &trusted);
     // Without a certificate, or with one another CA signed, nothing gets through.
     for identity in [
         None,
         Some((stranger_cert.as_path(), stranger_key.as_path())),
     ] {
-        let out = status(identity);
+        let out = status_with(&url, &tls_flags(Some(&ca), identity));
         assert_eq!(out.status.code(), Some(1), "{identity:?}: {out:?}");
     }
-    procs.0.push(worker("envs", "envs-1"));
+    procs.0.push(worker_with(&url, "envs", "envs-1", &trusted));
     let exit = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(exit.success(), "the scheduler failed: {exit:?}");
     check_report(&report, 1, 0);

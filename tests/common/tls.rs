@@ -3,74 +3,92 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// A CA and a certificate it signed for 127.0.0.1, made with the `openssl` command (P-256 keys,
-/// two days): `(ca.pem, server.pem, server.key)` in `dir`, named with `prefix`.
-pub fn tls_files(dir: &Path, prefix: &str) -> (PathBuf, PathBuf, PathBuf) {
-    let file = |name: &str| dir.join(format!("{prefix}-{name}"));
-    let openssl = |args: &[&str]| {
-        let out = Command::new("openssl").args(args).output().unwrap();
-        assert!(out.status.success(), "openssl {args:?}: {out:?}");
-    };
-    let s = |p: &PathBuf| p.to_str().unwrap().to_owned();
-    let (ca_key, ca, key, csr, cert, ext) = (
-        file("ca.key"),
-        file("ca.pem"),
-        file("server.key"),
-        file("server.csr"),
-        file("server.pem"),
-        file("server.ext"),
-    );
-    let ec = [
+fn openssl(args: &[&str]) {
+    let out = Command::new("openssl").args(args).output().unwrap();
+    assert!(out.status.success(), "openssl {args:?}: {out:?}");
+}
+
+fn text(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// A new P-256 key `key` and, for `subject`, a self-signed CA certificate (`ca`) or a signing
+/// request to `out`.
+fn key_and(ca: bool, key: &Path, out: &Path, subject: &str) {
+    let mut args = vec!["req"];
+    if ca {
+        args.extend(["-x509", "-days", "2"]);
+    }
+    args.extend([
         "-newkey",
         "ec",
         "-pkeyopt",
         "ec_paramgen_curve:prime256v1",
         "-nodes",
-    ];
-    openssl(
-        &[
-            &["req", "-x509"][..],
-            &ec[..],
-            &["-keyout", &s(&ca_key), "-out", &s(&ca)],
-        ]
-        .concat()
-        .into_iter()
-        .chain(["-days", "2", "-subj", "/CN=rollfleet test CA"])
-        .collect::<Vec<_>>(),
+        "-keyout",
+        text(key),
+        "-out",
+        text(out),
+        "-subj",
+        subject,
+    ]);
+    openssl(&args);
+}
+
+/// A key and a certificate for `subject` with the extensions `extensions`, signed by the CA
+/// [`tls_files`] made with `prefix`: `({prefix}-{name}.pem, {prefix}-{name}.key)` in `dir`.
+fn signed(
+    dir: &Path,
+    prefix: &str,
+    name: &str,
+    subject: &str,
+    extensions: &str,
+) -> (PathBuf, PathBuf) {
+    let file = |suffix: &str| dir.join(format!("{prefix}-{name}.{suffix}"));
+    let (key, csr, cert, ext) = (file("key"), file("csr"), file("pem"), file("ext"));
+    key_and(false, &key, &csr, subject);
+    std::fs::write(&ext, extensions).unwrap();
+    let (ca, ca_key) = (
+        dir.join(format!("{prefix}-ca.pem")),
+        dir.join(format!("{prefix}-ca.key")),
     );
-    openssl(
-        &[
-            &["req"][..],
-            &ec[..],
-            &["-keyout", &s(&key), "-out", &s(&csr)],
-        ]
-        .concat()
-        .into_iter()
-        .chain(["-subj", "/CN=scheduler"])
-        .collect::<Vec<_>>(),
-    );
-    std::fs::write(
-        &ext,
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
     openssl(&[
         "x509",
         "-req",
         "-in",
-        &s(&csr),
+        text(&csr),
         "-CA",
-        &s(&ca),
+        text(&ca),
         "-CAkey",
-        &s(&ca_key),
+        text(&ca_key),
         "-CAcreateserial",
         "-out",
-        &s(&cert),
+        text(&cert),
         "-days",
         "2",
         "-extfile",
-        &s(&ext),
+        text(&ext),
     ]);
+    (cert, key)
+}
+
+/// A CA and a certificate it signed for 127.0.0.1 (P-256 keys, two days):
+/// `(ca.pem, server.pem, server.key)` in `dir`, named with `prefix`.
+pub fn tls_files(dir: &Path, prefix: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let ca = dir.join(format!("{prefix}-ca.pem"));
+    key_and(
+        true,
+        &dir.join(format!("{prefix}-ca.key")),
+        &ca,
+        "/CN=rollfleet test CA",
+    );
+    let (cert, key) = signed(
+        dir,
+        prefix,
+        "server",
+        "/CN=scheduler",
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+    );
     (ca, cert, key)
 }
 
@@ -78,51 +96,11 @@ pub fn tls_files(dir: &Path, prefix: &str) -> (PathBuf, PathBuf, PathBuf) {
 /// `(client.pem, client.key)` in `dir`.
 #[allow(dead_code)] // not every test binary that includes this module uses it
 pub fn client_files(dir: &Path, prefix: &str) -> (PathBuf, PathBuf) {
-    let file = |name: &str| dir.join(format!("{prefix}-{name}"));
-    let s = |p: &PathBuf| p.to_str().unwrap().to_owned();
-    let (ca_key, ca, key, csr, cert, ext) = (
-        file("ca.key"),
-        file("ca.pem"),
-        file("client.key"),
-        file("client.csr"),
-        file("client.pem"),
-        file("client.ext"),
-    );
-    let openssl = |args: &[&str]| {
-        let out = Command::new("openssl").args(args).output().unwrap();
-        assert!(out.status.success(), "openssl {args:?}: {out:?}");
-    };
-    openssl(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        &s(&key),
-        "-out",
-        &s(&csr),
-        "-subj",
+    signed(
+        dir,
+        prefix,
+        "client",
         "/CN=worker",
-    ]);
-    std::fs::write(&ext, "extendedKeyUsage=clientAuth\n").unwrap();
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        &s(&csr),
-        "-CA",
-        &s(&ca),
-        "-CAkey",
-        &s(&ca_key),
-        "-CAcreateserial",
-        "-out",
-        &s(&cert),
-        "-days",
-        "2",
-        "-extfile",
-        &s(&ext),
-    ]);
-    (cert, key)
+        "extendedKeyUsage=clientAuth\n",
+    )
 }
