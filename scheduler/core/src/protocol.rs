@@ -273,4 +273,11 @@ pub enum Input {
         /// The batch.
         batch: BatchId,
     },
+    /// An external trainer published `version`: the same publication as a [`Input::TrainFinished`]
+    /// of the batch that publishes it, taken only when that batch was handed out and `version` is
+    /// the next one ([`crate::Core::publication_refusal`] says why not, and nothing changes).
+    Published {
+        /// The version published.
+        version: Version,
+    },
 }

@@ -456,8 +456,49 @@ impl Core {
             Input::RetireReplica { replica } => self.retire_replica(replica),
             Input::WeightsUpdated { replica, version } => self.weights_updated(replica, version),
             Input::TrainFinished { batch } => self.train_finished(batch),
+            Input::Published { version } => match self.trainer.as_ref() {
+                Some(b) if self.publication_refusal(version).is_none() => {
+                    let batch = b.id;
+                    self.train_finished(batch);
+                }
+                _ => self.stats.ignored_reports += 1,
+            },
         }
         self.pump();
+    }
+
+    /// Why an external trainer's publication of `version` cannot be taken now, or `None` when it
+    /// can: it must be the next version, and the batch that completes the step it comes from must
+    /// have been handed out (a trainer cannot have trained on trajectories it was never given).
+    pub fn publication_refusal(&self, version: Version) -> Option<String> {
+        let next = self.version + 1;
+        if version <= self.version {
+            return Some(format!(
+                "version {version} is already published (the policy is at version {})",
+                self.version
+            ));
+        }
+        if version > next {
+            return Some(format!(
+                "version {version} skips a version: the next one is {next}"
+            ));
+        }
+        if self.finished() {
+            return Some(format!(
+                "the job has trained all its {} steps",
+                self.cfg.steps
+            ));
+        }
+        match &self.trainer {
+            Some(b) if b.publishes => None,
+            _ => Some(format!(
+                "version {next} comes from step {}, whose last batch has not been handed to \
+                 the trainer yet ({} of {} batches of the step so far)",
+                self.version,
+                self.minibatches_in_step,
+                (self.cfg.rollout_batch_size / self.cfg.train_batch_size).max(1)
+            )),
+        }
     }
 
     /// Wakes the core at (or after) the time [`Core::poll_timeout`] asked for; also starts the

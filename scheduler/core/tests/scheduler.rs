@@ -1515,3 +1515,68 @@ proptest! {
         prop_assert_eq!(random_world(seed, discipline, staleness, pd, hold), Ok(()));
     }
 }
+
+/// Runs every stage the core asks for with a canned outcome (one-turn episodes) until it hands
+/// out a training batch; the commands of that last step.
+fn run_until_trained(core: &mut Core, mut pending: Vec<StageCommand>) -> Vec<Command> {
+    let mut now = 1;
+    while let Some(cmd) = pending.pop() {
+        let outcome = match cmd.work {
+            StageWork::EnvReset { .. } => observed(300, false),
+            StageWork::EnvStep { .. } => observed(20, true),
+            StageWork::Prefill { .. } => StageOutcome::Prefilled,
+            StageWork::Generate { .. } => StageOutcome::Generated { tokens: 40 },
+            StageWork::Reward { .. } => StageOutcome::Rewarded { score: 1.0 },
+        };
+        now += 1;
+        let out = finish_when(core, Time(now), cmd.stage, outcome);
+        if out.iter().any(|c| matches!(c, Command::Train { .. })) {
+            return out;
+        }
+        pending.extend(runs(&out));
+    }
+    panic!("the core never handed out a training batch");
+}
+
+#[test]
+fn an_external_trainers_publication_moves_the_version_only_after_its_steps_batch_was_handed_out() {
+    let cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        2,
+    );
+    let (mut core, resets) = started(cfg);
+    let refusal = core.publication_refusal(1).unwrap();
+    assert!(refusal.contains("has not been handed"), "{refusal}");
+    // Refused facts change nothing.
+    core.handle_input(Time(1), Input::Published { version: 1 });
+    assert_eq!(core.version(), 0);
+
+    let out = run_until_trained(&mut core, resets);
+    let Some(Command::Train { publishes, .. }) =
+        out.iter().find(|c| matches!(c, Command::Train { .. }))
+    else {
+        unreachable!()
+    };
+    assert!(publishes);
+    let skip = core.publication_refusal(2).unwrap();
+    assert!(
+        skip.contains("skips a version: the next one is 1"),
+        "{skip}"
+    );
+    core.handle_input(Time(100), Input::Published { version: 2 });
+    assert_eq!(core.version(), 0);
+
+    assert_eq!(core.publication_refusal(1), None);
+    core.handle_input(Time(101), Input::Published { version: 1 });
+    assert_eq!(core.version(), 1);
+    // The same path as the emulated trainer's: the replica is updated to the new version.
+    let (_, version) = weight_update(&drain(&mut core));
+    assert_eq!(version, 1);
+    let again = core.publication_refusal(1).unwrap();
+    assert!(again.contains("already published"), "{again}");
+    core.handle_input(Time(102), Input::Published { version: 1 });
+    assert_eq!(core.version(), 1);
+}

@@ -76,6 +76,7 @@ async fn scheduler_serving(
         tls_client_ca: None,
         journal_sync: false,
         until_stopped: false,
+        weights_root: None,
     };
     (url, tokio::spawn(rollfleet_server::serve(listener, opts)))
 }

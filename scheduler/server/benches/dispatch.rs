@@ -261,6 +261,7 @@ fn run_once(
             tls_client_ca: None,
             journal_sync,
             until_stopped: false,
+            weights_root: None,
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {

@@ -36,10 +36,10 @@ use rollfleet_core::{
     StageOutcome, StageWork, Time, TrajId,
 };
 use rollfleet_proto::v1::{
-    CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
+    ChatMessage, CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
     HeartbeatResponse, JobPhase, JobStatus, JournalDetach, JournalHeartbeat, JournalMessage,
-    JournalRecord, Lease, PoolStatus, RegisterResponse, ReplicaStart, RewardWork, SchedulerMessage,
-    StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult,
+    JournalRecord, Lease, PoolStatus, PublicationAnswer, PublishWeights, RegisterResponse, ReplicaStart, RewardWork, SchedulerMessage,
+    Segment, StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult,
     WorkerHello, WorkerLoad, WorkerMessage, hardware_inventory::Device, journal_record,
     scheduler_message, work_assignment, work_result, worker_message,
 };
@@ -150,6 +150,13 @@ pub enum Event {
     Cancel,
     /// A trainer subscribed to the feed for the first time.
     FeedSubscribed,
+    /// An external trainer published weights (its `uri` already checked by the feed).
+    Publish {
+        /// What it published.
+        publish: PublishWeights,
+        /// The answer, for the trainer's feed stream.
+        reply: oneshot::Sender<PublicationAnswer>,
+    },
 }
 
 /// How long a subscribed trainer has after the end to acknowledge the rest of the feed.
@@ -417,9 +424,8 @@ struct Worker {
     telemetry: Option<GpuTelemetryInfo>,
     /// GPUs whose readings are exported now.
     gpu_series: BTreeSet<u32>,
-    /// Its engine takes text (an OpenAI-compatible engine): generation assignments carry the
-    /// rendered context, and its output text goes to the environment step.
-    text_policy: bool,
+    /// What its engine takes as a prompt.
+    policy_input: PolicyInput,
     /// On the job's clock (the actor's `at`).
     lease_until: Duration,
     outbox: Option<Sink>,
@@ -431,6 +437,41 @@ struct Worker {
     gpus: u32,
     /// It said it is leaving: it gets nothing new, and is released once it holds nothing.
     leaving: bool,
+}
+
+/// What a worker's engine takes as a generation's prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PolicyInput {
+    /// Token counts only (the emulated engine).
+    Counts,
+    /// The turn's whole context as text (an OpenAI-compatible engine): its output text goes to
+    /// the environment step.
+    Text,
+    /// Token ids in, token ids and log-probabilities out (SGLang's and vLLM's native APIs): the
+    /// context goes as the tokens earlier turns produced, with only the new messages as text.
+    Tokens,
+}
+
+impl PolicyInput {
+    fn of_backend(backend: &str) -> PolicyInput {
+        match backend {
+            "openai" => PolicyInput::Text,
+            "sglang" | "vllm" => PolicyInput::Tokens,
+            _ => PolicyInput::Counts,
+        }
+    }
+}
+
+/// The tokens of one turn's generation, as the engine produced them.
+#[derive(Default)]
+struct TurnTokens {
+    /// The ids the chat template gave the messages before the action (the task, or the last
+    /// observation).
+    prompt: Vec<u32>,
+    /// The sampled action ids and their behaviour log-probabilities.
+    action: Vec<u32>,
+    logprobs: Vec<f32>,
+    emulated: bool,
 }
 
 #[derive(Default)]
@@ -449,6 +490,8 @@ struct TrajInfo {
     env_worker: Option<u64>,
     /// Policy version of each turn's generation.
     versions: BTreeMap<u32, u64>,
+    /// The tokens of each turn's generation.
+    tokens: BTreeMap<u32, TurnTokens>,
     reward: f64,
     /// What its last failed stage's worker said.
     last_failure: String,
@@ -549,6 +592,8 @@ pub struct Actor {
     status: Arc<watch::Sender<JobStatus>>,
     metrics: Arc<Metrics>,
     feed: Arc<FeedLog>,
+    /// An external trainer's accepted publications, by version: where each version's weights are.
+    publications: BTreeMap<u64, PublishWeights>,
 }
 
 impl Actor {
@@ -643,8 +688,55 @@ impl Actor {
             status,
             metrics,
             feed,
+            publications: BTreeMap::new(),
             plan,
             opts,
+        }
+    }
+
+    /// Whether an external trainer publishes the versions (`rl.trainer: external`).
+    fn external_trainer(&self) -> bool {
+        self.plan.spec().rl.trainer == rollfleet_spec::TrainerMode::External
+    }
+
+    /// An external trainer's publication: taken when the core takes it (the next version, after
+    /// the batch that completes its step was handed out), refused with the reason otherwise.
+    fn publish_weights(&mut self, publish: PublishWeights) -> PublicationAnswer {
+        let version = publish.version;
+        let refusal = if !self.external_trainer() {
+            Some(
+                "the job's trainer is emulated (rl.trainer: emulated): it publishes its own \
+                 versions; set rl.trainer: external to train outside rollfleet"
+                    .to_owned(),
+            )
+        } else if self.ended.is_some() {
+            Some("the job has ended".to_owned())
+        } else if self.started.is_none() {
+            Some("the job has not started yet".to_owned())
+        } else {
+            self.core.publication_refusal(version)
+        };
+        if let Some(reason) = refusal {
+            log!(self, "scheduler: publication of version {version} refused: {reason}");
+            return PublicationAnswer {
+                version,
+                accepted: false,
+                reason: format!("publish.version: {reason}"),
+            };
+        }
+        log!(
+            self,
+            "scheduler: the trainer published version {version} ({})",
+            publish.uri
+        );
+        self.publications.insert(version, publish);
+        let now = self.now();
+        self.core.handle_input(now, Input::Published { version });
+        self.pump();
+        PublicationAnswer {
+            version,
+            accepted: true,
+            reason: String::new(),
         }
     }
 
@@ -745,6 +837,9 @@ impl Actor {
                 journal_record::Event::Detach(d) => self.detach(d.worker, &d.reason),
                 journal_record::Event::Cancel(_) => self.cancel_job(),
                 journal_record::Event::FeedSubscribed(_) => self.feed.mark_subscribed(),
+                journal_record::Event::Publish(publish) => {
+                    self.publish_weights(publish);
+                }
                 journal_record::Event::Wake(_) => self.wake(),
                 journal_record::Event::Tick(_) => self.on_tick(),
                 journal_record::Event::Recovered(_) => self.recover(),
@@ -862,6 +957,7 @@ impl Actor {
                     }
                     Event::Cancel => journal_record::Event::Cancel(true),
                     Event::FeedSubscribed => journal_record::Event::FeedSubscribed(true),
+                    Event::Publish { publish, .. } => journal_record::Event::Publish(publish.clone()),
                 };
                 (recorded, Step::Event(event))
             }
@@ -964,6 +1060,9 @@ impl Actor {
             Event::Cancel => self.cancel_job(),
             // The feed's handler marked it already; the event is there for the journal.
             Event::FeedSubscribed => self.feed.mark_subscribed(),
+            Event::Publish { publish, reply } => {
+                let _ = reply.send(self.publish_weights(publish));
+            }
         }
     }
 
@@ -1110,7 +1209,7 @@ impl Actor {
                 pool,
                 telemetry: inventory.gpu_telemetry.clone(),
                 gpu_series: BTreeSet::new(),
-                text_policy: matches!(inventory.backend.as_str(), "openai" | "vllm" | "sglang"),
+                policy_input: PolicyInput::of_backend(&inventory.backend),
                 lease_until: self.at + ttl,
                 outbox: None,
                 alive: true,
@@ -2015,15 +2114,29 @@ impl Actor {
                     return;
                 };
                 let pool = self.replicas[r].pool;
-                let message = WorkAssignment {
-                    kind: StageKind::WeightSync as i32,
-                    policy_version: version,
-                    work: Some(work_assignment::Work::WeightSync(WeightSyncWork {
+                // An external trainer's version loads what it published; version 0 (and every
+                // version of the emulated trainer) has no weights to move.
+                let sync = match self.publications.get(&version) {
+                    Some(p) => WeightSyncWork {
+                        to_version: version,
+                        weight_bytes: if p.bytes > 0 { p.bytes } else { bytes },
+                        source: p.uri.clone(),
+                        replica: replica.0,
+                        format: p.format.clone(),
+                        sha256: p.sha256.clone(),
+                    },
+                    None => WeightSyncWork {
                         to_version: version,
                         weight_bytes: bytes,
                         source: "emulated://trainer".into(),
                         replica: replica.0,
-                    })),
+                        ..Default::default()
+                    },
+                };
+                let message = WorkAssignment {
+                    kind: StageKind::WeightSync as i32,
+                    policy_version: version,
+                    work: Some(work_assignment::Work::WeightSync(sync)),
                     ..Default::default()
                 };
                 let id = self.new_assignment(pool, What::Weights { replica, version }, message);
@@ -2119,21 +2232,31 @@ impl Actor {
                         turns: info
                             .versions
                             .iter()
-                            .map(|(&index, &policy_version)| Turn {
-                                index,
-                                policy_version,
-                                observation: info
-                                    .observations
-                                    .get(index as usize)
-                                    .cloned()
-                                    .unwrap_or_default(),
-                                action: info
-                                    .actions
-                                    .get(index as usize)
-                                    .cloned()
-                                    .unwrap_or_default(),
-                                output: info.outputs.get(&index).cloned().unwrap_or_default(),
-                                ..Default::default()
+                            .map(|(&index, &policy_version)| {
+                                let tokens = info.tokens.get(&index);
+                                feed_turn(
+                                    Turn {
+                                        index,
+                                        policy_version,
+                                        observation: info
+                                            .observations
+                                            .get(index as usize)
+                                            .cloned()
+                                            .unwrap_or_default(),
+                                        action: info
+                                            .actions
+                                            .get(index as usize)
+                                            .cloned()
+                                            .unwrap_or_default(),
+                                        output: info
+                                            .outputs
+                                            .get(&index)
+                                            .cloned()
+                                            .unwrap_or_default(),
+                                        ..Default::default()
+                                    },
+                                    tokens,
+                                )
                             })
                             .collect(),
                         reward: info.reward,
@@ -2147,6 +2270,15 @@ impl Actor {
                 self.metrics
                     .trajectories_trained
                     .inc_by(trajectories.len() as u64);
+                if self.external_trainer() {
+                    // The trajectories are on the feed: the trainer takes them from there. A
+                    // batch within a step is handed over at once; the one that completes the
+                    // step is over when the trainer publishes the next version.
+                    if !publishes {
+                        self.deferred.push_back(Input::TrainFinished { batch });
+                    }
+                    return;
+                }
                 let job = self.plan.name().to_owned();
                 let batch_ids = trajectories
                     .iter()
@@ -2182,16 +2314,16 @@ impl Actor {
         let task = spec.tasks.get(cmd.task as usize);
         let environment = task.map_or("", |t| t.environment.as_str()).to_owned();
         let seed = episode_seed(plan.config.seed, cmd.traj.0);
-        // Whether the stage goes to a replica whose engine takes text (it then needs the context).
-        let text_policy = match cmd.work {
+        // What the replica's engine takes as the turn's prompt.
+        let policy_input = match cmd.work {
             StageWork::Generate { replica, .. } => self
                 .owner
                 .get(replica.0 as usize)
                 .copied()
                 .flatten()
                 .and_then(|w| self.workers.get(&w))
-                .is_some_and(|w| w.text_policy),
-            _ => false,
+                .map_or(PolicyInput::Counts, |w| w.policy_input),
+            _ => PolicyInput::Counts,
         };
         let info = self.trajs.entry(cmd.traj).or_default();
         if info.attempt != cmd.attempt {
@@ -2203,6 +2335,7 @@ impl Actor {
             info.observations.truncate(keep);
             info.outputs.retain(|&turn, _| turn < cmd.turn);
             info.versions.retain(|&turn, _| turn < cmd.turn);
+            info.tokens.retain(|&turn, _| turn < cmd.turn);
             info.reward = 0.0;
         }
         info.group = cmd.group.0;
@@ -2241,6 +2374,7 @@ impl Actor {
                     info.actions.clear();
                     info.observations.clear();
                     info.outputs.clear();
+                    info.tokens.clear();
                 }
                 // A step applies the turn just generated (turn - 1); a real engine's text is
                 // relayed, an emulated generation has none.
@@ -2294,10 +2428,15 @@ impl Actor {
                 kv_from,
                 kv_tokens,
             } => {
-                let prompt_text = if text_policy {
+                let prompt_text = if policy_input == PolicyInput::Text {
                     render_context(info)
                 } else {
                     String::new()
+                };
+                let (context_tokens, new_messages) = if policy_input == PolicyInput::Tokens {
+                    token_context(info, cmd.turn)
+                } else {
+                    (Vec::new(), Vec::new())
                 };
                 let message = WorkAssignment {
                     kind: StageKind::Decode as i32,
@@ -2314,6 +2453,8 @@ impl Actor {
                         replica: replica.0,
                         prefill_token_count: prefill_tokens,
                         kv_pull_tokens: kv_tokens,
+                        context_tokens,
+                        new_messages,
                         ..Default::default()
                     })),
                     ..base
@@ -2764,15 +2905,48 @@ impl Actor {
                     }
                     StageKindOf::Prefill(_) => StageOutcome::Prefilled,
                     StageKindOf::Generate(_) => {
-                        if !o.emulated {
-                            // A real engine's text: the environment step of this turn applies it.
-                            self.engine_generations += 1;
+                        let stamped = a.message.policy_version;
+                        if let Some(reported) = o.engine_weight_version
+                            && reported != stamped
+                        {
+                            // The engine did not serve the weights the turn is stamped with
+                            // (an update it said it made and did not): never a trained turn.
+                            let reason = format!(
+                                "the engine reported weight version {reported} for a generation \
+                                 stamped with version {stamped}"
+                            );
+                            log!(self, "scheduler: assignment {id} on w{worker}: {reason}");
                             if let Some(t) = self.trajs.get_mut(&traj) {
-                                t.outputs.insert(a.message.turn, o.text.clone());
+                                t.last_failure = reason;
+                            }
+                            self.metrics.engine_version_mismatches.inc();
+                            self.deferred.push_back(Input::StageFailed { stage });
+                            return;
+                        }
+                        let turn = a.message.turn;
+                        if let Some(t) = self.trajs.get_mut(&traj) {
+                            if !o.emulated {
+                                // A real engine's text: the environment step of this turn applies
+                                // it.
+                                t.outputs.insert(turn, o.text.clone());
+                            }
+                            if !o.tokens.is_empty() || !o.prompt_tokens.is_empty() {
+                                t.tokens.insert(
+                                    turn,
+                                    TurnTokens {
+                                        prompt: o.prompt_tokens.clone(),
+                                        action: o.tokens.clone(),
+                                        logprobs: o.logprobs.clone(),
+                                        emulated: o.emulated,
+                                    },
+                                );
                             }
                         }
+                        if !o.emulated {
+                            self.engine_generations += 1;
+                        }
                         StageOutcome::Generated {
-                            tokens: o.token_count.max(1),
+                            tokens: o.token_count.max(o.tokens.len() as u64).max(1),
                         }
                     }
                     StageKindOf::Reward { .. } => {
@@ -3275,9 +3449,15 @@ impl Actor {
                     pool: p.name.clone(),
                     kind: match self.plan.pool_role(i) {
                         Some(PoolRole::Gpu)
-                            if self.workers.values().any(|w| w.pool == i && w.text_policy) =>
+                            if self.workers.values().any(|w| {
+                                w.pool == i && w.policy_input != PolicyInput::Counts
+                            }) =>
                         {
-                            "gpu (openai engine; training emulated)"
+                            if self.external_trainer() {
+                                "gpu (real engine; external trainer)"
+                            } else {
+                                "gpu (real engine; training emulated)"
+                            }
                         }
                         Some(PoolRole::Gpu) => "gpu (emulated)",
                         Some(PoolRole::Cpu) => "cpu",
@@ -3375,6 +3555,50 @@ fn describe_drifts(drifts: &[Drift]) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// A feed turn with its tokens: prompt then action ids, the action's log-probabilities, a loss
+/// mask over both (1 on the sampled action tokens only), and the version that generated them.
+fn feed_turn(mut turn: Turn, tokens: Option<&TurnTokens>) -> Turn {
+    let Some(t) = tokens else {
+        return turn;
+    };
+    let mut mask = vec![0u8; t.prompt.len()];
+    mask.resize(t.prompt.len() + t.action.len(), 1);
+    turn.loss_mask = mask;
+    turn.segments = vec![Segment {
+        policy_version: turn.policy_version,
+        tokens: t.action.len() as u32,
+    }];
+    turn.prompt_tokens = t.prompt.clone();
+    turn.action_tokens = t.action.clone();
+    turn.action_logprobs = t.logprobs.clone();
+    turn.emulated = t.emulated;
+    turn
+}
+
+/// What a token-in engine needs for turn `turn`: every token of the turns before it, as they
+/// were produced, and the chat messages this turn adds (the task on turn 0, then the
+/// observation the last action got).
+fn token_context(info: &TrajInfo, turn: u32) -> (Vec<u32>, Vec<ChatMessage>) {
+    let mut context = Vec::new();
+    for (_, t) in info.tokens.range(..turn) {
+        context.extend_from_slice(&t.prompt);
+        context.extend_from_slice(&t.action);
+    }
+    let content = match turn.checked_sub(1) {
+        None => info.prompt.clone(),
+        Some(last) => info
+            .observations
+            .get(last as usize)
+            .cloned()
+            .unwrap_or_default(),
+    };
+    let message = ChatMessage {
+        role: "user".into(),
+        content,
+    };
+    (context, vec![message])
 }
 
 fn render_context(info: &TrajInfo) -> String {

@@ -8,6 +8,14 @@
 //! sequence it has not durably consumed; everything from there is (re)sent, at most `window`
 //! items ahead of its acknowledgements. Acknowledging a sequence that was never sent is a
 //! protocol violation and ends the stream with the reason.
+//!
+//! An external trainer (`rl.trainer: external`) publishes each new version on the same stream
+//! (`PublishWeights`). Its `uri` is checked here, before the actor hears of it, because whether a
+//! file can be read is not something a journal replay could decide again: a `file://` URI or an
+//! absolute path, with no `.` or `..` component, inside the scheduler's weights directory when
+//! one is set, naming a file or directory that exists (and, for a file with a `sha256`, whose
+//! contents hash to it). The actor then takes it or refuses it by the version ([`crate::actor`]);
+//! either way the answer comes back on the stream as a `PublicationAnswer`.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -15,8 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures_util::Stream;
 use rollfleet_proto::v1::{
-    CompletedTrajectory, TrainerFeedItem, TrainerFeedRequest, trainer_feed_item,
-    trainer_feed_request, trainer_feed_server::TrainerFeed,
+    CompletedTrajectory, PublicationAnswer, PublishWeights, TrainerFeedItem, TrainerFeedRequest,
+    trainer_feed_item, trainer_feed_request, trainer_feed_server::TrainerFeed,
 };
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
@@ -152,8 +160,117 @@ pub struct Feed {
     pub log: Arc<FeedLog>,
     /// The job.
     pub slot: Arc<crate::job::JobSlot>,
-    /// The actor, told of a trainer's first subscription (for its journal).
+    /// The actor, told of a trainer's first subscription (for its journal) and of publications.
     pub actor: mpsc::UnboundedSender<crate::actor::Event>,
+    /// Where published weights must be (`None`: any absolute path the scheduler can read).
+    pub weights_root: Option<std::path::PathBuf>,
+}
+
+/// Checks a publication's `uri` (and `sha256`, for a file): the reason it is refused, naming the
+/// field, or the publication with its `bytes` filled in from the file when it gave none.
+pub fn check_publication(
+    mut publish: PublishWeights,
+    weights_root: Option<&std::path::Path>,
+) -> Result<PublishWeights, String> {
+    use std::path::{Component, Path};
+    let uri = publish.uri.as_str();
+    let path = match uri.split_once("://") {
+        Some(("file", rest)) => rest,
+        Some((scheme, _)) => {
+            return Err(format!(
+                "publish.uri: scheme {scheme:?} is not allowed: weights are published as \
+                 file:///ABSOLUTE/PATH or an absolute path on storage every engine can read"
+            ));
+        }
+        None => uri,
+    };
+    let path = Path::new(path);
+    if path.as_os_str().is_empty() {
+        return Err("publish.uri: empty".into());
+    }
+    if !path.is_absolute() {
+        return Err(format!("publish.uri: {uri:?} is not an absolute path"));
+    }
+    if path
+        .components()
+        .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
+    {
+        return Err(format!(
+            "publish.uri: {uri:?} has a '.' or '..' component (path traversal is refused)"
+        ));
+    }
+    let real = std::fs::canonicalize(path)
+        .map_err(|e| format!("publish.uri: the weights at {uri:?} cannot be read: {e}"))?;
+    if let Some(root) = weights_root {
+        let root = std::fs::canonicalize(root).map_err(|e| {
+            format!("the scheduler's weights directory {} cannot be read: {e}", root.display())
+        })?;
+        if !real.starts_with(&root) {
+            return Err(format!(
+                "publish.uri: {uri:?} is outside the scheduler's weights directory {}",
+                root.display()
+            ));
+        }
+    }
+    let meta = std::fs::metadata(&real)
+        .map_err(|e| format!("publish.uri: the weights at {uri:?} cannot be read: {e}"))?;
+    if meta.is_dir() {
+        if !publish.sha256.is_empty() {
+            return Err(format!(
+                "publish.sha256: {uri:?} is a directory; a checksum is checked for a file only"
+            ));
+        }
+        std::fs::read_dir(&real)
+            .map_err(|e| format!("publish.uri: the weights at {uri:?} cannot be read: {e}"))?;
+        return Ok(publish);
+    }
+    if publish.bytes == 0 {
+        publish.bytes = meta.len();
+    } else if publish.bytes != meta.len() {
+        return Err(format!(
+            "publish.bytes: {} but {uri:?} holds {} bytes",
+            publish.bytes,
+            meta.len()
+        ));
+    }
+    if !publish.sha256.is_empty() {
+        let want = publish.sha256.to_ascii_lowercase();
+        if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!(
+                "publish.sha256: {:?} is not a SHA-256 in hex (64 hex digits)",
+                publish.sha256
+            ));
+        }
+        let got = sha256_file(&real)
+            .map_err(|e| format!("publish.uri: the weights at {uri:?} cannot be read: {e}"))?;
+        if got != want {
+            return Err(format!(
+                "publish.sha256: {uri:?} hashes to {got}, not {want} (a partial or other file)"
+            ));
+        }
+        publish.sha256 = want;
+    }
+    Ok(publish)
+}
+
+fn sha256_file(path: &std::path::Path) -> std::io::Result<String> {
+    use sha2::Digest;
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 type FeedStream = Pin<Box<dyn Stream<Item = Result<TrainerFeedItem, Status>> + Send>>;
@@ -209,6 +326,8 @@ impl TrainerFeed for Feed {
             subscribe.window
         });
         let (tx, rx) = mpsc::channel(64);
+        let actor = self.actor.clone();
+        let weights_root = self.weights_root.clone();
         tokio::spawn(async move {
             let mut last = log.last.subscribe();
             let mut next = resume.max(log.acked() + 1);
@@ -246,7 +365,17 @@ impl TrainerFeed for Feed {
                                 }
                                 log.ack(n);
                             }
-                            trainer_feed_request::Message::PublishedVersion(_) => {}
+                            trainer_feed_request::Message::Publish(publish) => {
+                                let answer =
+                                    publication_answer(publish, weights_root.clone(), &actor)
+                                        .await;
+                                let item = TrainerFeedItem {
+                                    item: Some(trainer_feed_item::Item::Publication(answer)),
+                                };
+                                if tx.send(Ok(item)).await.is_err() {
+                                    return;
+                                }
+                            }
                             trainer_feed_request::Message::Subscribe(_) => {
                                 let _ = tx
                                     .send(Err(Status::invalid_argument(
@@ -270,4 +399,38 @@ impl TrainerFeed for Feed {
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
+}
+
+/// Checks a publication (off the async threads: a checksum reads the whole file) and, when it
+/// passes, has the actor take or refuse it.
+async fn publication_answer(
+    publish: PublishWeights,
+    weights_root: Option<std::path::PathBuf>,
+    actor: &mpsc::UnboundedSender<crate::actor::Event>,
+) -> PublicationAnswer {
+    let version = publish.version;
+    let refused = |reason: String| PublicationAnswer {
+        version,
+        accepted: false,
+        reason,
+    };
+    let checked = tokio::task::spawn_blocking(move || {
+        check_publication(publish, weights_root.as_deref())
+    })
+    .await;
+    let publish = match checked {
+        Ok(Ok(publish)) => publish,
+        Ok(Err(reason)) => return refused(reason),
+        Err(e) => return refused(format!("the publication could not be checked: {e}")),
+    };
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    if actor
+        .send(crate::actor::Event::Publish { publish, reply })
+        .is_err()
+    {
+        return refused("the scheduler is shutting down".into());
+    }
+    answer
+        .await
+        .unwrap_or_else(|_| refused("the scheduler is shutting down".into()))
 }

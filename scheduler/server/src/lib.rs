@@ -133,6 +133,9 @@ pub struct ServerOptions {
     /// once a trainer has everything: for a scheduler a Deployment runs, whose end must be read
     /// (by the operator) rather than restarted.
     pub until_stopped: bool,
+    /// Where an external trainer's published weights must be (`--weights-dir`); `None`: any
+    /// absolute path the scheduler can read ([`feed::check_publication`]).
+    pub weights_root: Option<PathBuf>,
 }
 
 /// Counts a call refused for want of the token, and says so in the log at the 1st, 10th, 100th,
@@ -286,6 +289,7 @@ pub async fn serve_until(
             log: feed_log.clone(),
             slot: slot.clone(),
             actor: inbox,
+            weights_root: opts.weights_root.clone(),
         },
         guard,
     );

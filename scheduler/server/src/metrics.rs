@@ -20,6 +20,9 @@ pub struct Metrics {
     pub trajectories_trained: IntCounter,
     /// Groups given up as infrastructure failures.
     pub groups_abandoned: IntCounter,
+    /// Generations whose engine reported other weights than the version the turn is stamped
+    /// with (failed and redone, never trained on).
+    pub engine_version_mismatches: IntCounter,
     /// Workers that registered.
     pub workers_registered: IntCounter,
     /// Workers lost or cut off.
@@ -83,6 +86,11 @@ impl Metrics {
             "groups_abandoned_total",
             "Groups given up as infrastructure failures: one trajectory's stages failed too often \
              in a row. Never trained on, never scored.",
+        )?;
+        let engine_version_mismatches = IntCounter::new(
+            "engine_version_mismatches_total",
+            "Generations whose engine reported other weights than the policy version the turn is \
+             stamped with: failed and redone, never trained on.",
         )?;
         let workers_registered =
             IntCounter::new("workers_registered_total", "Workers that registered.")?;
@@ -203,6 +211,7 @@ impl Metrics {
         registry.register(Box::new(stage_completions.clone()))?;
         registry.register(Box::new(trajectories_trained.clone()))?;
         registry.register(Box::new(groups_abandoned.clone()))?;
+        registry.register(Box::new(engine_version_mismatches.clone()))?;
         registry.register(Box::new(workers_registered.clone()))?;
         registry.register(Box::new(workers_lost.clone()))?;
         registry.register(Box::new(workers_left.clone()))?;
@@ -228,6 +237,7 @@ impl Metrics {
             stage_completions,
             trajectories_trained,
             groups_abandoned,
+            engine_version_mismatches,
             workers_registered,
             workers_lost,
             workers_left,

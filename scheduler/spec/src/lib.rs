@@ -19,7 +19,7 @@ use std::path::Path;
 pub use distribution::{Dist, Distribution, TraceColumn, TraceName, lognormal_sigma};
 pub use manifest::{
     API_VERSION, CatalogAdditions, JobManifest, JobSpec, KIND, Metadata, NetworkSpec, PoolKind,
-    PoolSpec, RewardPlacement, RewardSpec, RlSpec, Role, TaskSpec,
+    PoolSpec, RewardPlacement, RewardSpec, RlSpec, Role, TaskSpec, TrainerMode,
 };
 pub use model::ModelSpec;
 pub use validate::{Problem, USABLE_MEMORY_FRACTION, replica_bytes};

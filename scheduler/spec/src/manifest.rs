@@ -94,6 +94,31 @@ pub struct RlSpec {
     /// Share of peak FLOP/s a training step achieves (model FLOPs utilisation).
     #[serde(default = "default_train_mfu")]
     pub train_mfu: f64,
+    /// Who trains: the emulated trainer on the train pool (the default), or an external trainer
+    /// process that reads the trainer feed and publishes the policy versions itself.
+    #[serde(default, skip_serializing_if = "TrainerMode::is_emulated")]
+    pub trainer: TrainerMode,
+}
+
+/// Who trains the policy and publishes its versions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainerMode {
+    /// The emulated trainer: a batch takes the modelled training time on the train pool, and the
+    /// next version is published when it ends (no weights exist).
+    #[default]
+    Emulated,
+    /// A trainer outside rollfleet (PyTorch, JAX, ...): it reads finished trajectories from the
+    /// trainer feed and publishes each new version (`PublishWeights`) when its weights are
+    /// durable; the scheduler dispatches no training work.
+    External,
+}
+
+impl TrainerMode {
+    /// Whether this is the emulated trainer.
+    pub fn is_emulated(&self) -> bool {
+        *self == TrainerMode::Emulated
+    }
 }
 
 fn default_steps() -> i64 {

@@ -80,6 +80,11 @@ pub struct SchedulerArgs {
     /// rather than the scheduler started again. The exit status is still the job's.
     #[arg(long)]
     pub until_stopped: bool,
+    /// With an external trainer (`rl.trainer: external`): the directory every published version's
+    /// weights must be inside (a publication naming a path outside it is refused). Without it,
+    /// any absolute path the scheduler can read is taken.
+    #[arg(long, value_name = "DIR")]
+    pub weights_dir: Option<PathBuf>,
     /// Serve gRPC over TLS with this certificate (PEM; its chain may follow it), so that the
     /// token and the trajectories do not cross the network in clear; clients then use an
     /// https:// URL and --tls-ca. Needs --tls-key.
@@ -352,6 +357,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             tls_client_ca: args.tls_client_ca.clone(),
             journal_sync: args.journal_sync,
             until_stopped: args.until_stopped,
+            weights_root: args.weights_dir.clone(),
         };
         let (cancel, cancelled) = tokio::sync::oneshot::channel();
         // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.
