@@ -86,6 +86,12 @@ enum Command {
     /// its job stood, and how to resume it.
     #[command(subcommand)]
     Journal(commands::journal::JournalCommand),
+    /// A reference external trainer for a job with `rl.trainer: external`: reads the trainer
+    /// feed, checks each step's trajectories (tokens, staleness), writes a checkpoint and
+    /// publishes it as the next version. It trains no model.
+    #[command(after_help = "Examples:\n  \
+        rollfleet train examples/jobs/quickstart-external.yaml --scheduler http://127.0.0.1:7070 --checkpoints /tmp/ckpt")]
+    Train(commands::train::TrainArgs),
     /// The node daemon: register with a scheduler and run what it assigns.
     #[command(after_help = "Examples:\n  \
         rollfleet worker --scheduler http://127.0.0.1:7070 --pool decode\n  \
@@ -118,6 +124,7 @@ fn main() -> ExitCode {
             commands::journal::run(command, cli.output, &mut stdout, &mut stderr)
         }
         Command::Worker(args) => commands::runtime::worker(args, &mut stderr),
+        Command::Train(args) => commands::train::run(args, &mut stderr),
     };
     match result {
         Ok(code) => ExitCode::from(code),

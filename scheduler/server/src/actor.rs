@@ -492,6 +492,9 @@ struct TrajInfo {
     versions: BTreeMap<u32, u64>,
     /// The tokens of each turn's generation.
     tokens: BTreeMap<u32, TurnTokens>,
+    /// Tokens of the message each turn's generation starts from (the prompt for turn 0, then
+    /// the observation before the turn), as the environment counted them.
+    message_tokens: BTreeMap<u32, u64>,
     reward: f64,
     /// What its last failed stage's worker said.
     last_failure: String,
@@ -2336,6 +2339,7 @@ impl Actor {
             info.outputs.retain(|&turn, _| turn < cmd.turn);
             info.versions.retain(|&turn, _| turn < cmd.turn);
             info.tokens.retain(|&turn, _| turn < cmd.turn);
+            info.message_tokens.retain(|&turn, _| turn <= cmd.turn);
             info.reward = 0.0;
         }
         info.group = cmd.group.0;
@@ -2375,6 +2379,7 @@ impl Actor {
                     info.observations.clear();
                     info.outputs.clear();
                     info.tokens.clear();
+                    info.message_tokens.clear();
                 }
                 // A step applies the turn just generated (turn - 1); a real engine's text is
                 // relayed, an emulated generation has none.
@@ -2455,6 +2460,11 @@ impl Actor {
                         kv_pull_tokens: kv_tokens,
                         context_tokens,
                         new_messages,
+                        new_message_tokens: info
+                            .message_tokens
+                            .get(&cmd.turn)
+                            .copied()
+                            .unwrap_or(0),
                         ..Default::default()
                     })),
                     ..base
@@ -2888,6 +2898,8 @@ impl Actor {
                 let outcome = match kind {
                     StageKindOf::Env { .. } => {
                         if let Some(t) = self.trajs.get_mut(&traj) {
+                            let next_turn = if reset { 0 } else { a.message.turn };
+                            t.message_tokens.insert(next_turn, o.token_count);
                             if reset {
                                 t.prompt = o.observation.clone();
                             } else {

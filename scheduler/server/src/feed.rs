@@ -253,7 +253,8 @@ pub fn check_publication(
     Ok(publish)
 }
 
-fn sha256_file(path: &std::path::Path) -> std::io::Result<String> {
+/// The SHA-256 of a file's contents, in lower-case hex (what `PublishWeights.sha256` holds).
+pub fn sha256_file(path: &std::path::Path) -> std::io::Result<String> {
     use sha2::Digest;
     use std::io::Read;
     let mut file = std::fs::File::open(path)?;

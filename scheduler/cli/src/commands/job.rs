@@ -20,7 +20,7 @@ use crate::commands::{TlsClientArgs, TokenArgs};
 use crate::output::{OutputFormat, Table, exit, write_structured};
 
 /// Where the scheduler listens unless told otherwise (`rollfleet scheduler`'s default).
-const DEFAULT_SCHEDULER: &str = "http://127.0.0.1:7070";
+pub const DEFAULT_SCHEDULER: &str = "http://127.0.0.1:7070";
 
 /// `rollfleet job`.
 #[derive(Debug, clap::Subcommand)]

@@ -9,6 +9,7 @@ pub mod profile;
 pub mod runtime;
 pub mod serverless;
 pub mod sim;
+pub mod train;
 pub mod validate;
 
 use std::path::PathBuf;
