@@ -34,8 +34,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::{
-    Completion, Engine, EngineError, EngineFuture, EventStream, FinishReason, GenerateEvent,
-    GenerateRequest, Prompt,
+    ChatMessage, Completion, Engine, EngineError, EngineFuture, EventStream, FinishReason,
+    GenerateEvent, GenerateRequest, Prompt, WeightsRef,
 };
 
 /// The name every emulated output carries.
@@ -708,6 +708,14 @@ impl Actor {
     }
 }
 
+/// One synthetic token id for up to 4 bytes of text: FNV-1a into a 32k vocabulary.
+fn synthetic_token(chunk: &[u8]) -> u32 {
+    let hash = chunk.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    (hash % 32_000) as u32
+}
+
 /// Synthetic token ids: deterministic per request, never meant to be read.
 fn synthetic_tokens(seed: u64, n: u64) -> Vec<u32> {
     let mut rng = rollfleet_core::rng::SplitMix64::new(seed);
@@ -770,6 +778,7 @@ impl Engine for EmulatedEngine {
                         Ok(GenerateEvent::Delta {
                             text: format!("[emulated: {} synthetic tokens]", out.tokens),
                             token_ids: synthetic_tokens(id, out.tokens),
+                            logprobs: Vec::new(),
                         }),
                         Ok(GenerateEvent::Finished(Completion {
                             finish_reason: FinishReason::Length,
@@ -778,6 +787,7 @@ impl Engine for EmulatedEngine {
                             cached_prompt_tokens: u32::try_from(cached).ok(),
                             policy_version: out.policy_version,
                             emulated: true,
+                            engine_weight_version: Some(out.policy_version),
                         })),
                     ]
                 }
@@ -786,8 +796,9 @@ impl Engine for EmulatedEngine {
         Box::pin(futures_util::stream::once(events).flat_map(futures_util::stream::iter))
     }
 
-    fn update_weights(&self, version: u64, _source: &str) -> EngineFuture<'_, ()> {
+    fn update_weights(&self, weights: &WeightsRef) -> EngineFuture<'_, ()> {
         let bytes = self.weight_bytes;
+        let version = weights.version;
         Box::pin(async move {
             self.shared
                 .sessions
@@ -796,6 +807,34 @@ impl Engine for EmulatedEngine {
                 .clear();
             self.load_weights(version, bytes).await
         })
+    }
+
+    fn served_weight_version(&self) -> EngineFuture<'_, Option<u64>> {
+        let version = self.policy_version();
+        Box::pin(async move { Ok(Some(version)) })
+    }
+
+    /// Emulated: a deterministic synthetic tokenisation, not a model's. Each message is rendered
+    /// ChatML-style (`<|im_start|>{role}\n{content}<|im_end|>\n`, then `<|im_start|>assistant\n`
+    /// as the generation prompt) and each rendered piece is cut into 4-byte chunks hashed into a
+    /// 32k vocabulary, so a rendering is a prefix of the rendering of a longer conversation.
+    fn tokenize_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> EngineFuture<'_, Vec<u32>> {
+        let mut pieces: Vec<String> = messages
+            .iter()
+            .map(|m| format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content))
+            .collect();
+        if add_generation_prompt {
+            pieces.push("<|im_start|>assistant\n".to_owned());
+        }
+        let tokens = pieces
+            .iter()
+            .flat_map(|piece| piece.as_bytes().chunks(4).map(synthetic_token))
+            .collect();
+        Box::pin(async move { Ok(tokens) })
     }
 
     fn policy_version(&self) -> u64 {

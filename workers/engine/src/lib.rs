@@ -6,14 +6,31 @@
 //! scheduler that preempts a stage only has to drop what it holds.
 //!
 //! Backends:
+//! - [`sglang::SglangEngine`]: SGLang's native HTTP API, token-in/token-out with per-token
+//!   logprobs and per-replica weight updates from disk checked against the engine's own version;
+//! - [`vllm::VllmEngine`]: vLLM's `/v1/completions` with token-id prompts and its RLHF
+//!   (dev-mode) weight-update API;
 //! - [`openai::OpenAiEngine`]: a real engine behind the OpenAI completions API (vLLM, SGLang),
 //!   streamed over HTTP;
 //! - [`emulated::EmulatedEngine`]: for machines without GPUs, the simulator's roofline run
 //!   against the (scaled) real clock; every output is marked `emulated`.
+//!
+//! # Token-in/token-out and chat templates
+//!
+//! For RL the trainer must see exactly the tokens the policy sampled, with the logprobs the
+//! engine computed for them. Re-tokenising decoded text does not give them back (BPE merges
+//! across turn boundaries, special tokens, whitespace normalisation). So a multi-turn
+//! trajectory is kept as token ids: the sampled tokens are appended as they came, and only the
+//! tokens the chat template adds around a new message (the end of the assistant turn, the role
+//! header, the environment's text, the generation prompt) are produced by tokenising, with the
+//! engine's own template ([`Engine::tokenize_chat`], [`chat_turn_tokens`]).
 
 pub mod emulated;
+mod http;
 pub mod openai;
+pub mod sglang;
 mod sse;
+pub mod vllm;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -59,6 +76,9 @@ pub enum GenerateEvent {
         text: String,
         /// New token ids, when the engine returns them.
         token_ids: Vec<u32>,
+        /// The engine's log-probability of each token of `token_ids`, in order; empty when the
+        /// engine gave none.
+        logprobs: Vec<f32>,
     },
     /// The generation is over; always the last event of a successful stream.
     Finished(Completion),
@@ -92,6 +112,50 @@ pub struct Completion {
     pub policy_version: u64,
     /// True when no real GPU ran the model (the emulated engine).
     pub emulated: bool,
+    /// The weight version the engine itself reported for this generation (SGLang's
+    /// `meta_info.weight_version`; for vLLM the version `/weight_info` reported when the
+    /// generation was sent). `None` when the engine did not say.
+    pub engine_weight_version: Option<u64>,
+}
+
+/// Published policy weights, as the trainer announced them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WeightsRef {
+    /// Policy version of these weights.
+    pub version: u64,
+    /// Where they are: `file:///abs/path` or a plain absolute path.
+    pub uri: String,
+    /// `"safetensors"`, `"gguf"`, `"hf-dir"`, ...
+    pub format: String,
+    /// Hex SHA-256 of the checkpoint, as the trainer published it.
+    pub sha256: String,
+}
+
+impl WeightsRef {
+    /// The checkpoint's local path: `uri` without a `file://` scheme.
+    pub fn local_path(&self) -> &str {
+        self.uri.strip_prefix("file://").unwrap_or(&self.uri)
+    }
+}
+
+/// One chat message, rendered by the engine's own chat template.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChatMessage {
+    /// `"system"`, `"user"`, `"assistant"`, `"tool"`, ...
+    pub role: String,
+    /// The message's text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message of `role` saying `content`.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
 }
 
 /// Why a generation or weight update failed.
@@ -140,12 +204,76 @@ pub trait Engine: Send + Sync {
     /// Starts generating; drop the stream to abort.
     fn generate(&self, request: GenerateRequest) -> EventStream;
 
-    /// Loads policy weights `version` from `source` (a path or URL the engine understands).
-    fn update_weights(&self, version: u64, source: &str) -> EngineFuture<'_, ()>;
+    /// Loads `weights` and returns once the engine serves them (checked against the version the
+    /// engine reports, where it reports one). Call it on a drained replica.
+    fn update_weights(&self, weights: &WeightsRef) -> EngineFuture<'_, ()>;
+
+    /// The weight version the engine itself reports serving, read back from the engine; `None`
+    /// when it cannot say.
+    fn served_weight_version(&self) -> EngineFuture<'_, Option<u64>>;
+
+    /// The token ids of `messages` rendered with the model's own chat template (the engine's),
+    /// with the generation prompt when `add_generation_prompt`.
+    fn tokenize_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> EngineFuture<'_, Vec<u32>>;
 
     /// The policy version the engine serves now.
     fn policy_version(&self) -> u64;
 
     /// `"openai"`, `"emulated"`, ...
     fn backend(&self) -> &'static str;
+}
+
+/// The tokens to append to a token-in/token-out context for a new chat turn.
+///
+/// For the first turn (`first`), the token ids of `messages` with the generation prompt. For a
+/// later turn, the context already ends with the tokens the policy sampled for the previous
+/// assistant turn, so only what the template adds for the new message(s) is wanted: the
+/// template is rendered for a fixed dummy prefix `[user "x", assistant "y"]`, once alone and once
+/// followed by `messages` and the generation prompt, and the suffix of the longer rendering is
+/// returned. The shorter rendering must be a prefix of the longer, or the template is not
+/// incremental (it rewrites earlier turns, e.g. strips past reasoning) and this fails with
+/// [`EngineError::Protocol`].
+///
+/// Why: re-tokenising the whole conversation each turn would replace the sampled tokens with a
+/// re-tokenisation of their text, which can differ, and the trainer's logprobs would then belong
+/// to tokens the policy never produced. Only the template's delta is tokenised.
+pub async fn chat_turn_tokens(
+    engine: &dyn Engine,
+    first: bool,
+    messages: &[ChatMessage],
+) -> Result<Vec<u32>, EngineError> {
+    if first {
+        return engine.tokenize_chat(messages, true).await;
+    }
+    let prefix = [
+        ChatMessage::new("user", "x"),
+        ChatMessage::new("assistant", "y"),
+    ];
+    let short = engine.tokenize_chat(&prefix, false).await?;
+    let mut all = prefix.to_vec();
+    all.extend_from_slice(messages);
+    let long = engine.tokenize_chat(&all, true).await?;
+    if !long.starts_with(&short) {
+        let at = short
+            .iter()
+            .zip(&long)
+            .position(|(a, b)| a != b)
+            .unwrap_or(short.len().min(long.len()));
+        return Err(EngineError::Protocol {
+            endpoint: engine.backend().to_owned(),
+            reason: format!(
+                "the chat template is not incremental: rendering [user, assistant] gives {} \
+                 tokens, which are not a prefix of the {} tokens of [user, assistant, new \
+                 messages] (first difference at token {at}); the turn's tokens cannot be \
+                 appended to the sampled ones",
+                short.len(),
+                long.len()
+            ),
+        });
+    }
+    Ok(long[short.len()..].to_vec())
 }

@@ -21,8 +21,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::sse::SseDecoder;
 use crate::{
-    Completion, Engine, EngineError, EngineFuture, EventStream, FinishReason, GenerateEvent,
-    GenerateRequest, Prompt,
+    ChatMessage, Completion, Engine, EngineError, EngineFuture, EventStream, FinishReason,
+    GenerateEvent, GenerateRequest, Prompt, WeightsRef,
 };
 
 /// How the backend reaches its engine.
@@ -269,6 +269,7 @@ impl Decoder {
                         .and_then(|d| d.cached_tokens),
                     policy_version: self.policy_version,
                     emulated: false,
+                    engine_weight_version: None,
                 }));
                 return Ok(());
             }
@@ -290,6 +291,7 @@ impl Decoder {
                     self.pending.push_back(GenerateEvent::Delta {
                         text: choice.text,
                         token_ids,
+                        logprobs: Vec::new(),
                     });
                 }
             }
@@ -381,8 +383,9 @@ impl Engine for OpenAiEngine {
         Box::pin(stream)
     }
 
-    fn update_weights(&self, version: u64, source: &str) -> EngineFuture<'_, ()> {
-        let source = source.to_owned();
+    fn update_weights(&self, weights: &WeightsRef) -> EngineFuture<'_, ()> {
+        let version = weights.version;
+        let source = weights.local_path().to_owned();
         Box::pin(async move {
             match self.config.weight_update {
                 WeightUpdate::Unsupported => Err(EngineError::Unsupported(format!(
@@ -394,7 +397,10 @@ impl Engine for OpenAiEngine {
                     let response = self
                         .client
                         .post(format!("{}/update_weights_from_disk", self.config.base_url))
-                        .json(&serde_json::json!({ "model_path": source }))
+                        .json(&serde_json::json!({
+                            "model_path": source,
+                            "weight_version": version.to_string(),
+                        }))
                         .send()
                         .await
                         .map_err(|e| self.unavailable(e))?;
@@ -412,6 +418,45 @@ impl Engine for OpenAiEngine {
                     Ok(())
                 }
             }
+        })
+    }
+
+    /// The OpenAI API has no weight version: `None`.
+    fn served_weight_version(&self) -> EngineFuture<'_, Option<u64>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    /// vLLM's chat-aware `POST /tokenize {"model", "messages", "add_generation_prompt"}`.
+    fn tokenize_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> EngineFuture<'_, Vec<u32>> {
+        #[derive(Deserialize)]
+        struct Tokens {
+            tokens: Vec<u32>,
+        }
+        let body = serde_json::json!({
+            "model": self.config.model,
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "add_special_tokens": false,
+        });
+        Box::pin(async move {
+            let mut builder = self
+                .client
+                .post(format!("{}/tokenize", self.config.base_url))
+                .json(&body);
+            if let Some(key) = &self.config.api_key {
+                builder = builder.bearer_auth(key);
+            }
+            let response = builder.send().await.map_err(|e| self.unavailable(e))?;
+            let response = self.check_status(response).await?;
+            let tokens: Tokens = response
+                .json()
+                .await
+                .map_err(|e| self.protocol(format_args!("/tokenize answer: {e}")))?;
+            Ok(tokens.tokens)
         })
     }
 

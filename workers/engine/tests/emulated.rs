@@ -131,7 +131,7 @@ async fn a_weight_update_takes_the_transfer_time_and_changes_the_version() {
     assert_eq!(engine.policy_version(), 0);
     let start = Instant::now();
     // 4 GB over 1 GB/s.
-    engine.update_weights(1, "emulated").await.unwrap();
+    engine.update_weights(&weights(1)).await.unwrap();
     assert!(close(start.elapsed(), 4.0), "{:?}", start.elapsed());
     assert_eq!(engine.policy_version(), 1);
     assert_eq!(engine.run(0, 0, Some(5)).await.unwrap().policy_version, 1);
@@ -157,7 +157,10 @@ async fn the_engine_trait_says_every_output_is_emulated_and_reuses_the_session_p
     assert!(done.emulated);
     assert_eq!(done.completion_tokens, Some(20));
     assert_eq!(done.cached_prompt_tokens, Some(0));
-    let Some(Ok(GenerateEvent::Delta { text, token_ids })) = events.first() else {
+    let Some(Ok(GenerateEvent::Delta {
+        text, token_ids, ..
+    })) = events.first()
+    else {
         panic!("{events:?}")
     };
     assert!(text.contains("emulated"));
@@ -211,7 +214,7 @@ async fn a_request_resumed_after_a_weight_update_prefills_its_context_again_with
     let partial = request.abort().await.unwrap().unwrap();
     assert!((148..=151).contains(&partial.generated), "{partial:?}");
     assert_eq!(partial.policy_version, 0);
-    engine.update_weights(1, "emulated").await.unwrap();
+    engine.update_weights(&weights(1)).await.unwrap();
     // The parked cache was computed by version 0: the update dropped it.
     assert_eq!(engine.load().await.kv_used_tokens, 0);
 
@@ -262,4 +265,29 @@ async fn a_report_hands_over_the_load_and_each_sample_once() {
     let (again, none) = engine.report().await;
     assert!(none.is_empty(), "{none:?}");
     assert_eq!(again, load);
+}
+
+fn weights(version: u64) -> rollfleet_engine::WeightsRef {
+    rollfleet_engine::WeightsRef {
+        version,
+        uri: "emulated".into(),
+        format: String::new(),
+        sha256: String::new(),
+    }
+}
+
+#[tokio::test]
+async fn the_emulated_engines_synthetic_template_gives_a_delta_after_an_assistant_turn() {
+    let engine = EmulatedEngine::start(config(100_000, 0.001));
+    let turn = [rollfleet_engine::ChatMessage::new("user", "the door opens")];
+    let delta = rollfleet_engine::chat_turn_tokens(&engine, false, &turn)
+        .await
+        .unwrap();
+    assert!(!delta.is_empty());
+    assert_eq!(delta, engine.tokenize_chat(&turn, true).await.unwrap());
+    assert!(delta.iter().all(|t| *t < 32_000));
+    assert_eq!(
+        engine.served_weight_version().await.unwrap(),
+        Some(engine.policy_version())
+    );
 }

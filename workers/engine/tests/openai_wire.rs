@@ -374,7 +374,7 @@ async fn a_request_for_another_policy_version_is_refused_before_it_is_sent() {
 async fn weights_update_through_sglangs_endpoint_and_move_the_served_version() {
     let mut fake = fake_engine(Behaviour::Stream).await;
     let engine = engine(&fake.url, WeightUpdate::SglangFromDisk);
-    engine.update_weights(4, "/ckpt/step-4").await.unwrap();
+    engine.update_weights(&weights_v4()).await.unwrap();
     assert_eq!(engine.policy_version(), 4);
     let seen = fake.seen.recv().await.unwrap();
     assert_eq!(seen.path, "/update_weights_from_disk");
@@ -382,7 +382,7 @@ async fn weights_update_through_sglangs_endpoint_and_move_the_served_version() {
 
     let plain = self::engine(&fake.url, WeightUpdate::Unsupported);
     assert!(matches!(
-        plain.update_weights(4, "/ckpt/step-4").await,
+        plain.update_weights(&weights_v4()).await,
         Err(EngineError::Unsupported(_))
     ));
     assert_eq!(plain.policy_version(), 3);
@@ -416,4 +416,13 @@ async fn the_served_models_are_listed_and_a_relabelled_version_is_served() {
     };
     assert_eq!(done.policy_version, 5);
     assert_eq!(fake.seen.recv().await.unwrap().path, "/v1/completions");
+}
+
+fn weights_v4() -> rollfleet_engine::WeightsRef {
+    rollfleet_engine::WeightsRef {
+        version: 4,
+        uri: "/ckpt/step-4".into(),
+        format: "safetensors".into(),
+        sha256: String::new(),
+    }
 }

@@ -32,6 +32,8 @@
 //! heartbeat. Where none exists, it says why once (a log line, and the reason in the
 //! registration), and its heartbeats carry no GPU figures: absent, never zero.
 
+pub mod token_engine;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -90,6 +92,26 @@ pub enum EngineChoice {
         /// Its base URL, e.g. `http://127.0.0.1:8000`.
         url: String,
         /// The model name to ask for; `None`: the first model the engine lists at `/v1/models`.
+        model: Option<String>,
+        /// Sampling temperature.
+        temperature: f32,
+    },
+    /// SGLang replicas behind their native API, token-in, token-out, one per replica this node
+    /// serves ([`token_engine`]).
+    Sglang {
+        /// Their base URLs, e.g. `http://127.0.0.1:30000`, one per replica.
+        urls: Vec<String>,
+        /// A vLLM-style chat-aware `/tokenize` for the model (SGLang's own takes text only);
+        /// `None`: each engine's own URL.
+        chat_tokenizer: Option<String>,
+        /// Sampling temperature.
+        temperature: f32,
+    },
+    /// vLLM replicas, token-in, token-out, one per replica this node serves.
+    Vllm {
+        /// Their base URLs, one per replica.
+        urls: Vec<String>,
+        /// The model name to ask for; `None`: the first model the first engine lists.
         model: Option<String>,
         /// Sampling temperature.
         temperature: f32,
@@ -272,6 +294,7 @@ struct Node {
     /// Share of the modelled rates its emulated GPUs achieve.
     slowdown: f64,
     openai: Option<Arc<OpenAiBackend>>,
+    tokens: Option<Arc<token_engine::TokenBackend>>,
     host: EnvHost,
     episodes: Mutex<BTreeMap<(u64, u32), (EpisodeId, usize)>>,
     slots: usize,
@@ -438,7 +461,6 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
     let (telemetry_info, telemetry) = gpu_telemetry();
     let telemetry = telemetry.map(Arc::new);
     let openai = match &opts.engine {
-        EngineChoice::Emulated => None,
         EngineChoice::OpenAi {
             url,
             model,
@@ -446,25 +468,34 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
         } => Some(Arc::new(
             openai_backend(url, model.as_deref(), *temperature, opts.connect_timeout).await?,
         )),
+        _ => None,
     };
+    let tokens = token_backend(&opts).await?.map(Arc::new);
     let software = Software {
-        backend: if openai.is_some() {
-            "openai"
-        } else {
-            "emulated"
+        backend: match (&openai, &tokens) {
+            (Some(_), _) => "openai",
+            (None, Some(t)) => t.kind,
+            (None, None) => "emulated",
         },
-        version: match &openai {
-            None => env!("CARGO_PKG_VERSION").to_owned(),
-            Some(b) => format!(
+        version: match (&openai, &tokens) {
+            (Some(b), _) => format!(
                 "rollfleet-node {}; model {:?} at {}",
                 env!("CARGO_PKG_VERSION"),
                 b.engine.model(),
                 b.engine.base_url()
             ),
+            (None, Some(t)) => format!(
+                "rollfleet-node {}; {} at {}",
+                env!("CARGO_PKG_VERSION"),
+                t.kind,
+                t.urls().join(", ")
+            ),
+            (None, None) => env!("CARGO_PKG_VERSION").to_owned(),
         },
         telemetry_info,
         telemetry,
         openai,
+        tokens,
     };
     let mut connect_for = opts.connect_timeout;
     loop {
@@ -492,6 +523,63 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
     }
 }
 
+/// The SGLang or vLLM engines of `--engine sglang|vllm`, one per URL; `None` for other engines.
+async fn token_backend(opts: &WorkerOptions) -> Result<Option<token_engine::TokenBackend>, NodeError> {
+    use rollfleet_engine::sglang::{SglangConfig, SglangEngine};
+    use rollfleet_engine::vllm::{VllmConfig, VllmEngine};
+    let api_key = std::env::var("ROLLFLEET_ENGINE_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty());
+    let engine_error = |e: EngineError| NodeError::Engine(e.to_string());
+    match &opts.engine {
+        EngineChoice::Sglang {
+            urls,
+            chat_tokenizer,
+            temperature,
+        } => {
+            let mut endpoints: Vec<(String, Arc<dyn Engine>)> = Vec::new();
+            for url in urls {
+                let config = SglangConfig {
+                    api_key: api_key.clone(),
+                    chat_tokenizer_url: Some(chat_tokenizer.clone().unwrap_or_else(|| url.clone())),
+                    ..SglangConfig::new(url.clone())
+                };
+                let engine = SglangEngine::new(config, 0).map_err(engine_error)?;
+                endpoints.push((url.clone(), Arc::new(engine)));
+            }
+            Ok(Some(token_engine::TokenBackend::new("sglang", endpoints, *temperature)))
+        }
+        EngineChoice::Vllm {
+            urls,
+            model,
+            temperature,
+        } => {
+            let model = match (model, urls.first()) {
+                (Some(m), _) => m.clone(),
+                (None, Some(url)) => {
+                    openai_backend(url, None, *temperature, opts.connect_timeout)
+                        .await?
+                        .engine
+                        .model()
+                        .to_owned()
+                }
+                (None, None) => return Err(NodeError::Engine("--engine vllm needs --engine-url".into())),
+            };
+            let mut endpoints: Vec<(String, Arc<dyn Engine>)> = Vec::new();
+            for url in urls {
+                let config = VllmConfig {
+                    api_key: api_key.clone(),
+                    ..VllmConfig::new(url.clone(), model.clone())
+                };
+                let engine = VllmEngine::new(config, 0).map_err(engine_error)?;
+                endpoints.push((url.clone(), Arc::new(engine)));
+            }
+            Ok(Some(token_engine::TokenBackend::new("vllm", endpoints, *temperature)))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// What a node runs its work with, the same in every session.
 struct Software {
     backend: &'static str,
@@ -499,6 +587,7 @@ struct Software {
     telemetry_info: GpuTelemetryInfo,
     telemetry: Option<Arc<rollfleet_gpu::Telemetry>>,
     openai: Option<Arc<OpenAiBackend>>,
+    tokens: Option<Arc<token_engine::TokenBackend>>,
 }
 
 /// How a session with the scheduler ended, short of the job's drain.
@@ -546,10 +635,12 @@ async fn session(
         telemetry_info,
         telemetry,
         openai,
+        tokens,
     } = software;
     let (backend, backend_version) = (*backend, backend_version.clone());
     let telemetry = telemetry.clone();
     let openai = openai.clone();
+    let tokens = tokens.clone();
     if leaving(&opts.leave) {
         return Ok(WorkerExit::Closed);
     }
@@ -562,7 +653,7 @@ async fn session(
                 device: opts.gpus.map(|count| {
                     hardware_inventory::Device::Gpu(GpuInventory {
                         count,
-                        emulated: openai.is_none(),
+                        emulated: openai.is_none() && tokens.is_none(),
                         ..Default::default()
                     })
                 }),
@@ -608,7 +699,36 @@ async fn session(
             plan.pool_role(pool)
         ))));
     }
+    if let Some(t) = &tokens {
+        if plan.pool_role(pool) != Some(PoolRole::Gpu) {
+            return Err(Ended::Error(NodeError::Engine(format!(
+                "--engine {} serves generation, which runs on GPU pools; pool {:?} is a {:?} pool",
+                t.kind,
+                opts.pool,
+                plan.pool_role(pool)
+            ))));
+        }
+        if plan.spec().rl.trainer != rollfleet_spec::TrainerMode::External {
+            return Err(Ended::Error(NodeError::Engine(format!(
+                "--engine {} loads every policy version's real weights, and the job's trainer is \
+                 emulated (it publishes none): run the job with rl.trainer: external, or use \
+                 --engine openai, whose engine keeps its weights under the emulated trainer",
+                t.kind
+            ))));
+        }
+        eprintln!(
+            "worker {} ({}): registered for pool {}; generation token-in, token-out on {} {} \
+             engine(s): {}",
+            lease.worker_id,
+            opts.hostname,
+            opts.pool,
+            t.urls().len(),
+            t.kind,
+            t.urls().join(", ")
+        );
+    }
     match &openai {
+        None if tokens.is_some() => {}
         None => eprintln!(
             "worker {} ({}): registered for pool {} ({:?}); emulated hardware at time scale \
              {time_scale}",
@@ -655,6 +775,7 @@ async fn session(
         started_replicas: Mutex::new(BTreeMap::new()),
         slowdown: opts.slowdown,
         openai,
+        tokens,
         host: env_host(opts),
         episodes: Mutex::new(BTreeMap::new()),
         slots: opts.env_slots.max(1),
@@ -907,6 +1028,7 @@ async fn generate_openai(
             GenerateEvent::Delta {
                 text: delta,
                 token_ids: ids,
+                ..
             } => {
                 if !delta.is_empty() || !ids.is_empty() {
                     timing.chunk(
@@ -973,7 +1095,12 @@ async fn weight_sync_openai(
     }
     backend
         .engine
-        .update_weights(w.to_version, &w.source)
+        .update_weights(&rollfleet_engine::WeightsRef {
+            version: w.to_version,
+            uri: w.source.clone(),
+            format: w.format.clone(),
+            sha256: w.sha256.clone(),
+        })
         .await
         .map_err(engine_failure)?;
     Ok(StageOutput {
@@ -985,6 +1112,25 @@ async fn weight_sync_openai(
 fn tokens_of(text: &str) -> u64 {
     // About four bytes a token, as `agents`' default counter assumes.
     (text.len() as u64).div_ceil(4).max(1)
+}
+
+/// Vocabulary the emulated engine draws its synthetic token ids from (Qwen2.5's size).
+const SYNTHETIC_VOCAB: u64 = 151_936;
+
+/// The emulated engine's `n` synthetic token ids and their log-probabilities, seeded by `seed`
+/// and `key` (trajectory, attempt, turn): the shape of a real engine's output, for the token-level
+/// feed, with no model behind it (every such turn is marked emulated).
+fn synthetic_tokens(seed: u64, key: &[u64; 3], n: u64) -> (Vec<u32>, Vec<f32>) {
+    let mut rng = SplitMix64::keyed(seed, &[0x746f_6b65_6e73, key[0], key[1], key[2]]);
+    let n = n.min(1 << 20) as usize;
+    let mut ids = Vec::with_capacity(n);
+    let mut logprobs = Vec::with_capacity(n);
+    for _ in 0..n {
+        ids.push(rng.below(SYNTHETIC_VOCAB) as u32);
+        // A sampled token's log-probability: at most 0, mostly near it.
+        logprobs.push(-(rng.next_f64() * rng.next_f64() * 4.0) as f32);
+    }
+    (ids, logprobs)
 }
 
 /// The emulated policy's action: a random legal move of the environment, seeded per episode and
@@ -1048,6 +1194,9 @@ impl Node {
             load.running_stages += b.in_flight.load(Ordering::Relaxed);
             load.samples
                 .append(&mut b.samples.lock().unwrap_or_else(|p| p.into_inner()));
+        }
+        if let Some(t) = &self.tokens {
+            load.running_stages += t.in_flight.load(Ordering::Relaxed);
         }
         // The latest samples, within what one report carries.
         if load.samples.len() > MAX_SAMPLES_PER_REPORT {
@@ -1114,6 +1263,9 @@ impl Node {
 
     /// Drops a replica a re-plan retired: its engine (and the memory it models) goes.
     fn stop_replica(&self, replica: u64) {
+        if let Some(t) = &self.tokens {
+            t.release(replica);
+        }
         self.engines
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -1192,6 +1344,10 @@ impl Node {
                     let gpus = self.own_replica(g.replica).map_err(invalid)?.gpus;
                     return generate_openai(backend, a, g, &self.plan.costs, gpus).await;
                 }
+                if let Some(backend) = &self.tokens {
+                    self.own_replica(g.replica).map_err(invalid)?;
+                    return token_engine::generate(backend, a, g).await;
+                }
                 let engine = self.engine(g.replica).map_err(invalid)?;
                 if g.prefill_only {
                     let out = engine
@@ -1229,11 +1385,18 @@ impl Node {
                     .run(cached, g.prefill_token_count, Some(n))
                     .await
                     .map_err(|e| infra(e.to_string()))?;
+                let key = [traj.id, u64::from(traj.attempt), u64::from(a.turn)];
+                let (tokens, logprobs) = synthetic_tokens(self.plan.config.seed, &key, out.tokens);
+                let (prompt_tokens, _) =
+                    synthetic_tokens(!self.plan.config.seed, &key, g.new_message_tokens);
                 Ok(StageOutput {
                     policy_version: out.policy_version,
                     emulated: true,
                     token_count: out.tokens,
                     text: format!("[emulated: {} synthetic tokens]", out.tokens),
+                    tokens,
+                    logprobs,
+                    prompt_tokens,
                     ..Default::default()
                 })
             }
@@ -1241,6 +1404,10 @@ impl Node {
                 if let Some(backend) = &self.openai {
                     self.own_replica(w.replica).map_err(invalid)?;
                     return weight_sync_openai(backend, w).await;
+                }
+                if let Some(backend) = &self.tokens {
+                    self.own_replica(w.replica).map_err(invalid)?;
+                    return token_engine::weight_sync(backend, w).await;
                 }
                 let engine = self.engine(w.replica).map_err(invalid)?;
                 engine

@@ -161,16 +161,25 @@ pub struct WorkerArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct EngineArgs {
     /// The LLM engine of a GPU pool's generation stages: `emulated` (the simulator's roofline on
-    /// the scaled clock, synthetic tokens, no GPU) or `openai` (a real engine behind the OpenAI
-    /// completions API, such as vLLM or SGLang, at --engine-url; training stays emulated).
+    /// the scaled clock, synthetic tokens, no GPU), `openai` (a real engine behind the OpenAI
+    /// completions API, such as vLLM or SGLang, at --engine-url, text in and out; its weights
+    /// stay as they are, for the emulated trainer), or `sglang` / `vllm` (real engines driven
+    /// token-in, token-out with log-probabilities through their native APIs, one --engine-url
+    /// per replica the node serves, loading each version an external trainer publishes).
     #[arg(long, value_enum, default_value_t = EngineKind::Emulated)]
     pub engine: EngineKind,
-    /// The OpenAI-compatible engine's base URL (plain HTTP), e.g. `http://127.0.0.1:8000`; its
-    /// API key, if it wants one, is read from ROLLFLEET_ENGINE_API_KEY.
-    #[arg(long, required_if_eq("engine", "openai"))]
-    pub engine_url: Option<String>,
+    /// An engine's base URL (plain HTTP), e.g. `http://127.0.0.1:8000`; its API key, if it wants
+    /// one, is read from ROLLFLEET_ENGINE_API_KEY. `sglang` and `vllm` take it once per engine:
+    /// each replica the scheduler places on the node takes the next free one.
+    #[arg(long)]
+    pub engine_url: Vec<String>,
+    /// With `--engine sglang`: a vLLM-style chat-aware `/tokenize` (messages in, ids out) for
+    /// the same model, which applies the model's chat template (SGLang's own `/tokenize` takes
+    /// text only). Default: each engine's own URL.
+    #[arg(long, value_name = "URL")]
+    pub chat_tokenizer_url: Option<String>,
     /// The model name the engine serves (default: the first one its /v1/models lists).
-    #[arg(long, requires = "engine_url")]
+    #[arg(long)]
     pub model: Option<String>,
     /// Sampling temperature of the OpenAI-compatible engine.
     #[arg(long, default_value_t = 1.0)]
@@ -181,18 +190,23 @@ impl EngineArgs {
     /// The same flags, to hand to a child `rollfleet worker`.
     fn to_args(&self) -> Vec<String> {
         let mut args = Vec::new();
-        if let (EngineKind::Openai, Some(url)) = (self.engine, &self.engine_url) {
-            args.extend([
-                "--engine".into(),
-                "openai".into(),
-                "--engine-url".into(),
-                url.clone(),
-            ]);
-            if let Some(model) = &self.model {
-                args.extend(["--model".into(), model.clone()]);
-            }
-            args.extend(["--temperature".into(), self.temperature.to_string()]);
+        let kind = match self.engine {
+            EngineKind::Emulated => return args,
+            EngineKind::Openai => "openai",
+            EngineKind::Sglang => "sglang",
+            EngineKind::Vllm => "vllm",
+        };
+        args.extend(["--engine".into(), kind.into()]);
+        for url in &self.engine_url {
+            args.extend(["--engine-url".into(), url.clone()]);
         }
+        if let Some(url) = &self.chat_tokenizer_url {
+            args.extend(["--chat-tokenizer-url".into(), url.clone()]);
+        }
+        if let Some(model) = &self.model {
+            args.extend(["--model".into(), model.clone()]);
+        }
+        args.extend(["--temperature".into(), self.temperature.to_string()]);
         args
     }
 }
@@ -202,8 +216,52 @@ impl EngineArgs {
 pub enum EngineKind {
     /// The emulated engine.
     Emulated,
-    /// An OpenAI-compatible engine (vLLM, SGLang).
+    /// An OpenAI-compatible engine (vLLM, SGLang), text in and out.
     Openai,
+    /// SGLang's native API, token-in, token-out, one engine per replica.
+    Sglang,
+    /// vLLM, token-in, token-out, one engine per replica.
+    Vllm,
+}
+
+/// The engine the flags choose, or what is wrong with them.
+fn engine_choice(args: &EngineArgs) -> std::result::Result<rollfleet_node::EngineChoice, String> {
+    if let Some(url) = args.engine_url.iter().find(|u| !u.starts_with("http://")) {
+        return Err(format!(
+            "--engine-url must be a plain http:// URL (TLS is not compiled in), got {url:?}"
+        ));
+    }
+    let urls = args.engine_url.clone();
+    match args.engine {
+        EngineKind::Emulated if urls.is_empty() && args.chat_tokenizer_url.is_none() => {
+            Ok(rollfleet_node::EngineChoice::Emulated)
+        }
+        EngineKind::Emulated => {
+            Err("--engine-url is for a real engine (--engine openai, sglang or vllm); the \
+                 emulated engine needs none"
+                .into())
+        }
+        _ if urls.is_empty() => Err("a real engine needs --engine-url".into()),
+        EngineKind::Openai if urls.len() > 1 => Err(format!(
+            "--engine openai takes one --engine-url (it serves every replica of the node), got {}",
+            urls.len()
+        )),
+        EngineKind::Openai => Ok(rollfleet_node::EngineChoice::OpenAi {
+            url: urls[0].clone(),
+            model: args.model.clone(),
+            temperature: args.temperature,
+        }),
+        EngineKind::Sglang => Ok(rollfleet_node::EngineChoice::Sglang {
+            urls,
+            chat_tokenizer: args.chat_tokenizer_url.clone(),
+            temperature: args.temperature,
+        }),
+        EngineKind::Vllm => Ok(rollfleet_node::EngineChoice::Vllm {
+            urls,
+            model: args.model.clone(),
+            temperature: args.temperature,
+        }),
+    }
 }
 
 fn parse_remote_env(s: &str) -> std::result::Result<(String, String), String> {
@@ -485,33 +543,12 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         leave_timeout: Duration::from_secs(args.leave_timeout),
         tls_ca: args.tls.tls_ca.clone(),
         tls_identity: args.tls.tls_cert.clone().zip(args.tls.tls_key.clone()),
-        engine: match (args.engine.engine, &args.engine.engine_url) {
-            (EngineKind::Openai, Some(url)) => {
-                if !url.starts_with("http://") {
-                    writeln!(
-                        stderr,
-                        "error: --engine-url must be a plain http:// URL (TLS is not compiled in), got {url:?}"
-                    )?;
-                    return Ok(exit::INVALID_INPUT);
-                }
-                rollfleet_node::EngineChoice::OpenAi {
-                    url: url.clone(),
-                    model: args.engine.model.clone(),
-                    temperature: args.engine.temperature,
-                }
-            }
-            (EngineKind::Openai, None) => {
-                writeln!(stderr, "error: --engine openai needs --engine-url")?;
+        engine: match engine_choice(&args.engine) {
+            Ok(choice) => choice,
+            Err(message) => {
+                writeln!(stderr, "error: {message}")?;
                 return Ok(exit::INVALID_INPUT);
             }
-            (EngineKind::Emulated, Some(_)) => {
-                writeln!(
-                    stderr,
-                    "error: --engine-url is for --engine openai; the emulated engine needs none"
-                )?;
-                return Ok(exit::INVALID_INPUT);
-            }
-            (EngineKind::Emulated, None) => rollfleet_node::EngineChoice::Emulated,
         },
     };
     let rt = runtime()?;
@@ -607,6 +644,26 @@ pub fn run(
             return Ok(exit::INVALID_INPUT);
         }
     };
+    if matches!(args.engine.engine, EngineKind::Sglang | EngineKind::Vllm) {
+        writeln!(
+            stderr,
+            "error: rollfleet run starts one worker per pool; --engine sglang and vllm take one \
+             engine per replica: start the scheduler, workers and trainer yourself (as \
+             examples/external-trainer/run.sh does)"
+        )?;
+        return Ok(exit::INVALID_INPUT);
+    }
+    if job.manifest.spec.rl.trainer == rollfleet_spec::TrainerMode::External {
+        writeln!(
+            stderr,
+            "error: {}: the job's trainer is external (rl.trainer: external): rollfleet run \
+             starts no trainer; start the scheduler and workers yourself and the trainer with \
+             `rollfleet train {} --scheduler URL --checkpoints DIR` (examples/external-trainer/run.sh)",
+            args.job.display(),
+            args.job.display()
+        )?;
+        return Ok(exit::INVALID_INPUT);
+    }
     let yaml = std::fs::read_to_string(&args.job)?;
     let plan =
         rollfleet_server::JobPlan::from_yaml(&yaml, &args.job.display().to_string(), args.seed)
@@ -687,7 +744,7 @@ pub fn run(
         .ok_or_else(|| anyhow!("the scheduler did not say where it listens (got {line:?})"))?
         .to_owned();
     let url = format!("http://{addr}");
-    match &args.engine.engine_url {
+    match args.engine.engine_url.first() {
         Some(engine) if args.engine.engine == EngineKind::Openai => writeln!(
             stderr,
             "rollfleet run: scheduler on {url}; generation by the OpenAI-compatible engine at \
