@@ -36,12 +36,13 @@ use rollfleet_core::{
     StageOutcome, StageWork, Time, TrajId,
 };
 use rollfleet_proto::v1::{
-    ChatMessage, CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
-    HeartbeatResponse, JobPhase, JobStatus, JournalDetach, JournalHeartbeat, JournalMessage,
-    JournalRecord, Lease, PoolStatus, PublicationAnswer, PublishWeights, RegisterResponse, ReplicaStart, RewardWork, SchedulerMessage,
-    Segment, StageKind, TrainWork, TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult,
-    WorkerHello, WorkerLoad, WorkerMessage, hardware_inventory::Device, journal_record,
-    scheduler_message, work_assignment, work_result, worker_message,
+    ChatMessage, CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo,
+    HardwareInventory, HeartbeatResponse, JobPhase, JobStatus, JournalDetach, JournalHeartbeat,
+    JournalMessage, JournalRecord, Lease, PoolStatus, PublicationAnswer, PublishWeights,
+    RegisterResponse, ReplicaStart, RewardWork, SchedulerMessage, Segment, StageKind, TrainWork,
+    TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult, WorkerHello, WorkerLoad,
+    WorkerMessage, hardware_inventory::Device, journal_record, scheduler_message, work_assignment,
+    work_result, worker_message,
 };
 use rollfleet_sim::hardware::Meter;
 use serde::{Deserialize, Serialize};
@@ -720,7 +721,10 @@ impl Actor {
             self.core.publication_refusal(version)
         };
         if let Some(reason) = refusal {
-            log!(self, "scheduler: publication of version {version} refused: {reason}");
+            log!(
+                self,
+                "scheduler: publication of version {version} refused: {reason}"
+            );
             return PublicationAnswer {
                 version,
                 accepted: false,
@@ -960,7 +964,9 @@ impl Actor {
                     }
                     Event::Cancel => journal_record::Event::Cancel(true),
                     Event::FeedSubscribed => journal_record::Event::FeedSubscribed(true),
-                    Event::Publish { publish, .. } => journal_record::Event::Publish(publish.clone()),
+                    Event::Publish { publish, .. } => {
+                        journal_record::Event::Publish(publish.clone())
+                    }
                 };
                 (recorded, Step::Event(event))
             }
@@ -3447,46 +3453,46 @@ impl Actor {
             _ => 0.0,
         };
         let phase = self.ended.map_or(JobPhase::Running, |(_, p)| p);
-        let pools = self
-            .plan
-            .spec()
-            .pools
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let i = i as u32;
-                let cap = self.capacity.get(&i).copied().unwrap_or(1.0);
-                let total = self.meters.get(&i).map_or(0.0, |m| m.total);
-                PoolSummary {
-                    pool: p.name.clone(),
-                    kind: match self.plan.pool_role(i) {
-                        Some(PoolRole::Gpu)
-                            if self.workers.values().any(|w| {
-                                w.pool == i && w.policy_input != PolicyInput::Counts
-                            }) =>
-                        {
-                            if self.external_trainer() {
-                                "gpu (real engine; external trainer)"
-                            } else {
-                                "gpu (real engine; training emulated)"
+        let pools =
+            self.plan
+                .spec()
+                .pools
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let i = i as u32;
+                    let cap = self.capacity.get(&i).copied().unwrap_or(1.0);
+                    let total = self.meters.get(&i).map_or(0.0, |m| m.total);
+                    PoolSummary {
+                        pool: p.name.clone(),
+                        kind: match self.plan.pool_role(i) {
+                            Some(PoolRole::Gpu)
+                                if self.workers.values().any(|w| {
+                                    w.pool == i && w.policy_input != PolicyInput::Counts
+                                }) =>
+                            {
+                                if self.external_trainer() {
+                                    "gpu (real engine; external trainer)"
+                                } else {
+                                    "gpu (real engine; training emulated)"
+                                }
                             }
+                            Some(PoolRole::Gpu) => "gpu (emulated)",
+                            Some(PoolRole::Cpu) => "cpu",
+                            Some(PoolRole::Serverless) => "serverless (local)",
+                            None => "?",
                         }
-                        Some(PoolRole::Gpu) => "gpu (emulated)",
-                        Some(PoolRole::Cpu) => "cpu",
-                        Some(PoolRole::Serverless) => "serverless (local)",
-                        None => "?",
+                        .into(),
+                        workers: self.attached(i).count() as u32,
+                        assignments_done: self.completed_by_pool.get(&i).copied().unwrap_or(0),
+                        busy_share: if wall > 0.0 {
+                            (total / wall / cap).clamp(0.0, 1.0)
+                        } else {
+                            0.0
+                        },
                     }
-                    .into(),
-                    workers: self.attached(i).count() as u32,
-                    assignments_done: self.completed_by_pool.get(&i).copied().unwrap_or(0),
-                    busy_share: if wall > 0.0 {
-                        (total / wall / cap).clamp(0.0, 1.0)
-                    } else {
-                        0.0
-                    },
-                }
-            })
-            .collect();
+                })
+                .collect();
         let stats = self.core.stats();
         let mut lat = self.latencies_us.clone();
         lat.sort_unstable();

@@ -203,7 +203,10 @@ pub fn check_publication(
         .map_err(|e| format!("publish.uri: the weights at {uri:?} cannot be read: {e}"))?;
     if let Some(root) = weights_root {
         let root = std::fs::canonicalize(root).map_err(|e| {
-            format!("the scheduler's weights directory {} cannot be read: {e}", root.display())
+            format!(
+                "the scheduler's weights directory {} cannot be read: {e}",
+                root.display()
+            )
         })?;
         if !real.starts_with(&root) {
             return Err(format!(
@@ -415,10 +418,9 @@ async fn publication_answer(
         accepted: false,
         reason,
     };
-    let checked = tokio::task::spawn_blocking(move || {
-        check_publication(publish, weights_root.as_deref())
-    })
-    .await;
+    let checked =
+        tokio::task::spawn_blocking(move || check_publication(publish, weights_root.as_deref()))
+            .await;
     let publish = match checked {
         Ok(Ok(publish)) => publish,
         Ok(Err(reason)) => return refused(reason),

@@ -524,7 +524,9 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
 }
 
 /// The SGLang or vLLM engines of `--engine sglang|vllm`, one per URL; `None` for other engines.
-async fn token_backend(opts: &WorkerOptions) -> Result<Option<token_engine::TokenBackend>, NodeError> {
+async fn token_backend(
+    opts: &WorkerOptions,
+) -> Result<Option<token_engine::TokenBackend>, NodeError> {
     use rollfleet_engine::sglang::{SglangConfig, SglangEngine};
     use rollfleet_engine::vllm::{VllmConfig, VllmEngine};
     let api_key = std::env::var("ROLLFLEET_ENGINE_API_KEY")
@@ -547,7 +549,11 @@ async fn token_backend(opts: &WorkerOptions) -> Result<Option<token_engine::Toke
                 let engine = SglangEngine::new(config, 0).map_err(engine_error)?;
                 endpoints.push((url.clone(), Arc::new(engine)));
             }
-            Ok(Some(token_engine::TokenBackend::new("sglang", endpoints, *temperature)))
+            Ok(Some(token_engine::TokenBackend::new(
+                "sglang",
+                endpoints,
+                *temperature,
+            )))
         }
         EngineChoice::Vllm {
             urls,
@@ -556,14 +562,14 @@ async fn token_backend(opts: &WorkerOptions) -> Result<Option<token_engine::Toke
         } => {
             let model = match (model, urls.first()) {
                 (Some(m), _) => m.clone(),
-                (None, Some(url)) => {
-                    openai_backend(url, None, *temperature, opts.connect_timeout)
-                        .await?
-                        .engine
-                        .model()
-                        .to_owned()
+                (None, Some(url)) => openai_backend(url, None, *temperature, opts.connect_timeout)
+                    .await?
+                    .engine
+                    .model()
+                    .to_owned(),
+                (None, None) => {
+                    return Err(NodeError::Engine("--engine vllm needs --engine-url".into()));
                 }
-                (None, None) => return Err(NodeError::Engine("--engine vllm needs --engine-url".into())),
             };
             let mut endpoints: Vec<(String, Arc<dyn Engine>)> = Vec::new();
             for url in urls {
@@ -574,7 +580,11 @@ async fn token_backend(opts: &WorkerOptions) -> Result<Option<token_engine::Toke
                 let engine = VllmEngine::new(config, 0).map_err(engine_error)?;
                 endpoints.push((url.clone(), Arc::new(engine)));
             }
-            Ok(Some(token_engine::TokenBackend::new("vllm", endpoints, *temperature)))
+            Ok(Some(token_engine::TokenBackend::new(
+                "vllm",
+                endpoints,
+                *temperature,
+            )))
         }
         _ => Ok(None),
     }

@@ -24,8 +24,7 @@ use std::sync::{Arc, Mutex};
 
 use rollfleet_engine::{ChatMessage, Engine, GenerateEvent, GenerateRequest, Prompt, WeightsRef};
 use rollfleet_proto::v1::{
-    GenerationWork, StageOutput, WeightSyncWork, WorkAssignment, stage_failure::Cause,
-    work_result,
+    GenerationWork, StageOutput, WeightSyncWork, WorkAssignment, stage_failure::Cause, work_result,
 };
 use tokio_stream::StreamExt;
 
@@ -118,7 +117,10 @@ pub async fn generate(
         // engines: the generation stage that follows sends the whole context.
         return Ok(StageOutput {
             policy_version: engine.policy_version(),
-            text: format!("[prefill: done by the {} engine with the generation]", backend.kind),
+            text: format!(
+                "[prefill: done by the {} engine with the generation]",
+                backend.kind
+            ),
             ..Default::default()
         });
     }
@@ -196,7 +198,10 @@ pub async fn generate(
     }
     Err(failure(
         Cause::Infrastructure,
-        format!("{} engine: the generation ended without a finish", backend.kind),
+        format!(
+            "{} engine: the generation ended without a finish",
+            backend.kind
+        ),
     ))
 }
 
@@ -230,7 +235,11 @@ pub async fn weight_sync(
         .map_err(engine_failure)?;
     // Read back once more: an engine that said it loaded and did not is caught here, before
     // any turn is stamped with the new version.
-    match engine.served_weight_version().await.map_err(engine_failure)? {
+    match engine
+        .served_weight_version()
+        .await
+        .map_err(engine_failure)?
+    {
         Some(v) if v == w.to_version => {}
         other => {
             return Err(failure(

@@ -236,11 +236,11 @@ fn engine_choice(args: &EngineArgs) -> std::result::Result<rollfleet_node::Engin
         EngineKind::Emulated if urls.is_empty() && args.chat_tokenizer_url.is_none() => {
             Ok(rollfleet_node::EngineChoice::Emulated)
         }
-        EngineKind::Emulated => {
-            Err("--engine-url is for a real engine (--engine openai, sglang or vllm); the \
+        EngineKind::Emulated => Err(
+            "--engine-url is for a real engine (--engine openai, sglang or vllm); the \
                  emulated engine needs none"
-                .into())
-        }
+                .into(),
+        ),
         _ if urls.is_empty() => Err("a real engine needs --engine-url".into()),
         EngineKind::Openai if urls.len() > 1 => Err(format!(
             "--engine openai takes one --engine-url (it serves every replica of the node), got {}",

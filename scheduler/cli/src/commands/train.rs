@@ -193,10 +193,20 @@ fn check_tokens(t: &CompletedTrajectory, state: &mut TrainerState) {
                 turn.prompt_tokens.len() + actions
             ))
         } else if covered != actions as u64 {
-            Some(format!("segments cover {covered} of {actions} action tokens"))
-        } else if turn.segments.iter().any(|s| s.policy_version > turn.policy_version) {
+            Some(format!(
+                "segments cover {covered} of {actions} action tokens"
+            ))
+        } else if turn
+            .segments
+            .iter()
+            .any(|s| s.policy_version > turn.policy_version)
+        {
             Some("a segment newer than the turn's stamp".to_owned())
-        } else if turn.action_logprobs.iter().any(|l| !l.is_finite() || *l > 0.0) {
+        } else if turn
+            .action_logprobs
+            .iter()
+            .any(|l| !l.is_finite() || *l > 0.0)
+        {
             Some("a log-probability above 0 or not a number".to_owned())
         } else {
             None
@@ -266,7 +276,10 @@ async fn train(
         {
             Ok(feed) => feed.into_inner(),
             Err(status) if status.code() == tonic::Code::InvalidArgument => {
-                bail!("the scheduler refused the subscription: {}", status.message())
+                bail!(
+                    "the scheduler refused the subscription: {}",
+                    status.message()
+                )
             }
             Err(_) => {
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -306,7 +319,8 @@ async fn consume(
                 }
                 step.push(t);
                 if step.len() >= settings.batch && awaiting.is_none() {
-                    awaiting = Some(train_step(args, settings, checkpoints, state, &mut step, tx).await?);
+                    awaiting =
+                        Some(train_step(args, settings, checkpoints, state, &mut step, tx).await?);
                 }
             }
             Some(trainer_feed_item::Item::Publication(answer)) => {
@@ -410,9 +424,11 @@ async fn train_step(
         })),
     });
     state.acked_through = through;
-    state
-        .trajectories
-        .extend(batch.iter().map(|t| t.trajectory.as_ref().map_or(0, |id| id.id)));
+    state.trajectories.extend(
+        batch
+            .iter()
+            .map(|t| t.trajectory.as_ref().map_or(0, |id| id.id)),
+    );
     Ok(Published {
         version,
         uri,
