@@ -48,6 +48,10 @@ pub struct TrainArgs {
     /// Write a JSON report of what was consumed and published here at the end.
     #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
+    /// Keep every turn's action token ids, log-probabilities and versions in the report (for
+    /// checking a small job against what its engines produced; it grows with the job).
+    #[arg(long, requires = "report")]
+    pub record_tokens: bool,
     #[command(flatten)]
     pub token: TokenArgs,
     #[command(flatten)]
@@ -79,6 +83,24 @@ pub struct TrainerState {
     pub engine_turns: u64,
     /// Publications the scheduler refused, with its reason.
     pub refused: Vec<String>,
+    /// With `--record-tokens`: every turn consumed, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub turns: Vec<TurnRecord>,
+}
+
+/// One consumed turn's action, as the feed carried it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TurnRecord {
+    /// The trajectory.
+    pub trajectory: u64,
+    /// The turn's index.
+    pub turn: u32,
+    /// The versions of its segments.
+    pub versions: Vec<u64>,
+    /// Its action token ids and their behaviour log-probabilities.
+    pub action_tokens: Vec<u32>,
+    /// The same, one per token.
+    pub logprobs: Vec<f32>,
 }
 
 /// One publication.
@@ -176,9 +198,18 @@ fn write_durably(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Checks one trajectory's tokens and counts them; what is wrong, if anything.
-fn check_tokens(t: &CompletedTrajectory, state: &mut TrainerState) {
+fn check_tokens(t: &CompletedTrajectory, state: &mut TrainerState, record: bool) {
     let id = t.trajectory.as_ref().map_or(0, |t| t.id);
     for turn in &t.turns {
+        if record {
+            state.turns.push(TurnRecord {
+                trajectory: id,
+                turn: turn.index,
+                versions: turn.segments.iter().map(|s| s.policy_version).collect(),
+                action_tokens: turn.action_tokens.clone(),
+                logprobs: turn.action_logprobs.clone(),
+            });
+        }
         let actions = turn.action_tokens.len();
         let covered: u64 = turn.segments.iter().map(|s| u64::from(s.tokens)).sum();
         let problem = if turn.action_logprobs.len() != actions {
@@ -381,7 +412,7 @@ async fn train_step(
     let batch: Vec<CompletedTrajectory> = step.drain(..settings.batch.min(step.len())).collect();
     let from = state.version;
     for t in &batch {
-        check_tokens(t, state);
+        check_tokens(t, state, args.record_tokens);
         if from.saturating_sub(t.oldest_policy_version) > settings.max_staleness {
             state
                 .stale

@@ -1,0 +1,456 @@
+//! The real RL loop across processes on loopback: a `rollfleet scheduler`, `rollfleet worker`s
+//! driving fake SGLang engines token-in, token-out (`tests/fakes/sglang_server.py`, one per
+//! replica, following SGLang's native HTTP API), and an external trainer (`rollfleet train`)
+//! that reads the feed and publishes every version as a checkpoint file. Also the trainer
+//! protocol's refusals, driven by a trainer written here.
+//!
+//! Needs `python3` (the fakes use its standard library only). Every wait is bounded.
+
+#![allow(clippy::unwrap_used)] // test helpers may fail loudly
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rollfleet");
+const DEADLINE: Duration = Duration::from_secs(240);
+const JOB: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../examples/jobs/quickstart-external.yaml"
+);
+const FAKES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fakes");
+
+#[path = "common/procs.rs"]
+mod procs;
+use procs::{Procs, wait_exit};
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rollfleet-loop-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Starts a fake engine (`sglang_server.py` or `vllm_server.py`) logging to `log`; its URL.
+fn fake_engine(procs: &mut Procs, script: &str, dir: &Path, name: &str) -> String {
+    let port_file = dir.join(format!("{name}.port"));
+    let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+    procs.0.push(
+        Command::new("python3")
+            .arg(Path::new(FAKES).join(script))
+            .arg("--port-file")
+            .arg(&port_file)
+            .stdout(log)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let start = Instant::now();
+    loop {
+        if let Ok(port) = std::fs::read_to_string(&port_file)
+            && !port.trim().is_empty()
+        {
+            return format!("http://127.0.0.1:{}", port.trim());
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{name} never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A scheduler on a free port, its emulated hardware at `time_scale`; its URL.
+fn scheduler(procs: &mut Procs, dir: &Path, time_scale: &str, extra: &[&str]) -> String {
+    let mut child = Command::new(BIN)
+        .arg("scheduler")
+        .arg(JOB)
+        .args(["--listen", "127.0.0.1:0", "--time-scale", time_scale])
+        .args(["--expect-workers", "5", "--report"])
+        .arg(dir.join("report.json"))
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(dir.join("scheduler.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    procs.0.push(child);
+    format!(
+        "http://{}",
+        line.trim().strip_prefix("listening on ").unwrap()
+    )
+}
+
+fn worker(procs: &mut Procs, url: &str, pool: &str, engine: &[String]) {
+    procs.0.push(
+        Command::new(BIN)
+            .args(["worker", "--scheduler", url, "--pool", pool])
+            .args(engine)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+}
+
+/// What a fake engine logged, one JSON object a line.
+fn engine_log(dir: &Path, name: &str) -> Vec<Value> {
+    std::fs::read_to_string(dir.join(format!("{name}.log")))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn rounded(logprobs: &[Value]) -> Vec<i64> {
+    logprobs
+        .iter()
+        .map(|l| (l.as_f64().unwrap() * 1000.0).round() as i64)
+        .collect()
+}
+
+#[test]
+fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_exact_tokens() {
+    let dir = temp_dir("sglang");
+    let mut procs = Procs(Vec::new());
+    // One engine per replica of the GPU pools, and a chat tokenizer for the model (SGLang's own
+    // /tokenize takes text only).
+    let prefill = fake_engine(&mut procs, "sglang_server.py", &dir, "prefill-0");
+    let decode: Vec<String> = (0..2)
+        .map(|i| fake_engine(&mut procs, "sglang_server.py", &dir, &format!("decode-{i}")))
+        .collect();
+    let tokenizer = fake_engine(&mut procs, "vllm_server.py", &dir, "tokenizer");
+    let journal = dir.join("journal.bin").display().to_string();
+    let url = scheduler(&mut procs, &dir, "1", &["--journal", &journal]);
+    let engine_flags = |urls: &[String]| {
+        let mut flags = vec!["--engine".to_owned(), "sglang".to_owned()];
+        for u in urls {
+            flags.extend(["--engine-url".to_owned(), u.clone()]);
+        }
+        flags.extend(["--chat-tokenizer-url".to_owned(), tokenizer.clone()]);
+        flags
+    };
+    worker(&mut procs, &url, "prefill", &engine_flags(&[prefill]));
+    worker(&mut procs, &url, "decode", &engine_flags(&decode));
+    for pool in ["train", "envs", "rewards"] {
+        worker(&mut procs, &url, pool, &[]);
+    }
+    let trainer_report = dir.join("trainer.json");
+    let mut trainer = Command::new(BIN)
+        .arg("train")
+        .arg(JOB)
+        .args(["--scheduler", &url, "--step-ms", "100", "--record-tokens"])
+        .arg("--checkpoints")
+        .arg(dir.join("ckpt"))
+        .arg("--report")
+        .arg(&trainer_report)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let status = wait_exit(&mut trainer, DEADLINE);
+    assert!(status.success(), "the trainer failed: {status}");
+
+    let trained: Value = serde_json::from_slice(&std::fs::read(&trainer_report).unwrap()).unwrap();
+    assert_eq!(trained["version"], 5);
+    assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
+    assert_eq!(trained["stale"], serde_json::json!([]));
+    assert_eq!(trained["malformed"], serde_json::json!([]));
+    assert_eq!(trained["emulated_turns"], 0);
+    assert!(trained["engine_turns"].as_u64().unwrap() >= 160);
+
+    // Every trained turn is exactly what an engine generated under the version it is stamped
+    // with: same ids, same log-probabilities.
+    let names: Vec<String> = std::iter::once("prefill-0".to_owned())
+        .chain((0..2).map(|i| format!("decode-{i}")))
+        .collect();
+    let logs: BTreeMap<&str, Vec<Value>> = names
+        .iter()
+        .map(|n| (n.as_str(), engine_log(&dir, n)))
+        .collect();
+    let mut generated = BTreeSet::new();
+    for entry in logs.values().flatten() {
+        // Generations the engine answered (not those it refused or that were aborted).
+        if entry["path"] == "/generate" && entry["output_ids"].is_array() {
+            generated.insert((
+                entry["version"].as_str().unwrap().parse::<u64>().unwrap(),
+                serde_json::from_value::<Vec<u32>>(entry["output_ids"].clone()).unwrap(),
+                rounded(entry["logprobs"].as_array().unwrap()),
+            ));
+        }
+    }
+    let turns = trained["turns"].as_array().unwrap();
+    assert!(turns.len() >= 160, "{} turns", turns.len());
+    for turn in turns {
+        let versions = turn["versions"].as_array().unwrap();
+        assert_eq!(versions.len(), 1, "{turn}");
+        let key = (
+            versions[0].as_u64().unwrap(),
+            serde_json::from_value::<Vec<u32>>(turn["action_tokens"].clone()).unwrap(),
+            rounded(turn["logprobs"].as_array().unwrap()),
+        );
+        assert!(
+            generated.contains(&key),
+            "turn {turn} is not what an engine generated under its version"
+        );
+    }
+
+    // Each engine loaded every version in order, from the trainer's checkpoints, and the
+    // replicas were updated one by one: no version reached every engine at the same moment
+    // while generation stopped everywhere.
+    for (name, log) in &logs {
+        let loaded: Vec<u64> = log
+            .iter()
+            .filter(|e| e["path"] == "/update_weights_from_disk" && e["success"] == true)
+            .map(|e| e["requested_version"].as_str().unwrap().parse().unwrap())
+            .collect();
+        let served: BTreeSet<u64> = log
+            .iter()
+            .filter(|e| e["path"] == "/generate")
+            .map(|e| e["version"].as_str().unwrap().parse().unwrap())
+            .collect();
+        if served.is_empty() {
+            continue;
+        }
+        assert!(
+            loaded.windows(2).all(|w| w[0] < w[1]),
+            "{name} loaded versions out of order: {loaded:?}"
+        );
+        assert!(
+            served.iter().all(|v| *v == 0 || loaded.contains(v)),
+            "{name} generated under versions {served:?} it never loaded ({loaded:?})"
+        );
+    }
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Succeeded");
+    assert_eq!(report["policy_version"], 5);
+    assert_eq!(report["trained_twice"], serde_json::json!([]));
+    assert!(report["engine_generations"].as_u64().unwrap() >= 160);
+    // The journal replays the publications to the same end.
+    let shown = Command::new(BIN)
+        .args(["journal", "show", "-o", "json"])
+        .arg(dir.join("journal.bin"))
+        .output()
+        .unwrap();
+    let shown: Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["report"]["policy_version"], 5, "{shown}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What `rollfleet job status` prints.
+fn job_status(url: &str) -> String {
+    let out = Command::new(BIN)
+        .args(["job", "status", "quickstart-external", "--scheduler", url])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A trainer written here: subscribes to the feed; its sender and stream.
+async fn subscribe(
+    url: &str,
+    job: &str,
+) -> (
+    tokio::sync::mpsc::UnboundedSender<rollfleet_proto::v1::TrainerFeedRequest>,
+    tonic::Streaming<rollfleet_proto::v1::TrainerFeedItem>,
+) {
+    use rollfleet_proto::v1::trainer_feed_client::TrainerFeedClient;
+    use rollfleet_proto::v1::{FeedSubscribe, TrainerFeedRequest, trainer_feed_request};
+    let mut client = TrainerFeedClient::connect(url.to_owned()).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(TrainerFeedRequest {
+        message: Some(trainer_feed_request::Message::Subscribe(FeedSubscribe {
+            job: job.into(),
+            resume_from: 0,
+            window: 1024,
+        })),
+    })
+    .unwrap();
+    let feed = client
+        .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, feed)
+}
+
+/// Publishes and returns the scheduler's answer (skipping the trajectories that come first).
+async fn publish(
+    tx: &tokio::sync::mpsc::UnboundedSender<rollfleet_proto::v1::TrainerFeedRequest>,
+    feed: &mut tonic::Streaming<rollfleet_proto::v1::TrainerFeedItem>,
+    version: u64,
+    uri: &str,
+    sha256: &str,
+) -> rollfleet_proto::v1::PublicationAnswer {
+    use rollfleet_proto::v1::{
+        PublishWeights, TrainerFeedRequest, trainer_feed_item, trainer_feed_request,
+    };
+    tx.send(TrainerFeedRequest {
+        message: Some(trainer_feed_request::Message::Publish(PublishWeights {
+            version,
+            uri: uri.into(),
+            format: "safetensors".into(),
+            sha256: sha256.into(),
+            bytes: 0,
+        })),
+    })
+    .unwrap();
+    loop {
+        let item = tokio::time::timeout(Duration::from_secs(30), feed.message())
+            .await
+            .expect("no answer within 30 s")
+            .unwrap()
+            .expect("the feed ended");
+        if let Some(trainer_feed_item::Item::Publication(answer)) = item.item {
+            return answer;
+        }
+    }
+}
+
+#[test]
+fn publications_that_repeat_or_skip_a_version_or_name_unreadable_or_hostile_weights_are_refused_with_the_reason()
+ {
+    let dir = temp_dir("refusals");
+    let weights = dir.join("weights");
+    std::fs::create_dir_all(&weights).unwrap();
+    let good = weights.join("v1.safetensors");
+    std::fs::write(&good, b"policy weights of version 1").unwrap();
+    let outside = dir.join("elsewhere.safetensors");
+    std::fs::write(&outside, b"other weights").unwrap();
+    let mut procs = Procs(Vec::new());
+    let weights_flag = weights.display().to_string();
+    // Slowed down, so that the first step's trajectories are not all handed out before the
+    // publications below are checked.
+    let url = scheduler(&mut procs, &dir, "8", &["--weights-dir", &weights_flag]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        worker(&mut procs, &url, pool, &[]);
+    }
+    let start = Instant::now();
+    while !job_status(&url).contains("Running") {
+        assert!(start.elapsed() < DEADLINE, "the job never ran");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (tx, mut feed) = subscribe(&url, "quickstart-external").await;
+        let good_uri = format!("file://{}", good.display());
+        let zeros = "0".repeat(64);
+        let cases: Vec<(u64, String, &str, &str)> = vec![
+            (
+                1,
+                good_uri.clone(),
+                "",
+                "whose last batch has not been handed to the trainer yet",
+            ),
+            (
+                1,
+                "s3://bucket/v1.safetensors".into(),
+                "",
+                "scheme \"s3\" is not allowed",
+            ),
+            (
+                1,
+                "weights/v1.safetensors".into(),
+                "",
+                "is not an absolute path",
+            ),
+            (
+                1,
+                format!("{}/../elsewhere.safetensors", weights.display()),
+                "",
+                "path traversal",
+            ),
+            (
+                1,
+                format!("file://{}", outside.display()),
+                "",
+                "outside the scheduler's weights directory",
+            ),
+            (
+                1,
+                format!("file://{}/missing.safetensors", weights.display()),
+                "",
+                "cannot be read",
+            ),
+            (1, good_uri.clone(), &zeros, "hashes to"),
+            (
+                2,
+                good_uri.clone(),
+                "",
+                "skips a version: the next one is 1",
+            ),
+            (0, good_uri.clone(), "", "already published"),
+        ];
+        for (version, uri, sha, reason) in cases {
+            let answer = publish(&tx, &mut feed, version, &uri, sha).await;
+            assert!(!answer.accepted, "{uri} v{version} was accepted");
+            assert!(
+                answer.reason.contains(reason),
+                "{uri} v{version}: {:?} does not say {reason:?}",
+                answer.reason
+            );
+            assert!(answer.reason.starts_with("publish."), "{:?}", answer.reason);
+        }
+        // The feed goes on after every refusal: the job's trajectories still arrive.
+        let item = tokio::time::timeout(Duration::from_secs(60), feed.message())
+            .await
+            .expect("no trajectory within 60 s")
+            .unwrap();
+        assert!(item.is_some());
+    });
+    let status = job_status(&url);
+    assert!(status.contains("Running"), "{status}");
+    drop(procs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The node refuses to run a token-in engine for a job whose trainer is emulated (it would have
+/// no weights to load), naming both settings.
+#[test]
+fn a_token_in_engine_is_refused_for_a_job_whose_trainer_publishes_no_weights() {
+    let dir = temp_dir("emulated-trainer");
+    let mut procs = Procs(Vec::new());
+    let engine = fake_engine(&mut procs, "sglang_server.py", &dir, "sglang");
+    let job = dir.join("job.yaml");
+    let yaml = std::fs::read_to_string(JOB)
+        .unwrap()
+        .replace("    trainer: external", "    trainer: emulated");
+    std::fs::write(&job, yaml).unwrap();
+    let mut child = Command::new(BIN)
+        .arg("scheduler")
+        .arg(&job)
+        .args(["--listen", "127.0.0.1:0", "--expect-workers", "5"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    procs.0.push(child);
+    let url = format!(
+        "http://{}",
+        line.trim().strip_prefix("listening on ").unwrap()
+    );
+    let out = Command::new(BIN)
+        .args(["worker", "--scheduler", &url, "--pool", "decode"])
+        .args(["--engine", "sglang", "--engine-url", &engine])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rl.trainer: external") && stderr.contains("--engine sglang"),
+        "{stderr}"
+    );
+    drop(procs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
