@@ -3471,10 +3471,14 @@ impl Actor {
                                     w.pool == i && w.policy_input != PolicyInput::Counts
                                 }) =>
                             {
-                                if self.external_trainer() {
-                                    "gpu (real engine; external trainer)"
-                                } else {
-                                    "gpu (real engine; training emulated)"
+                                let text = self
+                                    .workers
+                                    .values()
+                                    .any(|w| w.pool == i && w.policy_input == PolicyInput::Text);
+                                match (text, self.external_trainer()) {
+                                    (true, false) => "gpu (openai engine; training emulated)",
+                                    (true, true) => "gpu (openai engine; external trainer)",
+                                    (false, _) => "gpu (token-in engine; external trainer)",
                                 }
                             }
                             Some(PoolRole::Gpu) => "gpu (emulated)",
