@@ -64,11 +64,17 @@ fn fake_engine(procs: &mut Procs, script: &str, dir: &Path, name: &str) -> Strin
     }
 }
 
-/// A scheduler on a free port, its emulated hardware at `time_scale`; its URL.
-fn scheduler(procs: &mut Procs, dir: &Path, time_scale: &str, extra: &[&str]) -> String {
+/// A scheduler of `job` on a free port, its emulated hardware at `time_scale`; its URL.
+fn scheduler(
+    procs: &mut Procs,
+    dir: &Path,
+    job: &Path,
+    time_scale: &str,
+    extra: &[&str],
+) -> String {
     let mut child = Command::new(BIN)
         .arg("scheduler")
-        .arg(JOB)
+        .arg(job)
         .args(["--listen", "127.0.0.1:0", "--time-scale", time_scale])
         .args(["--expect-workers", "5", "--report"])
         .arg(dir.join("report.json"))
@@ -128,7 +134,13 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
         .collect();
     let tokenizer = fake_engine(&mut procs, "vllm_server.py", &dir, "tokenizer");
     let journal = dir.join("journal.bin").display().to_string();
-    let url = scheduler(&mut procs, &dir, "1", &["--journal", &journal]);
+    let url = scheduler(
+        &mut procs,
+        &dir,
+        Path::new(JOB),
+        "1",
+        &["--journal", &journal],
+    );
     let engine_flags = |urls: &[String]| {
         let mut flags = vec!["--engine".to_owned(), "sglang".to_owned()];
         for u in urls {
@@ -201,9 +213,8 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
         );
     }
 
-    // Each engine loaded every version in order, from the trainer's checkpoints, and the
-    // replicas were updated one by one: no version reached every engine at the same moment
-    // while generation stopped everywhere.
+    // Each replica's engine was loaded by its own weight syncs, version after version in order,
+    // and generated only under versions it had loaded.
     for (name, log) in &logs {
         let loaded: Vec<u64> = log
             .iter()
@@ -328,7 +339,13 @@ fn publications_that_repeat_or_skip_a_version_or_name_unreadable_or_hostile_weig
     let weights_flag = weights.display().to_string();
     // Slowed down, so that the first step's trajectories are not all handed out before the
     // publications below are checked.
-    let url = scheduler(&mut procs, &dir, "8", &["--weights-dir", &weights_flag]);
+    let url = scheduler(
+        &mut procs,
+        &dir,
+        Path::new(JOB),
+        "8",
+        &["--weights-dir", &weights_flag],
+    );
     for pool in ["prefill", "decode", "train", "envs", "rewards"] {
         worker(&mut procs, &url, pool, &[]);
     }
@@ -423,23 +440,7 @@ fn a_token_in_engine_is_refused_for_a_job_whose_trainer_publishes_no_weights() {
         .unwrap()
         .replace("    trainer: external", "    trainer: emulated");
     std::fs::write(&job, yaml).unwrap();
-    let mut child = Command::new(BIN)
-        .arg("scheduler")
-        .arg(&job)
-        .args(["--listen", "127.0.0.1:0", "--expect-workers", "5"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    procs.0.push(child);
-    let url = format!(
-        "http://{}",
-        line.trim().strip_prefix("listening on ").unwrap()
-    );
+    let url = scheduler(&mut procs, &dir, &job, "1", &[]);
     let out = Command::new(BIN)
         .args(["worker", "--scheduler", &url, "--pool", "decode"])
         .args(["--engine", "sglang", "--engine-url", &engine])

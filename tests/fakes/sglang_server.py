@@ -12,15 +12,8 @@ GET /get_weight_version, GET /get_model_info, POST /pause_generation, POST /cont
 GET|POST /flush_cache, POST /abort_request, POST /tokenize and /v1/tokenize (text only, as in
 SGLang), GET /health.
 
-The toy model (owned by this fake, not by rollfleet):
-- tokenizer: whitespace-separated words, each to 10 + fnv1a(word) % 990; the specials
-  <|im_start|> = 1, <|im_end|> = 2 (also EOS), newline = 3;
-- chat template (ChatML-like): per message [1] + tok(role) + [3] + tok(content) + [2, 3]; the
-  generation prompt is [1] + tok("assistant") + [3];
-- generation: token i is a function of sha256(weights, context, seed); it is EOS (2) with
-  probability about 1/8 after the first token; each token's logprob is a negative float that is
-  a function of sha256(weights, context, token) only;
-- weights: a checkpoint is any file (or directory: its files in name order); its sha256 is the
+The toy model (owned by the fakes, not by rollfleet) is `toy_model.py`'s, shared with the vLLM
+fake (tokenizer, chat template, sampling). Weights: a checkpoint is any file (or directory: its files in name order); its sha256 is the
   weights' identity. The version is the string sent as `weight_version`.
 
 Flags: --fail-updates N (the first N updates answer HTTP 400 with success false, as SGLang does
@@ -33,51 +26,27 @@ Not modelled: streaming, batching, stop strings, sampling parameters other than 
 and sampling_seed, the OpenAI-compatible endpoints, LoRA, distributed and tensor weight updates.
 """
 
-import argparse
 import hashlib
 import json
 import os
-import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
-IM_START, IM_END, NEWLINE = 1, 2, 3
-EOS = IM_END
-VOCAB = 1000
-
-
-def fnv1a(text):
-    h = 0xCBF29CE484222325
-    for b in text.encode("utf-8"):
-        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
-def tokenize(text):
-    return [10 + fnv1a(w) % (VOCAB - 10) for w in text.split()]
+from toy_model import (
+    EOS,
+    INITIAL_WEIGHTS,
+    arguments,
+    log,
+    next_token,
+    serve,
+    token_str,
+    tokenize,
+)
 
 
 def detokenize(ids):
-    return " ".join("<|im_end|>" if i == EOS else f"t{i}" for i in ids)
-
-
-def chat_template(messages, add_generation_prompt):
-    ids = []
-    for m in messages:
-        ids += [IM_START] + tokenize(str(m.get("role", ""))) + [NEWLINE]
-        ids += tokenize(str(m.get("content", ""))) + [IM_END, NEWLINE]
-    if add_generation_prompt:
-        ids += [IM_START] + tokenize("assistant") + [NEWLINE]
-    return ids
-
-
-def digest(*parts):
-    return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:8], "big")
-
-
-def logprob(weights, context, token):
-    return -((digest(weights, context, token) % 4000) + 1) / 1000.0
+    return " ".join(token_str(i) for i in ids)
 
 
 def checkpoint_hash(path):
@@ -96,18 +65,13 @@ class State:
     def __init__(self, args):
         self.args = args
         self.lock = threading.Lock()
-        self.weights = hashlib.sha256(b"initial weights").hexdigest()
+        self.weights = INITIAL_WEIGHTS
         self.version = args.initial_version
         self.model_path = "toy/initial"
         self.running = threading.Event()
         self.running.set()
         self.updates = 0
         self.aborted = set()
-
-
-def log(record):
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -272,9 +236,8 @@ class Handler(BaseHTTPRequestHandler):
                     if rid in s.aborted:
                         finish = {"type": "abort", "message": "Abort before prefill", "status_code": 200}
                         break
-            h = digest(weights, context, seed)
-            token = EOS if i > 0 and h % 8 == 0 and not s.args.never_eos else 10 + h % (VOCAB - 10)
-            logprobs.append(logprob(weights, context, token))
+            token, token_logprob = next_token(weights, context, seed, i, s.args.never_eos)
+            logprobs.append(token_logprob)
             output.append(token)
             context.append(token)
             if token == EOS:
@@ -355,31 +318,10 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--port-file")
-    parser.add_argument("--fail-updates", type=int, default=0)
-    parser.add_argument("--keep-old-weights", action="store_true")
-    parser.add_argument("--slow-update-ms", type=int, default=0)
-    parser.add_argument("--token-delay-ms", type=int, default=0)
-    parser.add_argument("--never-eos", action="store_true")
-    parser.add_argument("--initial-version", default="0")
+    parser = arguments(__doc__.split("\n")[0])
     args = parser.parse_args()
     Handler.state = State(args)
-    server = ThreadingHTTPServer((args.host, args.port), Handler)
-    server.daemon_threads = True
-    port = server.server_address[1]
-    if args.port_file:
-        tmp = args.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, args.port_file)
-    log({"path": "<listening>", "version": args.initial_version, "port": port})
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    serve(Handler, args)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,8 @@ weight-transfer backend `vllm/distributed/weight_transfer/disk_engine.py` (commi
 use vLLM's `ErrorResponse` (`{"error": {"message", "type", "param", "code"}}`). Python 3
 standard library only.
 
-The toy model (owned by this fake, not by rollfleet) is the same as the SGLang fake's:
-whitespace words to 10 + fnv1a(word) % 990, specials <|im_start|> = 1, <|im_end|> = 2 (EOS),
-newline = 3; a ChatML-like template; generated tokens and logprobs are functions of
-sha256(weights, context, seed). A checkpoint is a directory; its *.safetensors files (in name
+The toy model (owned by the fakes, not by rollfleet) is `toy_model.py`'s, shared with the SGLang
+fake (tokenizer, chat template, sampling). A checkpoint is a directory; its *.safetensors files (in name
 order) hashed with sha256 are the weights' identity.
 
 Flags: --fail-updates N (the first N /update_weights answer HTTP 500, the load raising),
@@ -28,53 +26,27 @@ Not modelled: streaming, stop strings, top-k logprob alternatives beyond the sam
 the NCCL/IPC weight-transfer backends, /init_weight_transfer_engine, sleep mode, LoRA.
 """
 
-import argparse
 import hashlib
 import json
 import os
-import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
 
-IM_START, IM_END, NEWLINE = 1, 2, 3
-EOS = IM_END
-VOCAB = 1000
+from toy_model import (
+    EOS,
+    INITIAL_WEIGHTS,
+    arguments,
+    chat_template,
+    log,
+    next_token,
+    serve,
+    token_str,
+    tokenize,
+)
+
 MAX_MODEL_LEN = 32768
-
-
-def fnv1a(text):
-    h = 0xCBF29CE484222325
-    for b in text.encode("utf-8"):
-        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
-def tokenize(text):
-    return [10 + fnv1a(w) % (VOCAB - 10) for w in text.split()]
-
-
-def token_str(i):
-    return "<|im_end|>" if i == EOS else f"t{i}"
-
-
-def chat_template(messages, add_generation_prompt):
-    ids = []
-    for m in messages:
-        ids += [IM_START] + tokenize(str(m.get("role", ""))) + [NEWLINE]
-        ids += tokenize(str(m.get("content", ""))) + [IM_END, NEWLINE]
-    if add_generation_prompt:
-        ids += [IM_START] + tokenize("assistant") + [NEWLINE]
-    return ids
-
-
-def digest(*parts):
-    return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:8], "big")
-
-
-def logprob(weights, context, token):
-    return -((digest(weights, context, token) % 4000) + 1) / 1000.0
 
 
 def error_body(status, message, err_type):
@@ -85,17 +57,12 @@ class State:
     def __init__(self, args):
         self.args = args
         self.lock = threading.Lock()
-        self.weights = hashlib.sha256(b"initial weights").hexdigest()
+        self.weights = INITIAL_WEIGHTS
         self.version = args.initial_version
         self.running = threading.Event()
         self.running.set()
         self.session = None  # None, or {"loaded": weights-or-None}
         self.updates = 0
-
-
-def log(record):
-    sys.stdout.write(json.dumps(record) + "\n")
-    sys.stdout.flush()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -261,9 +228,8 @@ class Handler(BaseHTTPRequestHandler):
         for i in range(max_tokens):
             if s.args.token_delay_ms:
                 time.sleep(s.args.token_delay_ms / 1000.0)
-            h = digest(weights, context, seed)
-            token = EOS if i > 0 and h % 8 == 0 and not s.args.never_eos else 10 + h % (VOCAB - 10)
-            logprobs.append(logprob(weights, context, token))
+            token, token_logprob = next_token(weights, context, seed, i, s.args.never_eos)
+            logprobs.append(token_logprob)
             output.append(token)
             context.append(token)
             if token == EOS:
@@ -388,32 +354,11 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--port-file")
+    parser = arguments(__doc__.split("\n")[0])
     parser.add_argument("--model", default="toy-model")
-    parser.add_argument("--fail-updates", type=int, default=0)
-    parser.add_argument("--keep-old-weights", action="store_true")
-    parser.add_argument("--slow-update-ms", type=int, default=0)
-    parser.add_argument("--token-delay-ms", type=int, default=0)
-    parser.add_argument("--never-eos", action="store_true")
-    parser.add_argument("--initial-version", default="0")
     args = parser.parse_args()
     Handler.state = State(args)
-    server = ThreadingHTTPServer((args.host, args.port), Handler)
-    server.daemon_threads = True
-    port = server.server_address[1]
-    if args.port_file:
-        tmp = args.port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, args.port_file)
-    log({"path": "<listening>", "version": args.initial_version, "port": port})
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    serve(Handler, args)
 
 
 if __name__ == "__main__":

@@ -698,6 +698,32 @@ impl Actor {
         }
     }
 
+    /// What a pool is, for the report: what runs its work, and whether it is emulated.
+    fn pool_kind(&self, pool: u32) -> &'static str {
+        let inputs = || {
+            self.workers
+                .values()
+                .filter(move |w| w.pool == pool)
+                .map(|w| w.policy_input)
+        };
+        match self.plan.pool_role(pool) {
+            Some(PoolRole::Gpu) if inputs().any(|p| p == PolicyInput::Text) => {
+                if self.external_trainer() {
+                    "gpu (openai engine; external trainer)"
+                } else {
+                    "gpu (openai engine; training emulated)"
+                }
+            }
+            Some(PoolRole::Gpu) if inputs().any(|p| p == PolicyInput::Tokens) => {
+                "gpu (token-in engine; external trainer)"
+            }
+            Some(PoolRole::Gpu) => "gpu (emulated)",
+            Some(PoolRole::Cpu) => "cpu",
+            Some(PoolRole::Serverless) => "serverless (local)",
+            None => "?",
+        }
+    }
+
     /// Whether an external trainer publishes the versions (`rl.trainer: external`).
     fn external_trainer(&self) -> bool {
         self.plan.spec().rl.trainer == rollfleet_spec::TrainerMode::External
@@ -2223,7 +2249,7 @@ impl Actor {
                         self.trained_twice.push(t.0);
                     }
                     self.trained.push(t.0);
-                    let info = self.trajs.remove(t).unwrap_or_default();
+                    let mut info = self.trajs.remove(t).unwrap_or_default();
                     let last_of_group = trajectories
                         .get(i + 1)
                         .and_then(|n| self.trajs.get(n))
@@ -2242,7 +2268,7 @@ impl Actor {
                             .versions
                             .iter()
                             .map(|(&index, &policy_version)| {
-                                let tokens = info.tokens.get(&index);
+                                let tokens = info.tokens.remove(&index);
                                 feed_turn(
                                     Turn {
                                         index,
@@ -2892,7 +2918,7 @@ impl Actor {
                 kind,
                 reset,
             } => {
-                let Some(o) = output else {
+                let Some(mut o) = output else {
                     self.deferred.push_back(Input::StageFailed { stage });
                     return;
                 };
@@ -2942,6 +2968,7 @@ impl Actor {
                             return;
                         }
                         let turn = a.message.turn;
+                        let generated = o.token_count.max(o.tokens.len() as u64).max(1);
                         if let Some(t) = self.trajs.get_mut(&traj) {
                             if !o.emulated {
                                 // A real engine's text: the environment step of this turn applies
@@ -2952,9 +2979,9 @@ impl Actor {
                                 t.tokens.insert(
                                     turn,
                                     TurnTokens {
-                                        prompt: o.prompt_tokens.clone(),
-                                        action: o.tokens.clone(),
-                                        logprobs: o.logprobs.clone(),
+                                        prompt: std::mem::take(&mut o.prompt_tokens),
+                                        action: std::mem::take(&mut o.tokens),
+                                        logprobs: std::mem::take(&mut o.logprobs),
                                         emulated: o.emulated,
                                     },
                                 );
@@ -2963,9 +2990,7 @@ impl Actor {
                         if !o.emulated {
                             self.engine_generations += 1;
                         }
-                        StageOutcome::Generated {
-                            tokens: o.token_count.max(o.tokens.len() as u64).max(1),
-                        }
+                        StageOutcome::Generated { tokens: generated }
                     }
                     StageKindOf::Reward { .. } => {
                         if !o.reward.is_finite() {
@@ -3453,50 +3478,29 @@ impl Actor {
             _ => 0.0,
         };
         let phase = self.ended.map_or(JobPhase::Running, |(_, p)| p);
-        let pools =
-            self.plan
-                .spec()
-                .pools
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let i = i as u32;
-                    let cap = self.capacity.get(&i).copied().unwrap_or(1.0);
-                    let total = self.meters.get(&i).map_or(0.0, |m| m.total);
-                    PoolSummary {
-                        pool: p.name.clone(),
-                        kind: match self.plan.pool_role(i) {
-                            Some(PoolRole::Gpu)
-                                if self.workers.values().any(|w| {
-                                    w.pool == i && w.policy_input != PolicyInput::Counts
-                                }) =>
-                            {
-                                let text = self
-                                    .workers
-                                    .values()
-                                    .any(|w| w.pool == i && w.policy_input == PolicyInput::Text);
-                                match (text, self.external_trainer()) {
-                                    (true, false) => "gpu (openai engine; training emulated)",
-                                    (true, true) => "gpu (openai engine; external trainer)",
-                                    (false, _) => "gpu (token-in engine; external trainer)",
-                                }
-                            }
-                            Some(PoolRole::Gpu) => "gpu (emulated)",
-                            Some(PoolRole::Cpu) => "cpu",
-                            Some(PoolRole::Serverless) => "serverless (local)",
-                            None => "?",
-                        }
-                        .into(),
-                        workers: self.attached(i).count() as u32,
-                        assignments_done: self.completed_by_pool.get(&i).copied().unwrap_or(0),
-                        busy_share: if wall > 0.0 {
-                            (total / wall / cap).clamp(0.0, 1.0)
-                        } else {
-                            0.0
-                        },
-                    }
-                })
-                .collect();
+        let pools = self
+            .plan
+            .spec()
+            .pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let i = i as u32;
+                let cap = self.capacity.get(&i).copied().unwrap_or(1.0);
+                let total = self.meters.get(&i).map_or(0.0, |m| m.total);
+                PoolSummary {
+                    pool: p.name.clone(),
+                    kind: self.pool_kind(i).into(),
+                    workers: self.attached(i).count() as u32,
+                    assignments_done: self.completed_by_pool.get(&i).copied().unwrap_or(0),
+                    busy_share: if wall > 0.0 {
+                        (total / wall / cap).clamp(0.0, 1.0)
+                    } else {
+                        0.0
+                    },
+                }
+            })
+            .collect();
         let stats = self.core.stats();
         let mut lat = self.latencies_us.clone();
         lat.sort_unstable();
@@ -3581,7 +3585,7 @@ fn describe_drifts(drifts: &[Drift]) -> String {
 
 /// A feed turn with its tokens: prompt then action ids, the action's log-probabilities, a loss
 /// mask over both (1 on the sampled action tokens only), and the version that generated them.
-fn feed_turn(mut turn: Turn, tokens: Option<&TurnTokens>) -> Turn {
+fn feed_turn(mut turn: Turn, tokens: Option<TurnTokens>) -> Turn {
     let Some(t) = tokens else {
         return turn;
     };
@@ -3592,9 +3596,9 @@ fn feed_turn(mut turn: Turn, tokens: Option<&TurnTokens>) -> Turn {
         policy_version: turn.policy_version,
         tokens: t.action.len() as u32,
     }];
-    turn.prompt_tokens = t.prompt.clone();
-    turn.action_tokens = t.action.clone();
-    turn.action_logprobs = t.logprobs.clone();
+    turn.prompt_tokens = t.prompt;
+    turn.action_tokens = t.action;
+    turn.action_logprobs = t.logprobs;
     turn.emulated = t.emulated;
     turn
 }

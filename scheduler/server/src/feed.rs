@@ -174,12 +174,15 @@ pub fn check_publication(
 ) -> Result<PublishWeights, String> {
     use std::path::{Component, Path};
     let uri = publish.uri.as_str();
+    // The peer's string, cut to a length fit for a message.
+    let quoted = crate::quoted(uri);
     let path = match uri.split_once("://") {
         Some(("file", rest)) => rest,
         Some((scheme, _)) => {
             return Err(format!(
-                "publish.uri: scheme {scheme:?} is not allowed: weights are published as \
-                 file:///ABSOLUTE/PATH or an absolute path on storage every engine can read"
+                "publish.uri: scheme {} is not allowed: weights are published as \
+                 file:///ABSOLUTE/PATH or an absolute path on storage every engine can read",
+                crate::quoted(scheme)
             ));
         }
         None => uri,
@@ -189,18 +192,18 @@ pub fn check_publication(
         return Err("publish.uri: empty".into());
     }
     if !path.is_absolute() {
-        return Err(format!("publish.uri: {uri:?} is not an absolute path"));
+        return Err(format!("publish.uri: {quoted} is not an absolute path"));
     }
     if path
         .components()
         .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
     {
         return Err(format!(
-            "publish.uri: {uri:?} has a '.' or '..' component (path traversal is refused)"
+            "publish.uri: {quoted} has a '.' or '..' component (path traversal is refused)"
         ));
     }
     let real = std::fs::canonicalize(path)
-        .map_err(|e| format!("publish.uri: the weights at {uri:?} cannot be read: {e}"))?;
+        .map_err(|e| format!("publish.uri: the weights at {quoted} cannot be read: {e}"))?;
     if let Some(root) = weights_root {
         let root = std::fs::canonicalize(root).map_err(|e| {
             format!(
@@ -210,28 +213,28 @@ pub fn check_publication(
         })?;
         if !real.starts_with(&root) {
             return Err(format!(
-                "publish.uri: {uri:?} is outside the scheduler's weights directory {}",
+                "publish.uri: {quoted} is outside the scheduler's weights directory {}",
                 root.display()
             ));
         }
     }
     let meta = std::fs::metadata(&real)
-        .map_err(|e| format!("publish.uri: the weights at {uri:?} cannot be read: {e}"))?;
+        .map_err(|e| format!("publish.uri: the weights at {quoted} cannot be read: {e}"))?;
     if meta.is_dir() {
         if !publish.sha256.is_empty() {
             return Err(format!(
-                "publish.sha256: {uri:?} is a directory; a checksum is checked for a file only"
+                "publish.sha256: {quoted} is a directory; a checksum is checked for a file only"
             ));
         }
         std::fs::read_dir(&real)
-            .map_err(|e| format!("publish.uri: the weights at {uri:?} cannot be read: {e}"))?;
+            .map_err(|e| format!("publish.uri: the weights at {quoted} cannot be read: {e}"))?;
         return Ok(publish);
     }
     if publish.bytes == 0 {
         publish.bytes = meta.len();
     } else if publish.bytes != meta.len() {
         return Err(format!(
-            "publish.bytes: {} but {uri:?} holds {} bytes",
+            "publish.bytes: {} but {quoted} holds {} bytes",
             publish.bytes,
             meta.len()
         ));
@@ -240,15 +243,15 @@ pub fn check_publication(
         let want = publish.sha256.to_ascii_lowercase();
         if want.len() != 64 || !want.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(format!(
-                "publish.sha256: {:?} is not a SHA-256 in hex (64 hex digits)",
-                publish.sha256
+                "publish.sha256: {} is not a SHA-256 in hex (64 hex digits)",
+                crate::quoted(&publish.sha256)
             ));
         }
         let got = sha256_file(&real)
-            .map_err(|e| format!("publish.uri: the weights at {uri:?} cannot be read: {e}"))?;
+            .map_err(|e| format!("publish.uri: the weights at {quoted} cannot be read: {e}"))?;
         if got != want {
             return Err(format!(
-                "publish.sha256: {uri:?} hashes to {got}, not {want} (a partial or other file)"
+                "publish.sha256: {quoted} hashes to {got}, not {want} (a partial or other file)"
             ));
         }
         publish.sha256 = want;

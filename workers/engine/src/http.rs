@@ -58,6 +58,24 @@ impl Http {
         }
     }
 
+    /// Checks the version an engine reported at `path` after loading `loaded`: an engine that
+    /// answered success and still serves other weights is caught here.
+    pub(crate) fn expect_loaded(
+        &self,
+        path: &str,
+        reported: Option<u64>,
+        loaded: u64,
+    ) -> Result<(), EngineError> {
+        if reported == Some(loaded) {
+            return Ok(());
+        }
+        let reported = reported.map_or_else(|| "none".to_owned(), |v| v.to_string());
+        Err(self.protocol(
+            path,
+            format_args!("engine reports version {reported} after loading {loaded}"),
+        ))
+    }
+
     /// A request builder for `path` (may carry a query string), with the API key.
     pub(crate) fn request(
         &self,

@@ -461,16 +461,8 @@ impl Engine for SglangEngine {
                 ));
             }
             let reported = self.read_version().await?;
-            if reported != Some(weights.version) {
-                let reported = reported.map_or_else(|| "none".to_owned(), |v| v.to_string());
-                return Err(self.http.protocol(
-                    "/get_weight_version",
-                    format_args!(
-                        "engine reports version {reported} after loading {}",
-                        weights.version
-                    ),
-                ));
-            }
+            self.http
+                .expect_loaded("/get_weight_version", reported, weights.version)?;
             self.version.store(weights.version, Ordering::SeqCst);
             Ok(())
         })

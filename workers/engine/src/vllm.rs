@@ -335,16 +335,8 @@ impl Engine for VllmEngine {
             loaded?;
             resumed?;
             let reported = weight_info(&self.http, self.config.request_timeout).await?;
-            if reported != Some(weights.version) {
-                let reported = reported.map_or_else(|| "none".to_owned(), |v| v.to_string());
-                return Err(self.http.protocol(
-                    "/weight_info",
-                    format_args!(
-                        "engine reports version {reported} after loading {}",
-                        weights.version
-                    ),
-                ));
-            }
+            self.http
+                .expect_loaded("/weight_info", reported, weights.version)?;
             self.version.store(weights.version, Ordering::SeqCst);
             Ok(())
         })

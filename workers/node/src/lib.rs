@@ -1131,8 +1131,8 @@ const SYNTHETIC_VOCAB: u64 = 151_936;
 /// and `key` (trajectory, attempt, turn): the shape of a real engine's output, for the token-level
 /// feed, with no model behind it (every such turn is marked emulated).
 fn synthetic_tokens(seed: u64, key: &[u64; 3], n: u64) -> (Vec<u32>, Vec<f32>) {
-    let mut rng = SplitMix64::keyed(seed, &[0x746f_6b65_6e73, key[0], key[1], key[2]]);
-    let n = n.min(1 << 20) as usize;
+    let mut rng = synthetic_rng(seed, key);
+    let n = n.min(MAX_SYNTHETIC_TOKENS) as usize;
     let mut ids = Vec::with_capacity(n);
     let mut logprobs = Vec::with_capacity(n);
     for _ in 0..n {
@@ -1141,6 +1141,22 @@ fn synthetic_tokens(seed: u64, key: &[u64; 3], n: u64) -> (Vec<u32>, Vec<f32>) {
         logprobs.push(-(rng.next_f64() * rng.next_f64() * 4.0) as f32);
     }
     (ids, logprobs)
+}
+
+/// The emulated engine's `n` synthetic ids of a prompt (no log-probabilities: nothing sampled
+/// them).
+fn synthetic_ids(seed: u64, key: &[u64; 3], n: u64) -> Vec<u32> {
+    let mut rng = synthetic_rng(seed, key);
+    (0..n.min(MAX_SYNTHETIC_TOKENS))
+        .map(|_| rng.below(SYNTHETIC_VOCAB) as u32)
+        .collect()
+}
+
+/// Most synthetic tokens one turn gets (a bound on what a malformed count can cost).
+const MAX_SYNTHETIC_TOKENS: u64 = 1 << 20;
+
+fn synthetic_rng(seed: u64, key: &[u64; 3]) -> SplitMix64 {
+    SplitMix64::keyed(seed, &[0x746f_6b65_6e73, key[0], key[1], key[2]])
 }
 
 /// The emulated policy's action: a random legal move of the environment, seeded per episode and
@@ -1397,8 +1413,8 @@ impl Node {
                     .map_err(|e| infra(e.to_string()))?;
                 let key = [traj.id, u64::from(traj.attempt), u64::from(a.turn)];
                 let (tokens, logprobs) = synthetic_tokens(self.plan.config.seed, &key, out.tokens);
-                let (prompt_tokens, _) =
-                    synthetic_tokens(!self.plan.config.seed, &key, g.new_message_tokens);
+                let prompt_tokens =
+                    synthetic_ids(!self.plan.config.seed, &key, g.new_message_tokens);
                 Ok(StageOutput {
                     policy_version: out.policy_version,
                     emulated: true,

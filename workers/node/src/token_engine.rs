@@ -14,7 +14,7 @@
 //! version the engine reported. The scheduler compares that version with the turn's stamp.
 //!
 //! Weight syncs of a published version load the trainer's checkpoint (`update_weights`, which
-//! checks the engine's own read-back) and then read the version back once more. These engines
+//! returns only once the engine itself reports the new version). These engines
 //! serve real weights, so they need a job whose trainer publishes some (`rl.trainer: external`);
 //! the node refuses the emulated trainer's jobs at registration.
 
@@ -229,32 +229,12 @@ pub async fn weight_sync(
         format: w.format.clone(),
         sha256: w.sha256.clone(),
     };
+    // Returns once the engine itself reports the new version: an engine that said it loaded and
+    // did not fails here, before any turn is stamped with the new version.
     engine
         .update_weights(&weights)
         .await
         .map_err(engine_failure)?;
-    // Read back once more: an engine that said it loaded and did not is caught here, before
-    // any turn is stamped with the new version.
-    match engine
-        .served_weight_version()
-        .await
-        .map_err(engine_failure)?
-    {
-        Some(v) if v == w.to_version => {}
-        other => {
-            return Err(failure(
-                Cause::Infrastructure,
-                format!(
-                    "weight sync of replica {} to version {}: the engine reports {} after \
-                     loading {}",
-                    w.replica,
-                    w.to_version,
-                    other.map_or_else(|| "no version".to_owned(), |v| format!("version {v}")),
-                    w.source
-                ),
-            ));
-        }
-    }
     Ok(StageOutput {
         policy_version: w.to_version,
         ..Default::default()

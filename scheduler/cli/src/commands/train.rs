@@ -3,8 +3,8 @@
 //! It speaks the whole trainer protocol as a real trainer does, and trains no model: it reads
 //! the trainer feed (token ids, behaviour log-probabilities, loss masks, per-segment versions,
 //! rewards), checks every trajectory against the staleness bound of the step it is trained in,
-//! and after each RL step's `rolloutBatchSize` trajectories writes a checkpoint file (a digest of
-//! the step's tokens and of the checkpoint before it, made durable with `fsync` and an atomic
+//! and after each RL step's `rolloutBatchSize` trajectories writes a checkpoint file (the step's
+//! token ids and the SHA-256 of the checkpoint before it, made durable with `fsync` and an atomic
 //! rename), acknowledges the step's items, and publishes the file as the next policy version
 //! (`PublishWeights` with its SHA-256). It is what the end-to-end tests drive a job with, and a
 //! way to check a fleet's wiring (scheduler, engines, shared storage) before a real trainer is
