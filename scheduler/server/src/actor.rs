@@ -36,13 +36,13 @@ use rollfleet_core::{
     StageOutcome, StageWork, Time, TrajId,
 };
 use rollfleet_proto::v1::{
-    ChatMessage, CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo,
-    HardwareInventory, HeartbeatResponse, JobPhase, JobStatus, JournalDetach, JournalHeartbeat,
-    JournalMessage, JournalRecord, Lease, PoolStatus, PublicationAnswer, PublishWeights,
-    RegisterResponse, ReplicaStart, RewardWork, SchedulerMessage, Segment, StageKind, TrainWork,
-    TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult, WorkerHello, WorkerLoad,
-    WorkerMessage, hardware_inventory::Device, journal_record, scheduler_message, work_assignment,
-    work_result, worker_message,
+    CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
+    HeartbeatResponse, JobPhase, JobStatus, JournalDetach, JournalHeartbeat, JournalMessage,
+    JournalRecord, Lease, PoolStatus, PublicationAnswer, PublishWeights, RegisterResponse,
+    ReplicaStart, RewardWork, SchedulerMessage, StageKind, TrainWork, TrajectoryId, Turn,
+    WeightSyncWork, WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage,
+    hardware_inventory::Device, journal_record, scheduler_message, work_assignment, work_result,
+    worker_message,
 };
 use rollfleet_sim::hardware::Meter;
 use serde::{Deserialize, Serialize};
@@ -55,6 +55,7 @@ use crate::journal::{JournalError, JournalReader, JournalWriter};
 use crate::metrics::Metrics;
 use crate::plan::{JobPlan, PoolRole, episode_seed};
 use crate::replan::Replanner;
+use crate::tokens::{PolicyInput, TurnTokens, feed_turn, token_context};
 use rollfleet_planner::replan::{Drift, Settle, Settling};
 
 /// Logs a line, except while a journal is replayed (the scheduler that wrote it logged it then).
@@ -438,41 +439,6 @@ struct Worker {
     gpus: u32,
     /// It said it is leaving: it gets nothing new, and is released once it holds nothing.
     leaving: bool,
-}
-
-/// What a worker's engine takes as a generation's prompt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PolicyInput {
-    /// Token counts only (the emulated engine).
-    Counts,
-    /// The turn's whole context as text (an OpenAI-compatible engine): its output text goes to
-    /// the environment step.
-    Text,
-    /// Token ids in, token ids and log-probabilities out (SGLang's and vLLM's native APIs): the
-    /// context goes as the tokens earlier turns produced, with only the new messages as text.
-    Tokens,
-}
-
-impl PolicyInput {
-    fn of_backend(backend: &str) -> PolicyInput {
-        match backend {
-            "openai" => PolicyInput::Text,
-            "sglang" | "vllm" => PolicyInput::Tokens,
-            _ => PolicyInput::Counts,
-        }
-    }
-}
-
-/// The tokens of one turn's generation, as the engine produced them.
-#[derive(Default)]
-struct TurnTokens {
-    /// The ids the chat template gave the messages before the action (the task, or the last
-    /// observation).
-    prompt: Vec<u32>,
-    /// The sampled action ids and their behaviour log-probabilities.
-    action: Vec<u32>,
-    logprobs: Vec<f32>,
-    emulated: bool,
 }
 
 #[derive(Default)]
@@ -2471,7 +2437,15 @@ impl Actor {
                     String::new()
                 };
                 let (context_tokens, new_messages) = if policy_input == PolicyInput::Tokens {
-                    token_context(info, cmd.turn)
+                    let message = match cmd.turn.checked_sub(1) {
+                        None => info.prompt.clone(),
+                        Some(last) => info
+                            .observations
+                            .get(last as usize)
+                            .cloned()
+                            .unwrap_or_default(),
+                    };
+                    token_context(&info.tokens, cmd.turn, message)
                 } else {
                     (Vec::new(), Vec::new())
                 };
@@ -3581,50 +3555,6 @@ fn describe_drifts(drifts: &[Drift]) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-/// A feed turn with its tokens: prompt then action ids, the action's log-probabilities, a loss
-/// mask over both (1 on the sampled action tokens only), and the version that generated them.
-fn feed_turn(mut turn: Turn, tokens: Option<TurnTokens>) -> Turn {
-    let Some(t) = tokens else {
-        return turn;
-    };
-    let mut mask = vec![0u8; t.prompt.len()];
-    mask.resize(t.prompt.len() + t.action.len(), 1);
-    turn.loss_mask = mask;
-    turn.segments = vec![Segment {
-        policy_version: turn.policy_version,
-        tokens: t.action.len() as u32,
-    }];
-    turn.prompt_tokens = t.prompt;
-    turn.action_tokens = t.action;
-    turn.action_logprobs = t.logprobs;
-    turn.emulated = t.emulated;
-    turn
-}
-
-/// What a token-in engine needs for turn `turn`: every token of the turns before it, as they
-/// were produced, and the chat messages this turn adds (the task on turn 0, then the
-/// observation the last action got).
-fn token_context(info: &TrajInfo, turn: u32) -> (Vec<u32>, Vec<ChatMessage>) {
-    let mut context = Vec::new();
-    for (_, t) in info.tokens.range(..turn) {
-        context.extend_from_slice(&t.prompt);
-        context.extend_from_slice(&t.action);
-    }
-    let content = match turn.checked_sub(1) {
-        None => info.prompt.clone(),
-        Some(last) => info
-            .observations
-            .get(last as usize)
-            .cloned()
-            .unwrap_or_default(),
-    };
-    let message = ChatMessage {
-        role: "user".into(),
-        content,
-    };
-    (context, vec![message])
 }
 
 fn render_context(info: &TrajInfo) -> String {

@@ -10,7 +10,8 @@
 //!   resent until acknowledged;
 //! - [`metrics`]: Prometheus metrics and their HTTP endpoint;
 //! - [`replan`]: what to run when a GPU pool's nodes come or go mid-run;
-//! - [`journal`]: the record of every event that lets a restarted scheduler resume its job.
+//! - [`journal`]: the record of every event that lets a restarted scheduler resume its job;
+//! - `tokens`: a trajectory's tokens, from the engines' answers to the trainer feed.
 
 pub mod actor;
 pub mod feed;
@@ -20,6 +21,7 @@ pub mod journal;
 pub mod metrics;
 pub mod plan;
 pub mod replan;
+mod tokens;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

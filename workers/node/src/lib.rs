@@ -470,7 +470,7 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
         )),
         _ => None,
     };
-    let tokens = token_backend(&opts).await?.map(Arc::new);
+    let tokens = token_engine::backend(&opts).await?.map(Arc::new);
     let software = Software {
         backend: match (&openai, &tokens) {
             (Some(_), _) => "openai",
@@ -520,73 +520,6 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
             Err(Ended::SchedulerGone { closed: true, .. }) => return Ok(WorkerExit::Closed),
             Err(Ended::SchedulerGone { reason, .. }) => return Err(NodeError::Refused(reason)),
         }
-    }
-}
-
-/// The SGLang or vLLM engines of `--engine sglang|vllm`, one per URL; `None` for other engines.
-async fn token_backend(
-    opts: &WorkerOptions,
-) -> Result<Option<token_engine::TokenBackend>, NodeError> {
-    use rollfleet_engine::sglang::{SglangConfig, SglangEngine};
-    use rollfleet_engine::vllm::{VllmConfig, VllmEngine};
-    let api_key = std::env::var("ROLLFLEET_ENGINE_API_KEY")
-        .ok()
-        .filter(|k| !k.is_empty());
-    let engine_error = |e: EngineError| NodeError::Engine(e.to_string());
-    match &opts.engine {
-        EngineChoice::Sglang {
-            urls,
-            chat_tokenizer,
-            temperature,
-        } => {
-            let mut endpoints: Vec<(String, Arc<dyn Engine>)> = Vec::new();
-            for url in urls {
-                let config = SglangConfig {
-                    api_key: api_key.clone(),
-                    chat_tokenizer_url: Some(chat_tokenizer.clone().unwrap_or_else(|| url.clone())),
-                    ..SglangConfig::new(url.clone())
-                };
-                let engine = SglangEngine::new(config, 0).map_err(engine_error)?;
-                endpoints.push((url.clone(), Arc::new(engine)));
-            }
-            Ok(Some(token_engine::TokenBackend::new(
-                "sglang",
-                endpoints,
-                *temperature,
-            )))
-        }
-        EngineChoice::Vllm {
-            urls,
-            model,
-            temperature,
-        } => {
-            let model = match (model, urls.first()) {
-                (Some(m), _) => m.clone(),
-                (None, Some(url)) => openai_backend(url, None, *temperature, opts.connect_timeout)
-                    .await?
-                    .engine
-                    .model()
-                    .to_owned(),
-                (None, None) => {
-                    return Err(NodeError::Engine("--engine vllm needs --engine-url".into()));
-                }
-            };
-            let mut endpoints: Vec<(String, Arc<dyn Engine>)> = Vec::new();
-            for url in urls {
-                let config = VllmConfig {
-                    api_key: api_key.clone(),
-                    ..VllmConfig::new(url.clone(), model.clone())
-                };
-                let engine = VllmEngine::new(config, 0).map_err(engine_error)?;
-                endpoints.push((url.clone(), Arc::new(engine)));
-            }
-            Ok(Some(token_engine::TokenBackend::new(
-                "vllm",
-                endpoints,
-                *temperature,
-            )))
-        }
-        _ => Ok(None),
     }
 }
 

@@ -22,13 +22,17 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
-use rollfleet_engine::{ChatMessage, Engine, GenerateEvent, GenerateRequest, Prompt, WeightsRef};
+use rollfleet_engine::{
+    ChatMessage, Engine, EngineError, GenerateEvent, GenerateRequest, Prompt, WeightsRef,
+};
 use rollfleet_proto::v1::{
     GenerationWork, StageOutput, WeightSyncWork, WorkAssignment, stage_failure::Cause, work_result,
 };
 use tokio_stream::StreamExt;
 
-use crate::{InFlight, engine_failure, failure};
+use crate::{
+    EngineChoice, InFlight, NodeError, WorkerOptions, engine_failure, failure, openai_backend,
+};
 
 /// Engines of one kind serving this node's replicas, one endpoint each.
 pub struct TokenBackend {
@@ -100,6 +104,63 @@ impl TokenBackend {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&replica);
+    }
+}
+
+/// The SGLang or vLLM engines of `--engine sglang|vllm`, one per URL; `None` for other engines.
+pub(crate) async fn backend(opts: &WorkerOptions) -> Result<Option<TokenBackend>, NodeError> {
+    use rollfleet_engine::sglang::{SglangConfig, SglangEngine};
+    use rollfleet_engine::vllm::{VllmConfig, VllmEngine};
+    let api_key = std::env::var("ROLLFLEET_ENGINE_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty());
+    let engine_error = |e: EngineError| NodeError::Engine(e.to_string());
+    match &opts.engine {
+        EngineChoice::Sglang {
+            urls,
+            chat_tokenizer,
+            temperature,
+        } => {
+            let mut endpoints: Vec<(String, Arc<dyn Engine>)> = Vec::new();
+            for url in urls {
+                let config = SglangConfig {
+                    api_key: api_key.clone(),
+                    chat_tokenizer_url: Some(chat_tokenizer.clone().unwrap_or_else(|| url.clone())),
+                    ..SglangConfig::new(url.clone())
+                };
+                let engine = SglangEngine::new(config, 0).map_err(engine_error)?;
+                endpoints.push((url.clone(), Arc::new(engine)));
+            }
+            Ok(Some(TokenBackend::new("sglang", endpoints, *temperature)))
+        }
+        EngineChoice::Vllm {
+            urls,
+            model,
+            temperature,
+        } => {
+            let model = match (model, urls.first()) {
+                (Some(m), _) => m.clone(),
+                (None, Some(url)) => openai_backend(url, None, *temperature, opts.connect_timeout)
+                    .await?
+                    .engine
+                    .model()
+                    .to_owned(),
+                (None, None) => {
+                    return Err(NodeError::Engine("--engine vllm needs --engine-url".into()));
+                }
+            };
+            let mut endpoints: Vec<(String, Arc<dyn Engine>)> = Vec::new();
+            for url in urls {
+                let config = VllmConfig {
+                    api_key: api_key.clone(),
+                    ..VllmConfig::new(url.clone(), model.clone())
+                };
+                let engine = VllmEngine::new(config, 0).map_err(engine_error)?;
+                endpoints.push((url.clone(), Arc::new(engine)));
+            }
+            Ok(Some(TokenBackend::new("vllm", endpoints, *temperature)))
+        }
+        _ => Ok(None),
     }
 }
 
