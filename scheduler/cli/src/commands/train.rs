@@ -83,6 +83,10 @@ pub struct TrainerState {
     pub engine_turns: u64,
     /// Publications the scheduler refused, with its reason.
     pub refused: Vec<String>,
+    /// A publication sent and not answered yet: sent again on the next stream if this one breaks
+    /// first (its step is acknowledged already, so the feed will not hand it over again).
+    #[serde(skip)]
+    pub awaiting: Option<Published>,
     /// With `--record-tokens`: every turn consumed, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub turns: Vec<TurnRecord>,
@@ -301,6 +305,9 @@ async fn train(
                 window: (2 * settings.batch).min(u32::MAX as usize) as u32,
             })),
         });
+        if let Some(published) = &state.awaiting {
+            let _ = tx.send(publication(published));
+        }
         let feed = match client
             .feed(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
             .await
@@ -338,7 +345,6 @@ async fn consume(
 ) -> Result<bool> {
     // The step's items since the last publication (resent after a reconnect from there).
     let mut step: Vec<CompletedTrajectory> = Vec::new();
-    let mut awaiting: Option<Published> = None;
     while let Some(item) = feed.next().await {
         let Ok(item) = item else {
             return Ok(false);
@@ -349,13 +355,13 @@ async fn consume(
                     continue;
                 }
                 step.push(t);
-                if step.len() >= settings.batch && awaiting.is_none() {
-                    awaiting =
+                if step.len() >= settings.batch && state.awaiting.is_none() {
+                    state.awaiting =
                         Some(train_step(args, settings, checkpoints, state, &mut step, tx).await?);
                 }
             }
             Some(trainer_feed_item::Item::Publication(answer)) => {
-                let Some(published) = awaiting.take() else {
+                let Some(published) = state.awaiting.take() else {
                     continue;
                 };
                 if answer.accepted {
@@ -389,7 +395,7 @@ async fn consume(
                     return Ok(true);
                 }
                 if step.len() >= settings.batch {
-                    awaiting =
+                    state.awaiting =
                         Some(train_step(args, settings, checkpoints, state, &mut step, tx).await?);
                 }
             }
@@ -445,24 +451,30 @@ async fn train_step(
     let _ = tx.send(TrainerFeedRequest {
         message: Some(trainer_feed_request::Message::AckThrough(through)),
     });
-    let _ = tx.send(TrainerFeedRequest {
-        message: Some(trainer_feed_request::Message::Publish(PublishWeights {
-            version,
-            uri: uri.clone(),
-            format: "rollfleet-reference".into(),
-            sha256: sha256.clone(),
-            bytes: 0,
-        })),
-    });
+    let published = Published {
+        version,
+        uri,
+        sha256,
+    };
+    let _ = tx.send(publication(&published));
     state.acked_through = through;
     state.trajectories.extend(
         batch
             .iter()
             .map(|t| t.trajectory.as_ref().map_or(0, |id| id.id)),
     );
-    Ok(Published {
-        version,
-        uri,
-        sha256,
-    })
+    Ok(published)
+}
+
+/// The feed message that publishes `published`.
+fn publication(published: &Published) -> TrainerFeedRequest {
+    TrainerFeedRequest {
+        message: Some(trainer_feed_request::Message::Publish(PublishWeights {
+            version: published.version,
+            uri: published.uri.clone(),
+            format: "rollfleet-reference".into(),
+            sha256: published.sha256.clone(),
+            bytes: 0,
+        })),
+    }
 }
