@@ -1,8 +1,9 @@
 //! The real RL loop across processes on loopback: a `rollfleet scheduler`, `rollfleet worker`s
 //! driving fake SGLang engines token-in, token-out (`tests/fakes/sglang_server.py`, one per
 //! replica, following SGLang's native HTTP API), and an external trainer (`rollfleet train`)
-//! that reads the feed and publishes every version as a checkpoint file. Also the trainer
-//! protocol's refusals, driven by a trainer written here.
+//! that reads the feed and publishes every version as a checkpoint file; the same with the
+//! scheduler SIGKILLed mid-run and restarted on its journal. Also the trainer protocol's
+//! refusals, driven by a trainer written here.
 //!
 //! Needs `python3` (the fakes use its standard library only). Every wait is bounded.
 
@@ -72,10 +73,13 @@ fn scheduler(
     time_scale: &str,
     extra: &[&str],
 ) -> String {
-    let mut child = Command::new(BIN)
-        .arg("scheduler")
-        .arg(job)
-        .args(["--listen", "127.0.0.1:0", "--time-scale", time_scale])
+    let mut command = Command::new(BIN);
+    command.arg("scheduler").arg(job);
+    if !extra.contains(&"--listen") {
+        command.args(["--listen", "127.0.0.1:0"]);
+    }
+    let mut child = command
+        .args(["--time-scale", time_scale])
         .args(["--expect-workers", "5", "--report"])
         .arg(dir.join("report.json"))
         .args(extra)
@@ -452,6 +456,102 @@ fn a_token_in_engine_is_refused_for_a_job_whose_trainer_publishes_no_weights() {
         stderr.contains("rl.trainer: external") && stderr.contains("--engine sglang"),
         "{stderr}"
     );
+    drop(procs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The trainer's own record of the versions it has had accepted (0 before its first).
+fn trainer_version(checkpoints: &Path) -> u64 {
+    std::fs::read(checkpoints.join("state.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        .and_then(|v| v["version"].as_u64())
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_scheduler_killed_under_an_external_trainer_resumes_and_no_trajectory_or_publication_is_lost_or_doubled()
+ {
+    let dir = temp_dir("failover");
+    let mut procs = Procs(Vec::new());
+    let journal = dir.join("journal.bin").display().to_string();
+    let url = scheduler(
+        &mut procs,
+        &dir,
+        Path::new(JOB),
+        "1",
+        &["--journal", &journal],
+    );
+    let addr = url.strip_prefix("http://").unwrap().to_owned();
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        worker(&mut procs, &url, pool, &[]);
+    }
+    let checkpoints = dir.join("ckpt");
+    let trainer_report = dir.join("trainer.json");
+    let mut trainer = Command::new(BIN)
+        .arg("train")
+        .arg(JOB)
+        .args(["--scheduler", &url, "--step-ms", "300"])
+        .arg("--checkpoints")
+        .arg(&checkpoints)
+        .arg("--report")
+        .arg(&trainer_report)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while trainer_version(&checkpoints) < 2 {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the trainer never published version 2"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SIGKILL mid-run, then the same command on the same address, on the journal.
+    procs.0[0].kill().unwrap();
+    procs.0[0].wait().unwrap();
+    let killed_at = trainer_version(&checkpoints);
+    assert!(killed_at < 5, "killed after the last version");
+    scheduler(
+        &mut procs,
+        &dir,
+        Path::new(JOB),
+        "1",
+        &["--journal", &journal, "--listen", &addr],
+    );
+    let status = wait_exit(&mut trainer, DEADLINE);
+    assert!(status.success(), "the trainer failed: {status}");
+    let restarted = procs.0.len() - 1;
+    assert!(wait_exit(&mut procs.0[restarted], DEADLINE).success());
+
+    let trained: Value = serde_json::from_slice(&std::fs::read(&trainer_report).unwrap()).unwrap();
+    let published: Vec<u64> = trained["published"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["version"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        published,
+        vec![1, 2, 3, 4, 5],
+        "killed at version {killed_at}"
+    );
+    let consumed: Vec<u64> = serde_json::from_value(trained["trajectories"].clone()).unwrap();
+    assert_eq!(consumed.len(), 160);
+    assert_eq!(
+        consumed.iter().collect::<BTreeSet<_>>().len(),
+        160,
+        "a trajectory was fed twice"
+    );
+    assert_eq!(trained["stale"], serde_json::json!([]));
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Succeeded");
+    assert_eq!(report["policy_version"], 5);
+    assert_eq!(report["trained_twice"], serde_json::json!([]));
+    // The trainer consumed exactly what the scheduler trained, in its order.
+    let scheduler_trained: Vec<u64> = serde_json::from_value(report["trained"].clone()).unwrap();
+    assert_eq!(consumed, scheduler_trained);
     drop(procs);
     let _ = std::fs::remove_dir_all(&dir);
 }
