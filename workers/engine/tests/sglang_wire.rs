@@ -8,13 +8,10 @@ mod fake;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use fake::{Fake, generated, scratch_dir};
+use fake::{Fake, generated, request, run, scratch_dir};
 use futures_util::StreamExt;
 use rollfleet_engine::sglang::{PauseMode, SglangConfig, SglangEngine};
-use rollfleet_engine::{
-    ChatMessage, Completion, Engine, EngineError, GenerateEvent, GenerateRequest, Prompt,
-    WeightsRef, chat_turn_tokens,
-};
+use rollfleet_engine::{ChatMessage, Engine, EngineError, WeightsRef, chat_turn_tokens};
 
 fn engine(fake: &Fake, chat_tokenizer_url: Option<String>) -> anyhow::Result<SglangEngine> {
     let config = SglangConfig {
@@ -24,41 +21,6 @@ fn engine(fake: &Fake, chat_tokenizer_url: Option<String>) -> anyhow::Result<Sgl
         ..SglangConfig::new(fake.url.clone())
     };
     Ok(SglangEngine::new(config, 0)?)
-}
-
-fn request(id: &str, prompt: Vec<u32>, max_tokens: u32, version: u64) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.to_owned(),
-        session: "s".to_owned(),
-        prompt: Prompt::Tokens(prompt),
-        max_tokens,
-        temperature: 1.0,
-        stop: Vec::new(),
-        policy_version: version,
-    }
-}
-
-/// Runs a generation to its end: the concatenated tokens and logprobs and the completion.
-async fn run(
-    engine: &dyn Engine,
-    request: GenerateRequest,
-) -> anyhow::Result<(Vec<u32>, Vec<f32>, Completion)> {
-    let mut stream = engine.generate(request);
-    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
-    while let Some(event) = stream.next().await {
-        match event? {
-            GenerateEvent::Delta {
-                token_ids,
-                logprobs: l,
-                ..
-            } => {
-                ids.extend(token_ids);
-                logprobs.extend(l);
-            }
-            GenerateEvent::Finished(done) => return Ok((ids, logprobs, done)),
-        }
-    }
-    bail!("the stream ended without Finished")
 }
 
 fn checkpoint(name: &str, content: &str) -> anyhow::Result<WeightsRef> {

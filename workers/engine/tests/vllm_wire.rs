@@ -7,13 +7,10 @@ mod fake;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use fake::{Fake, generated, scratch_dir};
+use fake::{Fake, generated, request, run, scratch_dir};
 use futures_util::StreamExt;
 use rollfleet_engine::vllm::{VllmConfig, VllmEngine};
-use rollfleet_engine::{
-    ChatMessage, Completion, Engine, EngineError, GenerateEvent, GenerateRequest, Prompt,
-    WeightsRef, chat_turn_tokens,
-};
+use rollfleet_engine::{ChatMessage, Engine, EngineError, WeightsRef, chat_turn_tokens};
 
 fn engine(fake: &Fake) -> anyhow::Result<VllmEngine> {
     let config = VllmConfig {
@@ -22,40 +19,6 @@ fn engine(fake: &Fake) -> anyhow::Result<VllmEngine> {
         ..VllmConfig::new(fake.url.clone(), "toy-model")
     };
     Ok(VllmEngine::new(config, 0)?)
-}
-
-fn request(id: &str, prompt: Vec<u32>, max_tokens: u32, version: u64) -> GenerateRequest {
-    GenerateRequest {
-        request_id: id.to_owned(),
-        session: "s".to_owned(),
-        prompt: Prompt::Tokens(prompt),
-        max_tokens,
-        temperature: 1.0,
-        stop: Vec::new(),
-        policy_version: version,
-    }
-}
-
-async fn run(
-    engine: &dyn Engine,
-    request: GenerateRequest,
-) -> anyhow::Result<(Vec<u32>, Vec<f32>, Completion)> {
-    let mut stream = engine.generate(request);
-    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
-    while let Some(event) = stream.next().await {
-        match event? {
-            GenerateEvent::Delta {
-                token_ids,
-                logprobs: l,
-                ..
-            } => {
-                ids.extend(token_ids);
-                logprobs.extend(l);
-            }
-            GenerateEvent::Finished(done) => return Ok((ids, logprobs, done)),
-        }
-    }
-    bail!("the stream ended without Finished")
 }
 
 /// A checkpoint directory with one safetensors file, as vLLM's shared-disk backend wants.

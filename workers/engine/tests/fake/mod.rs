@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use futures_util::StreamExt;
+use rollfleet_engine::{Completion, Engine, GenerateEvent, GenerateRequest, Prompt};
 
 /// A running fake engine; killed on drop.
 pub struct Fake {
@@ -153,4 +155,40 @@ pub fn generated(record: &serde_json::Value) -> anyhow::Result<(Vec<u32>, Vec<f3
         .map(|v| v.as_f64().map(|v| v as f32).context("logprob"))
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok((ids, logprobs))
+}
+
+/// A token-in request for `prompt` under `version`.
+pub fn request(id: &str, prompt: Vec<u32>, max_tokens: u32, version: u64) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.to_owned(),
+        session: "s".to_owned(),
+        prompt: Prompt::Tokens(prompt),
+        max_tokens,
+        temperature: 1.0,
+        stop: Vec::new(),
+        policy_version: version,
+    }
+}
+
+/// Runs a generation to its end: the concatenated tokens and logprobs and the completion.
+pub async fn run(
+    engine: &dyn Engine,
+    request: GenerateRequest,
+) -> anyhow::Result<(Vec<u32>, Vec<f32>, Completion)> {
+    let mut stream = engine.generate(request);
+    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
+    while let Some(event) = stream.next().await {
+        match event? {
+            GenerateEvent::Delta {
+                token_ids,
+                logprobs: l,
+                ..
+            } => {
+                ids.extend(token_ids);
+                logprobs.extend(l);
+            }
+            GenerateEvent::Finished(done) => return Ok((ids, logprobs, done)),
+        }
+    }
+    bail!("the stream ended without Finished")
 }
