@@ -169,10 +169,13 @@ pub fn endpoint(
 /// [`endpoint`], with the CA certificate given as PEM bytes (the operator reads it from a
 /// Secret) rather than as a file.
 pub fn endpoint_trusting(url: &str, ca_pem: Option<Vec<u8>>) -> Result<Endpoint, TlsError> {
-    let endpoint = Endpoint::from_shared(url.to_owned()).map_err(|e| TlsError::Url {
-        url: url.to_owned(),
-        reason: e.to_string(),
-    })?;
+    let endpoint = Endpoint::from_shared(url.to_owned())
+        .map_err(|e| TlsError::Url {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        })?
+        .initial_stream_window_size(crate::HTTP2_WINDOW_BYTES)
+        .initial_connection_window_size(crate::HTTP2_WINDOW_BYTES);
     match (url.starts_with("https://"), ca_pem) {
         (false, None) => Ok(endpoint),
         (false, Some(_)) => Err(TlsError::CaWithoutHttps {

@@ -9,8 +9,10 @@
 //! three runs (`ROLLFLEET_BENCH_RUNS` for more), without a journal, with one (`--journal`: every
 //! event written to a file before it is acted on), with one synced to the disk before each
 //! batch is acted on (`--journal-sync`), and over TLS (`--tls-cert`; its certificates made by
-//! the `openssl` command, the runs left out without one), the four interleaved so that all see
-//! the same machine. Each journal is then replayed into a fresh actor, as a restarted scheduler does: how
+//! the `openssl` command, the runs left out without one), and with token-level payloads (every
+//! generation answered with its token ids, log-probabilities and prompt ids, as the emulated
+//! engine and real engines now answer; the other modes send counts only), the five interleaved
+//! so that all see the same machine. Each journal is then replayed into a fresh actor, as a restarted scheduler does: how
 //! fast, and whether it ends with the very report the live run wrote.
 
 use std::time::{Duration, Instant};
@@ -24,7 +26,12 @@ use rollfleet_server::{Report, ServerOptions, serve};
 
 const STEPS: u32 = 150;
 
-async fn instant_worker(url: String, pool: &'static str, ca: Option<std::path::PathBuf>) {
+async fn instant_worker(
+    url: String,
+    pool: &'static str,
+    ca: Option<std::path::PathBuf>,
+    token_payloads: bool,
+) {
     let channel = rollfleet_proto::tls::endpoint(&url, ca.as_deref(), None)
         .expect("endpoint")
         .connect()
@@ -80,11 +87,28 @@ async fn instant_worker(url: String, pool: &'static str, ca: Option<std::path::P
             _ => continue,
         };
         let output = match &a.work {
-            Some(Work::Generation(g)) => StageOutput {
-                token_count: u64::from(g.max_new_tokens.clamp(1, 48)),
-                emulated: true,
-                ..Default::default()
-            },
+            Some(Work::Generation(g)) => {
+                let n = g.max_new_tokens.clamp(1, 48);
+                let (tokens, logprobs, prompt_tokens) = if token_payloads {
+                    (
+                        (0..n).map(|i| i * 7919 % 151_936).collect(),
+                        (0..n).map(|i| -(i as f32) / 64.0).collect(),
+                        (0..g.new_message_tokens.min(4096) as u32)
+                            .map(|i| i * 104_729 % 151_936)
+                            .collect(),
+                    )
+                } else {
+                    Default::default()
+                };
+                StageOutput {
+                    token_count: u64::from(n),
+                    emulated: true,
+                    tokens,
+                    logprobs,
+                    prompt_tokens,
+                    ..Default::default()
+                }
+            }
             Some(Work::EnvStep(e)) => StageOutput {
                 token_count: if e.reset { 200 } else { 60 },
                 done: !e.reset && a.turn >= 5,
@@ -133,12 +157,13 @@ fn decisions(report: &Report) -> serde_json::Value {
     value
 }
 
-/// The four ways the benchmark runs the scheduler.
-const MODES: [&str; 4] = [
+/// The five ways the benchmark runs the scheduler.
+const MODES: [&str; 5] = [
     "no journal",
     "journal",
     "journal, synced",
     "TLS, no journal",
+    "no journal, token payloads",
 ];
 
 /// A TLS identity for the scheduler and the CA its clients trust.
@@ -221,6 +246,7 @@ fn run_once(
     journal: Option<std::path::PathBuf>,
     journal_sync: bool,
     tls: Option<&TlsFiles>,
+    token_payloads: bool,
 ) -> (f64, Report) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -265,7 +291,12 @@ fn run_once(
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {
-            tokio::spawn(instant_worker(url.clone(), pool, tls.map(|t| t.ca.clone())));
+            tokio::spawn(instant_worker(
+                url.clone(),
+                pool,
+                tls.map(|t| t.ca.clone()),
+                token_payloads,
+            ));
         }
         let started = Instant::now();
         let report = server
@@ -297,7 +328,7 @@ fn main() {
     if tls.is_none() {
         println!("no openssl command: the TLS runs are left out");
     }
-    let mut results: [(Vec<f64>, Vec<u32>); 4] = Default::default();
+    let mut results: [(Vec<f64>, Vec<u32>); 5] = Default::default();
     for i in 0..runs {
         for (mode, (rates, p99s)) in results.iter_mut().enumerate() {
             if mode == 3 && tls.is_none() {
@@ -309,6 +340,7 @@ fn main() {
                 journal.clone(),
                 mode == 2,
                 tls.as_ref().filter(|_| mode == 3),
+                mode == 4,
             );
             let journal_bytes = journal
                 .as_ref()

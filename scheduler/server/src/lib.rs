@@ -405,7 +405,10 @@ pub async fn serve_until(
             let _ = done_tx.send(report);
         }
     };
-    let mut builder = tonic::transport::Server::builder().tcp_nodelay(true);
+    let mut builder = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .initial_stream_window_size(rollfleet_proto::HTTP2_WINDOW_BYTES)
+        .initial_connection_window_size(rollfleet_proto::HTTP2_WINDOW_BYTES);
     if let Some(tls) = tls {
         builder = builder
             .tls_config(tls)
