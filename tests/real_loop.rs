@@ -36,13 +36,15 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// Starts a fake engine (`sglang_server.py` or `vllm_server.py`) logging to `log`; its URL.
-fn fake_engine(procs: &mut Procs, script: &str, dir: &Path, name: &str) -> String {
+/// Starts a fake engine (`sglang_server.py` or `vllm_server.py`, with `flags`) logging to
+/// `NAME.log`; its URL.
+fn fake_engine(procs: &mut Procs, script: &str, dir: &Path, name: &str, flags: &[&str]) -> String {
     let port_file = dir.join(format!("{name}.port"));
     let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
     procs.0.push(
         Command::new("python3")
             .arg(Path::new(FAKES).join(script))
+            .args(flags)
             .arg("--port-file")
             .arg(&port_file)
             .stdout(log)
@@ -126,25 +128,21 @@ fn rounded(logprobs: &[Value]) -> Vec<i64> {
         .collect()
 }
 
-#[test]
-fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_exact_tokens() {
-    let dir = temp_dir("sglang");
-    let mut procs = Procs(Vec::new());
-    // One engine per replica of the GPU pools, and a chat tokenizer for the model (SGLang's own
-    // /tokenize takes text only).
-    let prefill = fake_engine(&mut procs, "sglang_server.py", &dir, "prefill-0");
+/// The quick-start job with an external trainer on fake SGLang engines: one engine per replica
+/// of the GPU pools (the two decode engines started with `decode_flags`), a chat tokenizer for
+/// the model (SGLang's own /tokenize takes text only), the scheduler (journaled) and a worker
+/// per pool. The scheduler's URL.
+fn sglang_job(procs: &mut Procs, dir: &Path, decode_flags: [&[&str]; 2]) -> String {
+    let prefill = fake_engine(procs, "sglang_server.py", dir, "prefill-0", &[]);
     let decode: Vec<String> = (0..2)
-        .map(|i| fake_engine(&mut procs, "sglang_server.py", &dir, &format!("decode-{i}")))
+        .map(|i| {
+            let name = format!("decode-{i}");
+            fake_engine(procs, "sglang_server.py", dir, &name, decode_flags[i])
+        })
         .collect();
-    let tokenizer = fake_engine(&mut procs, "vllm_server.py", &dir, "tokenizer");
+    let tokenizer = fake_engine(procs, "vllm_server.py", dir, "tokenizer", &[]);
     let journal = dir.join("journal.bin").display().to_string();
-    let url = scheduler(
-        &mut procs,
-        &dir,
-        Path::new(JOB),
-        "1",
-        &["--journal", &journal],
-    );
+    let url = scheduler(procs, dir, Path::new(JOB), "1", &["--journal", &journal]);
     let engine_flags = |urls: &[String]| {
         let mut flags = vec!["--engine".to_owned(), "sglang".to_owned()];
         for u in urls {
@@ -153,16 +151,21 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
         flags.extend(["--chat-tokenizer-url".to_owned(), tokenizer.clone()]);
         flags
     };
-    worker(&mut procs, &url, "prefill", &engine_flags(&[prefill]));
-    worker(&mut procs, &url, "decode", &engine_flags(&decode));
+    worker(procs, &url, "prefill", &engine_flags(&[prefill]));
+    worker(procs, &url, "decode", &engine_flags(&decode));
     for pool in ["train", "envs", "rewards"] {
-        worker(&mut procs, &url, pool, &[]);
+        worker(procs, &url, pool, &[]);
     }
+    url
+}
+
+/// Runs `rollfleet train` on the job at `url` to its end; its report.
+fn train_to_the_end(url: &str, dir: &Path) -> Value {
     let trainer_report = dir.join("trainer.json");
     let mut trainer = Command::new(BIN)
         .arg("train")
         .arg(JOB)
-        .args(["--scheduler", &url, "--step-ms", "100", "--record-tokens"])
+        .args(["--scheduler", url, "--step-ms", "100", "--record-tokens"])
         .arg("--checkpoints")
         .arg(dir.join("ckpt"))
         .arg("--report")
@@ -172,35 +175,29 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
         .unwrap();
     let status = wait_exit(&mut trainer, DEADLINE);
     assert!(status.success(), "the trainer failed: {status}");
+    serde_json::from_slice(&std::fs::read(&trainer_report).unwrap()).unwrap()
+}
 
-    let trained: Value = serde_json::from_slice(&std::fs::read(&trainer_report).unwrap()).unwrap();
-    assert_eq!(trained["version"], 5);
-    assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
-    assert_eq!(trained["stale"], serde_json::json!([]));
-    assert_eq!(trained["malformed"], serde_json::json!([]));
-    assert_eq!(trained["emulated_turns"], 0);
-    assert!(trained["engine_turns"].as_u64().unwrap() >= 160);
+/// What each engine answered: `(version, output ids, rounded log-probabilities)` of every
+/// generation it completed (not those it refused or that were aborted).
+fn generations(logs: &BTreeMap<String, Vec<Value>>) -> BTreeSet<(u64, Vec<u32>, Vec<i64>)> {
+    logs.values()
+        .flatten()
+        .filter(|e| e["path"] == "/generate" && e["output_ids"].is_array())
+        .map(|e| {
+            (
+                e["version"].as_str().unwrap().parse::<u64>().unwrap(),
+                serde_json::from_value::<Vec<u32>>(e["output_ids"].clone()).unwrap(),
+                rounded(e["logprobs"].as_array().unwrap()),
+            )
+        })
+        .collect()
+}
 
-    // Every trained turn is exactly what an engine generated under the version it is stamped
-    // with: same ids, same log-probabilities.
-    let names: Vec<String> = std::iter::once("prefill-0".to_owned())
-        .chain((0..2).map(|i| format!("decode-{i}")))
-        .collect();
-    let logs: BTreeMap<&str, Vec<Value>> = names
-        .iter()
-        .map(|n| (n.as_str(), engine_log(&dir, n)))
-        .collect();
-    let mut generated = BTreeSet::new();
-    for entry in logs.values().flatten() {
-        // Generations the engine answered (not those it refused or that were aborted).
-        if entry["path"] == "/generate" && entry["output_ids"].is_array() {
-            generated.insert((
-                entry["version"].as_str().unwrap().parse::<u64>().unwrap(),
-                serde_json::from_value::<Vec<u32>>(entry["output_ids"].clone()).unwrap(),
-                rounded(entry["logprobs"].as_array().unwrap()),
-            ));
-        }
-    }
+/// Asserts that every trained turn is exactly what an engine generated under the version it
+/// is stamped with: same ids, same log-probabilities.
+fn assert_turns_are_engine_output(trained: &Value, logs: &BTreeMap<String, Vec<Value>>) {
+    let generated = generations(logs);
     let turns = trained["turns"].as_array().unwrap();
     assert!(turns.len() >= 160, "{} turns", turns.len());
     for turn in turns {
@@ -216,20 +213,55 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
             "turn {turn} is not what an engine generated under its version"
         );
     }
+}
+
+/// The logs of the engines of [`sglang_job`], by name.
+fn sglang_job_logs(dir: &Path) -> BTreeMap<String, Vec<Value>> {
+    ["prefill-0", "decode-0", "decode-1"]
+        .into_iter()
+        .map(|n| (n.to_owned(), engine_log(dir, n)))
+        .collect()
+}
+
+/// The weight versions an engine's log says it loaded, in order.
+fn loaded_versions(log: &[Value]) -> Vec<u64> {
+    log.iter()
+        .filter(|e| e["path"] == "/update_weights_from_disk" && e["success"] == true)
+        .map(|e| e["requested_version"].as_str().unwrap().parse().unwrap())
+        .collect()
+}
+
+/// The weight versions an engine generated under.
+fn served_versions(log: &[Value]) -> BTreeSet<u64> {
+    log.iter()
+        .filter(|e| e["path"] == "/generate")
+        .map(|e| e["version"].as_str().unwrap().parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_exact_tokens() {
+    let dir = temp_dir("sglang");
+    let mut procs = Procs(Vec::new());
+    // Loading takes the decode engines a while, so that two loads at once would show.
+    let slow: &[&str] = &["--slow-update-ms", "150"];
+    let url = sglang_job(&mut procs, &dir, [slow, slow]);
+    let trained = train_to_the_end(&url, &dir);
+    assert_eq!(trained["version"], 5);
+    assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
+    assert_eq!(trained["stale"], serde_json::json!([]));
+    assert_eq!(trained["malformed"], serde_json::json!([]));
+    assert_eq!(trained["emulated_turns"], 0);
+    assert!(trained["engine_turns"].as_u64().unwrap() >= 160);
+
+    let logs = sglang_job_logs(&dir);
+    assert_turns_are_engine_output(&trained, &logs);
 
     // Each replica's engine was loaded by its own weight syncs, version after version in order,
     // and generated only under versions it had loaded.
     for (name, log) in &logs {
-        let loaded: Vec<u64> = log
-            .iter()
-            .filter(|e| e["path"] == "/update_weights_from_disk" && e["success"] == true)
-            .map(|e| e["requested_version"].as_str().unwrap().parse().unwrap())
-            .collect();
-        let served: BTreeSet<u64> = log
-            .iter()
-            .filter(|e| e["path"] == "/generate")
-            .map(|e| e["version"].as_str().unwrap().parse().unwrap())
-            .collect();
+        let loaded = loaded_versions(log);
+        let served = served_versions(log);
         if served.is_empty() {
             continue;
         }
@@ -241,6 +273,37 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
             served.iter().all(|v| *v == 0 || loaded.contains(v)),
             "{name} generated under versions {served:?} it never loaded ({loaded:?})"
         );
+    }
+    // Replica by replica: both decode engines took new versions as they came (one may skip a
+    // version published while it waited for the other; the job may end before the last reaches
+    // them all), and never loaded at the same time.
+    let intervals = |name: &str| -> Vec<(f64, f64)> {
+        logs[name]
+            .iter()
+            .filter(|e| e["path"] == "/update_weights_from_disk")
+            .map(|e| {
+                (
+                    e["started"].as_f64().unwrap(),
+                    e["finished"].as_f64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    for name in ["decode-0", "decode-1"] {
+        let loaded = loaded_versions(&logs[name]);
+        assert!(
+            loaded.len() >= 2 && loaded.last() >= Some(&4),
+            "{name} loaded {loaded:?}"
+        );
+    }
+    for (a_start, a_end) in intervals("decode-0") {
+        for (b_start, b_end) in intervals("decode-1") {
+            assert!(
+                a_end <= b_start || b_end <= a_start,
+                "both decode replicas were loading at once: [{a_start}, {a_end}] and \
+                 [{b_start}, {b_end}]"
+            );
+        }
     }
     let report: Value =
         serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
@@ -256,6 +319,84 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
         .unwrap();
     let shown: Value = serde_json::from_slice(&shown.stdout).unwrap();
     assert_eq!(shown["report"]["policy_version"], 5, "{shown}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_replica_whose_engine_fails_or_fakes_a_weight_update_leaves_service_and_is_retried_while_the_other_generates()
+ {
+    let dir = temp_dir("failing-updates");
+    let mut procs = Procs(Vec::new());
+    // decode-0 refuses its first two updates; decode-1 says every update succeeded but goes on
+    // serving its first weights.
+    let url = sglang_job(
+        &mut procs,
+        &dir,
+        [&["--fail-updates", "2"], &["--keep-old-weights"]],
+    );
+    let trained = train_to_the_end(&url, &dir);
+    assert_eq!(trained["version"], 5);
+    assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
+    assert_eq!(trained["stale"], serde_json::json!([]));
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Succeeded");
+    assert_eq!(report["trained_twice"], serde_json::json!([]));
+
+    let logs = sglang_job_logs(&dir);
+    // Nothing trained came from weights an engine only claimed to load.
+    assert_turns_are_engine_output(&trained, &logs);
+    let faking = &logs["decode-1"];
+    let faked_versions = served_versions(faking);
+    assert!(
+        faked_versions.iter().all(|v| *v == 0),
+        "the engine that kept its old weights generated under versions {faked_versions:?}"
+    );
+
+    // The refusing engine was retried and, once it loaded, served again.
+    let refusing = &logs["decode-0"];
+    let attempts: Vec<bool> = refusing
+        .iter()
+        .filter(|e| e["path"] == "/update_weights_from_disk")
+        .map(|e| e["success"] == true)
+        .collect();
+    assert!(
+        attempts.len() >= 3 && !attempts[0] && !attempts[1] && attempts[2],
+        "decode-0's updates: {attempts:?}"
+    );
+    let loaded = loaded_versions(refusing);
+    assert!(
+        served_versions(refusing)
+            .iter()
+            .any(|v| *v > 0 && loaded.contains(v)),
+        "decode-0 never generated again after its retried update: loaded {loaded:?}"
+    );
+
+    // The engine that keeps old weights is retried at a backing-off pace, not in a loop: one
+    // attempt after 1 s, 2 s, 4 s, ... out of service.
+    let faked = faking
+        .iter()
+        .filter(|e| e["path"] == "/update_weights_from_disk")
+        .count();
+    let log = std::fs::read_to_string(dir.join("scheduler.log")).unwrap();
+    let failures = log
+        .lines()
+        .filter(|l| l.contains("failed to load version"))
+        .count();
+    assert!(faked >= 2, "decode-1 was never retried ({faked} updates)");
+    assert_eq!(
+        failures,
+        faked + 2,
+        "every failed update is said once in the scheduler's log:\n{log}"
+    );
+    assert!(
+        faked <= 8,
+        "decode-1 was updated {faked} times: the retries do not back off"
+    );
+    assert!(
+        log.contains("after 2 failed update(s); back in service"),
+        "{log}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -438,7 +579,7 @@ fn publications_that_repeat_or_skip_a_version_or_name_unreadable_or_hostile_weig
 fn a_token_in_engine_is_refused_for_a_job_whose_trainer_publishes_no_weights() {
     let dir = temp_dir("emulated-trainer");
     let mut procs = Procs(Vec::new());
-    let engine = fake_engine(&mut procs, "sglang_server.py", &dir, "sglang");
+    let engine = fake_engine(&mut procs, "sglang_server.py", &dir, "sglang", &[]);
     let job = dir.join("job.yaml");
     let yaml = std::fs::read_to_string(JOB)
         .unwrap()

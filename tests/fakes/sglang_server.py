@@ -274,6 +274,7 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(model_path, str):
             self.validation_error("model_path: Input should be a valid string")
             return
+        started = time.time()
         if s.args.slow_update_ms:
             time.sleep(s.args.slow_update_ms / 1000.0)
         with s.lock:
@@ -309,6 +310,8 @@ class Handler(BaseHTTPRequestHandler):
                 "requested_version": new_version,
                 "model_path": model_path,
                 "success": success,
+                "started": started,
+                "finished": time.time(),
             }
         )
         self.send_json(

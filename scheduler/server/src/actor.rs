@@ -170,6 +170,19 @@ const MAX_BATCH: usize = 64;
 /// Dispatch latencies kept for the report, at most.
 const MAX_LATENCY_SAMPLES: usize = 4_000_000;
 
+/// How long a replica whose weight update failed stays out of service before it is updated
+/// again; each failure in a row doubles it, up to [`UPDATE_RETRY_MAX`]. An engine that cannot
+/// load weights is retried at a bounded pace instead of in a loop.
+const UPDATE_RETRY_FIRST: Duration = Duration::from_secs(1);
+const UPDATE_RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// A replica whose last weight update failed: out of service, to be updated again at
+/// `retry_at` on the job's clock (`None` while that attempt runs).
+struct UpdateRetry {
+    failures: u32,
+    retry_at: Option<Duration>,
+}
+
 /// Settings of the actor.
 #[derive(Debug, Clone)]
 pub struct ActorOptions {
@@ -564,6 +577,8 @@ pub struct Actor {
     feed: Arc<FeedLog>,
     /// An external trainer's accepted publications, by version: where each version's weights are.
     publications: BTreeMap<u64, PublishWeights>,
+    /// Replicas whose weight update failed, by replica.
+    update_retries: BTreeMap<u64, UpdateRetry>,
 }
 
 impl Actor {
@@ -659,6 +674,7 @@ impl Actor {
             metrics,
             feed,
             publications: BTreeMap::new(),
+            update_retries: BTreeMap::new(),
             plan,
             opts,
         }
@@ -1936,6 +1952,7 @@ impl Actor {
             }
             log!(self, "scheduler: replica {r} moves to worker w{id}");
             self.replicas_moved += 1;
+            self.update_retries.remove(&(r as u64));
             self.deferred.push_back(Input::ReplicaRecovered {
                 replica: ReplicaId(r as u64),
             });
@@ -2809,7 +2826,7 @@ impl Actor {
         // redone), then the worker is cut off.
         let mut violation = None;
         let output = match result.outcome {
-            Some(work_result::Outcome::Output(o)) => Some(o),
+            Some(work_result::Outcome::Output(o)) => Ok(o),
             Some(work_result::Outcome::Failure(f)) => {
                 log!(
                     self,
@@ -2822,18 +2839,19 @@ impl Actor {
                 {
                     t.last_failure = format!("{:?} on w{worker}: {}", f.cause(), f.message);
                 }
-                None
+                Err(f.message)
             }
             None => {
-                violation = Some(format!("result of assignment {id} has no outcome"));
-                None
+                let reason = format!("result of assignment {id} has no outcome");
+                violation = Some(reason.clone());
+                Err(reason)
             }
         };
         if let (
             What::Stage {
                 traj, kind, reset, ..
             },
-            Some(o),
+            Ok(o),
         ) = (&a.what, &output)
         {
             self.record_timed(*traj, kind, *reset, o.emulated, result.duration_us);
@@ -2883,7 +2901,7 @@ impl Actor {
         worker: u64,
         id: u64,
         a: Assignment,
-        output: Option<rollfleet_proto::v1::StageOutput>,
+        output: Result<rollfleet_proto::v1::StageOutput, String>,
     ) {
         match a.what {
             What::Stage {
@@ -2892,7 +2910,7 @@ impl Actor {
                 kind,
                 reset,
             } => {
-                let Some(mut o) = output else {
+                let Ok(mut o) = output else {
                     self.deferred.push_back(Input::StageFailed { stage });
                     return;
                 };
@@ -2987,25 +3005,84 @@ impl Actor {
                     .push_back(Input::StageFinished { stage, outcome });
             }
             What::Weights { replica, version } => match output {
-                Some(_) => {
+                Ok(_) => {
+                    if let Some(retry) = self.update_retries.remove(&replica.0) {
+                        log!(
+                            self,
+                            "scheduler: replica {} loaded version {version} after {} failed \
+                             update(s); back in service",
+                            replica.0,
+                            retry.failures
+                        );
+                    }
                     self.deferred
                         .push_back(Input::WeightsUpdated { replica, version });
                     self.migration_progress(replica.0);
                 }
-                None => {
-                    // The core has no "update failed" fact: treat the replica as lost and back,
-                    // which makes it load the current weights again.
-                    self.deferred.push_back(Input::ReplicaLost { replica });
-                    self.deferred.push_back(Input::ReplicaRecovered { replica });
-                }
+                Err(why) => self.update_failed(worker, replica, version, &why),
             },
             What::Train(batch) => match output {
-                Some(_) => self.deferred.push_back(Input::TrainFinished { batch }),
-                None => {
+                Ok(_) => self.deferred.push_back(Input::TrainFinished { batch }),
+                Err(_) => {
                     let id = self.new_assignment(a.pool, What::Train(batch), a.message);
                     self.dispatch_pooled(id);
                 }
             },
+        }
+    }
+
+    /// A replica's engine could not load `version`: the replica leaves service at once (the
+    /// fleet goes on generating on the others) and is updated again after a backoff, in
+    /// [`Self::retry_updates`]. The core has no "update failed" fact: out of service is
+    /// `ReplicaLost`, and the retry is `ReplicaRecovered`, which loads the current weights.
+    fn update_failed(&mut self, worker: u64, replica: ReplicaId, version: u64, why: &str) {
+        let retry = self.update_retries.entry(replica.0).or_insert(UpdateRetry {
+            failures: 0,
+            retry_at: None,
+        });
+        retry.failures += 1;
+        let doublings = (retry.failures - 1).min(16);
+        let wait = UPDATE_RETRY_FIRST
+            .saturating_mul(1 << doublings)
+            .min(UPDATE_RETRY_MAX);
+        retry.retry_at = Some(self.at + wait);
+        let failures = retry.failures;
+        self.metrics.weight_update_failures.inc();
+        let name = self.workers.get(&worker).map_or("?", |w| w.name.as_str());
+        log!(
+            self,
+            "scheduler: replica {} on {name} failed to load version {version} ({failures} in a \
+             row): {why}; out of service, updated again in {}s",
+            replica.0,
+            wait.as_secs()
+        );
+        self.deferred.push_back(Input::ReplicaLost { replica });
+    }
+
+    /// Puts back in service, to be updated again, the replicas whose backoff is over (those
+    /// still placed on a live worker: a moved or retired replica starts afresh or not at all).
+    fn retry_updates(&mut self) {
+        let now = self.at;
+        let due: Vec<u64> = self
+            .update_retries
+            .iter()
+            .filter(|(_, r)| r.retry_at.is_some_and(|at| at <= now))
+            .map(|(&r, _)| r)
+            .collect();
+        for r in due {
+            let placed = self.owner.get(r as usize).copied().flatten().is_some()
+                && !self.retiring.contains(&r)
+                && !self.retired.contains(&r);
+            if !placed {
+                self.update_retries.remove(&r);
+                continue;
+            }
+            if let Some(retry) = self.update_retries.get_mut(&r) {
+                retry.retry_at = None;
+            }
+            self.deferred.push_back(Input::ReplicaRecovered {
+                replica: ReplicaId(r),
+            });
         }
     }
 
@@ -3259,6 +3336,7 @@ impl Actor {
             self.cut_off(id, &format!("lease expired: no heartbeat within {ttl:?}"));
         }
         self.check_drift();
+        self.retry_updates();
         self.pump();
         let t = self.now();
         for (&pool, m) in &mut self.meters {

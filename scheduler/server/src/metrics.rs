@@ -23,6 +23,9 @@ pub struct Metrics {
     /// Generations whose engine reported other weights than the version the turn is stamped
     /// with (failed and redone, never trained on).
     pub engine_version_mismatches: IntCounter,
+    /// Weight updates an engine failed (or timed out, or did not apply): the replica left
+    /// service and is updated again after a backoff.
+    pub weight_update_failures: IntCounter,
     /// Workers that registered.
     pub workers_registered: IntCounter,
     /// Workers lost or cut off.
@@ -91,6 +94,11 @@ impl Metrics {
             "engine_version_mismatches_total",
             "Generations whose engine reported other weights than the policy version the turn is \
              stamped with: failed and redone, never trained on.",
+        )?;
+        let weight_update_failures = IntCounter::new(
+            "weight_update_failures_total",
+            "Weight updates a replica's engine failed, timed out or did not apply: the replica \
+             left service and is updated again after a backoff.",
         )?;
         let workers_registered =
             IntCounter::new("workers_registered_total", "Workers that registered.")?;
@@ -212,6 +220,7 @@ impl Metrics {
         registry.register(Box::new(trajectories_trained.clone()))?;
         registry.register(Box::new(groups_abandoned.clone()))?;
         registry.register(Box::new(engine_version_mismatches.clone()))?;
+        registry.register(Box::new(weight_update_failures.clone()))?;
         registry.register(Box::new(workers_registered.clone()))?;
         registry.register(Box::new(workers_lost.clone()))?;
         registry.register(Box::new(workers_left.clone()))?;
@@ -238,6 +247,7 @@ impl Metrics {
             trajectories_trained,
             groups_abandoned,
             engine_version_mismatches,
+            weight_update_failures,
             workers_registered,
             workers_lost,
             workers_left,

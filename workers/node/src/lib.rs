@@ -106,6 +106,8 @@ pub enum EngineChoice {
         chat_tokenizer: Option<String>,
         /// Sampling temperature.
         temperature: f32,
+        /// How long a weight update (load and read-back) may take.
+        update_timeout: Duration,
     },
     /// vLLM replicas, token-in, token-out, one per replica this node serves.
     Vllm {
@@ -115,6 +117,8 @@ pub enum EngineChoice {
         model: Option<String>,
         /// Sampling temperature.
         temperature: f32,
+        /// How long a weight update (load and read-back) may take.
+        update_timeout: Duration,
     },
 }
 

@@ -120,12 +120,14 @@ pub(crate) async fn backend(opts: &WorkerOptions) -> Result<Option<TokenBackend>
             urls,
             chat_tokenizer,
             temperature,
+            update_timeout,
         } => {
             let mut endpoints: Vec<(String, Arc<dyn Engine>)> = Vec::new();
             for url in urls {
                 let config = SglangConfig {
                     api_key: api_key.clone(),
                     chat_tokenizer_url: Some(chat_tokenizer.clone().unwrap_or_else(|| url.clone())),
+                    update_timeout: *update_timeout,
                     ..SglangConfig::new(url.clone())
                 };
                 let engine = SglangEngine::new(config, 0).map_err(engine_error)?;
@@ -137,6 +139,7 @@ pub(crate) async fn backend(opts: &WorkerOptions) -> Result<Option<TokenBackend>
             urls,
             model,
             temperature,
+            update_timeout,
         } => {
             let model = match (model, urls.first()) {
                 (Some(m), _) => m.clone(),
@@ -153,6 +156,7 @@ pub(crate) async fn backend(opts: &WorkerOptions) -> Result<Option<TokenBackend>
             for url in urls {
                 let config = VllmConfig {
                     api_key: api_key.clone(),
+                    update_timeout: *update_timeout,
                     ..VllmConfig::new(url.clone(), model.clone())
                 };
                 let engine = VllmEngine::new(config, 0).map_err(engine_error)?;
@@ -274,6 +278,31 @@ pub async fn weight_sync(
     let engine = backend
         .endpoint(w.replica)
         .map_err(|m| failure(Cause::Invalid, m))?;
+    if w.source.starts_with("emulated://") && w.to_version == 0 {
+        // The initial weights are those the engine was started with: a replica placed anew
+        // before the first publication (a re-plan, a moved replica) keeps them, if that is what
+        // its engine still serves.
+        let served = engine
+            .served_weight_version()
+            .await
+            .map_err(engine_failure)?;
+        return match served {
+            Some(0) => Ok(StageOutput {
+                policy_version: 0,
+                ..Default::default()
+            }),
+            other => Err(failure(
+                Cause::Infrastructure,
+                format!(
+                    "weight sync of replica {} to version 0: its {} engine serves version {}, \
+                     not the initial weights; restart it on the base model",
+                    w.replica,
+                    backend.kind,
+                    other.map_or_else(|| "unknown".to_owned(), |v| v.to_string())
+                ),
+            )),
+        };
+    }
     if w.source.starts_with("emulated://") {
         return Err(failure(
             Cause::Invalid,

@@ -184,6 +184,11 @@ pub struct EngineArgs {
     /// Sampling temperature of the OpenAI-compatible engine.
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f32,
+    /// With `--engine sglang` or `vllm`: seconds a weight update may take (the load and the
+    /// version read-back) before it counts as failed; the scheduler then takes the replica out
+    /// of service and updates it again after a backoff.
+    #[arg(long, value_name = "SECS", default_value_t = 1800)]
+    pub engine_update_timeout: u64,
 }
 
 impl EngineArgs {
@@ -207,6 +212,10 @@ impl EngineArgs {
             args.extend(["--model".into(), model.clone()]);
         }
         args.extend(["--temperature".into(), self.temperature.to_string()]);
+        args.extend([
+            "--engine-update-timeout".into(),
+            self.engine_update_timeout.to_string(),
+        ]);
         args
     }
 }
@@ -232,6 +241,10 @@ fn engine_choice(args: &EngineArgs) -> std::result::Result<rollfleet_node::Engin
         ));
     }
     let urls = args.engine_url.clone();
+    if args.engine_update_timeout == 0 {
+        return Err("--engine-update-timeout must be at least 1 second".into());
+    }
+    let update_timeout = Duration::from_secs(args.engine_update_timeout);
     match args.engine {
         EngineKind::Emulated if urls.is_empty() && args.chat_tokenizer_url.is_none() => {
             Ok(rollfleet_node::EngineChoice::Emulated)
@@ -255,11 +268,13 @@ fn engine_choice(args: &EngineArgs) -> std::result::Result<rollfleet_node::Engin
             urls,
             chat_tokenizer: args.chat_tokenizer_url.clone(),
             temperature: args.temperature,
+            update_timeout,
         }),
         EngineKind::Vllm => Ok(rollfleet_node::EngineChoice::Vllm {
             urls,
             model: args.model.clone(),
             temperature: args.temperature,
+            update_timeout,
         }),
     }
 }
