@@ -2,8 +2,10 @@
 //! driving fake SGLang engines token-in, token-out (`tests/fakes/sglang_server.py`, one per
 //! replica, following SGLang's native HTTP API), and an external trainer (`rollfleet train`)
 //! that reads the feed and publishes every version as a checkpoint file; the same with the
-//! scheduler SIGKILLed mid-run and restarted on its journal. Also the trainer protocol's
-//! refusals, driven by a trainer written here.
+//! scheduler SIGKILLed mid-run and restarted on its journal, with engines that fail or fake
+//! their weight updates, and with partial rollout (generations interrupted by their replica's
+//! update and resumed, on the fake engines and on the emulated one). Also the trainer
+//! protocol's refusals, driven by a trainer written here.
 //!
 //! Needs `python3` (the fakes use its standard library only). Every wait is bounded.
 
@@ -132,7 +134,7 @@ fn rounded(logprobs: &[Value]) -> Vec<i64> {
 /// of the GPU pools (the two decode engines started with `decode_flags`), a chat tokenizer for
 /// the model (SGLang's own /tokenize takes text only), the scheduler (journaled) and a worker
 /// per pool. The scheduler's URL.
-fn sglang_job(procs: &mut Procs, dir: &Path, decode_flags: [&[&str]; 2]) -> String {
+fn sglang_job(procs: &mut Procs, dir: &Path, job: &Path, decode_flags: [&[&str]; 2]) -> String {
     let prefill = fake_engine(procs, "sglang_server.py", dir, "prefill-0", &[]);
     let decode: Vec<String> = (0..2)
         .map(|i| {
@@ -142,7 +144,7 @@ fn sglang_job(procs: &mut Procs, dir: &Path, decode_flags: [&[&str]; 2]) -> Stri
         .collect();
     let tokenizer = fake_engine(procs, "vllm_server.py", dir, "tokenizer", &[]);
     let journal = dir.join("journal.bin").display().to_string();
-    let url = scheduler(procs, dir, Path::new(JOB), "1", &["--journal", &journal]);
+    let url = scheduler(procs, dir, job, "1", &["--journal", &journal]);
     let engine_flags = |urls: &[String]| {
         let mut flags = vec!["--engine".to_owned(), "sglang".to_owned()];
         for u in urls {
@@ -160,11 +162,11 @@ fn sglang_job(procs: &mut Procs, dir: &Path, decode_flags: [&[&str]; 2]) -> Stri
 }
 
 /// Runs `rollfleet train` on the job at `url` to its end; its report.
-fn train_to_the_end(url: &str, dir: &Path) -> Value {
+fn train_to_the_end(url: &str, dir: &Path, job: &Path) -> Value {
     let trainer_report = dir.join("trainer.json");
     let mut trainer = Command::new(BIN)
         .arg("train")
-        .arg(JOB)
+        .arg(job)
         .args(["--scheduler", url, "--step-ms", "100", "--record-tokens"])
         .arg("--checkpoints")
         .arg(dir.join("ckpt"))
@@ -245,8 +247,8 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
     let mut procs = Procs(Vec::new());
     // Loading takes the decode engines a while, so that two loads at once would show.
     let slow: &[&str] = &["--slow-update-ms", "150"];
-    let url = sglang_job(&mut procs, &dir, [slow, slow]);
-    let trained = train_to_the_end(&url, &dir);
+    let url = sglang_job(&mut procs, &dir, Path::new(JOB), [slow, slow]);
+    let trained = train_to_the_end(&url, &dir, Path::new(JOB));
     assert_eq!(trained["version"], 5);
     assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
     assert_eq!(trained["stale"], serde_json::json!([]));
@@ -332,9 +334,10 @@ fn a_replica_whose_engine_fails_or_fakes_a_weight_update_leaves_service_and_is_r
     let url = sglang_job(
         &mut procs,
         &dir,
+        Path::new(JOB),
         [&["--fail-updates", "2"], &["--keep-old-weights"]],
     );
-    let trained = train_to_the_end(&url, &dir);
+    let trained = train_to_the_end(&url, &dir, Path::new(JOB));
     assert_eq!(trained["version"], 5);
     assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
     assert_eq!(trained["stale"], serde_json::json!([]));
@@ -396,6 +399,126 @@ fn a_replica_whose_engine_fails_or_fakes_a_weight_update_leaves_service_and_is_r
     assert!(
         log.contains("after 2 failed update(s); back in service"),
         "{log}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn with_interrupts_a_turn_cut_by_its_replicas_update_resumes_from_the_engines_tokens_under_the_new_version()
+ {
+    let dir = temp_dir("interrupts");
+    let mut procs = Procs(Vec::new());
+    let job = dir.join("job.yaml");
+    let spec = std::fs::read_to_string(JOB).unwrap().replace(
+        "    trainer: external",
+        "    trainer: external\n    interruptGeneration: true",
+    );
+    assert!(spec.contains("interruptGeneration"));
+    std::fs::write(&job, spec).unwrap();
+    // Decoding takes the engines long enough (4 ms a token, answers of up to 256) that a weight
+    // update often finds a generation running.
+    let slow: &[&str] = &["--token-delay-ms", "4", "--slow-update-ms", "50"];
+    let url = sglang_job(&mut procs, &dir, &job, [slow, slow]);
+    let trained = train_to_the_end(&url, &dir, &job);
+    assert_eq!(trained["version"], 5);
+    assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
+    assert_eq!(trained["stale"], serde_json::json!([]));
+    assert_eq!(trained["malformed"], serde_json::json!([]));
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Succeeded");
+    assert_eq!(report["trained_twice"], serde_json::json!([]));
+    assert!(
+        report["interrupted_generations"].as_u64().unwrap() > 0,
+        "no generation was interrupted: {report}"
+    );
+
+    // Every trained turn is made of engine answers: each aborted but the last, each given the
+    // tokens before it as the end of its input (it went on where the last stopped), and the
+    // turn's segments are the versions of those answers, in order.
+    let logs = sglang_job_logs(&dir);
+    let answered: Vec<&Value> = logs
+        .values()
+        .flatten()
+        .filter(|e| e["path"] == "/generate" && e["output_ids"].is_array())
+        .collect();
+    let ids = |v: &Value| serde_json::from_value::<Vec<u32>>(v.clone()).unwrap();
+    let mut resumed = 0;
+    let mut across_versions = 0;
+    for turn in trained["turns"].as_array().unwrap() {
+        let versions: Vec<u64> = serde_json::from_value(turn["versions"].clone()).unwrap();
+        let action = ids(&turn["action_tokens"]);
+        let logprobs = rounded(turn["logprobs"].as_array().unwrap());
+        let mut at = 0;
+        let mut runs: Vec<u64> = Vec::new();
+        let mut answers = 0;
+        while at < action.len() {
+            let found = answered.iter().find(|e| {
+                let out = ids(&e["output_ids"]);
+                let last = at + out.len() == action.len();
+                !out.is_empty()
+                    && action[at..].starts_with(&out)
+                    && rounded(e["logprobs"].as_array().unwrap())[..]
+                        == logprobs[at..at + out.len()]
+                    && ids(&e["input_ids"]).ends_with(&action[..at])
+                    && last == (e["finish_reason"]["type"] != "abort")
+            });
+            let Some(e) = found else {
+                panic!("{turn} from token {at} on is no engine's answer")
+            };
+            let version = e["version"].as_str().unwrap().parse::<u64>().unwrap();
+            if runs.last() != Some(&version) {
+                runs.push(version);
+            }
+            at += e["output_ids"].as_array().unwrap().len();
+            answers += 1;
+        }
+        assert_eq!(runs, versions, "{turn}");
+        assert!(
+            versions.windows(2).all(|w| w[0] < w[1]),
+            "segments not in version order: {turn}"
+        );
+        resumed += usize::from(answers > 1);
+        across_versions += usize::from(versions.len() > 1);
+    }
+    assert!(
+        resumed > 0 && across_versions > 0,
+        "{resumed} trained turns were resumed after an interrupt, {across_versions} of them on \
+         newer weights"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_emulated_engine_interrupts_and_resumes_generations_too_and_every_trajectory_is_trained_once()
+{
+    let dir = temp_dir("emulated-interrupts");
+    let job = dir.join("job.yaml");
+    let quickstart = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/jobs/quickstart.yaml"
+    );
+    let spec = std::fs::read_to_string(quickstart)
+        .unwrap()
+        .replace("\n  rl:\n", "\n  rl:\n    interruptGeneration: true\n");
+    assert!(spec.contains("interruptGeneration"));
+    std::fs::write(&job, spec).unwrap();
+    let out = Command::new(BIN)
+        .arg("run")
+        .arg(&job)
+        .args(["-o", "json"])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["phase"], "Succeeded");
+    assert_eq!(report["policy_version"], 5);
+    assert_eq!(report["trained"].as_array().unwrap().len(), 160);
+    assert_eq!(report["trained_twice"], serde_json::json!([]));
+    assert!(
+        report["interrupted_generations"].as_u64().unwrap() > 0,
+        "{report}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -248,6 +248,7 @@ class Handler(BaseHTTPRequestHandler):
                 "path": "/generate",
                 "version": version,
                 "rid": rid,
+                "input_ids": input_ids,
                 "output_ids": output,
                 "logprobs": logprobs,
                 "finish_reason": finish,

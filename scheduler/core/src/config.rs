@@ -49,6 +49,10 @@ pub struct Policy {
     /// Whether the trainer briefly holds the batch that publishes a version while unfinished
     /// groups would fall out of the staleness bound by it (continuous discipline only).
     pub expiry_aware_publish: bool,
+    /// Whether a replica picked for a rolling update interrupts its generations instead of
+    /// waiting for them: each resumes from the tokens it had, on new weights (partial rollout,
+    /// as AReaL's interruptible generation).
+    pub interrupt_generation: bool,
 }
 
 impl Policy {
@@ -62,6 +66,7 @@ impl Policy {
             max_concurrent_updates: 0,
             sticky_sessions: true,
             expiry_aware_publish: false,
+            interrupt_generation: spec.rl.interrupt_generation,
         }
     }
 }

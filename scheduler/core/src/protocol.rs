@@ -159,6 +159,14 @@ pub enum Command {
         /// The trajectory.
         traj: TrajId,
     },
+    /// Stop a generation where it is and report what it generated
+    /// ([`StageOutcome::Interrupted`]): its replica is about to load new weights
+    /// (`rl.interruptGeneration`). A generation that finished before the interrupt arrived
+    /// reports as usual.
+    Interrupt {
+        /// The stage.
+        stage: StageId,
+    },
     /// Abandon a stage the core has given up on (timed out, or its KV source was lost); any
     /// later report about it is ignored.
     Cancel {
@@ -213,6 +221,12 @@ pub enum StageOutcome {
     /// Generation finished.
     Generated {
         /// Tokens generated.
+        tokens: u64,
+    },
+    /// A generation stopped by [`Command::Interrupt`] before it finished: `tokens` were
+    /// generated, and the turn resumes from them on the replica's next weights.
+    Interrupted {
+        /// Tokens generated before the interrupt.
         tokens: u64,
     },
     /// The reward was computed.

@@ -84,6 +84,8 @@ pub struct Stats {
     pub ignored_reports: u64,
     /// Weight updates issued.
     pub weight_updates: u64,
+    /// Generations interrupted by their replica's weight update, to resume on the new weights.
+    pub interrupted_generations: u64,
     /// Training batches issued.
     pub train_batches: u64,
 }
@@ -160,11 +162,39 @@ struct Traj {
     /// When its current turn became ready to generate (after the reset or the last environment
     /// step); `None` after a rewind, whose next turn is not a whole turn's cycle.
     turn_start: Option<Time>,
+    /// What its current turn generated before an interrupt, to resume from. Those tokens are
+    /// counted in `input` too (the resumed generation prefills them).
+    partial: Option<PartialTurn>,
+}
+
+/// The part of a turn generated before its generation was interrupted.
+#[derive(Debug, Clone, Copy)]
+struct PartialTurn {
+    /// The oldest version that generated part of it.
+    oldest: Version,
+    /// Tokens generated so far.
+    tokens: u64,
 }
 
 impl Traj {
     fn oldest(&self) -> Option<Version> {
         (self.min_version != Version::MAX).then_some(self.min_version)
+    }
+
+    /// The first turn generated (in part, for the current turn's interrupted part, which is
+    /// turn `turns.len()`) by a version older than `floor`.
+    fn first_older_than(&self, floor: Version) -> Option<usize> {
+        if self.min_version >= floor {
+            return None;
+        }
+        self.turns
+            .iter()
+            .position(|turn| turn.version < floor)
+            .or_else(|| {
+                self.partial
+                    .filter(|p| p.oldest < floor)
+                    .map(|_| self.turns.len())
+            })
     }
 }
 
@@ -277,6 +307,8 @@ struct StageRec {
     cpu: Option<(u32, u64)>,
     serverless: Option<u32>,
     deadline: Time,
+    /// Whether [`Command::Interrupt`] was sent for it.
+    interrupted: bool,
 }
 
 /// A task's turns as measured: how many, and their durations' sum and sum of squares (ns).
@@ -853,6 +885,7 @@ impl Core {
                 StageOutcome::Observed { .. }
             ) | (StageKind::Prefill, StageOutcome::Prefilled)
                 | (StageKind::Gen { .. }, StageOutcome::Generated { .. })
+                | (StageKind::Gen { .. }, StageOutcome::Interrupted { .. })
                 | (StageKind::Reward, StageOutcome::Rewarded { .. })
         );
         if !matches {
@@ -866,7 +899,14 @@ impl Core {
         };
         let t = rec.traj;
         let ti = t.0 as usize;
-        self.trajs[ti].failures_in_a_row = 0;
+        // A prefill is not progress of its own: a generation that fails after every prefill
+        // must still run into the failure limit, not loop.
+        if !matches!(
+            outcome,
+            StageOutcome::Prefilled | StageOutcome::Interrupted { tokens: 0 }
+        ) {
+            self.trajs[ti].failures_in_a_row = 0;
+        }
         let task = self.cfg.tasks[self.trajs[ti].task as usize].clone();
         match (rec.kind, outcome) {
             // Reported lengths are clamped to the context limit, so no sum can overflow.
@@ -906,11 +946,51 @@ impl Core {
                 self.trajs[ti].kv = Kv::Held(replica, rec.kv_tokens, version);
                 self.enqueue(t, Queue::Decode, Phase::QueuedDecode);
             }
-            (StageKind::Gen { version }, StageOutcome::Generated { tokens }) => {
+            (StageKind::Gen { version }, StageOutcome::Interrupted { tokens })
+                if self.trajs[ti]
+                    .partial
+                    .map_or(0, |p| p.tokens)
+                    .saturating_add(tokens)
+                    < task.max_action_tokens =>
+            {
+                self.stats.interrupted_generations += 1;
+                let traj = &mut self.trajs[ti];
+                if tokens > 0 {
+                    let partial = traj.partial.get_or_insert(PartialTurn {
+                        oldest: version,
+                        tokens: 0,
+                    });
+                    partial.oldest = partial.oldest.min(version);
+                    partial.tokens += tokens;
+                    traj.input += tokens;
+                    traj.min_version = traj.min_version.min(version);
+                    let g = traj.group.0 as usize;
+                    self.groups[g].oldest = self.groups[g].oldest.min(version);
+                }
+                // The replica is loading new weights: nothing of this turn stays cached there.
+                if let Some(replica) = rec.replica {
+                    self.commands
+                        .push_back(Command::ReleaseKv { replica, traj: t });
+                }
+                self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+            }
+            (
+                StageKind::Gen { version },
+                StageOutcome::Generated { tokens } | StageOutcome::Interrupted { tokens },
+            ) => {
                 let replica = rec.replica.unwrap_or(ReplicaId(0));
                 let traj = &mut self.trajs[ti];
                 let before = traj.context;
-                let input = traj.input;
+                // A resumed turn: its first part counts in its tokens and its version, not in
+                // its input.
+                let (version, input, tokens) = match traj.partial.take() {
+                    Some(p) => (
+                        version.min(p.oldest),
+                        traj.input.saturating_sub(p.tokens),
+                        p.tokens.saturating_add(tokens),
+                    ),
+                    None => (version, traj.input, tokens),
+                };
                 let tokens = tokens.min(task.max_action_tokens);
                 if traj.turns.capacity() == 0 {
                     // A trajectory never has more turns than its task allows: room for them all
@@ -1174,6 +1254,8 @@ impl Core {
             Command::UpdateWeights { replica, .. } | Command::ReleaseKv { replica, .. } => {
                 *replica != id
             }
+            // Moot for a stage failed with the replica.
+            Command::Interrupt { stage } => self.stages.contains(stage.0),
             Command::Cancel { .. }
             | Command::Train { .. }
             | Command::AbandonGroup { .. }
@@ -1431,7 +1513,7 @@ impl Core {
                 ) {
                     continue;
                 }
-                if let Some(k) = traj.turns.iter().position(|turn| turn.version < v) {
+                if let Some(k) = traj.first_older_than(v) {
                     self.regenerate(t, k);
                     self.repump = true;
                 }
@@ -1490,6 +1572,9 @@ impl Core {
             self.replicas[id.0 as usize].draining = true;
             self.draining.insert(id);
             self.touch(id);
+            if self.cfg.policy.interrupt_generation {
+                self.interrupt_generations(id);
+            }
         }
         let drained: Vec<ReplicaId> = self
             .draining
@@ -1503,6 +1588,29 @@ impl Core {
         for id in drained {
             self.draining.remove(&id);
             self.start_update(id, SyncMode::Rolling);
+        }
+    }
+
+    /// Asks every generation running on `id` to stop where it is, so that the replica drains
+    /// now rather than when its longest answer ends.
+    fn interrupt_generations(&mut self, id: ReplicaId) {
+        let running: Vec<u64> = self
+            .stages
+            .iter()
+            .filter(|(_, rec)| {
+                rec.replica == Some(id)
+                    && matches!(rec.kind, StageKind::Gen { .. })
+                    && !rec.interrupted
+            })
+            .map(|(sid, _)| sid)
+            .collect();
+        for sid in running {
+            if let Some(rec) = self.stages.get_mut(sid) {
+                rec.interrupted = true;
+            }
+            self.commands.push_back(Command::Interrupt {
+                stage: StageId(sid),
+            });
         }
     }
 
@@ -1645,6 +1753,7 @@ impl Core {
                 min_version: Version::MAX,
                 failures_in_a_row: 0,
                 turn_start: None,
+                partial: None,
             });
             members.push(t);
             self.active += 1;
@@ -1761,6 +1870,7 @@ impl Core {
                 cpu: Some((pool, need)),
                 serverless: None,
                 deadline: core.now.plus(core.cfg.stage_timeout),
+                interrupted: false,
             };
             core.new_stage(rec, cmd);
             Visit::Progressed
@@ -1774,16 +1884,14 @@ impl Core {
         let floor = self
             .floor()
             .max(self.groups[traj.group.0 as usize].restart_floor);
-        if floor == 0 || (traj.turns.is_empty() && !matches!(traj.kv, Kv::Held(..))) {
+        if floor == 0
+            || (traj.turns.is_empty() && traj.partial.is_none() && !matches!(traj.kv, Kv::Held(..)))
+        {
             return false;
         }
         // `min_version` is the oldest turn's version: when it is inside the bound, no turn is
         // out of it and the turns need not be walked (this runs on every look at a queued turn).
-        let first_bad = if traj.min_version >= floor {
-            None
-        } else {
-            traj.turns.iter().position(|turn| turn.version < floor)
-        };
+        let first_bad = traj.first_older_than(floor);
         let held_bad = matches!(traj.kv, Kv::Held(_, _, v) if v < floor);
         match first_bad {
             Some(k) => {
@@ -1822,10 +1930,19 @@ impl Core {
         }
         self.drop_kv(t, true);
         let traj = &mut self.trajs[ti];
-        let Some(turn) = traj.turns.get(k).cloned() else {
-            return;
+        let turn = match (traj.turns.get(k).cloned(), traj.partial) {
+            (Some(turn), _) => turn,
+            // The current turn's interrupted part, generated by weights now too old.
+            (None, Some(p)) if k == traj.turns.len() => TurnRec {
+                version: p.oldest,
+                context_before: traj.context,
+                input: traj.input.saturating_sub(p.tokens),
+            },
+            (None, _) => return,
         };
-        self.stats.regenerated_turns += (traj.turns.len() - k) as u64;
+        traj.partial = None;
+        // A discarded interrupted part counts as a turn regenerated.
+        self.stats.regenerated_turns += (traj.turns.len() - k).max(1) as u64;
         traj.turns.truncate(k);
         traj.min_version = traj
             .turns
@@ -1903,8 +2020,10 @@ impl Core {
                 core.finish_rollout(t);
                 return Visit::Progressed;
             }
+            let resumed = traj.partial.map_or(0, |p| p.tokens);
             let max_new = task
                 .max_action_tokens
+                .saturating_sub(resumed)
                 .min(task.context_limit - traj.context - traj.input)
                 .max(1);
             let sticky = match traj.kv {
@@ -2052,6 +2171,7 @@ impl Core {
             cpu: None,
             serverless: None,
             deadline,
+            interrupted: false,
         };
         self.new_stage(rec, cmd);
     }
@@ -2126,6 +2246,7 @@ impl Core {
                 cpu: None,
                 serverless: None,
                 deadline: core.now.plus(core.cfg.stage_timeout),
+                interrupted: false,
             };
             core.new_stage(rec, cmd);
             Visit::Progressed
@@ -2187,6 +2308,7 @@ impl Core {
                 cpu,
                 serverless,
                 deadline: core.now.plus(core.cfg.stage_timeout),
+                interrupted: false,
             };
             core.new_stage(rec, cmd);
             Visit::Progressed

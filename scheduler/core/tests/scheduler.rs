@@ -21,6 +21,7 @@ fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncMode)
         max_concurrent_updates: 1,
         sticky_sessions: true,
         expiry_aware_publish: false,
+        interrupt_generation: false,
     }
 }
 
@@ -724,6 +725,7 @@ fn a_replica_lost_before_its_commands_were_polled_is_sent_none_of_them() {
                 assert_ne!(*replica, lost, "{sent:?}")
             }
             Command::Cancel { .. } => panic!("a cancel for a stage never sent: {sent:?}"),
+            Command::Interrupt { .. } => panic!("interrupts are off: {sent:?}"),
             Command::Train { .. } => {}
             Command::AbandonGroup { .. } => panic!("nothing failed: {sent:?}"),
             Command::ReplicaRetired { .. } => panic!("nothing was retired: {sent:?}"),
@@ -1162,6 +1164,7 @@ fn random_world(
     staleness: u64,
     pd: bool,
     hold: bool,
+    interrupt: bool,
 ) -> Result<(), String> {
     let mut rng = SplitMix64::new(seed);
     let replicas = if pd {
@@ -1194,6 +1197,7 @@ fn random_world(
     );
     cfg.pd_min_prefill_tokens = 150;
     cfg.policy.expiry_aware_publish = hold;
+    cfg.policy.interrupt_generation = interrupt;
     cfg.stage_timeout = Span::from_secs_f64(50.0);
     let group = cfg.group_size;
     let mut core = Core::new(cfg);
@@ -1211,7 +1215,10 @@ fn random_world(
     let mut retire_asked: BTreeSet<u64> = BTreeSet::new();
     let mut retiring: BTreeSet<u64> = BTreeSet::new();
     let mut retired: BTreeSet<u64> = BTreeSet::new();
-    let mut stage_version: BTreeMap<StageId, (TrajId, u32, u64)> = BTreeMap::new();
+    let mut stage_version: BTreeMap<StageId, (TrajId, u32, u64, u32)> = BTreeMap::new();
+    // The oldest version of the interrupted part of a trajectory's turn (with the turn and the
+    // attempt: a rewind discards it).
+    let mut partial: BTreeMap<TrajId, (u32, u32, u64)> = BTreeMap::new();
     let mut prefill_version: BTreeMap<TrajId, u64> = BTreeMap::new();
     let mut turns: BTreeMap<TrajId, Vec<u64>> = BTreeMap::new();
     let mut groups: BTreeMap<TrajId, u64> = BTreeMap::new();
@@ -1245,8 +1252,10 @@ fn random_world(
                             observed(1 + rng.below(100), rng.below(3) == 0)
                         }
                         StageWork::Prefill { replica, .. } => {
-                            stage_version
-                                .insert(s.stage, (s.traj, s.turn, replica_version[&replica.0]));
+                            stage_version.insert(
+                                s.stage,
+                                (s.traj, s.turn, replica_version[&replica.0], s.attempt),
+                            );
                             StageOutcome::Prefilled
                         }
                         StageWork::Generate {
@@ -1265,7 +1274,7 @@ fn random_world(
                                     s.version
                                 ));
                             }
-                            stage_version.insert(s.stage, (s.traj, s.turn, v));
+                            stage_version.insert(s.stage, (s.traj, s.turn, v, s.attempt));
                             StageOutcome::Generated {
                                 tokens: 1 + rng.below(max_new_tokens),
                             }
@@ -1337,6 +1346,35 @@ fn random_world(
                     pending.insert((delay, seq), Input::TrainFinished { batch });
                 }
                 Command::ReleaseKv { .. } => {}
+                // Three times in four the interrupt arrives before the generation ends: it
+                // reports part of its tokens instead.
+                Command::Interrupt { stage } => {
+                    if !interrupt {
+                        return Err(format!("{stage:?} interrupted with interrupts off"));
+                    }
+                    let key = pending.iter().find_map(|(k, input)| match input {
+                        Input::StageFinished {
+                            stage: s,
+                            outcome: StageOutcome::Generated { .. },
+                        } if *s == stage => Some(*k),
+                        _ => None,
+                    });
+                    if let Some(k) = key
+                        && rng.below(4) != 0
+                        && let Some(Input::StageFinished {
+                            outcome: StageOutcome::Generated { tokens },
+                            ..
+                        }) = pending.remove(&k)
+                    {
+                        pending.insert(
+                            (Time(now.0 + 1), k.1),
+                            Input::StageFinished {
+                                stage,
+                                outcome: StageOutcome::Interrupted { tokens: tokens / 2 },
+                            },
+                        );
+                    }
+                }
                 // The core has given the stage up: its late report will be ignored, so the
                 // version it would carry is no turn of the trajectory.
                 Command::Cancel { stage } => {
@@ -1449,15 +1487,29 @@ fn random_world(
                         if let Some(traj) = live.remove(stage) {
                             failures_in_a_row.insert(traj, 0);
                         }
-                        if let Some((traj, turn, v)) = stage_version.remove(stage) {
+                        if let Some((traj, turn, v, attempt)) = stage_version.remove(stage) {
+                            // The part generated before an interrupt, if the core kept it.
+                            let earlier = partial
+                                .remove(&traj)
+                                .filter(|&(t, a, _)| t == turn && a == attempt)
+                                .map(|(_, _, v)| v);
                             match outcome {
                                 StageOutcome::Prefilled => {
                                     prefill_version.insert(traj, v);
+                                    if let Some(e) = earlier {
+                                        partial.insert(traj, (turn, attempt, e));
+                                    }
                                 }
                                 StageOutcome::Generated { .. } => {
                                     let list = turns.entry(traj).or_default();
                                     list.truncate(turn as usize);
-                                    list.push(v);
+                                    list.push(earlier.map_or(v, |e| e.min(v)));
+                                }
+                                StageOutcome::Interrupted { .. } => {
+                                    partial.insert(
+                                        traj,
+                                        (turn, attempt, earlier.map_or(v, |e| e.min(v))),
+                                    );
                                 }
                                 _ => {}
                             }
@@ -1507,12 +1559,15 @@ proptest! {
         staleness in 0u64..3,
         pd in any::<bool>(),
         hold in any::<bool>(),
+        interrupt in any::<bool>(),
     ) {
         let staleness = match discipline {
             Discipline::Batched { lag } => lag,
             Discipline::Continuous => staleness,
         };
-        prop_assert_eq!(random_world(seed, discipline, staleness, pd, hold), Ok(()));
+        // Interrupts come with rolling updates, which only the continuous discipline uses.
+        let interrupt = interrupt && discipline == Discipline::Continuous;
+        prop_assert_eq!(random_world(seed, discipline, staleness, pd, hold, interrupt), Ok(()));
     }
 }
 
@@ -1579,4 +1634,103 @@ fn an_external_trainers_publication_moves_the_version_only_after_its_steps_batch
     assert!(again.contains("already published"), "{again}");
     core.handle_input(Time(102), Input::Published { version: 1 });
     assert_eq!(core.version(), 1);
+}
+
+#[test]
+fn with_interrupts_a_replica_due_for_new_weights_cuts_its_generation_which_resumes_from_its_tokens_on_them()
+ {
+    // Over-provisioned, so that a second trajectory runs beside the one trained first.
+    let mut policy = policy(Discipline::Continuous, 1, 1.0, SyncMode::Rolling);
+    policy.interrupt_generation = true;
+    let cfg = config(vec![replica(ServeRole::Generate, 10_000)], policy, 1, 1, 3);
+    let (mut core, resets) = started(cfg);
+    assert_eq!(resets.len(), 2, "{resets:?}");
+    // The second trajectory's first turn is generating when the first one's step publishes.
+    let running = runs(&finish(&mut core, resets[1].stage, observed(100, false)));
+    let StageWork::Generate { .. } = running[0].work else {
+        panic!("{running:?}")
+    };
+    let trained = complete_one(&mut core, &resets[0]);
+    core.handle_input(
+        Time(5),
+        Input::TrainFinished {
+            batch: trained_batch(&trained),
+        },
+    );
+    let out = drain(&mut core);
+    assert!(
+        out.contains(&Command::Interrupt {
+            stage: running[0].stage
+        }),
+        "{out:?}"
+    );
+    assert!(
+        !out.iter()
+            .any(|c| matches!(c, Command::UpdateWeights { .. })),
+        "the replica updated before its generation stopped: {out:?}"
+    );
+    // It stops after 30 tokens: the replica drains and loads version 1.
+    let out = finish(
+        &mut core,
+        running[0].stage,
+        StageOutcome::Interrupted { tokens: 30 },
+    );
+    assert_eq!(weight_update(&out), (ReplicaId(0), 1));
+    assert!(runs(&out).is_empty(), "{out:?}");
+    core.handle_input(
+        Time(6),
+        Input::WeightsUpdated {
+            replica: ReplicaId(0),
+            version: 1,
+        },
+    );
+    // The turn resumes on version 1: it prefills its input and the 30 tokens again (the cache
+    // went with the old weights) and may generate what is left of the action's 100.
+    let resumed = runs(&drain(&mut core));
+    let resume = resumed
+        .iter()
+        .find(|s| s.traj == running[0].traj)
+        .unwrap_or_else(|| panic!("{resumed:?}"));
+    assert_eq!(resume.turn, 0);
+    assert_eq!(resume.attempt, running[0].attempt);
+    assert_eq!(resume.version, 1);
+    let StageWork::Generate {
+        cached_tokens,
+        prefill_tokens,
+        max_new_tokens,
+        ..
+    } = resume.work
+    else {
+        panic!("{resume:?}")
+    };
+    assert_eq!(
+        (cached_tokens, prefill_tokens, max_new_tokens),
+        (0, 130, 70)
+    );
+    assert_eq!(core.stats().interrupted_generations, 1);
+    // Its turn is as old as its oldest part: version 0, trained one version behind.
+    let step = runs(&finish(
+        &mut core,
+        resume.stage,
+        StageOutcome::Generated { tokens: 20 },
+    ));
+    let reward = runs(&finish(&mut core, step[0].stage, observed(5, true)));
+    let out = finish(
+        &mut core,
+        reward[0].stage,
+        StageOutcome::Rewarded { score: 1.0 },
+    );
+    let Some(Command::Train {
+        trajectories,
+        tokens,
+        ..
+    }) = out.iter().find(|c| matches!(c, Command::Train { .. }))
+    else {
+        panic!("{out:?}")
+    };
+    assert_eq!(trajectories, &vec![running[0].traj]);
+    // The prompt and one action of 30 + 20 tokens (the observation that ends the episode is
+    // not part of what is trained).
+    assert_eq!(*tokens, 100 + 50);
+    assert_eq!(core.stats().staleness_histogram, vec![1, 1]);
 }

@@ -39,7 +39,7 @@ use rollfleet_proto::v1::{
     CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
     HeartbeatResponse, JobPhase, JobStatus, JournalDetach, JournalHeartbeat, JournalMessage,
     JournalRecord, Lease, PoolStatus, PublicationAnswer, PublishWeights, RegisterResponse,
-    ReplicaStart, RewardWork, SchedulerMessage, StageKind, TrainWork, TrajectoryId, Turn,
+    ReplicaStart, RewardWork, SchedulerMessage, Segment, StageKind, TrainWork, TrajectoryId, Turn,
     WeightSyncWork, WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage,
     hardware_inventory::Device, journal_record, scheduler_message, work_assignment, work_result,
     worker_message,
@@ -253,6 +253,10 @@ pub struct Report {
     /// emulated. Training is emulated either way.
     #[serde(default)]
     pub engine_generations: u64,
+    /// Generations interrupted by their replica's weight update and resumed on the new weights
+    /// (`rl.interruptGeneration`).
+    #[serde(default)]
+    pub interrupted_generations: u64,
     /// Policy version reached (= RL steps trained).
     pub policy_version: u64,
     /// RL steps asked for.
@@ -478,6 +482,19 @@ struct TrajInfo {
     reward: f64,
     /// What its last failed stage's worker said.
     last_failure: String,
+    /// The part of a turn generated before an interrupt, to resume from.
+    partial: Option<PartialTurn>,
+}
+
+/// What a turn generated before its generation was interrupted (one segment per interrupted
+/// generation, each under its own version).
+struct PartialTurn {
+    turn: u32,
+    tokens: TurnTokens,
+    /// Its text (a real engine's), to which the resumed generation's is appended.
+    text: String,
+    /// Tokens generated (ids, or the emulated engine's count).
+    count: u64,
 }
 
 /// The actor.
@@ -564,6 +581,7 @@ pub struct Actor {
     stages_completed: u64,
     /// Generations answered by a real engine (`StageOutput.emulated` false).
     engine_generations: u64,
+    interrupted_generations: u64,
     /// Replicas handed to another worker after theirs was lost.
     replicas_moved: u64,
     latencies_us: Vec<u32>,
@@ -665,6 +683,7 @@ impl Actor {
             recent_busy: BTreeMap::new(),
             stages_completed: 0,
             engine_generations: 0,
+            interrupted_generations: 0,
             replicas_moved: 0,
             latencies_us: Vec::new(),
             lost: Vec::new(),
@@ -2164,6 +2183,7 @@ impl Actor {
             // engine's prefix cache evicts on its own.
             Command::ReleaseKv { .. } => {}
             Command::Cancel { stage } => self.cancel(stage),
+            Command::Interrupt { stage } => self.interrupt(stage),
             Command::ReplicaRetired { replica } => self.replica_retired(replica.0),
             Command::AbandonGroup {
                 group,
@@ -2356,11 +2376,21 @@ impl Actor {
             info.tokens.retain(|&turn, _| turn < cmd.turn);
             info.message_tokens.retain(|&turn, _| turn <= cmd.turn);
             info.reward = 0.0;
+            info.partial = None;
         }
         info.group = cmd.group.0;
         info.task = cmd.task;
+        // A resumed turn: what it generated before its interrupt.
+        let resumed = info
+            .partial
+            .as_ref()
+            .filter(|p| p.turn == cmd.turn && p.count > 0);
         if matches!(cmd.work, StageWork::Generate { .. }) {
-            info.versions.insert(cmd.turn, cmd.version);
+            // A resumed turn is as old as its oldest part.
+            let oldest = resumed
+                .and_then(|p| p.tokens.segments.iter().map(|s| s.policy_version).min())
+                .map_or(cmd.version, |v| v.min(cmd.version));
+            info.versions.insert(cmd.turn, oldest);
         }
         let trajectory = Some(TrajectoryId {
             job: plan.name().to_owned(),
@@ -2395,6 +2425,7 @@ impl Actor {
                     info.outputs.clear();
                     info.tokens.clear();
                     info.message_tokens.clear();
+                    info.partial = None;
                 }
                 // A step applies the turn just generated (turn - 1); a real engine's text is
                 // relayed, an emulated generation has none.
@@ -2453,19 +2484,26 @@ impl Actor {
                 } else {
                     String::new()
                 };
-                let (context_tokens, new_messages) = if policy_input == PolicyInput::Tokens {
-                    let message = match cmd.turn.checked_sub(1) {
-                        None => info.prompt.clone(),
-                        Some(last) => info
-                            .observations
-                            .get(last as usize)
-                            .cloned()
-                            .unwrap_or_default(),
+                let (context_tokens, new_messages) =
+                    if let (PolicyInput::Tokens, Some(p)) = (policy_input, resumed) {
+                        // The answer goes on where it stopped: no new message.
+                        let (mut context, _) = token_context(&info.tokens, cmd.turn, String::new());
+                        context.extend_from_slice(&p.tokens.prompt);
+                        context.extend_from_slice(&p.tokens.action);
+                        (context, Vec::new())
+                    } else if policy_input == PolicyInput::Tokens {
+                        let message = match cmd.turn.checked_sub(1) {
+                            None => info.prompt.clone(),
+                            Some(last) => info
+                                .observations
+                                .get(last as usize)
+                                .cloned()
+                                .unwrap_or_default(),
+                        };
+                        token_context(&info.tokens, cmd.turn, message)
+                    } else {
+                        (Vec::new(), Vec::new())
                     };
-                    token_context(&info.tokens, cmd.turn, message)
-                } else {
-                    (Vec::new(), Vec::new())
-                };
                 let message = WorkAssignment {
                     kind: StageKind::Decode as i32,
                     work: Some(work_assignment::Work::Generation(GenerationWork {
@@ -2483,11 +2521,12 @@ impl Actor {
                         kv_pull_tokens: kv_tokens,
                         context_tokens,
                         new_messages,
-                        new_message_tokens: info
-                            .message_tokens
-                            .get(&cmd.turn)
-                            .copied()
-                            .unwrap_or(0),
+                        // A resumed turn's messages went with its first part.
+                        new_message_tokens: match resumed {
+                            Some(_) => 0,
+                            None => info.message_tokens.get(&cmd.turn).copied().unwrap_or(0),
+                        },
+                        resumed_tokens: resumed.map_or(0, |p| p.count),
                         ..Default::default()
                     })),
                     ..base
@@ -2713,6 +2752,23 @@ impl Actor {
             .unwrap_or_default();
         for id in queued {
             self.dispatch_pooled(id);
+        }
+    }
+
+    /// Asks the worker running `stage` to stop it where it is and report what it generated.
+    fn interrupt(&mut self, stage: StageId) {
+        let Some(&id) = self.by_stage.get(&stage) else {
+            return;
+        };
+        let Some(worker) = self.assignments.get(&id).and_then(|a| a.worker) else {
+            return;
+        };
+        if let Some(w) = self.workers.get(&worker).filter(|w| w.alive)
+            && let Some(o) = &w.outbox
+        {
+            o.send(Ok(SchedulerMessage {
+                message: Some(scheduler_message::Message::InterruptAssignmentId(id)),
+            }));
         }
     }
 
@@ -2960,29 +3016,61 @@ impl Actor {
                             return;
                         }
                         let turn = a.message.turn;
-                        let generated = o.token_count.max(o.tokens.len() as u64).max(1);
-                        if let Some(t) = self.trajs.get_mut(&traj) {
-                            if !o.emulated {
-                                // A real engine's text: the environment step of this turn applies
-                                // it.
-                                t.outputs.insert(turn, o.text.clone());
-                            }
-                            if !o.tokens.is_empty() || !o.prompt_tokens.is_empty() {
-                                t.tokens.insert(
-                                    turn,
-                                    TurnTokens {
-                                        prompt: std::mem::take(&mut o.prompt_tokens),
-                                        action: std::mem::take(&mut o.tokens),
-                                        logprobs: std::mem::take(&mut o.logprobs),
-                                        emulated: o.emulated,
-                                    },
-                                );
-                            }
-                        }
+                        let generated = o.token_count.max(o.tokens.len() as u64);
                         if !o.emulated {
                             self.engine_generations += 1;
                         }
-                        StageOutcome::Generated { tokens: generated }
+                        let t = self.trajs.entry(traj).or_default();
+                        // This generation's part of the turn, after what an interrupted one
+                        // left (its prompt came with the first part).
+                        let mut part = match t.partial.take().filter(|p| p.turn == turn) {
+                            Some(p) => p,
+                            None => PartialTurn {
+                                turn,
+                                tokens: TurnTokens {
+                                    prompt: std::mem::take(&mut o.prompt_tokens),
+                                    ..Default::default()
+                                },
+                                text: String::new(),
+                                count: 0,
+                            },
+                        };
+                        let ids = o.tokens.len() as u32;
+                        part.tokens.action.append(&mut o.tokens);
+                        part.tokens.logprobs.append(&mut o.logprobs);
+                        part.tokens.emulated |= o.emulated;
+                        // One run per version: a turn resumed on a replica still serving the
+                        // version it was cut under goes on with the same run.
+                        let segments = &mut part.tokens.segments;
+                        match segments.last_mut() {
+                            Some(last) if last.policy_version == stamped => last.tokens += ids,
+                            // An empty run adds no version to a turn that has one.
+                            Some(_) if ids == 0 => {}
+                            _ => segments.push(Segment {
+                                policy_version: stamped,
+                                tokens: ids,
+                            }),
+                        }
+                        part.text.push_str(&o.text);
+                        part.count += generated;
+                        if o.interrupted {
+                            // Nothing generated: the turn starts over (as the core has it).
+                            t.partial = (part.count > 0).then_some(part);
+                            self.interrupted_generations += 1;
+                            StageOutcome::Interrupted { tokens: generated }
+                        } else {
+                            if !o.emulated {
+                                // A real engine's text: the environment step of this turn
+                                // applies it.
+                                t.outputs.insert(turn, std::mem::take(&mut part.text));
+                            }
+                            if !part.tokens.action.is_empty() || !part.tokens.prompt.is_empty() {
+                                t.tokens.insert(turn, part.tokens);
+                            }
+                            StageOutcome::Generated {
+                                tokens: generated.max(1),
+                            }
+                        }
                     }
                     StageKindOf::Reward { .. } => {
                         if !o.reward.is_finite() {
@@ -3568,6 +3656,7 @@ impl Actor {
             time_scale: self.opts.time_scale,
             emulated_gpus: self.engine_generations == 0,
             engine_generations: self.engine_generations,
+            interrupted_generations: self.interrupted_generations,
             policy_version: self.core.version(),
             steps: self.plan.config.steps,
             trained: self.trained.clone(),

@@ -40,10 +40,14 @@ pub(crate) struct TurnTokens {
     pub(crate) action: Vec<u32>,
     pub(crate) logprobs: Vec<f32>,
     pub(crate) emulated: bool,
+    /// The runs of `action` each version generated, in order: one, or more for a turn whose
+    /// generation was interrupted by a weight update and resumed. Empty: one run, under the
+    /// turn's version.
+    pub(crate) segments: Vec<Segment>,
 }
 
 /// A feed turn with its tokens: prompt then action ids, the action's log-probabilities, a loss
-/// mask over both (1 on the sampled action tokens only), and the version that generated them.
+/// mask over both (1 on the sampled action tokens only), and the versions that generated them.
 pub(crate) fn feed_turn(mut turn: Turn, tokens: Option<TurnTokens>) -> Turn {
     let Some(t) = tokens else {
         return turn;
@@ -51,10 +55,14 @@ pub(crate) fn feed_turn(mut turn: Turn, tokens: Option<TurnTokens>) -> Turn {
     let mut mask = vec![0u8; t.prompt.len()];
     mask.resize(t.prompt.len() + t.action.len(), 1);
     turn.loss_mask = mask;
-    turn.segments = vec![Segment {
-        policy_version: turn.policy_version,
-        tokens: t.action.len() as u32,
-    }];
+    turn.segments = if t.segments.is_empty() {
+        vec![Segment {
+            policy_version: turn.policy_version,
+            tokens: t.action.len() as u32,
+        }]
+    } else {
+        t.segments
+    };
     turn.prompt_tokens = t.prompt;
     turn.action_tokens = t.action;
     turn.action_logprobs = t.logprobs;
@@ -98,6 +106,7 @@ mod tests {
                 action: vec![7, 8],
                 logprobs: vec![-0.5, -0.25],
                 emulated: false,
+                segments: Vec::new(),
             }),
         );
         assert_eq!(turn.loss_mask, vec![0, 0, 0, 1, 1]);
@@ -107,6 +116,39 @@ mod tests {
             (3, 2)
         );
         assert_eq!(turn.action_logprobs, vec![-0.5, -0.25]);
+    }
+
+    #[test]
+    fn a_resumed_turn_keeps_one_segment_per_version_that_generated_it() {
+        let turn = feed_turn(
+            Turn {
+                policy_version: 2,
+                ..Default::default()
+            },
+            Some(TurnTokens {
+                prompt: vec![1],
+                action: vec![7, 8, 9],
+                logprobs: vec![-0.5, -0.25, -1.0],
+                emulated: false,
+                segments: vec![
+                    Segment {
+                        policy_version: 2,
+                        tokens: 2,
+                    },
+                    Segment {
+                        policy_version: 3,
+                        tokens: 1,
+                    },
+                ],
+            }),
+        );
+        assert_eq!(turn.loss_mask, vec![0, 1, 1, 1]);
+        let runs: Vec<(u64, u32)> = turn
+            .segments
+            .iter()
+            .map(|s| (s.policy_version, s.tokens))
+            .collect();
+        assert_eq!(runs, vec![(2, 2), (3, 1)]);
     }
 
     #[test]

@@ -85,6 +85,7 @@ impl Baseline {
             max_concurrent_updates: 0,
             sticky_sessions: true,
             expiry_aware_publish: false,
+            interrupt_generation: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -109,6 +110,7 @@ impl Baseline {
             max_concurrent_updates: 0,
             sticky_sessions: true,
             expiry_aware_publish: false,
+            interrupt_generation: false,
         };
         Ok(match self {
             Baseline::Sync => (

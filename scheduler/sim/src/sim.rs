@@ -205,6 +205,26 @@ struct TrajLedger {
     context_end: u64,
     /// The last of `inputs` (0 with none), for the same reason.
     last_input: u64,
+    /// The part of a turn generated before an interrupt: its turn and attempt (a rewind
+    /// discards it), its oldest version and its tokens.
+    partial: Option<PartialWork>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PartialWork {
+    turn: u32,
+    attempt: u32,
+    version: u64,
+    tokens: u64,
+}
+
+impl TrajLedger {
+    /// The tokens of turn `turn` generated before an interrupt in attempt `attempt`.
+    fn partial_tokens(&self, turn: u32, attempt: u32) -> u64 {
+        self.partial
+            .filter(|p| p.turn == turn && p.attempt == attempt)
+            .map_or(0, |p| p.tokens)
+    }
 }
 
 impl TrajLedger {
@@ -534,6 +554,7 @@ struct TaskSamplers<'a> {
 struct StageInfo {
     traj: TrajId,
     turn: u32,
+    attempt: u32,
     version: u64,
 }
 
@@ -764,6 +785,7 @@ impl<'a> Sim<'a> {
                 }
             }
             Command::Cancel { stage } => self.cancel(stage),
+            Command::Interrupt { stage } => self.interrupt(stage),
             // The simulator fails no stage of its own accord, so no group is ever given up;
             // were one, its stages' cancels above already freed what they held.
             Command::AbandonGroup { .. } => {}
@@ -786,6 +808,46 @@ impl<'a> Sim<'a> {
                 ..
             } => self.train(batch, publishes, trajectories, tokens),
         }
+    }
+
+    /// Cuts a generation where it is (its replica is due for new weights) and reports the
+    /// tokens it had generated; one still pulling its KV cache had generated none.
+    fn interrupt(&mut self, stage: StageId) {
+        let on_engine = self
+            .stages
+            .get(stage.0)
+            .is_some_and(|s| matches!(s.loc, Some(Loc::Engine(_) | Loc::Transfer(_))));
+        if !on_engine {
+            return;
+        }
+        let Some((Loc::Engine(r) | Loc::Transfer(r), info)) = self.end_stage(stage) else {
+            return;
+        };
+        let r = r as usize;
+        let now = self.now;
+        let tokens = self.engines[r].cancel(now, stage).unwrap_or(0);
+        self.engines[r].release_kv(info.traj);
+        self.engine_running[r] = self.engine_running[r].saturating_sub(1);
+        self.refresh_engine(r);
+        let l = self.ledger_mut(info.traj);
+        let kept = match l.partial {
+            Some(p) if p.turn == info.turn && p.attempt == info.attempt => p,
+            _ => PartialWork {
+                turn: info.turn,
+                attempt: info.attempt,
+                version: info.version,
+                tokens: 0,
+            },
+        };
+        l.partial = Some(PartialWork {
+            version: kept.version.min(info.version),
+            tokens: kept.tokens + tokens,
+            ..kept
+        });
+        self.input(Input::StageFinished {
+            stage,
+            outcome: StageOutcome::Interrupted { tokens },
+        });
     }
 
     fn cancel(&mut self, stage: StageId) {
@@ -851,6 +913,7 @@ impl<'a> Sim<'a> {
                 info: StageInfo {
                     traj,
                     turn,
+                    attempt,
                     version: 0,
                 },
                 loc: None,
@@ -983,10 +1046,13 @@ impl<'a> Sim<'a> {
                 if !self.engine_ok(r, stage) {
                     return;
                 }
-                let action = samplers
+                // A resumed turn generates what its draw has left after its interrupted part.
+                let already = self.ledger_mut(traj).partial_tokens(turn, attempt) as f64;
+                let action = (samplers
                     .action
                     .sample(&mut self.rng(&[stream::ACTION, traj.0, turn as u64, attempt as u64]))
                     .round()
+                    - already)
                     .clamp(1.0, max_new_tokens.max(1) as f64) as u64;
                 if kv_from.is_none()
                     && cached_tokens > 0
@@ -1318,14 +1384,21 @@ impl<'a> Sim<'a> {
                                 let l = self.ledger_mut(info.traj);
                                 let k = info.turn as usize;
                                 l.truncate_turns(k);
-                                // Each turn's context is the one before it plus what it added.
+                                // Each turn's context is the one before it plus what it added;
+                                // a resumed turn is as old as its oldest part.
                                 let context_before = l.context_end;
                                 let input = l.input(k);
+                                let (version, action) = match l.partial.take() {
+                                    Some(p) if p.turn == info.turn && p.attempt == info.attempt => {
+                                        (p.version.min(info.version), p.tokens + tokens)
+                                    }
+                                    _ => (info.version, tokens),
+                                };
                                 l.push_turn(TurnWork {
-                                    version: info.version,
+                                    version,
                                     context_before,
                                     input,
-                                    action: tokens,
+                                    action,
                                     env_cpu_s: 0.0,
                                     env_s: 0.0,
                                 });

@@ -98,6 +98,11 @@ pub struct RlSpec {
     /// process that reads the trainer feed and publishes the policy versions itself.
     #[serde(default, skip_serializing_if = "TrainerMode::is_emulated")]
     pub trainer: TrainerMode,
+    /// Partial rollout: a replica about to load new weights interrupts its generations instead
+    /// of waiting for them to finish; each resumes from the tokens it had, on the new weights,
+    /// and its turn counts as old as its oldest part for the staleness bound.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub interrupt_generation: bool,
 }
 
 /// Who trains the policy and publishes its versions.

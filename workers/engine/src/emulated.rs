@@ -123,6 +123,14 @@ impl InFlight {
         self.id
     }
 
+    /// Waits for the request to finish, keeping the handle (so that a `select!` may drop this
+    /// wait and [`InFlight::interrupt`] the request instead).
+    pub async fn finished(&mut self) -> Result<EmulatedOutput, EngineError> {
+        let result = (&mut self.rx).await.map_err(|_| stopped())?;
+        self.guard.armed = false;
+        result
+    }
+
     /// Waits for the request to finish.
     pub async fn wait(mut self) -> Result<EmulatedOutput, EngineError> {
         let result = (&mut self.rx).await.map_err(|_| stopped())?;
@@ -141,6 +149,37 @@ impl InFlight {
             .send(Msg::Abort { id: self.id, reply })
             .map_err(|_| stopped())?;
         rx.await.map_err(|_| stopped())
+    }
+}
+
+/// What an interrupted request had done: [`InFlight::interrupt`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Interrupted {
+    /// It stopped where it was (its parked cache is the caller's to resume or release).
+    Partial(Partial),
+    /// It had finished before the interrupt arrived.
+    Finished(EmulatedOutput),
+}
+
+impl InFlight {
+    /// Stops the request where it is, as [`InFlight::abort`] does, or, if it had already
+    /// finished, hands back its output.
+    pub async fn interrupt(mut self) -> Result<Interrupted, EngineError> {
+        self.guard.armed = false;
+        let (reply, rx) = oneshot::channel();
+        self.shared
+            .tx
+            .send(Msg::Abort { id: self.id, reply })
+            .map_err(|_| stopped())?;
+        match rx.await.map_err(|_| stopped())? {
+            Some(partial) => Ok(Interrupted::Partial(partial)),
+            // The engine answers in order: a request it found finished had its output sent
+            // before this reply.
+            None => (&mut self.rx)
+                .await
+                .map_err(|_| stopped())?
+                .map(Interrupted::Finished),
+        }
     }
 }
 

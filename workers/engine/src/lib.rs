@@ -92,6 +92,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` reached.
     Length,
+    /// The request was aborted ([`Engine::interrupt`]): the output is what it had generated.
+    Aborted,
     /// Anything else the engine reported.
     Other,
 }
@@ -211,6 +213,17 @@ pub trait Engine: Send + Sync {
     /// The weight version the engine itself reports serving, read back from the engine; `None`
     /// when it cannot say.
     fn served_weight_version(&self) -> EngineFuture<'_, Option<u64>>;
+
+    /// Asks the engine to stop the generation `request_id` where it is: its stream then ends
+    /// with what it had generated and [`FinishReason::Aborted`] (or as usual, if it finished
+    /// first). [`EngineError::Unsupported`] when the engine cannot stop one request.
+    fn interrupt(&self, request_id: &str) -> EngineFuture<'_, ()> {
+        let message = format!(
+            "the {} backend cannot stop one generation ({request_id}) and keep its output",
+            self.backend()
+        );
+        Box::pin(async move { Err(EngineError::Unsupported(message)) })
+    }
 
     /// The token ids of `messages` rendered with the model's own chat template (the engine's),
     /// with the generation prompt when `add_generation_prompt`.

@@ -356,6 +356,7 @@ impl SglangEngine {
         {
             Some("stop") => FinishReason::Stop,
             Some("length") => FinishReason::Length,
+            Some("abort") => FinishReason::Aborted,
             _ => FinishReason::Other,
         };
         let completion_tokens = meta
@@ -427,6 +428,13 @@ impl Engine for SglangEngine {
             }
         };
         Box::pin(futures_util::stream::once(events).flat_map(futures_util::stream::iter))
+    }
+
+    /// `POST /abort_request {"rid"}`: the pending `/generate` answers with the ids generated so
+    /// far and `finish_reason.type` `"abort"`.
+    fn interrupt(&self, request_id: &str) -> EngineFuture<'_, ()> {
+        let rid = request_id.to_owned();
+        Box::pin(async move { self.abort_request(&rid).await })
     }
 
     fn update_weights(&self, weights: &WeightsRef) -> EngineFuture<'_, ()> {

@@ -276,6 +276,7 @@ impl VllmEngine {
         let finish_reason = match choice.finish_reason.as_deref() {
             Some("stop") => FinishReason::Stop,
             Some("length") => FinishReason::Length,
+            Some("abort") => FinishReason::Aborted,
             _ => FinishReason::Other,
         };
         let usage = answer.usage;

@@ -24,7 +24,9 @@
 //!   code AWS Lambda would run through the custom runtime).
 //!
 //! An abort from the scheduler aborts the task running the assignment, which drops the engine
-//! request (freeing its KV) or the environment call.
+//! request (freeing its KV) or the environment call. An interrupt (its replica is due for new
+//! weights) stops a generation where it is and reports the tokens it had, marked `interrupted`:
+//! the emulated engine and SGLang can stop one request; other engines finish it.
 //!
 //! **Telemetry**: at start-up the worker reads the node's GPUs through NVML
 //! ([`rollfleet_gpu`]). Where a driver exists, it says so at registration
@@ -774,7 +776,7 @@ async fn session(
         .await
         .map_err(|s| gone_or_refused(&s, ""))?
         .into_inner();
-    let running: Arc<Mutex<BTreeMap<u64, AbortHandle>>> = Arc::new(Mutex::new(BTreeMap::new()));
+    let running: Arc<Mutex<BTreeMap<u64, Running>>> = Arc::new(Mutex::new(BTreeMap::new()));
     let mut leave = opts.leave.clone();
     let mut release_by: Option<tokio::time::Instant> = None;
     let result = loop {
@@ -822,9 +824,10 @@ async fn session(
                     let node = node.clone();
                     let out = out.clone();
                     let running2 = running.clone();
+                    let (interrupt, interrupted) = watch::channel(false);
                     let task = tokio::spawn(async move {
                         let started = tokio::time::Instant::now();
-                        let outcome = node.execute(&a).await;
+                        let outcome = node.execute(&a, Interrupt(interrupted)).await;
                         running2
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
@@ -840,15 +843,22 @@ async fn session(
                     running
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .insert(id, task.abort_handle());
+                        .insert(id, (task.abort_handle(), interrupt));
                 }
                 scheduler_message::Message::AbortAssignmentId(id) => {
-                    if let Some(h) = running
+                    if let Some((h, _)) = running
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .remove(&id)
                     {
                         h.abort();
+                    }
+                }
+                scheduler_message::Message::InterruptAssignmentId(id) => {
+                    if let Some((_, interrupt)) =
+                        running.lock().unwrap_or_else(|p| p.into_inner()).get(&id)
+                    {
+                        interrupt.send_replace(true);
                     }
                 }
                 scheduler_message::Message::Drain(_) => break Ok(WorkerExit::Drained),
@@ -870,7 +880,7 @@ async fn session(
         }
     };
     heartbeat.abort();
-    for (_, h) in std::mem::take(&mut *running.lock().unwrap_or_else(|p| p.into_inner())) {
+    for (_, (h, _)) in std::mem::take(&mut *running.lock().unwrap_or_else(|p| p.into_inner())) {
         h.abort();
     }
     result
@@ -1067,7 +1077,7 @@ const SYNTHETIC_VOCAB: u64 = 151_936;
 /// The emulated engine's `n` synthetic token ids and their log-probabilities, seeded by `seed`
 /// and `key` (trajectory, attempt, turn): the shape of a real engine's output, for the token-level
 /// feed, with no model behind it (every such turn is marked emulated).
-fn synthetic_tokens(seed: u64, key: &[u64; 3], n: u64) -> (Vec<u32>, Vec<f32>) {
+fn synthetic_tokens(seed: u64, key: &[u64], n: u64) -> (Vec<u32>, Vec<f32>) {
     let mut rng = synthetic_rng(seed, key);
     let n = n.min(MAX_SYNTHETIC_TOKENS) as usize;
     let mut ids = Vec::with_capacity(n);
@@ -1082,7 +1092,7 @@ fn synthetic_tokens(seed: u64, key: &[u64; 3], n: u64) -> (Vec<u32>, Vec<f32>) {
 
 /// The emulated engine's `n` synthetic ids of a prompt (no log-probabilities: nothing sampled
 /// them).
-fn synthetic_ids(seed: u64, key: &[u64; 3], n: u64) -> Vec<u32> {
+fn synthetic_ids(seed: u64, key: &[u64], n: u64) -> Vec<u32> {
     let mut rng = synthetic_rng(seed, key);
     (0..n.min(MAX_SYNTHETIC_TOKENS))
         .map(|_| rng.below(SYNTHETIC_VOCAB) as u32)
@@ -1092,8 +1102,57 @@ fn synthetic_ids(seed: u64, key: &[u64; 3], n: u64) -> Vec<u32> {
 /// Most synthetic tokens one turn gets (a bound on what a malformed count can cost).
 const MAX_SYNTHETIC_TOKENS: u64 = 1 << 20;
 
-fn synthetic_rng(seed: u64, key: &[u64; 3]) -> SplitMix64 {
-    SplitMix64::keyed(seed, &[0x746f_6b65_6e73, key[0], key[1], key[2]])
+fn synthetic_rng(seed: u64, key: &[u64]) -> SplitMix64 {
+    let mut keyed = vec![0x746f_6b65_6e73];
+    keyed.extend_from_slice(key);
+    SplitMix64::keyed(seed, &keyed)
+}
+
+/// An assignment being run: its task, to abort, and its interrupt, to set.
+type Running = (AbortHandle, watch::Sender<bool>);
+
+/// A generation's interrupt: set when the scheduler asks the generation to stop where it is.
+pub(crate) struct Interrupt(pub(crate) watch::Receiver<bool>);
+
+impl Interrupt {
+    /// Resolves once the interrupt is asked for (never, if it cannot be any more).
+    pub(crate) async fn asked(&mut self) {
+        if self.0.wait_for(|asked| *asked).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Runs an emulated request that an interrupt may stop where it is: its output (the tokens
+/// generated until then, when interrupted) and whether it was interrupted. An interrupted
+/// request's cache is let go: the turn resumes after a weight update, which drops it anyway.
+async fn run_interruptible(
+    engine: &EmulatedEngine,
+    cached: u64,
+    prefill: u64,
+    decode: u64,
+    mut interrupt: Interrupt,
+) -> Result<(rollfleet_engine::emulated::EmulatedOutput, bool), EngineError> {
+    use rollfleet_engine::emulated::Interrupted;
+    let mut flight = engine.submit(cached, prefill, Some(decode));
+    tokio::select! {
+        out = flight.finished() => return Ok((out?, false)),
+        () = interrupt.asked() => {}
+    }
+    match flight.interrupt().await? {
+        Interrupted::Finished(out) => Ok((out, false)),
+        Interrupted::Partial(partial) => {
+            engine.release(partial);
+            Ok((
+                rollfleet_engine::emulated::EmulatedOutput {
+                    tokens: partial.generated,
+                    policy_version: partial.policy_version,
+                    emulated: true,
+                },
+                true,
+            ))
+        }
+    }
 }
 
 /// The emulated policy's action: a random legal move of the environment, seeded per episode and
@@ -1277,19 +1336,23 @@ impl Node {
         Ok(engine)
     }
 
-    async fn execute(&self, a: &WorkAssignment) -> work_result::Outcome {
+    async fn execute(&self, a: &WorkAssignment, interrupt: Interrupt) -> work_result::Outcome {
         if self.model_environments
             && let Some(output) = self.modelled(a).await
         {
             return work_result::Outcome::Output(output);
         }
-        match self.try_execute(a).await {
+        match self.try_execute(a, interrupt).await {
             Ok(output) => work_result::Outcome::Output(output),
             Err(outcome) => outcome,
         }
     }
 
-    async fn try_execute(&self, a: &WorkAssignment) -> Result<StageOutput, work_result::Outcome> {
+    async fn try_execute(
+        &self,
+        a: &WorkAssignment,
+        interrupt: Interrupt,
+    ) -> Result<StageOutput, work_result::Outcome> {
         let invalid = |m: String| failure(Cause::Invalid, m);
         let infra = |m: String| failure(Cause::Infrastructure, m);
         let role = self.plan.pool_role(self.pool);
@@ -1309,7 +1372,7 @@ impl Node {
                 }
                 if let Some(backend) = &self.tokens {
                     self.own_replica(g.replica).map_err(invalid)?;
-                    return token_engine::generate(backend, a, g).await;
+                    return token_engine::generate(backend, a, g, interrupt).await;
                 }
                 let engine = self.engine(g.replica).map_err(invalid)?;
                 if g.prefill_only {
@@ -1342,13 +1405,19 @@ impl Node {
                 let drawn = task.map_or(64.0, |t| {
                     rollfleet_sim::workload::sample(&t.action_tokens, &mut rng)
                 });
-                let n = (drawn.round().max(1.0) as u64).min(u64::from(g.max_new_tokens.max(1)));
+                // The turn's length is drawn whole; a resumed turn generates what is left of it.
+                let n = (drawn.round().max(1.0) as u64)
+                    .saturating_sub(g.resumed_tokens)
+                    .clamp(1, u64::from(g.max_new_tokens.max(1)));
                 let cached = u64::from(g.cached_prefix_tokens) + g.kv_pull_tokens;
-                let out = engine
-                    .run(cached, g.prefill_token_count, Some(n))
-                    .await
-                    .map_err(|e| infra(e.to_string()))?;
-                let key = [traj.id, u64::from(traj.attempt), u64::from(a.turn)];
+                let (out, interrupted) =
+                    run_interruptible(&engine, cached, g.prefill_token_count, n, interrupt)
+                        .await
+                        .map_err(|e| infra(e.to_string()))?;
+                let mut key = vec![traj.id, u64::from(traj.attempt), u64::from(a.turn)];
+                if g.resumed_tokens > 0 {
+                    key.push(g.resumed_tokens);
+                }
                 let (tokens, logprobs) = synthetic_tokens(self.plan.config.seed, &key, out.tokens);
                 let prompt_tokens =
                     synthetic_ids(!self.plan.config.seed, &key, g.new_message_tokens);
@@ -1360,6 +1429,7 @@ impl Node {
                     tokens,
                     logprobs,
                     prompt_tokens,
+                    interrupted,
                     ..Default::default()
                 })
             }

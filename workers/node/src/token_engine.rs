@@ -23,7 +23,8 @@ use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
 use rollfleet_engine::{
-    ChatMessage, Engine, EngineError, GenerateEvent, GenerateRequest, Prompt, WeightsRef,
+    ChatMessage, Engine, EngineError, FinishReason, GenerateEvent, GenerateRequest, Prompt,
+    WeightsRef,
 };
 use rollfleet_proto::v1::{
     GenerationWork, StageOutput, WeightSyncWork, WorkAssignment, stage_failure::Cause, work_result,
@@ -31,7 +32,8 @@ use rollfleet_proto::v1::{
 use tokio_stream::StreamExt;
 
 use crate::{
-    EngineChoice, InFlight, NodeError, WorkerOptions, engine_failure, failure, openai_backend,
+    EngineChoice, InFlight, Interrupt, NodeError, WorkerOptions, engine_failure, failure,
+    openai_backend,
 };
 
 /// Engines of one kind serving this node's replicas, one endpoint each.
@@ -169,10 +171,11 @@ pub(crate) async fn backend(opts: &WorkerOptions) -> Result<Option<TokenBackend>
 }
 
 /// One generation stage, token-in, token-out.
-pub async fn generate(
+pub(crate) async fn generate(
     backend: &TokenBackend,
     a: &WorkAssignment,
     g: &GenerationWork,
+    mut interrupt: Interrupt,
 ) -> Result<StageOutput, work_result::Outcome> {
     let engine = backend
         .endpoint(g.replica)
@@ -189,30 +192,48 @@ pub async fn generate(
             ..Default::default()
         });
     }
-    if g.new_messages.is_empty() {
+    let resumed = g.resumed_tokens > 0;
+    if g.new_messages.is_empty() && !resumed {
         return Err(failure(
             Cause::Invalid,
             "generation.new_messages: empty; a token-in engine needs the turn's new messages (the \
              scheduler sends them to workers registered with backend \"sglang\" or \"vllm\")",
         ));
     }
-    let messages: Vec<ChatMessage> = g
-        .new_messages
-        .iter()
-        .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
-        .collect();
-    let first = g.context_tokens.is_empty();
-    let prompt_tokens = rollfleet_engine::chat_turn_tokens(engine.as_ref(), first, &messages)
-        .await
-        .map_err(engine_failure)?;
+    if resumed && g.resumed_tokens > g.context_tokens.len() as u64 {
+        return Err(failure(
+            Cause::Invalid,
+            format!(
+                "generation.resumed_tokens: {} resumed tokens but only {} context tokens",
+                g.resumed_tokens,
+                g.context_tokens.len()
+            ),
+        ));
+    }
+    // A resumed turn's context already ends with its template and the answer so far: the
+    // engine goes on from there.
+    let prompt_tokens = if resumed {
+        Vec::new()
+    } else {
+        let messages: Vec<ChatMessage> = g
+            .new_messages
+            .iter()
+            .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+            .collect();
+        let first = g.context_tokens.is_empty();
+        rollfleet_engine::chat_turn_tokens(engine.as_ref(), first, &messages)
+            .await
+            .map_err(engine_failure)?
+    };
     let mut prompt = g.context_tokens.clone();
     prompt.extend_from_slice(&prompt_tokens);
     let traj = a.trajectory.clone().unwrap_or_default();
+    let request_id = format!(
+        "{}-{}.{}-turn{}-a{}",
+        traj.job, traj.id, traj.attempt, a.turn, a.assignment_id
+    );
     let request = GenerateRequest {
-        request_id: format!(
-            "{}-{}.{}-turn{}-a{}",
-            traj.job, traj.id, traj.attempt, a.turn, a.assignment_id
-        ),
+        request_id: request_id.clone(),
         session: g.session.clone(),
         prompt: Prompt::Tokens(prompt),
         max_tokens: g.max_new_tokens.max(1),
@@ -224,7 +245,21 @@ pub async fn generate(
     // Dropping the stream (an abort drops this whole task) aborts the request.
     let mut stream = engine.generate(request);
     let (mut text, mut tokens, mut logprobs) = (String::new(), Vec::new(), Vec::new());
-    while let Some(event) = stream.next().await {
+    let mut asked = false;
+    loop {
+        let event = tokio::select! {
+            event = stream.next() => event,
+            () = interrupt.asked(), if !asked => {
+                asked = true;
+                // The engine answers the pending request with what it had; one that cannot
+                // stop a single request finishes it.
+                if let Err(e) = engine.interrupt(&request_id).await {
+                    eprintln!("worker: {request_id} runs to its end: {e}");
+                }
+                continue;
+            }
+        };
+        let Some(event) = event else { break };
         match event.map_err(engine_failure)? {
             GenerateEvent::Delta {
                 text: delta,
@@ -256,6 +291,7 @@ pub async fn generate(
                     policy_version: done.policy_version,
                     emulated: done.emulated,
                     engine_weight_version: done.engine_weight_version,
+                    interrupted: done.finish_reason == FinishReason::Aborted,
                     ..Default::default()
                 });
             }

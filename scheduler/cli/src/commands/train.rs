@@ -234,9 +234,14 @@ fn check_tokens(t: &CompletedTrajectory, state: &mut TrainerState, record: bool)
         } else if turn
             .segments
             .iter()
-            .any(|s| s.policy_version > turn.policy_version)
+            .map(|s| s.policy_version)
+            .min()
+            .is_some_and(|oldest| oldest != turn.policy_version)
         {
-            Some("a segment newer than the turn's stamp".to_owned())
+            Some(format!(
+                "the turn is stamped with version {}, not its oldest segment's",
+                turn.policy_version
+            ))
         } else if turn
             .action_logprobs
             .iter()
