@@ -325,6 +325,100 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
 }
 
 #[test]
+fn an_external_trainer_drives_vllm_engines_replica_by_replica_and_trains_their_exact_tokens() {
+    let dir = temp_dir("vllm");
+    let mut procs = Procs(Vec::new());
+    let names = ["prefill-0", "decode-0", "decode-1"];
+    let urls: Vec<String> = names
+        .iter()
+        .map(|n| fake_engine(&mut procs, "vllm_server.py", &dir, n, &[]))
+        .collect();
+    let url = scheduler(&mut procs, &dir, Path::new(JOB), "1", &[]);
+    // vLLM's own /tokenize applies the model's chat template: no separate tokenizer.
+    let engine_flags = |urls: &[String]| {
+        let mut flags = vec!["--engine".to_owned(), "vllm".to_owned()];
+        for u in urls {
+            flags.extend(["--engine-url".to_owned(), u.clone()]);
+        }
+        flags
+    };
+    worker(&mut procs, &url, "prefill", &engine_flags(&urls[..1]));
+    worker(&mut procs, &url, "decode", &engine_flags(&urls[1..]));
+    for pool in ["train", "envs", "rewards"] {
+        worker(&mut procs, &url, pool, &[]);
+    }
+    // vLLM's shared-disk weight transfer loads a directory of safetensors files.
+    let trainer_report = dir.join("trainer.json");
+    let mut trainer = Command::new(BIN)
+        .arg("train")
+        .arg(JOB)
+        .args(["--scheduler", &url, "--step-ms", "100", "--record-tokens"])
+        .args(["--checkpoint-layout", "safetensors-dir"])
+        .arg("--checkpoints")
+        .arg(dir.join("ckpt"))
+        .arg("--report")
+        .arg(&trainer_report)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let status = wait_exit(&mut trainer, DEADLINE);
+    assert!(status.success(), "the trainer failed: {status}");
+    let trained: Value = serde_json::from_slice(&std::fs::read(&trainer_report).unwrap()).unwrap();
+    assert_eq!(trained["version"], 5);
+    assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
+    assert_eq!(trained["stale"], serde_json::json!([]));
+    assert_eq!(trained["malformed"], serde_json::json!([]));
+    assert_eq!(trained["emulated_turns"], 0);
+
+    let logs: BTreeMap<&str, Vec<Value>> =
+        names.iter().map(|n| (*n, engine_log(&dir, n))).collect();
+    let generated: BTreeSet<(u64, Vec<u32>, Vec<i64>)> = logs
+        .values()
+        .flatten()
+        .filter(|e| e["path"] == "/v1/completions" && e["output_ids"].is_array())
+        .map(|e| {
+            (
+                e["version"].as_str().unwrap().parse().unwrap(),
+                serde_json::from_value(e["output_ids"].clone()).unwrap(),
+                rounded(e["logprobs"].as_array().unwrap()),
+            )
+        })
+        .collect();
+    let turns = trained["turns"].as_array().unwrap();
+    assert!(turns.len() >= 160, "{} turns", turns.len());
+    for turn in turns {
+        let versions = turn["versions"].as_array().unwrap();
+        assert_eq!(versions.len(), 1, "{turn}");
+        let key = (
+            versions[0].as_u64().unwrap(),
+            serde_json::from_value::<Vec<u32>>(turn["action_tokens"].clone()).unwrap(),
+            rounded(turn["logprobs"].as_array().unwrap()),
+        );
+        assert!(
+            generated.contains(&key),
+            "turn {turn} is not what a vLLM engine generated under its version"
+        );
+    }
+    // Both decode engines took new versions through vLLM's weight-transfer calls, in order.
+    for name in ["decode-0", "decode-1"] {
+        let loaded: Vec<u64> = logs[name]
+            .iter()
+            .filter(|e| e["path"] == "/finish_weight_update" && e["requested_version"].is_string())
+            .map(|e| e["requested_version"].as_str().unwrap().parse().unwrap())
+            .collect();
+        assert!(
+            loaded.len() >= 2 && loaded.windows(2).all(|w| w[0] < w[1]),
+            "{name} loaded {loaded:?}"
+        );
+    }
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Succeeded");
+    assert_eq!(report["trained_twice"], serde_json::json!([]));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_replica_whose_engine_fails_or_fakes_a_weight_update_leaves_service_and_is_retried_while_the_other_generates()
  {
     let dir = temp_dir("failing-updates");

@@ -116,7 +116,7 @@ const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
         "misspelled field",
         "maxStaleness: 1",
         "maxStalenes: 1",
-        "spec.rl.maxStalenes: unknown field `maxStalenes`, expected one of `groupSize`, `rolloutBatchSize`, `trainBatchSize`, `maxStaleness`, `overProvisioning`, `steps`, `trainMfu`, `trainer` at line 22 column 5",
+        "spec.rl.maxStalenes: unknown field `maxStalenes`, expected one of `groupSize`, `rolloutBatchSize`, `trainBatchSize`, `maxStaleness`, `overProvisioning`, `steps`, `trainMfu`, `trainer`, `interruptGeneration` at line 22 column 5",
     ),
     (
         "group size that does not divide the batch",

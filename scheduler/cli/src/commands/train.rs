@@ -52,10 +52,24 @@ pub struct TrainArgs {
     /// checking a small job against what its engines produced; it grows with the job).
     #[arg(long, requires = "report")]
     pub record_tokens: bool,
+    /// How each checkpoint is laid out: `file` (one file, published with its SHA-256), or
+    /// `safetensors-dir` (a directory holding `model.safetensors`, the layout vLLM's shared-disk
+    /// weight transfer reads; its one tensor holds the reference trainer's record, not a model).
+    #[arg(long, value_enum, default_value_t = CheckpointLayout::File)]
+    pub checkpoint_layout: CheckpointLayout,
     #[command(flatten)]
     pub token: TokenArgs,
     #[command(flatten)]
     pub tls: TlsClientArgs,
+}
+
+/// `rollfleet train --checkpoint-layout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CheckpointLayout {
+    /// One file per version.
+    File,
+    /// A directory per version with one `model.safetensors`.
+    SafetensorsDir,
 }
 
 /// What the trainer has done, kept in `state.json` and written as the report.
@@ -114,8 +128,12 @@ pub struct Published {
     pub version: u64,
     /// Its checkpoint.
     pub uri: String,
-    /// Its SHA-256.
+    /// Its SHA-256 (of the file, or of the directory's `model.safetensors`).
     pub sha256: String,
+    /// Whether `uri` names a directory (published without a checksum: the scheduler checks
+    /// one for a file only).
+    #[serde(default)]
+    pub directory: bool,
 }
 
 /// Runs the trainer until the job has all its steps published and every item acknowledged.
@@ -449,9 +467,22 @@ async fn train_step(
         }
         body.push('\n');
     }
-    write_durably(&path, body.as_bytes())?;
-    let sha256 = rollfleet_server::feed::sha256_file(&path)?;
-    let uri = format!("file://{}", path.display());
+    let (uri, sha256, directory) = match args.checkpoint_layout {
+        CheckpointLayout::File => {
+            write_durably(&path, body.as_bytes())?;
+            let sha256 = rollfleet_server::feed::sha256_file(&path)?;
+            (format!("file://{}", path.display()), sha256, false)
+        }
+        CheckpointLayout::SafetensorsDir => {
+            let dir = checkpoints.join(format!("policy-v{version}"));
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            let file = dir.join("model.safetensors");
+            write_durably(&file, &safetensors_of(body.as_bytes()))?;
+            let sha256 = rollfleet_server::feed::sha256_file(&file)?;
+            (format!("file://{}", dir.display()), sha256, true)
+        }
+    };
     let through = batch.last().map_or(state.acked_through, |t| t.sequence);
     let _ = tx.send(TrainerFeedRequest {
         message: Some(trainer_feed_request::Message::AckThrough(through)),
@@ -460,6 +491,7 @@ async fn train_step(
         version,
         uri,
         sha256,
+        directory,
     };
     let _ = tx.send(publication(&published));
     state.acked_through = through;
@@ -473,13 +505,54 @@ async fn train_step(
 
 /// The feed message that publishes `published`.
 fn publication(published: &Published) -> TrainerFeedRequest {
+    let (format, sha256) = if published.directory {
+        ("safetensors", String::new())
+    } else {
+        ("rollfleet-reference", published.sha256.clone())
+    };
     TrainerFeedRequest {
         message: Some(trainer_feed_request::Message::Publish(PublishWeights {
             version: published.version,
             uri: published.uri.clone(),
-            format: "rollfleet-reference".into(),
-            sha256: published.sha256.clone(),
+            format: format.into(),
+            sha256,
             bytes: 0,
         })),
+    }
+}
+
+/// `data` as a safetensors file: one `U8` tensor, `rollfleet.checkpoint`, holding it (an 8-byte
+/// little-endian header length, the JSON header padded with spaces to 8 bytes, the data).
+fn safetensors_of(data: &[u8]) -> Vec<u8> {
+    let mut header = format!(
+        r#"{{"rollfleet.checkpoint":{{"dtype":"U8","shape":[{n}],"data_offsets":[0,{n}]}}}}"#,
+        n = data.len()
+    );
+    while header.len() % 8 != 0 {
+        header.push(' ');
+    }
+    let mut out = Vec::with_capacity(8 + header.len() + data.len());
+    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_safetensors_checkpoint_has_an_aligned_header_naming_one_tensor_that_holds_the_data() {
+        let data = b"version 3\n1 2 3\n";
+        let file = safetensors_of(data);
+        let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+        assert_eq!(n % 8, 0);
+        let header: serde_json::Value = serde_json::from_slice(&file[8..8 + n]).unwrap();
+        let tensor = &header["rollfleet.checkpoint"];
+        assert_eq!(tensor["dtype"], "U8");
+        assert_eq!(tensor["shape"], serde_json::json!([data.len()]));
+        assert_eq!(tensor["data_offsets"], serde_json::json!([0, data.len()]));
+        assert_eq!(&file[8 + n..], data);
     }
 }
