@@ -13,7 +13,8 @@
 //! generation answered with its token ids, log-probabilities and prompt ids, as the emulated
 //! engine and real engines now answer; the other modes send counts only), the five interleaved
 //! so that all see the same machine. Each journal is then replayed into a fresh actor, as a restarted scheduler does: how
-//! fast, and whether it ends with the very report the live run wrote.
+//! fast, and whether it ends with the very report the live run wrote. `ROLLFLEET_BENCH_MODES`
+//! (indices into the modes, e.g. `0,4`) runs only some of them.
 
 use std::time::{Duration, Instant};
 
@@ -328,10 +329,15 @@ fn main() {
     if tls.is_none() {
         println!("no openssl command: the TLS runs are left out");
     }
+    // `ROLLFLEET_BENCH_MODES=0,4` runs only those modes (indices into `MODES`), e.g. to profile
+    // one.
+    let only: Option<Vec<usize>> = std::env::var("ROLLFLEET_BENCH_MODES")
+        .ok()
+        .map(|m| m.split(',').filter_map(|i| i.trim().parse().ok()).collect());
     let mut results: [(Vec<f64>, Vec<u32>); 5] = Default::default();
     for i in 0..runs {
         for (mode, (rates, p99s)) in results.iter_mut().enumerate() {
-            if mode == 3 && tls.is_none() {
+            if (mode == 3 && tls.is_none()) || only.as_ref().is_some_and(|o| !o.contains(&mode)) {
                 continue;
             }
             let journal =
