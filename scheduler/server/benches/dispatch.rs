@@ -4,8 +4,10 @@
 //! registers, opens its work stream and answers every assignment at once with a plausible outcome
 //! (tokens generated, an observation, episodes of six turns, a reward), so the only limit is the
 //! scheduler: the core, the actor, tonic and the loopback. Server and clients share the machine's
-//! cores. Prints stage completions per second and the server's dispatch latency (a worker message
-//! off the wire to every command it caused handed to the outboxes), per run and the median of
+//! cores, on their own threads. Prints stage completions per second, the server's dispatch
+//! latency (a worker message off the wire to every command it caused handed to the outboxes) and
+//! the CPU time the scheduler's threads ran per completion (not the clients'), per run and the
+//! median of
 //! three runs (`ROLLFLEET_BENCH_RUNS` for more), without a journal, with one (`--journal`: every
 //! event written to a file before it is acted on), with one synced to the disk before each
 //! batch is acted on (`--journal-sync`), and over TLS (`--tls-cert`; its certificates made by
@@ -243,14 +245,48 @@ fn tls_files(dir: &std::path::Path) -> Option<TlsFiles> {
     })
 }
 
+/// The names of the threads the scheduler runs on, and of the load generator's.
+const SCHEDULER_THREADS: &str = "rf-scheduler";
+const WORKER_THREADS: &str = "rf-bench-worker";
+
+/// CPU time (ns) the threads of this process named `name` have run so far, from
+/// `/proc/self/task/*/schedstat` (Linux; `None` elsewhere).
+fn threads_cpu_ns(name: &str) -> Option<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+        total += stat
+            .split_whitespace()
+            .next()
+            .and_then(|ns| ns.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Some(total)
+}
+
+/// One run: its stage completions per second, the scheduler's CPU per completion (µs, its own
+/// threads only: not the load generator's, which shares the machine), and its report.
 fn run_once(
     journal: Option<std::path::PathBuf>,
     journal_sync: bool,
     tls: Option<&TlsFiles>,
     token_payloads: bool,
-) -> (f64, Report) {
+) -> (f64, Option<f64>, Report) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .thread_name(SCHEDULER_THREADS)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    // The instant workers run on their own threads, so that the scheduler's CPU can be told
+    // from theirs.
+    let workers = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(WORKER_THREADS)
         .enable_all()
         .build()
         .expect("runtime");
@@ -292,22 +328,22 @@ fn run_once(
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {
-            tokio::spawn(instant_worker(
+            workers.spawn(instant_worker(
                 url.clone(),
                 pool,
                 tls.map(|t| t.ca.clone()),
                 token_payloads,
             ));
         }
-        let started = Instant::now();
         let report = server
             .await
             .expect("server task")
             .expect("server")
             .expect("a report: the job was given at start");
-        let _ = started;
         let rate = report.stages_completed as f64 / report.wall_s.max(1e-9);
-        (rate, report)
+        let cpu_us = threads_cpu_ns(SCHEDULER_THREADS)
+            .map(|ns| ns as f64 / 1e3 / report.stages_completed.max(1) as f64);
+        (rate, cpu_us, report)
     })
 }
 
@@ -334,15 +370,15 @@ fn main() {
     let only: Option<Vec<usize>> = std::env::var("ROLLFLEET_BENCH_MODES")
         .ok()
         .map(|m| m.split(',').filter_map(|i| i.trim().parse().ok()).collect());
-    let mut results: [(Vec<f64>, Vec<u32>); 5] = Default::default();
+    let mut results: [(Vec<f64>, Vec<u32>, Vec<f64>); 5] = Default::default();
     for i in 0..runs {
-        for (mode, (rates, p99s)) in results.iter_mut().enumerate() {
+        for (mode, (rates, p99s, cpus)) in results.iter_mut().enumerate() {
             if (mode == 3 && tls.is_none()) || only.as_ref().is_some_and(|o| !o.contains(&mode)) {
                 continue;
             }
             let journal =
                 (mode == 1 || mode == 2).then(|| dir.join(format!("run-{i}-{mode}.journal")));
-            let (rate, r) = run_once(
+            let (rate, cpu_us, r) = run_once(
                 journal.clone(),
                 mode == 2,
                 tls.as_ref().filter(|_| mode == 3),
@@ -354,8 +390,11 @@ fn main() {
                 .map_or(String::new(), |m| {
                     format!("; journal {:.1} MB", m.len() as f64 / 1e6)
                 });
+            let cpu = cpu_us.map_or(String::new(), |us| {
+                format!("; the scheduler's threads ran {us:.2} us of CPU per completion")
+            });
             println!(
-                "run {} ({}): {} stages in {:.2} s = {:.0} stage completions/s over gRPC; dispatch latency p50 {} us, p99 {} us; {} trajectories trained ({} twice){journal_bytes}",
+                "run {} ({}): {} stages in {:.2} s = {:.0} stage completions/s over gRPC; dispatch latency p50 {} us, p99 {} us; {} trajectories trained ({} twice){journal_bytes}{cpu}",
                 i + 1,
                 MODES[mode],
                 r.stages_completed,
@@ -368,6 +407,7 @@ fn main() {
             );
             rates.push(rate);
             p99s.push(r.dispatch_p99_us);
+            cpus.extend(cpu_us);
             if let Some(path) = &journal {
                 let (records, seconds, again) = replay(path);
                 assert_eq!(
@@ -385,14 +425,18 @@ fn main() {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    for (mode, (rates, p99s)) in results.iter_mut().enumerate() {
+    for (mode, (rates, p99s, cpus)) in results.iter_mut().enumerate() {
         if rates.is_empty() {
             continue;
         }
         rates.sort_by(f64::total_cmp);
         p99s.sort_unstable();
+        cpus.sort_by(f64::total_cmp);
+        let cpu = cpus.get(cpus.len() / 2).map_or(String::new(), |us| {
+            format!(", scheduler CPU {us:.2} us per completion")
+        });
         println!(
-            "median of {runs} ({}): {:.0} stage completions/s, dispatch p99 {} us",
+            "median of {runs} ({}): {:.0} stage completions/s, dispatch p99 {} us{cpu}",
             MODES[mode],
             rates[rates.len() / 2],
             p99s[p99s.len() / 2]
