@@ -20,10 +20,13 @@ def turn(
     *,
     mask: bytes | None = None,
     logprobs: list[float] | None = None,
+    stamp: int | None = None,
 ) -> pb.Turn:
+    # The scheduler stamps a turn with its oldest segment's version.
+    oldest = min(v for v, _ in segments) if segments else 0
     return pb.Turn(
         index=index,
-        policy_version=max(v for v, _ in segments) if segments else 0,
+        policy_version=oldest if stamp is None else stamp,
         prompt_tokens=prompt,
         action_tokens=action,
         action_logprobs=logprobs if logprobs is not None else [-0.5] * len(action),
@@ -111,6 +114,7 @@ def test_inconsistent_tokens_are_reported_per_turn_and_refused_as_arrays() -> No
             turn(1, [4], [5], [(1, 1)], mask=bytes([0])),
             turn(2, [6], [7, 8], [(1, 1)]),
             turn(3, [9], [10], [(1, 1)], logprobs=[0.5]),
+            turn(4, [11], [12, 13], [(1, 1), (2, 1)], stamp=2),
         ],
     )
     problems = bad.problems()
@@ -119,6 +123,7 @@ def test_inconsistent_tokens_are_reported_per_turn_and_refused_as_arrays() -> No
         "trajectory 101 turn 1: a loss mask of 1 for 2 tokens",
         "trajectory 101 turn 2: segments cover 1 of 2 action tokens",
         "trajectory 101 turn 3: a log-probability above 0 or not a number",
+        "trajectory 101 turn 4: the turn is stamped with version 2, not its oldest segment's",
     ]
     with pytest.raises(ValueError, match="turn 0: 1 log-probabilities"):
         Batch([bad]).to_numpy()

@@ -38,7 +38,8 @@ class Turn:
     """One turn of a trajectory: what the policy was shown, and what it answered."""
 
     index: int
-    #: The policy version that generated this turn's action (its last segment's).
+    #: The policy version that generated this turn's action; for a turn resumed after an
+    #: interrupt, its oldest segment's (what the staleness bound counts).
     policy_version: int
     prompt_tokens: tuple[int, ...]
     action_tokens: tuple[int, ...]
@@ -86,8 +87,11 @@ class Turn:
         covered = sum(s.tokens for s in self.segments)
         if covered != actions:
             found.append(f"segments cover {covered} of {actions} action tokens")
-        if any(s.policy_version > self.policy_version for s in self.segments):
-            found.append("a segment newer than the turn's version")
+        if self.segments and min(s.policy_version for s in self.segments) != self.policy_version:
+            found.append(
+                f"the turn is stamped with version {self.policy_version}, not its oldest "
+                "segment's"
+            )
         if any(not math.isfinite(lp) or lp > 0.0 for lp in self.action_logprobs):
             found.append("a log-probability above 0 or not a number")
         return found
