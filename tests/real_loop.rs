@@ -617,6 +617,45 @@ fn the_emulated_engine_interrupts_and_resumes_generations_too_and_every_trajecto
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn a_cancelled_job_ends_its_trainer_feed_with_the_reason_not_as_a_scheduler_going_away() {
+    let dir = temp_dir("cancelled-feed");
+    let mut procs = Procs(Vec::new());
+    let url = scheduler(&mut procs, &dir, Path::new(JOB), "1", &[]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        worker(&mut procs, &url, pool, &[]);
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (_tx, mut feed) = subscribe(&url, "quickstart-external").await;
+        let cancelled = Command::new(BIN)
+            .args(["job", "cancel", "quickstart-external", "--scheduler", &url])
+            .args(["-o", "json"])
+            .output()
+            .unwrap();
+        assert!(cancelled.status.success(), "{cancelled:?}");
+        // The answer is the status after the cancel, not before it.
+        let status: Value = serde_json::from_slice(&cancelled.stdout).unwrap();
+        assert_eq!(status["phase"], "Cancelled", "{status}");
+        let end = tokio::time::timeout(DEADLINE, async {
+            loop {
+                match feed.message().await {
+                    Ok(Some(_)) => continue,
+                    other => return other,
+                }
+            }
+        })
+        .await
+        .expect("the feed never ended");
+        let Err(status) = end else {
+            panic!("the feed ended as if the scheduler went away: {end:?}")
+        };
+        assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+        assert!(status.message().contains("Cancelled"), "{status:?}");
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// What `rollfleet job status` prints.
 fn job_status(url: &str) -> String {
     let out = Command::new(BIN)

@@ -29,6 +29,7 @@ import collections
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ _ALREADY_PUBLISHED = "already published"
 # A full window with no batch in it is an error only once the stream has been quiet this long
 # (a group's completion follows its last trajectory as a separate item).
 _STALL_GRACE = 1.0
+# How the scheduler ends the feed of a job that failed or was cancelled (ABORTED).
+_JOB_ENDED = re.compile(r"job (\S+) ended (\w+)")
 # gRPC codes after which subscribing again cannot help.
 _FATAL_CODES = (
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -708,6 +711,10 @@ class Trainer:
                     code=code.name,
                     reason=details,
                 ) from None
+            ended = _JOB_ENDED.match(details)
+            if code == grpc.StatusCode.ABORTED and ended and ended.group(1) == self.job:
+                # The job failed or was cancelled: the scheduler says so as it ends the feed.
+                raise JobEnded(self.job, ended.group(2), details) from None
             if code in _FATAL_CODES:
                 if not carried and code in (
                     grpc.StatusCode.INVALID_ARGUMENT,

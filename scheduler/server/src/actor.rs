@@ -631,7 +631,7 @@ impl Actor {
             };
             capacity.insert(i, cap.max(1e-9));
         }
-        Actor {
+        let mut actor = Actor {
             core,
             at: Duration::ZERO,
             origin: Instant::now(),
@@ -696,7 +696,11 @@ impl Actor {
             update_retries: BTreeMap::new(),
             plan,
             opts,
-        }
+        };
+        // Whoever asks for the job's status before it runs sees it whole (its steps, its
+        // pools), not a blank.
+        actor.publish();
+        actor
     }
 
     /// What a pool is, for the report: what runs its work, and whether it is emulated.
@@ -821,7 +825,20 @@ impl Actor {
                 }
             }
         }
-        self.feed.close();
+        let unsuccessful = match self.ended {
+            Some((_, JobPhase::Succeeded)) | None => None,
+            // "job NAME ended PHASE: ...": a trainer (the Python SDK's) reads the phase there.
+            Some((_, phase)) => Some(format!(
+                "job {} ended {}: the feed has nothing more to give{}",
+                self.plan.name(),
+                crate::job::phase_name(phase),
+                self.final_report
+                    .as_ref()
+                    .and_then(|r| r.failure.clone())
+                    .map_or_else(String::new, |f| format!(" ({f})"))
+            )),
+        };
+        self.feed.close(unsuccessful);
         // The report the end wrote (`--report`), so that what the caller gets is what the file
         // holds and what a replay of the journal gives.
         self.final_report.take().unwrap_or_else(|| self.report())
@@ -1098,6 +1115,8 @@ impl Actor {
             Event::FeedSubscribed => self.feed.mark_subscribed(),
             Event::Publish { publish, reply } => {
                 let _ = reply.send(self.publish_weights(publish));
+                // The new version shows in the status at once, not at the next tick.
+                self.publish();
             }
         }
     }

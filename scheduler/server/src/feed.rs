@@ -47,6 +47,9 @@ struct Log {
     acked: u64,
     subscribed: bool,
     closed: bool,
+    /// Why the job ended, when it did not succeed: the streams end with it as an error, so that
+    /// a trainer tells a cancelled or failed job from a scheduler going away to restart.
+    ended_without_success: Option<String>,
 }
 
 /// The feed's items, shared by the actor (which appends) and the feed streams (which read).
@@ -64,6 +67,7 @@ impl Default for FeedLog {
                 acked: 0,
                 subscribed: false,
                 closed: false,
+                ended_without_success: None,
             }),
             last: watch::Sender::new(0),
         }
@@ -100,9 +104,14 @@ impl FeedLog {
         !log.subscribed || log.acked + 1 >= log.next_sequence
     }
 
-    /// Ends every feed stream: the scheduler is going away.
-    pub fn close(&self) {
-        self.lock().closed = true;
+    /// Ends every feed stream: the scheduler is going away. `unsuccessful`: the job did not
+    /// succeed, and this is why; the streams end with it (`ABORTED`) instead of a plain end.
+    pub fn close(&self, unsuccessful: Option<String>) {
+        {
+            let mut log = self.lock();
+            log.closed = true;
+            log.ended_without_success = unsuccessful;
+        }
         self.last.send_modify(|_| {});
     }
 
@@ -339,7 +348,14 @@ impl TrainerFeed for Feed {
             let mut last = log.last.subscribe();
             let mut next = resume.max(log.acked() + 1);
             loop {
-                if log.lock().closed {
+                let ended = {
+                    let log = log.lock();
+                    log.closed.then(|| log.ended_without_success.clone())
+                };
+                if let Some(unsuccessful) = ended {
+                    if let Some(why) = unsuccessful {
+                        let _ = tx.send(Err(Status::aborted(why))).await;
+                    }
                     return;
                 }
                 let appended = *last.borrow_and_update();

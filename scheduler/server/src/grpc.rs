@@ -201,9 +201,18 @@ impl JobService for Jobs {
         request: Request<JobRef>,
     ) -> Result<Response<CancelJobResponse>, Status> {
         self.check(&request.into_inner().job)?;
+        let mut status = self.status.subscribe();
         self.inbox.send(Event::Cancel).map_err(|_| actor_gone())?;
+        // The answer says the cancel took: the status once the actor has ended the job (it
+        // does at once), not the one before it.
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(2),
+            status.wait_for(|s| crate::job::ended(s.phase())),
+        )
+        .await;
+        let status = status.borrow().clone();
         Ok(Response::new(CancelJobResponse {
-            status: Some(self.status.borrow().clone()),
+            status: Some(status),
         }))
     }
 
