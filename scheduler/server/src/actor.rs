@@ -3055,8 +3055,9 @@ impl Actor {
                             },
                         };
                         let ids = o.tokens.len() as u32;
-                        part.tokens.action.append(&mut o.tokens);
-                        part.tokens.logprobs.append(&mut o.logprobs);
+                        // Moved, not copied, unless a part came before.
+                        extend_or_take(&mut part.tokens.action, &mut o.tokens);
+                        extend_or_take(&mut part.tokens.logprobs, &mut o.logprobs);
                         part.tokens.emulated |= o.emulated;
                         // One run per version: a turn resumed on a replica still serving the
                         // version it was cut under goes on with the same run.
@@ -3769,6 +3770,15 @@ fn render_context(info: &TrajInfo) -> String {
         task_tokens: 0,
         turns,
     })
+}
+
+/// Appends `more` to `to`, taking its buffer when `to` is empty (no copy).
+fn extend_or_take<T>(to: &mut Vec<T>, more: &mut Vec<T>) {
+    if to.is_empty() {
+        std::mem::swap(to, more);
+    } else {
+        to.append(more);
+    }
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {
