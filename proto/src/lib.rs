@@ -7,6 +7,7 @@
 //! scheduler serves with and the CA its clients trust.
 
 pub mod auth;
+pub mod packed;
 pub mod tls;
 
 /// The HTTP/2 flow-control window, per stream and per connection, of the scheduler's server and

@@ -103,14 +103,17 @@ async fn instant_worker(
                 } else {
                     Default::default()
                 };
-                StageOutput {
+                let mut output = StageOutput {
                     token_count: u64::from(n),
                     emulated: true,
                     tokens,
                     logprobs,
                     prompt_tokens,
                     ..Default::default()
-                }
+                };
+                // As the node worker sends them.
+                rollfleet_proto::packed::pack(&mut output);
+                output
             }
             Some(Work::EnvStep(e)) => StageOutput {
                 token_count: if e.reset { 200 } else { 60 },

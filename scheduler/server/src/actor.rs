@@ -2897,11 +2897,21 @@ impl Actor {
         }
         *self.completed_by_pool.entry(a.pool).or_default() += 1;
         self.unbook(&a);
-        // A result without an outcome is a protocol violation: the work counts as failed (and is
-        // redone), then the worker is cut off.
+        // A result without an outcome, or with packed tokens that are not whole values, is a
+        // protocol violation: the work counts as failed (and is redone), then the worker is cut
+        // off.
         let mut violation = None;
         let output = match result.outcome {
-            Some(work_result::Outcome::Output(o)) => Ok(o),
+            Some(work_result::Outcome::Output(mut o)) => {
+                match rollfleet_proto::packed::unpack(&mut o) {
+                    Ok(()) => Ok(o),
+                    Err(reason) => {
+                        let reason = format!("result of assignment {id}: {reason}");
+                        violation = Some(reason.clone());
+                        Err(reason)
+                    }
+                }
+            }
             Some(work_result::Outcome::Failure(f)) => {
                 log!(
                     self,

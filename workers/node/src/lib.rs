@@ -1343,7 +1343,11 @@ impl Node {
             return work_result::Outcome::Output(output);
         }
         match self.try_execute(a, interrupt).await {
-            Ok(output) => work_result::Outcome::Output(output),
+            Ok(mut output) => {
+                // Token ids and log-probabilities travel packed (cheap for the scheduler).
+                rollfleet_proto::packed::pack(&mut output);
+                work_result::Outcome::Output(output)
+            }
             Err(outcome) => outcome,
         }
     }
