@@ -497,6 +497,41 @@ fn a_replica_whose_engine_fails_or_fakes_a_weight_update_leaves_service_and_is_r
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// One answer an engine logged: its version, input, output ids, rounded log-probabilities and
+/// whether it was aborted.
+struct Answer {
+    version: u64,
+    input: Vec<u32>,
+    output: Vec<u32>,
+    logprobs: Vec<i64>,
+    aborted: bool,
+}
+
+/// The versions of engine answers that make up `action` from token `at` on: each answer's ids
+/// and log-probabilities are the next ones, its input ends with the tokens before it, and every
+/// answer but the last was aborted. `None` when no such answers exist.
+fn explain(answers: &[Answer], action: &[u32], logprobs: &[i64], at: usize) -> Option<Vec<u64>> {
+    if at == action.len() {
+        return Some(Vec::new());
+    }
+    for a in answers {
+        let end = at + a.output.len();
+        let fits = !a.output.is_empty()
+            && action[at..].starts_with(&a.output)
+            && a.logprobs[..] == logprobs[at..end]
+            && a.input.ends_with(&action[..at])
+            && (end == action.len()) != a.aborted;
+        if !fits {
+            continue;
+        }
+        if let Some(mut rest) = explain(answers, action, logprobs, end) {
+            rest.insert(0, a.version);
+            return Some(rest);
+        }
+    }
+    None
+}
+
 #[test]
 fn with_interrupts_a_turn_cut_by_its_replicas_update_resumes_from_the_engines_tokens_under_the_new_version()
  {
@@ -531,42 +566,37 @@ fn with_interrupts_a_turn_cut_by_its_replicas_update_resumes_from_the_engines_to
     // tokens before it as the end of its input (it went on where the last stopped), and the
     // turn's segments are the versions of those answers, in order.
     let logs = sglang_job_logs(&dir);
-    let answered: Vec<&Value> = logs
+    let ids = |v: &Value| serde_json::from_value::<Vec<u32>>(v.clone()).unwrap();
+    let answered: Vec<Answer> = logs
         .values()
         .flatten()
         .filter(|e| e["path"] == "/generate" && e["output_ids"].is_array())
+        .map(|e| Answer {
+            version: e["version"].as_str().unwrap().parse().unwrap(),
+            input: ids(&e["input_ids"]),
+            output: ids(&e["output_ids"]),
+            logprobs: rounded(e["logprobs"].as_array().unwrap()),
+            aborted: e["finish_reason"]["type"] == "abort",
+        })
         .collect();
-    let ids = |v: &Value| serde_json::from_value::<Vec<u32>>(v.clone()).unwrap();
     let mut resumed = 0;
     let mut across_versions = 0;
     for turn in trained["turns"].as_array().unwrap() {
         let versions: Vec<u64> = serde_json::from_value(turn["versions"].clone()).unwrap();
         let action = ids(&turn["action_tokens"]);
         let logprobs = rounded(turn["logprobs"].as_array().unwrap());
-        let mut at = 0;
+        // Answers that explain the action from token `at` on (answers with the same context and
+        // seed share a prefix, so the first that fits is not always the one: search them all).
+        let Some(pieces) = explain(&answered, &action, &logprobs, 0) else {
+            panic!("{turn} is not made of engine answers")
+        };
         let mut runs: Vec<u64> = Vec::new();
-        let mut answers = 0;
-        while at < action.len() {
-            let found = answered.iter().find(|e| {
-                let out = ids(&e["output_ids"]);
-                let last = at + out.len() == action.len();
-                !out.is_empty()
-                    && action[at..].starts_with(&out)
-                    && rounded(e["logprobs"].as_array().unwrap())[..]
-                        == logprobs[at..at + out.len()]
-                    && ids(&e["input_ids"]).ends_with(&action[..at])
-                    && last == (e["finish_reason"]["type"] != "abort")
-            });
-            let Some(e) = found else {
-                panic!("{turn} from token {at} on is no engine's answer")
-            };
-            let version = e["version"].as_str().unwrap().parse::<u64>().unwrap();
-            if runs.last() != Some(&version) {
-                runs.push(version);
+        for version in &pieces {
+            if runs.last() != Some(version) {
+                runs.push(*version);
             }
-            at += e["output_ids"].as_array().unwrap().len();
-            answers += 1;
         }
+        let answers = pieces.len();
         assert_eq!(runs, versions, "{turn}");
         assert!(
             versions.windows(2).all(|w| w[0] < w[1]),

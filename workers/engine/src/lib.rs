@@ -244,20 +244,27 @@ pub trait Engine: Send + Sync {
 ///
 /// For the first turn (`first`), the token ids of `messages` with the generation prompt. For a
 /// later turn, the context already ends with the tokens the policy sampled for the previous
-/// assistant turn, so only what the template adds for the new message(s) is wanted: the
-/// template is rendered for a fixed dummy prefix `[user "x", assistant "y"]`, once alone and once
-/// followed by `messages` and the generation prompt, and the suffix of the longer rendering is
-/// returned. The shorter rendering must be a prefix of the longer, or the template is not
-/// incremental (it rewrites earlier turns, e.g. strips past reasoning) and this fails with
-/// [`EngineError::Protocol`].
+/// assistant turn (`context_end` is the last of them), so only what the template adds after
+/// them is wanted:
+/// - the end of the assistant turn: what the template renders after an assistant message's
+///   content (found by rendering one with empty content), minus its first token when the
+///   answer ended with it (the end-of-turn token the model stopped on, e.g. ChatML's
+///   `<|im_end|>`; the newline after it was never sampled), or all of it when the answer was
+///   cut by the length limit;
+/// - then the new message(s) and the generation prompt: the template is rendered for a fixed
+///   dummy prefix `[user "x", assistant "y"]`, once alone and once followed by `messages` and
+///   the generation prompt, and the suffix of the longer rendering is taken. The shorter
+///   rendering must be a prefix of the longer, or the template is not incremental (it rewrites
+///   earlier turns, e.g. strips past reasoning) and this fails with [`EngineError::Protocol`].
 ///
 /// Why: re-tokenising the whole conversation each turn would replace the sampled tokens with a
 /// re-tokenisation of their text, which can differ, and the trainer's logprobs would then belong
-/// to tokens the policy never produced. Only the template's delta is tokenised.
+/// to tokens the policy never produced. Only the template's own tokens are tokenised.
 pub async fn chat_turn_tokens(
     engine: &dyn Engine,
     first: bool,
     messages: &[ChatMessage],
+    context_end: Option<u32>,
 ) -> Result<Vec<u32>, EngineError> {
     if first {
         return engine.tokenize_chat(messages, true).await;
@@ -288,5 +295,30 @@ pub async fn chat_turn_tokens(
             ),
         });
     }
-    Ok(long[short.len()..].to_vec())
+    let mut tokens = turn_closing(engine, context_end).await?;
+    tokens.extend_from_slice(&long[short.len()..]);
+    Ok(tokens)
+}
+
+/// What the template renders after an assistant message's content that the policy did not
+/// sample (see [`chat_turn_tokens`]); empty when the template does not render an assistant
+/// turn as the generation prompt followed by its content.
+async fn turn_closing(
+    engine: &dyn Engine,
+    context_end: Option<u32>,
+) -> Result<Vec<u32>, EngineError> {
+    let user = [ChatMessage::new("user", "x")];
+    let opened = engine.tokenize_chat(&user, true).await?;
+    let answered = [
+        ChatMessage::new("user", "x"),
+        ChatMessage::new("assistant", ""),
+    ];
+    let closed = engine.tokenize_chat(&answered, false).await?;
+    let Some(closing) = closed.strip_prefix(opened.as_slice()) else {
+        return Ok(Vec::new());
+    };
+    Ok(match closing.split_first() {
+        Some((end, rest)) if context_end == Some(*end) => rest.to_vec(),
+        _ => closing.to_vec(),
+    })
 }

@@ -43,7 +43,7 @@ impl Engine for Rewriting {
 #[tokio::test]
 async fn a_template_that_rewrites_earlier_turns_is_refused_with_the_reason() {
     let turn = [ChatMessage::new("user", "next")];
-    match chat_turn_tokens(&Rewriting, false, &turn).await {
+    match chat_turn_tokens(&Rewriting, false, &turn, None).await {
         Err(EngineError::Protocol { reason, .. }) => {
             assert!(reason.contains("not incremental"), "{reason}");
         }
@@ -51,7 +51,7 @@ async fn a_template_that_rewrites_earlier_turns_is_refused_with_the_reason() {
     }
     // The first turn needs no prefix check.
     assert_eq!(
-        chat_turn_tokens(&Rewriting, true, &turn).await.ok(),
+        chat_turn_tokens(&Rewriting, true, &turn, None).await.ok(),
         Some(vec![1, 99])
     );
 }

@@ -280,7 +280,7 @@ fn weights(version: u64) -> rollfleet_engine::WeightsRef {
 async fn the_emulated_engines_synthetic_template_gives_a_delta_after_an_assistant_turn() {
     let engine = EmulatedEngine::start(config(100_000, 0.001));
     let turn = [rollfleet_engine::ChatMessage::new("user", "the door opens")];
-    let delta = rollfleet_engine::chat_turn_tokens(&engine, false, &turn)
+    let delta = rollfleet_engine::chat_turn_tokens(&engine, false, &turn, None)
         .await
         .unwrap();
     assert!(!delta.is_empty());

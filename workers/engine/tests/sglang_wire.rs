@@ -179,14 +179,9 @@ async fn chat_turns_use_a_chat_tokenizer_because_sglangs_tokenize_takes_text_onl
     // The same model's template, served by a vLLM-style chat /tokenize.
     let tokenizer = Fake::start("vllm_server.py", &[])?;
     let engine = engine(&sglang, Some(tokenizer.url.clone()))?;
-    let first = chat_turn_tokens(&engine, true, &messages).await?;
+    let first = chat_turn_tokens(&engine, true, &messages, None).await?;
     assert_eq!(first, engine.tokenize_chat(&messages, true).await?);
-    let observation = [ChatMessage::new("user", "the door opens")];
-    let delta = chat_turn_tokens(&engine, false, &observation).await?;
-    // The toy template renders each message on its own, so the delta after an assistant turn
-    // is exactly the new message plus the generation prompt.
-    assert_eq!(delta, engine.tokenize_chat(&observation, true).await?);
-    assert_eq!(delta.first(), Some(&1), "starts with <|im_start|>");
+    fake::assert_turns_render_the_whole_conversation(&engine).await?;
     Ok(())
 }
 

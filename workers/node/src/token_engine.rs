@@ -221,7 +221,8 @@ pub(crate) async fn generate(
             .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
             .collect();
         let first = g.context_tokens.is_empty();
-        rollfleet_engine::chat_turn_tokens(engine.as_ref(), first, &messages)
+        let context_end = g.context_tokens.last().copied();
+        rollfleet_engine::chat_turn_tokens(engine.as_ref(), first, &messages, context_end)
             .await
             .map_err(engine_failure)?
     };

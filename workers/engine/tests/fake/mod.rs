@@ -192,3 +192,46 @@ pub async fn run(
     }
     bail!("the stream ended without Finished")
 }
+
+/// Builds a two-turn conversation turn by turn as a token-in worker does (the first rendering,
+/// the policy's sampled answer, then `chat_turn_tokens` for the observation) and checks that it
+/// is the template's own rendering of the whole conversation, for an answer that ended on the
+/// end-of-turn token and for one cut by the length limit.
+pub async fn assert_turns_render_the_whole_conversation(engine: &dyn Engine) -> anyhow::Result<()> {
+    use rollfleet_engine::{ChatMessage, chat_turn_tokens};
+    let task = [ChatMessage::new("user", "hello there")];
+    let observation = ChatMessage::new("user", "the door opens");
+    let whole = [
+        task[0].clone(),
+        ChatMessage::new("assistant", "north"),
+        observation.clone(),
+    ];
+    let rendered = engine.tokenize_chat(&whole, true).await?;
+    let first = chat_turn_tokens(engine, true, &task, None).await?;
+    anyhow::ensure!(
+        rendered.starts_with(&first),
+        "the first turn is the rendering's start"
+    );
+    // The toy template renders the one-word answer as one token, then <|im_end|> (2) and a
+    // newline (3); the policy samples the word and <|im_end|>, where it stops.
+    let answer = rendered[first.len()];
+    anyhow::ensure!(rendered[first.len() + 1..first.len() + 3] == [2, 3]);
+    for sampled in [vec![answer, 2], vec![answer]] {
+        let mut context = first.clone();
+        context.extend_from_slice(&sampled);
+        let delta = chat_turn_tokens(
+            engine,
+            false,
+            std::slice::from_ref(&observation),
+            context.last().copied(),
+        )
+        .await?;
+        context.extend_from_slice(&delta);
+        anyhow::ensure!(
+            context == rendered,
+            "after the sampled {sampled:?}, the context {context:?} is not the template's \
+             rendering {rendered:?}"
+        );
+    }
+    Ok(())
+}
