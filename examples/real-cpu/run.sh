@@ -77,6 +77,28 @@ print("step  mean reward  |trainer-engine| logprob mean/max  probe logprob  seco
 for s in trainer["steps"]:
     print(f"{s['version']:4d}  {s['mean_reward']:11.2f}  {s['logprob_gap_mean']:15.3f} / {s['logprob_gap_max']:.3f}"
           f"  {s['probe_logprob']:13.3f}  {s['seconds']:7.1f}")
+# The mean reward per step, plotted (SVG, no plotting library).
+points = [(s["version"], s["mean_reward"]) for s in trainer["steps"]]
+top = max([r for _, r in points] + [1e-9])
+width, height, pad = 420, 220, 40
+def xy(step, reward):
+    x = pad + (step - 1) / max(len(points) - 1, 1) * (width - 2 * pad)
+    return x, height - pad - reward / top * (height - 2 * pad)
+line = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(*p) for p in points))
+labels = "".join(
+    f'<text x="{xy(v, 0)[0]:.1f}" y="{height - pad + 16}" text-anchor="middle">{v}</text>'
+    for v, _ in points
+)
+(work / "reward.svg").write_text(
+    f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+    f'font-family="sans-serif" font-size="11">'
+    f'<text x="{pad}" y="20">mean reward per RL step (max {top:.2f}); real model, CPU</text>'
+    f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>'
+    f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>'
+    f'<polyline points="{line}" fill="none" stroke="steelblue" stroke-width="2"/>{labels}'
+    f'<text x="{width / 2:.0f}" y="{height - 6}" text-anchor="middle">version published</text></svg>'
+)
+print(f"reward per step plotted in {work / 'reward.svg'}")
 for name in ("engine-a", "engine-b"):
     gens = [json.loads(l) for l in (work / f"{name}.log").read_text().splitlines() if l.startswith("{")]
     gens = [g for g in gens if g.get("path") == "/generate" and isinstance(g.get("output_ids"), list)]
