@@ -22,7 +22,8 @@ rollfleet="${ROLLFLEET:-$root/target/debug/rollfleet}"
 work="${WORK:-$(mktemp -d -t rollfleet-real-cpu-XXXXXX)}"
 mkdir -p "$work"
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+# Stops what it started, and waits for it to be gone.
+trap 'kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 started=$SECONDS
 
 wait_file() { # wait_file FILE WHAT
@@ -31,15 +32,17 @@ wait_file() { # wait_file FILE WHAT
     exit 1
 }
 
-engine() { # engine NAME SEED -> URL
+# Started in this shell (not in a command substitution), so that the trap stops them.
+start_engine() { # start_engine NAME SEED
     "$py" "$here/engine/server.py" --port 0 --port-file "$work/$1.port" --threads 1 \
         --seed "$2" >"$work/$1.log" 2>"$work/$1.err" &
     pids+=($!)
     wait_file "$work/$1.port" "engine $1"
-    echo "http://127.0.0.1:$(cat "$work/$1.port")"
 }
-engine_a=$(engine engine-a 1)
-engine_b=$(engine engine-b 2)
+start_engine engine-a 1
+start_engine engine-b 2
+engine_a="http://127.0.0.1:$(cat "$work/engine-a.port")"
+engine_b="http://127.0.0.1:$(cat "$work/engine-b.port")"
 "$py" "$here/env.py" --port-file "$work/env.port" >"$work/env.log" 2>&1 &
 pids+=($!)
 wait_file "$work/env.port" "the environment"

@@ -44,6 +44,9 @@ def test_a_real_model_is_trained_through_rollfleet_on_cpu(tmp_path: Path) -> Non
     )
     print(done.stdout)
     assert done.returncode == 0, done.stderr[-4000:]
+    # run.sh leaves nothing running: every process it started named its directory.
+    left = subprocess.run(["pgrep", "-af", str(work)], capture_output=True, text=True)
+    assert left.stdout == "", f"still running after run.sh:\n{left.stdout}"
     report = json.loads((work / "report.json").read_text())
     trainer = json.loads((work / "trainer.json").read_text())
     assert report["phase"] == "Succeeded"
