@@ -16,24 +16,30 @@ rollfleet=${ROLLFLEET:-target/debug/rollfleet}
 [[ -x $rollfleet ]] || { echo "build it first: cargo build -p rollfleet-cli" >&2; exit 3; }
 work=$(mktemp -d -t rollfleet-external-XXXXXX)
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+trap 'kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 
-fake() { # script name -> URL
+# Started in this shell (not in a command substitution), so that the trap stops them.
+fake() { # fake SCRIPT NAME
     python3 "tests/fakes/$1" --port-file "$work/$2.port" >"$work/$2.log" 2>&1 &
     pids+=($!)
     for _ in $(seq 100); do [[ -s $work/$2.port ]] && break; sleep 0.1; done
-    echo "http://127.0.0.1:$(cat "$work/$2.port")"
 }
-prefill=$(fake sglang_server.py prefill-0)
-decode0=$(fake sglang_server.py decode-0)
-decode1=$(fake sglang_server.py decode-1)
-tokenizer=$(fake vllm_server.py tokenizer)
+url_of() { echo "http://127.0.0.1:$(cat "$work/$1.port")"; }
+fake sglang_server.py prefill-0
+fake sglang_server.py decode-0
+fake sglang_server.py decode-1
+fake vllm_server.py tokenizer
+prefill=$(url_of prefill-0)
+decode0=$(url_of decode-0)
+decode1=$(url_of decode-1)
+tokenizer=$(url_of tokenizer)
 
 job=examples/jobs/quickstart-external.yaml
 "$rollfleet" scheduler "$job" --listen 127.0.0.1:0 --expect-workers 5 --time-scale 1 \
     --journal "$work/journal" --weights-dir "$work" --report "$work/report.json" \
     >"$work/scheduler.out" 2>"$work/scheduler.log" &
-pids+=($!)
+scheduler=$!
+pids+=($scheduler)
 for _ in $(seq 100); do grep -q "listening on" "$work/scheduler.out" 2>/dev/null && break; sleep 0.1; done
 url="http://$(sed -n 's/^listening on //p' "$work/scheduler.out")"
 sglang=(--engine sglang --chat-tokenizer-url "$tokenizer")
@@ -50,5 +56,5 @@ done
 echo "scheduler on $url; logs and checkpoints in $work" >&2
 "$rollfleet" train "$job" --scheduler "$url" --checkpoints "$work/checkpoints" \
     --report "$work/trainer.json"
-wait "${pids[4]}" || true
+wait "$scheduler" || true
 echo "the scheduler's report: $work/report.json; each engine's requests: $work/*-?.log" >&2
