@@ -161,13 +161,14 @@ fn sglang_job(procs: &mut Procs, dir: &Path, job: &Path, decode_flags: [&[&str];
     url
 }
 
-/// Runs `rollfleet train` on the job at `url` to its end; its report.
-fn train_to_the_end(url: &str, dir: &Path, job: &Path) -> Value {
+/// Runs `rollfleet train` (with `extra` flags) on the job at `url` to its end; its report.
+fn train_to_the_end(url: &str, dir: &Path, job: &Path, extra: &[&str]) -> Value {
     let trainer_report = dir.join("trainer.json");
     let mut trainer = Command::new(BIN)
         .arg("train")
         .arg(job)
         .args(["--scheduler", url, "--step-ms", "100", "--record-tokens"])
+        .args(extra)
         .arg("--checkpoints")
         .arg(dir.join("ckpt"))
         .arg("--report")
@@ -180,12 +181,19 @@ fn train_to_the_end(url: &str, dir: &Path, job: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(&trainer_report).unwrap()).unwrap()
 }
 
-/// What each engine answered: `(version, output ids, rounded log-probabilities)` of every
-/// generation it completed (not those it refused or that were aborted).
-fn generations(logs: &BTreeMap<String, Vec<Value>>) -> BTreeSet<(u64, Vec<u32>, Vec<i64>)> {
+/// The path of a generation in the fakes' logs: SGLang's native one, vLLM's completions.
+const SGLANG_GENERATE: &str = "/generate";
+const VLLM_GENERATE: &str = "/v1/completions";
+
+/// What each engine answered on `path`: `(version, output ids, rounded log-probabilities)` of
+/// every generation it completed (not those it refused or that were aborted).
+fn generations(
+    logs: &BTreeMap<String, Vec<Value>>,
+    path: &str,
+) -> BTreeSet<(u64, Vec<u32>, Vec<i64>)> {
     logs.values()
         .flatten()
-        .filter(|e| e["path"] == "/generate" && e["output_ids"].is_array())
+        .filter(|e| e["path"] == path && e["output_ids"].is_array())
         .map(|e| {
             (
                 e["version"].as_str().unwrap().parse::<u64>().unwrap(),
@@ -198,8 +206,12 @@ fn generations(logs: &BTreeMap<String, Vec<Value>>) -> BTreeSet<(u64, Vec<u32>, 
 
 /// Asserts that every trained turn is exactly what an engine generated under the version it
 /// is stamped with: same ids, same log-probabilities.
-fn assert_turns_are_engine_output(trained: &Value, logs: &BTreeMap<String, Vec<Value>>) {
-    let generated = generations(logs);
+fn assert_turns_are_engine_output(
+    trained: &Value,
+    logs: &BTreeMap<String, Vec<Value>>,
+    path: &str,
+) {
+    let generated = generations(logs, path);
     let turns = trained["turns"].as_array().unwrap();
     assert!(turns.len() >= 160, "{} turns", turns.len());
     for turn in turns {
@@ -248,7 +260,7 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
     // Loading takes the decode engines a while, so that two loads at once would show.
     let slow: &[&str] = &["--slow-update-ms", "150"];
     let url = sglang_job(&mut procs, &dir, Path::new(JOB), [slow, slow]);
-    let trained = train_to_the_end(&url, &dir, Path::new(JOB));
+    let trained = train_to_the_end(&url, &dir, Path::new(JOB), &[]);
     assert_eq!(trained["version"], 5);
     assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
     assert_eq!(trained["stale"], serde_json::json!([]));
@@ -257,7 +269,7 @@ fn an_external_trainer_drives_real_engines_replica_by_replica_and_trains_their_e
     assert!(trained["engine_turns"].as_u64().unwrap() >= 160);
 
     let logs = sglang_job_logs(&dir);
-    assert_turns_are_engine_output(&trained, &logs);
+    assert_turns_are_engine_output(&trained, &logs, SGLANG_GENERATE);
 
     // Each replica's engine was loaded by its own weight syncs, version after version in order,
     // and generated only under versions it had loaded.
@@ -348,57 +360,23 @@ fn an_external_trainer_drives_vllm_engines_replica_by_replica_and_trains_their_e
         worker(&mut procs, &url, pool, &[]);
     }
     // vLLM's shared-disk weight transfer loads a directory of safetensors files.
-    let trainer_report = dir.join("trainer.json");
-    let mut trainer = Command::new(BIN)
-        .arg("train")
-        .arg(JOB)
-        .args(["--scheduler", &url, "--step-ms", "100", "--record-tokens"])
-        .args(["--checkpoint-layout", "safetensors-dir"])
-        .arg("--checkpoints")
-        .arg(dir.join("ckpt"))
-        .arg("--report")
-        .arg(&trainer_report)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let status = wait_exit(&mut trainer, DEADLINE);
-    assert!(status.success(), "the trainer failed: {status}");
-    let trained: Value = serde_json::from_slice(&std::fs::read(&trainer_report).unwrap()).unwrap();
+    let trained = train_to_the_end(
+        &url,
+        &dir,
+        Path::new(JOB),
+        &["--checkpoint-layout", "safetensors-dir"],
+    );
     assert_eq!(trained["version"], 5);
     assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
     assert_eq!(trained["stale"], serde_json::json!([]));
     assert_eq!(trained["malformed"], serde_json::json!([]));
     assert_eq!(trained["emulated_turns"], 0);
 
-    let logs: BTreeMap<&str, Vec<Value>> =
-        names.iter().map(|n| (*n, engine_log(&dir, n))).collect();
-    let generated: BTreeSet<(u64, Vec<u32>, Vec<i64>)> = logs
-        .values()
-        .flatten()
-        .filter(|e| e["path"] == "/v1/completions" && e["output_ids"].is_array())
-        .map(|e| {
-            (
-                e["version"].as_str().unwrap().parse().unwrap(),
-                serde_json::from_value(e["output_ids"].clone()).unwrap(),
-                rounded(e["logprobs"].as_array().unwrap()),
-            )
-        })
+    let logs: BTreeMap<String, Vec<Value>> = names
+        .iter()
+        .map(|n| ((*n).to_owned(), engine_log(&dir, n)))
         .collect();
-    let turns = trained["turns"].as_array().unwrap();
-    assert!(turns.len() >= 160, "{} turns", turns.len());
-    for turn in turns {
-        let versions = turn["versions"].as_array().unwrap();
-        assert_eq!(versions.len(), 1, "{turn}");
-        let key = (
-            versions[0].as_u64().unwrap(),
-            serde_json::from_value::<Vec<u32>>(turn["action_tokens"].clone()).unwrap(),
-            rounded(turn["logprobs"].as_array().unwrap()),
-        );
-        assert!(
-            generated.contains(&key),
-            "turn {turn} is not what a vLLM engine generated under its version"
-        );
-    }
+    assert_turns_are_engine_output(&trained, &logs, VLLM_GENERATE);
     // Both decode engines took new versions through vLLM's weight-transfer calls, in order.
     for name in ["decode-0", "decode-1"] {
         let loaded: Vec<u64> = logs[name]
@@ -431,7 +409,7 @@ fn a_replica_whose_engine_fails_or_fakes_a_weight_update_leaves_service_and_is_r
         Path::new(JOB),
         [&["--fail-updates", "2"], &["--keep-old-weights"]],
     );
-    let trained = train_to_the_end(&url, &dir, Path::new(JOB));
+    let trained = train_to_the_end(&url, &dir, Path::new(JOB), &[]);
     assert_eq!(trained["version"], 5);
     assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
     assert_eq!(trained["stale"], serde_json::json!([]));
@@ -442,7 +420,7 @@ fn a_replica_whose_engine_fails_or_fakes_a_weight_update_leaves_service_and_is_r
 
     let logs = sglang_job_logs(&dir);
     // Nothing trained came from weights an engine only claimed to load.
-    assert_turns_are_engine_output(&trained, &logs);
+    assert_turns_are_engine_output(&trained, &logs, SGLANG_GENERATE);
     let faking = &logs["decode-1"];
     let faked_versions = served_versions(faking);
     assert!(
@@ -548,7 +526,7 @@ fn with_interrupts_a_turn_cut_by_its_replicas_update_resumes_from_the_engines_to
     // update often finds a generation running.
     let slow: &[&str] = &["--token-delay-ms", "4", "--slow-update-ms", "50"];
     let url = sglang_job(&mut procs, &dir, &job, [slow, slow]);
-    let trained = train_to_the_end(&url, &dir, &job);
+    let trained = train_to_the_end(&url, &dir, &job, &[]);
     assert_eq!(trained["version"], 5);
     assert_eq!(trained["trajectories"].as_array().unwrap().len(), 160);
     assert_eq!(trained["stale"], serde_json::json!([]));

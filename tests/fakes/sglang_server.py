@@ -31,11 +31,11 @@ import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 
 from toy_model import (
     EOS,
     INITIAL_WEIGHTS,
+    JsonHandler,
     arguments,
     log,
     next_token,
@@ -74,21 +74,7 @@ class State:
         self.aborted = set()
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    state = None
-
-    def log_message(self, *args):
-        pass
-
-    def send_json(self, status, body):
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(JsonHandler):
     def send_text(self, status, text):
         data = text.encode()
         self.send_response(status)

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import sys
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 IM_START, IM_END, NEWLINE = 1, 2, 3
 EOS = IM_END
@@ -101,3 +101,22 @@ def serve(handler, args):
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """What both fakes' request handlers share: HTTP/1.1 keep-alive, no access log (each
+    request is logged as JSON instead), JSON answers."""
+
+    protocol_version = "HTTP/1.1"
+    state = None
+
+    def log_message(self, *args):
+        pass
+
+    def send_json(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

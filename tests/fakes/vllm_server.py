@@ -31,12 +31,12 @@ import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
 
 from toy_model import (
     EOS,
     INITIAL_WEIGHTS,
+    JsonHandler,
     arguments,
     chat_template,
     log,
@@ -65,21 +65,7 @@ class State:
         self.updates = 0
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    state = None
-
-    def log_message(self, *args):
-        pass
-
-    def send_json(self, status, body):
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
+class Handler(JsonHandler):
     def send_empty(self, status=200):
         self.send_response(status)
         self.send_header("Content-Length", "0")

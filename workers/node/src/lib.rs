@@ -108,7 +108,7 @@ pub enum EngineChoice {
         chat_tokenizer: Option<String>,
         /// Sampling temperature.
         temperature: f32,
-        /// How long a weight update (load and read-back) may take.
+        /// How long the engine's weight-loading call may take.
         update_timeout: Duration,
     },
     /// vLLM replicas, token-in, token-out, one per replica this node serves.
@@ -119,7 +119,7 @@ pub enum EngineChoice {
         model: Option<String>,
         /// Sampling temperature.
         temperature: f32,
-        /// How long a weight update (load and read-back) may take.
+        /// How long the engine's weight-loading call may take.
         update_timeout: Duration,
     },
 }

@@ -184,9 +184,10 @@ pub struct EngineArgs {
     /// Sampling temperature of the OpenAI-compatible engine.
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f32,
-    /// With `--engine sglang` or `vllm`: seconds a weight update may take (the load and the
-    /// version read-back) before it counts as failed; the scheduler then takes the replica out
-    /// of service and updates it again after a backoff.
+    /// With `--engine sglang` or `vllm`: seconds the engine's weight-loading call may take
+    /// (SGLang's `/update_weights_from_disk`, vLLM's `/update_weights`) before the update counts
+    /// as failed; the scheduler then takes the replica out of service and updates it again after
+    /// a backoff. The other calls of an update keep the request timeout.
     #[arg(long, value_name = "SECS", default_value_t = 1800)]
     pub engine_update_timeout: u64,
 }
