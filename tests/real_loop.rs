@@ -123,10 +123,13 @@ fn engine_log(dir: &Path, name: &str) -> Vec<Value> {
         .collect()
 }
 
-fn rounded(logprobs: &[Value]) -> Vec<i64> {
+/// Log-probabilities at the precision the feed carries them (`float`): an engine's JSON number
+/// and the trained turn's are then equal bit for bit. (Rounding to a few decimals instead is
+/// not a comparison: a value near a rounding boundary lands on either side after the cast.)
+fn as_f32_bits(logprobs: &[Value]) -> Vec<u32> {
     logprobs
         .iter()
-        .map(|l| (l.as_f64().unwrap() * 1000.0).round() as i64)
+        .map(|l| (l.as_f64().unwrap() as f32).to_bits())
         .collect()
 }
 
@@ -185,12 +188,12 @@ fn train_to_the_end(url: &str, dir: &Path, job: &Path, extra: &[&str]) -> Value 
 const SGLANG_GENERATE: &str = "/generate";
 const VLLM_GENERATE: &str = "/v1/completions";
 
-/// What each engine answered on `path`: `(version, output ids, rounded log-probabilities)` of
+/// What each engine answered on `path`: `(version, output ids, log-probabilities as `f32`)` of
 /// every generation it completed (not those it refused or that were aborted).
 fn generations(
     logs: &BTreeMap<String, Vec<Value>>,
     path: &str,
-) -> BTreeSet<(u64, Vec<u32>, Vec<i64>)> {
+) -> BTreeSet<(u64, Vec<u32>, Vec<u32>)> {
     logs.values()
         .flatten()
         .filter(|e| e["path"] == path && e["output_ids"].is_array())
@@ -198,7 +201,7 @@ fn generations(
             (
                 e["version"].as_str().unwrap().parse::<u64>().unwrap(),
                 serde_json::from_value::<Vec<u32>>(e["output_ids"].clone()).unwrap(),
-                rounded(e["logprobs"].as_array().unwrap()),
+                as_f32_bits(e["logprobs"].as_array().unwrap()),
             )
         })
         .collect()
@@ -220,7 +223,7 @@ fn assert_turns_are_engine_output(
         let key = (
             versions[0].as_u64().unwrap(),
             serde_json::from_value::<Vec<u32>>(turn["action_tokens"].clone()).unwrap(),
-            rounded(turn["logprobs"].as_array().unwrap()),
+            as_f32_bits(turn["logprobs"].as_array().unwrap()),
         );
         assert!(
             generated.contains(&key),
@@ -475,20 +478,20 @@ fn a_replica_whose_engine_fails_or_fakes_a_weight_update_leaves_service_and_is_r
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// One answer an engine logged: its version, input, output ids, rounded log-probabilities and
+/// One answer an engine logged: its version, input, output ids, log-probabilities (as `f32`) and
 /// whether it was aborted.
 struct Answer {
     version: u64,
     input: Vec<u32>,
     output: Vec<u32>,
-    logprobs: Vec<i64>,
+    logprobs: Vec<u32>,
     aborted: bool,
 }
 
 /// The versions of engine answers that make up `action` from token `at` on: each answer's ids
 /// and log-probabilities are the next ones, its input ends with the tokens before it, and every
 /// answer but the last was aborted. `None` when no such answers exist.
-fn explain(answers: &[Answer], action: &[u32], logprobs: &[i64], at: usize) -> Option<Vec<u64>> {
+fn explain(answers: &[Answer], action: &[u32], logprobs: &[u32], at: usize) -> Option<Vec<u64>> {
     if at == action.len() {
         return Some(Vec::new());
     }
@@ -553,7 +556,7 @@ fn with_interrupts_a_turn_cut_by_its_replicas_update_resumes_from_the_engines_to
             version: e["version"].as_str().unwrap().parse().unwrap(),
             input: ids(&e["input_ids"]),
             output: ids(&e["output_ids"]),
-            logprobs: rounded(e["logprobs"].as_array().unwrap()),
+            logprobs: as_f32_bits(e["logprobs"].as_array().unwrap()),
             aborted: e["finish_reason"]["type"] == "abort",
         })
         .collect();
@@ -562,7 +565,7 @@ fn with_interrupts_a_turn_cut_by_its_replicas_update_resumes_from_the_engines_to
     for turn in trained["turns"].as_array().unwrap() {
         let versions: Vec<u64> = serde_json::from_value(turn["versions"].clone()).unwrap();
         let action = ids(&turn["action_tokens"]);
-        let logprobs = rounded(turn["logprobs"].as_array().unwrap());
+        let logprobs = as_f32_bits(turn["logprobs"].as_array().unwrap());
         // Answers that explain the action from token `at` on (answers with the same context and
         // seed share a prefix, so the first that fits is not always the one: search them all).
         let Some(pieces) = explain(&answered, &action, &logprobs, 0) else {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,16 @@ HERE = Path(__file__).resolve().parent
 # differ as much between themselves); a mean beyond this is a plumbing error, not rounding.
 MEAN_GAP = 0.15
 STEPS, BATCH = 3, 8
+
+
+def as_float32(logprobs: list[float]) -> tuple[float, ...]:
+    """Log-probabilities at the precision the feed carries them (protobuf ``float``).
+
+    An engine's logged number and the trained turn's are then equal exactly; rounding both to a
+    few decimals is not a comparison (a value near a rounding boundary lands on either side once
+    it has been through float32).
+    """
+    return tuple(struct.unpack(f"{len(logprobs)}f", struct.pack(f"{len(logprobs)}f", *logprobs)))
 
 
 def log_of(work: Path, name: str) -> list[dict[str, Any]]:
@@ -72,7 +83,7 @@ def test_a_real_model_is_trained_through_rollfleet_on_cpu(tmp_path: Path) -> Non
 
     # Every trained turn is an engine's answer under the version it is stamped with.
     answers = {
-        (int(e["version"]), tuple(e["output_ids"]), tuple(round(x, 3) for x in e["logprobs"]))
+        (int(e["version"]), tuple(e["output_ids"]), as_float32(e["logprobs"]))
         for log in logs.values()
         for e in log
         if e["path"] == "/generate" and isinstance(e.get("output_ids"), list)
@@ -83,7 +94,7 @@ def test_a_real_model_is_trained_through_rollfleet_on_cpu(tmp_path: Path) -> Non
             key = (
                 turn["versions"][0],
                 tuple(turn["action_tokens"]),
-                tuple(round(x, 3) for x in turn["logprobs"]),
+                as_float32(turn["logprobs"]),
             )
             assert key in answers, f"turn {turn} is no engine's answer under its version"
         # The trainer's log-probabilities of the sampled tokens are the engines' (same weights).
