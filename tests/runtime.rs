@@ -663,6 +663,85 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
     assert_journal_replays_to(&journal, &report);
 }
 
+#[test]
+fn a_job_replanned_before_a_scheduler_failover_resumes_and_no_weight_update_fails_on_a_replica_its_worker_never_started()
+ {
+    let dir = temp_dir("replan-failover");
+    // Decode as two nodes of two H20s; one is lost, and the re-plan on a node that joins starts
+    // replicas of the new plan there (as in the re-plan test above).
+    let job = job_file(&dir, 24);
+    let yaml = std::fs::read_to_string(&job).unwrap();
+    let decode = "      gpu: H20\n      count: 2\n";
+    assert!(yaml.contains(decode));
+    std::fs::write(
+        &job,
+        yaml.replace(
+            decode,
+            "      gpu: H20\n      count: 4\n      gpusPerNode: 2\n",
+        ),
+    )
+    .unwrap();
+    let report = dir.join("report.json");
+    let journal = dir.join("scheduler.journal");
+    let journal = journal.to_str().unwrap();
+    let flags = ["--journal", journal];
+    let (mut sched, url) = start_scheduler(&job, &report, 6, &flags, Stdio::piped());
+    let log = tee_log(&mut sched);
+    let addr = url.strip_prefix("http://").unwrap().to_owned();
+    let mut procs = Procs(vec![sched]);
+    let mut victim = 0;
+    for (pool, n) in [
+        ("prefill", 1),
+        ("decode", 2),
+        ("train", 1),
+        ("envs", 1),
+        ("rewards", 1),
+    ] {
+        for i in 0..n {
+            if (pool, i) == ("decode", 0) {
+                victim = procs.0.len();
+            }
+            procs.0.push(worker(&url, pool, &format!("{pool}-{i}")));
+        }
+    }
+    wait_status(&url, "the first step trained", |s| s.policy_version >= 1);
+    procs.0[victim].kill().unwrap();
+    wait_status(&url, "the decode node's loss noticed", |s| {
+        s.pools.iter().any(|p| p.pool == "decode" && p.workers == 1)
+    });
+    procs
+        .0
+        .push(worker_declaring_gpus(&url, "decode", "decode-2", 2));
+    wait_log(&log, "starts on worker");
+    // SIGKILL once a re-plan's replica was started: the restarted scheduler hands it to a
+    // decode worker that registers again, which never heard of it from this scheduler.
+    procs.0[0].kill().unwrap();
+    procs.0[0].wait().unwrap();
+    let mut command = Command::new(BIN);
+    command.arg("scheduler").arg(&job);
+    let mut resume_flags = flags.to_vec();
+    resume_flags.extend(["--listen", &addr]);
+    let (mut sched, _) = spawn_scheduler(&mut command, &report, 6, &resume_flags, Stdio::piped());
+    let log = tee_log(&mut sched);
+    procs.0[0] = sched;
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the resumed scheduler failed: {status:?}");
+    let lines: Vec<String> = log.try_iter().collect();
+    assert!(
+        lines.iter().any(|l| l.contains("moves to worker")),
+        "no replica was handed to a worker that registered again after the restart"
+    );
+    let report = check_report(&report, 24, 1);
+    // Every replica a worker is sent weights for is one it serves: none fails as unknown to
+    // the worker, and none is retried in a loop.
+    assert_eq!(report["weight_update_failures"], 0, "{report:#}");
+    assert!(
+        !lines.iter().any(|l| l.contains("no replica")),
+        "a worker was sent work for a replica it was never told to start"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A report without the dispatch latencies, which only a live run measures.
 fn decisions(report: &Value) -> Value {
     let mut report = report.clone();
@@ -1286,6 +1365,94 @@ fn the_trainer_feed_resends_what_was_not_acknowledged_after_a_reconnect() {
         fed, trained,
         "the feed carries every trained trajectory once, in order"
     );
+}
+
+#[test]
+fn one_trainer_reads_a_jobs_feed_and_a_resume_that_would_skip_or_acknowledge_unsent_items_is_refused()
+ {
+    use rollfleet_proto::v1::trainer_feed_client::TrainerFeedClient;
+    let dir = temp_dir("feed-readers");
+    let job = job_file(&dir, 2);
+    let report = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report, 5, &[]);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let (first, last) = rt().block_on(async {
+        let mut client = TrainerFeedClient::connect(url.clone()).await.unwrap();
+        let open = |resume_from: u64| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            tx.send(subscribe(resume_from, 8)).unwrap();
+            (tx, tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        };
+        // Trainer A reads 1-10 and acknowledges 5.
+        let (a_tx, a_rx) = open(1);
+        let mut a = client.feed(a_rx).await.unwrap().into_inner();
+        let mut first = read_feed(&mut a, 8).await;
+        a_tx.send(ack(5)).unwrap();
+        first.extend(read_feed(&mut a, 2).await);
+
+        // A second trainer while A's stream is open is refused, naming why.
+        let (_b_tx, b_rx) = open(1);
+        let refused = client.feed(b_rx).await.unwrap_err();
+        assert_eq!(
+            refused.code(),
+            tonic::Code::FailedPrecondition,
+            "{refused:?}"
+        );
+        assert!(refused.message().contains("another trainer"), "{refused:?}");
+
+        // A leaves. B cannot claim to have consumed items no stream ever sent (A's window had
+        // 13 sent: 5 acknowledged and 8 ahead).
+        drop(a_tx);
+        drop(a);
+        let (_b_tx, b_rx) = open(65);
+        let refused = client.feed(b_rx).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(
+            refused.message().contains("subscribe.resume_from")
+                && refused.message().contains("sent through 13 only"),
+            "{refused:?}"
+        );
+        // B takes over after 10 (its own account: it consumed 1-10), reads 11 and acknowledges it.
+        let (b_tx, b_rx) = open(11);
+        let mut b = client.feed(b_rx).await.unwrap().into_inner();
+        let eleventh = read_feed(&mut b, 1).await;
+        assert_eq!(eleventh[0].0, 11);
+        b_tx.send(ack(11)).unwrap();
+        // Closing its side ends B's stream once the scheduler has read the acknowledgement.
+        drop(b_tx);
+        while let Ok(Some(_)) = b.message().await {}
+
+        // A comes back from 6: items 6-11 are acknowledged and gone, and the feed says so
+        // instead of carrying on at 12 with a gap.
+        let (_a_tx, a_rx) = open(6);
+        let refused = client.feed(a_rx).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().contains("resume from 12"), "{refused:?}");
+
+        // From 12, the rest comes gap-free.
+        let (tx, rx) = open(12);
+        let mut feed = client.feed(rx).await.unwrap().into_inner();
+        let mut last = Vec::new();
+        while last.len() < 64 - 11 {
+            let got = read_feed(&mut feed, 1).await;
+            tx.send(ack(got[0].0)).unwrap();
+            last.extend(got);
+        }
+        // Everything is acknowledged: the scheduler ends the feed when it leaves.
+        while let Ok(Some(_)) = feed.message().await {}
+        drop(tx);
+        (first, last)
+    });
+    let seqs: Vec<u64> = first.iter().map(|x| x.0).collect();
+    assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
+    let seqs: Vec<u64> = last.iter().map(|x| x.0).collect();
+    assert_eq!(seqs, (12..=64).collect::<Vec<_>>());
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success());
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A trainer that reads the feed through scheduler restarts: it acknowledges every 8th item

@@ -1,7 +1,11 @@
 //! The packed form of a generation's token ids and log-probabilities on the worker-to-scheduler
 //! hop (`StageOutput.packed_*`): 4 little-endian bytes per value. Decoding one `bytes` field is a
 //! copy; decoding the same ids as `repeated uint32` is a varint and a buffer advance per id,
-//! which made token-level results cost the scheduler half again the CPU of count-only ones.
+//! which made token-level results cost the scheduler half again the CPU of count-only ones. The
+//! packed fields are `Bytes`, so that decoding them takes a slice of the receive buffer instead
+//! of a copy.
+
+use prost::bytes::Bytes;
 
 use crate::v1::StageOutput;
 
@@ -23,21 +27,32 @@ pub fn pack_f32(values: &[f32]) -> Vec<u8> {
     packed
 }
 
-fn chunks(field: &str, bytes: &[u8]) -> Result<impl Iterator<Item = [u8; 4]>, String> {
+/// The 4-byte values of a packed field, decoded by `decode`; an error naming the field when the
+/// bytes are not whole values. (A plain loop over `chunks_exact` into a sized vector compiles to
+/// a vectorized copy; an iterator chain collecting into a vector did not.)
+fn values<T: Default + Clone>(
+    field: &str,
+    bytes: &[u8],
+    decode: fn([u8; 4]) -> T,
+) -> Result<Vec<T>, String> {
     if !bytes.len().is_multiple_of(4) {
         return Err(format!(
             "{field}: {} bytes, not a whole number of 4-byte values",
             bytes.len()
         ));
     }
-    Ok(bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]))
+    let mut out = vec![T::default(); bytes.len() / 4];
+    for (value, chunk) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *value = decode([chunk[0], chunk[1], chunk[2], chunk[3]]);
+    }
+    Ok(out)
 }
 
 /// Moves a result's packed ids and log-probabilities into its repeated fields, so that the
 /// rest of the scheduler reads one form. A field given both ways, or packed bytes that are not
 /// whole values, is an error naming the field.
 pub fn unpack(output: &mut StageOutput) -> Result<(), String> {
-    fn ids(field: &str, packed: &mut Vec<u8>, into: &mut Vec<u32>) -> Result<(), String> {
+    fn ids(field: &str, packed: &mut Bytes, into: &mut Vec<u32>) -> Result<(), String> {
         if packed.is_empty() {
             return Ok(());
         }
@@ -46,8 +61,8 @@ pub fn unpack(output: &mut StageOutput) -> Result<(), String> {
                 "{field}: given both packed and as a list; send one"
             ));
         }
-        *into = chunks(field, packed)?.map(u32::from_le_bytes).collect();
-        packed.clear();
+        *into = values(field, packed, u32::from_le_bytes)?;
+        *packed = Bytes::new();
         Ok(())
     }
     ids(
@@ -64,19 +79,21 @@ pub fn unpack(output: &mut StageOutput) -> Result<(), String> {
         if !output.logprobs.is_empty() {
             return Err("packed_logprobs: given both packed and as a list; send one".into());
         }
-        output.logprobs = chunks("packed_logprobs", &output.packed_logprobs)?
-            .map(f32::from_le_bytes)
-            .collect();
-        output.packed_logprobs.clear();
+        output.logprobs = values(
+            "packed_logprobs",
+            &output.packed_logprobs,
+            f32::from_le_bytes,
+        )?;
+        output.packed_logprobs = Bytes::new();
     }
     Ok(())
 }
 
 /// Packs a result's ids and log-probabilities (the repeated fields are emptied).
 pub fn pack(output: &mut StageOutput) {
-    output.packed_tokens = pack_u32(&std::mem::take(&mut output.tokens));
-    output.packed_prompt_tokens = pack_u32(&std::mem::take(&mut output.prompt_tokens));
-    output.packed_logprobs = pack_f32(&std::mem::take(&mut output.logprobs));
+    output.packed_tokens = pack_u32(&std::mem::take(&mut output.tokens)).into();
+    output.packed_prompt_tokens = pack_u32(&std::mem::take(&mut output.prompt_tokens)).into();
+    output.packed_logprobs = pack_f32(&std::mem::take(&mut output.logprobs)).into();
 }
 
 #[cfg(test)]
@@ -102,14 +119,14 @@ mod tests {
     #[test]
     fn packed_bytes_that_are_not_whole_values_or_a_field_given_twice_are_refused_by_name() {
         let mut torn = StageOutput {
-            packed_logprobs: vec![0; 6],
+            packed_logprobs: vec![0; 6].into(),
             ..Default::default()
         };
         let error = unpack(&mut torn).unwrap_err();
         assert!(error.starts_with("packed_logprobs: 6 bytes"), "{error}");
         let mut twice = StageOutput {
             tokens: vec![1],
-            packed_tokens: pack_u32(&[1]),
+            packed_tokens: pack_u32(&[1]).into(),
             ..Default::default()
         };
         let error = unpack(&mut twice).unwrap_err();

@@ -48,8 +48,9 @@ class InvalidJob(SchedulerError):
 
 
 class SubscriptionRefused(SchedulerError):
-    """The scheduler refused the trainer feed subscription (an unknown job, a ``resume_from``
-    it never sent)."""
+    """The scheduler refused the trainer feed subscription: an unknown job, another trainer
+    already reading the job's feed (one trainer reads a job's feed), a ``resume_from`` past
+    what was ever sent, or before what was acknowledged (those items are gone)."""
 
 
 class FeedError(RollfleetError):

@@ -77,6 +77,7 @@ _FATAL_CODES = (
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.UNIMPLEMENTED,
 )
 
@@ -719,6 +720,9 @@ class Trainer:
                 if not carried and code in (
                     grpc.StatusCode.INVALID_ARGUMENT,
                     grpc.StatusCode.NOT_FOUND,
+                    # Another trainer reads the job's feed.
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.OUT_OF_RANGE,
                 ):
                     raise SubscriptionRefused(
                         f"the scheduler at {self._conn.url} refused the feed subscription of "

@@ -28,6 +28,29 @@ use rollfleet_proto::v1::{
 use rollfleet_server::{Report, ServerOptions, serve};
 
 const STEPS: u32 = 150;
+/// The longest answer and prompt an instant worker sends token ids for.
+const MAX_ANSWER: u32 = 48;
+const MAX_PROMPT: u32 = 4096;
+
+/// The packed token ids and log-probabilities an instant worker answers with (prefixes of these).
+struct Payloads {
+    tokens: prost::bytes::Bytes,
+    logprobs: prost::bytes::Bytes,
+    prompt: prost::bytes::Bytes,
+}
+
+impl Payloads {
+    fn new() -> Payloads {
+        use rollfleet_proto::packed::{pack_f32, pack_u32};
+        let ids = |n: u32, stride: u32| (0..n).map(|i| i * stride % 151_936).collect::<Vec<_>>();
+        let logprobs: Vec<f32> = (0..MAX_ANSWER).map(|i| -(i as f32) / 64.0).collect();
+        Payloads {
+            tokens: pack_u32(&ids(MAX_ANSWER, 7919)).into(),
+            logprobs: pack_f32(&logprobs).into(),
+            prompt: pack_u32(&ids(MAX_PROMPT, 104_729)).into(),
+        }
+    }
+}
 
 async fn instant_worker(
     url: String,
@@ -83,6 +106,7 @@ async fn instant_worker(
         .await
         .expect("work stream")
         .into_inner();
+    let payloads = Payloads::new();
     while let Ok(Some(m)) = inbound.message().await {
         let a = match m.message {
             Some(scheduler_message::Message::Assign(a)) => a,
@@ -91,28 +115,20 @@ async fn instant_worker(
         };
         let output = match &a.work {
             Some(Work::Generation(g)) => {
-                let n = g.max_new_tokens.clamp(1, 48);
-                let (tokens, logprobs, prompt_tokens) = if token_payloads {
-                    (
-                        (0..n).map(|i| i * 7919 % 151_936).collect(),
-                        (0..n).map(|i| -(i as f32) / 64.0).collect(),
-                        (0..g.new_message_tokens.min(4096) as u32)
-                            .map(|i| i * 104_729 % 151_936)
-                            .collect(),
-                    )
-                } else {
-                    Default::default()
-                };
+                let n = g.max_new_tokens.clamp(1, MAX_ANSWER);
                 let mut output = StageOutput {
                     token_count: u64::from(n),
                     emulated: true,
-                    tokens,
-                    logprobs,
-                    prompt_tokens,
                     ..Default::default()
                 };
-                // As the node worker sends them.
-                rollfleet_proto::packed::pack(&mut output);
+                if token_payloads {
+                    // Packed, as the node worker sends them; slices of payloads made once, so
+                    // that the worker's own cost stays out of the scheduler's figure.
+                    let prompt = g.new_message_tokens.min(u64::from(MAX_PROMPT)) as usize;
+                    output.packed_tokens = payloads.tokens.slice(..4 * n as usize);
+                    output.packed_logprobs = payloads.logprobs.slice(..4 * n as usize);
+                    output.packed_prompt_tokens = payloads.prompt.slice(..4 * prompt);
+                }
                 output
             }
             Some(Work::EnvStep(e)) => StageOutput {

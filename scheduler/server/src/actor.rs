@@ -302,6 +302,10 @@ pub struct Report {
     /// Inference replicas handed to another worker of their pool after theirs was lost.
     #[serde(default)]
     pub replicas_moved: u64,
+    /// Weight updates a replica failed (refused, timed out, faked, or sent for a replica its
+    /// worker does not serve); each takes the replica out of service for a backoff.
+    #[serde(default)]
+    pub weight_update_failures: u64,
     /// Re-plans while the job ran (a GPU pool's nodes came or went, or, with
     /// `--replan-on-drift`, measured profiles drifted), in order.
     #[serde(default)]
@@ -584,6 +588,7 @@ pub struct Actor {
     interrupted_generations: u64,
     /// Replicas handed to another worker after theirs was lost.
     replicas_moved: u64,
+    weight_update_failures: u64,
     latencies_us: Vec<u32>,
     lost: Vec<String>,
     /// Workers released after they said they were leaving.
@@ -609,6 +614,9 @@ impl Actor {
         feed: Arc<FeedLog>,
     ) -> Actor {
         let core = Core::new(plan.config.clone());
+        if plan.spec().rl.trainer != rollfleet_spec::TrainerMode::External {
+            feed.without_trainer();
+        }
         let replicas = plan.placement.replicas.len();
         let mut capacity = BTreeMap::new();
         for (i, pool) in plan.spec().pools.iter().enumerate() {
@@ -685,6 +693,7 @@ impl Actor {
             engine_generations: 0,
             interrupted_generations: 0,
             replicas_moved: 0,
+            weight_update_failures: 0,
             latencies_us: Vec::new(),
             lost: Vec::new(),
             left: Vec::new(),
@@ -855,6 +864,7 @@ impl Actor {
         self.replaying = true;
         let replayed = self.replay_records(reader);
         self.replaying = false;
+        self.feed.replayed();
         // The clock goes on from the last record.
         self.base = self.at;
         self.origin = Instant::now();
@@ -1919,20 +1929,7 @@ impl Actor {
             return None;
         };
         let id = self.replicas.len() as u64;
-        let role = match config.role {
-            ServeRole::Prefill => "prefill",
-            ServeRole::Decode => "decode",
-            ServeRole::Generate => "generate",
-        };
-        let message = SchedulerMessage {
-            message: Some(scheduler_message::Message::StartReplica(ReplicaStart {
-                replica: id,
-                gpus: config.gpus,
-                kv_capacity_tokens: config.kv_capacity_tokens,
-                max_seqs: config.max_seqs,
-                role: role.into(),
-            })),
-        };
+        let (role, message) = start_message(id, &config);
         self.replicas.push(config.clone());
         self.owner.push(Some(worker));
         self.replica_running.push(0);
@@ -1971,6 +1968,9 @@ impl Actor {
         self.migration_progress(r);
     }
 
+    /// Gives the orphaned replicas of `pool` (their worker was lost) to its attached workers,
+    /// the least loaded first. A replica a re-plan started is not in the plan the workers know,
+    /// so its new worker is told to start it, as its first worker was.
     fn adopt_orphans(&mut self, pool: u32) {
         for r in 0..self.owner.len() {
             let gone = self.retiring.contains(&(r as u64)) || self.retired.contains(&(r as u64));
@@ -1985,8 +1985,13 @@ impl Actor {
                 return;
             };
             self.owner[r] = Some(id);
+            let started_by_a_replan = r >= self.plan.placement.replicas.len();
+            let start = started_by_a_replan.then(|| start_message(r as u64, &self.replicas[r]).1);
             if let Some(w) = self.workers.get_mut(&id) {
                 w.replicas.insert(r as u64);
+                if let (Some(message), Some(outbox)) = (start, &w.outbox) {
+                    outbox.send(Ok(message));
+                }
             }
             log!(self, "scheduler: replica {r} moves to worker w{id}");
             self.replicas_moved += 1;
@@ -2297,19 +2302,15 @@ impl Actor {
                                         policy_version,
                                         observation: info
                                             .observations
-                                            .get(index as usize)
-                                            .cloned()
+                                            .get_mut(index as usize)
+                                            .map(std::mem::take)
                                             .unwrap_or_default(),
                                         action: info
                                             .actions
-                                            .get(index as usize)
-                                            .cloned()
+                                            .get_mut(index as usize)
+                                            .map(std::mem::take)
                                             .unwrap_or_default(),
-                                        output: info
-                                            .outputs
-                                            .get(&index)
-                                            .cloned()
-                                            .unwrap_or_default(),
+                                        output: info.outputs.remove(&index).unwrap_or_default(),
                                         ..Default::default()
                                     },
                                     tokens,
@@ -2319,7 +2320,7 @@ impl Actor {
                         reward: info.reward,
                         oldest_policy_version: info.versions.values().min().copied().unwrap_or(0),
                         task: task.map_or_else(String::new, |t| t.name.clone()),
-                        prompt: info.prompt.clone(),
+                        prompt: std::mem::take(&mut info.prompt),
                     };
                     self.feed
                         .append(completed, last_of_group.then_some(info.group));
@@ -3166,6 +3167,7 @@ impl Actor {
         retry.retry_at = Some(self.at + wait);
         let failures = retry.failures;
         self.metrics.weight_update_failures.inc();
+        self.weight_update_failures += 1;
         let name = self.workers.get(&worker).map_or("?", |w| w.name.as_str());
         log!(
             self,
@@ -3704,6 +3706,7 @@ impl Actor {
             workers_lost: self.lost.clone(),
             workers_left: self.left.clone(),
             replicas_moved: self.replicas_moved,
+            weight_update_failures: self.weight_update_failures,
             replans: self.replans.clone(),
             gpu_telemetry: self
                 .workers
@@ -3738,6 +3741,26 @@ impl Actor {
 /// task, then every earlier turn's output and observation. A turn generated by an emulated engine
 /// has no text; the action applied stands in for it.
 /// The drifts as a line of the log: each kind and pool at its measured share against the plan's.
+/// The message that has a worker start replica `id` of a re-plan (the worker knows only the
+/// replicas of the first plan), and the replica's role by name.
+fn start_message(id: u64, config: &ReplicaConfig) -> (&'static str, SchedulerMessage) {
+    let role = match config.role {
+        ServeRole::Prefill => "prefill",
+        ServeRole::Decode => "decode",
+        ServeRole::Generate => "generate",
+    };
+    let message = SchedulerMessage {
+        message: Some(scheduler_message::Message::StartReplica(ReplicaStart {
+            replica: id,
+            gpus: config.gpus,
+            kv_capacity_tokens: config.kv_capacity_tokens,
+            max_seqs: config.max_seqs,
+            role: role.into(),
+        })),
+    };
+    (role, message)
+}
+
 fn describe_drifts(drifts: &[Drift]) -> String {
     drifts
         .iter()

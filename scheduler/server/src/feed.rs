@@ -9,6 +9,15 @@
 //! items ahead of its acknowledgements. Acknowledging a sequence that was never sent is a
 //! protocol violation and ends the stream with the reason.
 //!
+//! One trainer reads a job's feed: a second subscription while a stream is open is refused
+//! (after a short wait, so that a trainer reconnecting finds its old stream gone). A
+//! subscription's `resume_from` is the trainer's own account of what it consumed, taken as an
+//! acknowledgement, but only of items some stream sent; one from before what was acknowledged
+//! (those items are gone) is refused rather than resumed past: a gap is never skipped. With the
+//! emulated trainer nothing has to read the feed, so it keeps only the newest
+//! [`UNREAD_KEPT_WITHOUT_TRAINER`] items nobody acknowledged; a reader that falls further behind
+//! is told which items it missed.
+//!
 //! An external trainer (`rl.trainer: external`) publishes each new version on the same stream
 //! (`PublishWeights`). Its `uri` is checked here, before the actor hears of it, because whether a
 //! file can be read is not something a journal replay could decide again: a `file://` URI or an
@@ -34,6 +43,14 @@ use tonic::{Request, Response, Status, Streaming};
 /// Items sent ahead of acknowledgements when the trainer asks for no window.
 pub const DEFAULT_WINDOW: u32 = 256;
 
+/// Items an emulated-trainer job's feed keeps for a reader (the emulated trainer trained them;
+/// a reader there only watches): enough for one that keeps up with a full window.
+pub const UNREAD_KEPT_WITHOUT_TRAINER: usize = 4 * DEFAULT_WINDOW as usize;
+
+/// How long a subscription waits for another trainer's open stream to end before it is refused:
+/// a trainer reconnecting after its stream broke may get there before the scheduler saw it break.
+const SECOND_READER_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 struct Entry {
     sequence: u64,
     trajectory: CompletedTrajectory,
@@ -50,6 +67,17 @@ struct Log {
     /// Why the job ended, when it did not succeed: the streams end with it as an error, so that
     /// a trainer tells a cancelled or failed job from a scheduler going away to restart.
     ended_without_success: Option<String>,
+    /// The last sequence some stream sent. After a replay of the journal, everything appended
+    /// (the killed scheduler may have sent it all): a trainer may resume after any of it.
+    sent_through: u64,
+    /// The subscription whose stream is open (one trainer reads a job's feed).
+    reader: Option<u64>,
+    subscriptions: u64,
+    /// Items nobody has to acknowledge are kept up to this many (the oldest go first); `None`:
+    /// every item is kept until a trainer acknowledges it.
+    unread_cap: Option<usize>,
+    /// Items through this sequence were dropped unread (see `unread_cap`).
+    dropped_through: u64,
 }
 
 /// The feed's items, shared by the actor (which appends) and the feed streams (which read).
@@ -68,6 +96,11 @@ impl Default for FeedLog {
                 subscribed: false,
                 closed: false,
                 ended_without_success: None,
+                sent_through: 0,
+                reader: None,
+                subscriptions: 0,
+                unread_cap: None,
+                dropped_through: 0,
             }),
             last: watch::Sender::new(0),
         }
@@ -93,9 +126,29 @@ impl FeedLog {
                 trajectory,
                 completes_group,
             });
+            if let Some(cap) = log.unread_cap {
+                while log.entries.len() > cap {
+                    if let Some(dropped) = log.entries.pop_front() {
+                        log.dropped_through = dropped.sequence;
+                    }
+                }
+            }
             sequence
         };
         self.last.send_replace(sequence);
+    }
+
+    /// Keeps only the newest [`UNREAD_KEPT_WITHOUT_TRAINER`] items nobody acknowledged: the job's
+    /// trainer is emulated, so nothing has to read them.
+    pub fn without_trainer(&self) {
+        self.lock().unread_cap = Some(UNREAD_KEPT_WITHOUT_TRAINER);
+    }
+
+    /// After a replay of the journal: a killed scheduler may have sent every item appended, so
+    /// a trainer may resume after any of them.
+    pub fn replayed(&self) {
+        let mut log = self.lock();
+        log.sent_through = log.next_sequence - 1;
     }
 
     /// Whether a trainer ever subscribed and has acknowledged everything appended.
@@ -141,9 +194,13 @@ impl FeedLog {
         }
     }
 
-    /// Items from `from` up to `until` (inclusive), as they go on the wire.
-    fn items(&self, from: u64, until: u64) -> Vec<TrainerFeedItem> {
+    /// Items from `from` up to `until` (inclusive), as they go on the wire; an error when some
+    /// of them were dropped unread (an emulated-trainer job's reader fell too far behind).
+    fn items(&self, from: u64, until: u64) -> Result<Vec<TrainerFeedItem>, Status> {
         let log = self.lock();
+        if from <= log.dropped_through {
+            return Err(dropped_unread(from, log.dropped_through));
+        }
         let mut items = Vec::new();
         for e in log
             .entries
@@ -159,7 +216,101 @@ impl FeedLog {
                 });
             }
         }
-        items
+        Ok(items)
+    }
+
+    /// Notes that a stream sent every item through `until`.
+    fn sent(&self, until: u64) {
+        let mut log = self.lock();
+        log.sent_through = log.sent_through.max(until);
+    }
+
+    /// Makes the caller the feed's one reader, once another's open stream (if any) has ended,
+    /// waiting [`SECOND_READER_WAIT`] at most; the reader stops being one when the returned
+    /// guard drops.
+    async fn become_reader(self: &Arc<Self>, job: &str) -> Result<Reader, Status> {
+        let waited = std::time::Instant::now();
+        loop {
+            {
+                let mut log = self.lock();
+                if log.reader.is_none() {
+                    log.subscriptions += 1;
+                    let id = log.subscriptions;
+                    log.reader = Some(id);
+                    return Ok(Reader {
+                        log: self.clone(),
+                        id,
+                    });
+                }
+            }
+            if waited.elapsed() >= SECOND_READER_WAIT {
+                return Err(Status::failed_precondition(format!(
+                    "another trainer is reading the feed of job {}: one trainer reads a job's \
+                     feed (end the other's stream first)",
+                    crate::quoted(job)
+                )));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Where a subscription with `resume_from` starts: everything before it is consumed by the
+    /// trainer's own account, which is taken as an acknowledgement of items that were sent, and
+    /// never of items that were not (taking its word for those would drop them, untrained).
+    /// `0`: from the first item not acknowledged.
+    fn resume_point(&self, resume_from: u64) -> Result<u64, Status> {
+        let log = self.lock();
+        let gone = log.acked.max(log.dropped_through);
+        if resume_from == 0 {
+            return Ok(gone + 1);
+        }
+        if resume_from > log.sent_through.saturating_add(1) {
+            return Err(Status::invalid_argument(format!(
+                "subscribe.resume_from: {resume_from}, but items were sent through {} only: a \
+                 trainer cannot have consumed what was never sent (a trainer new to this feed \
+                 starts from 1, or 0 for the first item not acknowledged)",
+                log.sent_through
+            )));
+        }
+        if resume_from <= log.dropped_through {
+            return Err(dropped_unread(resume_from, log.dropped_through));
+        }
+        if resume_from <= log.acked {
+            return Err(Status::invalid_argument(format!(
+                "subscribe.resume_from: {resume_from}, but items through {} were acknowledged \
+                 and are no longer held: resume from {} (the feed never skips a gap)",
+                log.acked,
+                log.acked + 1
+            )));
+        }
+        drop(log);
+        self.ack(resume_from - 1);
+        Ok(resume_from)
+    }
+}
+
+/// The error for a reader asking for items dropped unread.
+fn dropped_unread(from: u64, dropped_through: u64) -> Status {
+    Status::out_of_range(format!(
+        "items {from} to {dropped_through} of the feed were dropped unread: the job's trainer is \
+         emulated, so the feed keeps only its newest {UNREAD_KEPT_WITHOUT_TRAINER} items for a \
+         reader; resume from {} or later",
+        dropped_through + 1
+    ))
+}
+
+/// The feed's one reader, for as long as this lives.
+struct Reader {
+    log: Arc<FeedLog>,
+    id: u64,
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        let mut log = self.log.lock();
+        if log.reader == Some(self.id) {
+            log.reader = None;
+        }
     }
 }
 
@@ -319,19 +470,8 @@ impl TrainerFeed for Feed {
             return Err(Status::not_found(message));
         }
         let log = self.log.clone();
-        // Everything before `resume_from` is durably consumed by the trainer's own account, which
-        // cannot hold an item never sent: taking its word for one would drop the trajectories
-        // appended since, untrained.
-        let next_sequence = log.lock().next_sequence;
-        if subscribe.resume_from > next_sequence {
-            return Err(Status::invalid_argument(format!(
-                "subscribe.resume_from: {} was never sent (the next item is {next_sequence}); a \
-                 trainer resuming from another scheduler's feed must start from 0",
-                subscribe.resume_from
-            )));
-        }
-        let resume = subscribe.resume_from.max(1);
-        log.ack(resume - 1);
+        let reader = log.become_reader(&subscribe.job).await?;
+        let resume = log.resume_point(subscribe.resume_from)?;
         let first = !std::mem::replace(&mut log.lock().subscribed, true);
         if first {
             let _ = self.actor.send(crate::actor::Event::FeedSubscribed);
@@ -345,8 +485,10 @@ impl TrainerFeed for Feed {
         let actor = self.actor.clone();
         let weights_root = self.weights_root.clone();
         tokio::spawn(async move {
+            // Held for the life of the stream: another trainer may subscribe once it is gone.
+            let _reader = reader;
             let mut last = log.last.subscribe();
-            let mut next = resume.max(log.acked() + 1);
+            let mut next = resume;
             loop {
                 let ended = {
                     let log = log.lock();
@@ -361,11 +503,19 @@ impl TrainerFeed for Feed {
                 let appended = *last.borrow_and_update();
                 let until = appended.min(log.acked().saturating_add(window));
                 if next <= until {
-                    for item in log.items(next, until) {
+                    let items = match log.items(next, until) {
+                        Ok(items) => items,
+                        Err(missed) => {
+                            let _ = tx.send(Err(missed)).await;
+                            return;
+                        }
+                    };
+                    for item in items {
                         if tx.send(Ok(item)).await.is_err() {
                             return;
                         }
                     }
+                    log.sent(until);
                     next = until + 1;
                 }
                 tokio::select! {
@@ -455,4 +605,56 @@ async fn publication_answer(
     answer
         .await
         .unwrap_or_else(|_| refused("the scheduler is shutting down".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn filled(count: u64, without_trainer: bool) -> FeedLog {
+        let log = FeedLog::default();
+        if without_trainer {
+            log.without_trainer();
+        }
+        for _ in 0..count {
+            log.append(CompletedTrajectory::default(), None);
+        }
+        log
+    }
+
+    #[test]
+    fn an_emulated_trainer_jobs_feed_keeps_only_its_newest_items_and_says_which_a_reader_missed() {
+        let log = filled(1100, true);
+        let kept = UNREAD_KEPT_WITHOUT_TRAINER as u64;
+        assert_eq!(log.lock().entries.len() as u64, kept);
+        let first_kept = 1100 - kept + 1;
+        assert_eq!(log.resume_point(0).unwrap(), first_kept);
+        log.sent(1100);
+        let missed = log.resume_point(5).unwrap_err();
+        assert_eq!(missed.code(), tonic::Code::OutOfRange);
+        assert!(
+            missed
+                .message()
+                .contains(&format!("resume from {first_kept} or later")),
+            "{missed:?}"
+        );
+        assert!(log.items(first_kept - 1, first_kept + 3).is_err());
+        assert_eq!(log.items(first_kept, first_kept + 3).unwrap().len(), 4);
+    }
+
+    #[test]
+    fn an_external_trainers_feed_keeps_every_item_until_it_is_acknowledged() {
+        let log = filled(1100, false);
+        assert_eq!(log.lock().entries.len(), 1100);
+        assert_eq!(log.resume_point(0).unwrap(), 1);
+    }
+
+    #[test]
+    fn after_a_replay_a_trainer_may_resume_after_any_item_the_killed_scheduler_appended() {
+        let log = filled(40, false);
+        assert!(log.resume_point(41).is_err(), "nothing was sent yet");
+        log.replayed();
+        assert_eq!(log.resume_point(41).unwrap(), 41);
+        assert_eq!(log.acked(), 40);
+    }
 }

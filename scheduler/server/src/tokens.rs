@@ -52,7 +52,8 @@ pub(crate) fn feed_turn(mut turn: Turn, tokens: Option<TurnTokens>) -> Turn {
     let Some(t) = tokens else {
         return turn;
     };
-    let mut mask = vec![0u8; t.prompt.len()];
+    let mut mask = Vec::with_capacity(t.prompt.len() + t.action.len());
+    mask.resize(t.prompt.len(), 0u8);
     mask.resize(t.prompt.len() + t.action.len(), 1);
     turn.loss_mask = mask;
     turn.segments = if t.segments.is_empty() {

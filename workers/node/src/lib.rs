@@ -1298,14 +1298,22 @@ impl Node {
             .remove(&replica);
     }
 
-    /// Replica `replica`, if it belongs to this worker's pool.
-    fn own_replica(&self, replica: u64) -> Result<rollfleet_core::ReplicaConfig, String> {
-        let rc = self
-            .replica_config(replica)
-            .ok_or_else(|| format!("generation.replica: no replica {replica} in the placement"))?;
+    /// Replica `replica` (named by the work's field `field`, such as `generation.replica`), if
+    /// it belongs to this worker's pool.
+    fn own_replica(
+        &self,
+        field: &str,
+        replica: u64,
+    ) -> Result<rollfleet_core::ReplicaConfig, String> {
+        let rc = self.replica_config(replica).ok_or_else(|| {
+            format!(
+                "{field}: no replica {replica} in the placement (neither the job's plan nor a \
+                 re-plan's replica started on this worker)"
+            )
+        })?;
         if rc.pool != self.pool {
             return Err(format!(
-                "generation.replica: replica {replica} belongs to pool {}, not this worker's {}",
+                "{field}: replica {replica} belongs to pool {}, not this worker's {}",
                 self.plan.pool_name(rc.pool),
                 self.plan.pool_name(self.pool)
             ));
@@ -1313,12 +1321,12 @@ impl Node {
         Ok(rc)
     }
 
-    fn engine(&self, replica: u64) -> Result<Arc<EmulatedEngine>, String> {
+    fn engine(&self, field: &str, replica: u64) -> Result<Arc<EmulatedEngine>, String> {
         let mut engines = self.engines.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(e) = engines.get(&replica) {
             return Ok(e.clone());
         }
-        let rc = self.own_replica(replica)?;
+        let rc = self.own_replica(field, replica)?;
         let (peak, bw) = self.plan.gpu_peaks(rc.pool);
         let engine = Arc::new(EmulatedEngine::start(EmulatedConfig {
             gpus: rc.gpus,
@@ -1371,14 +1379,20 @@ impl Node {
                     return Err(invalid("generation work sent to a non-GPU pool".into()));
                 }
                 if let Some(backend) = &self.openai {
-                    let gpus = self.own_replica(g.replica).map_err(invalid)?.gpus;
+                    let gpus = self
+                        .own_replica("generation.replica", g.replica)
+                        .map_err(invalid)?
+                        .gpus;
                     return generate_openai(backend, a, g, &self.plan.costs, gpus).await;
                 }
                 if let Some(backend) = &self.tokens {
-                    self.own_replica(g.replica).map_err(invalid)?;
+                    self.own_replica("generation.replica", g.replica)
+                        .map_err(invalid)?;
                     return token_engine::generate(backend, a, g, interrupt).await;
                 }
-                let engine = self.engine(g.replica).map_err(invalid)?;
+                let engine = self
+                    .engine("generation.replica", g.replica)
+                    .map_err(invalid)?;
                 if g.prefill_only {
                     let out = engine
                         .run(0, g.prefill_token_count, None)
@@ -1439,14 +1453,18 @@ impl Node {
             }
             Work::WeightSync(w) => {
                 if let Some(backend) = &self.openai {
-                    self.own_replica(w.replica).map_err(invalid)?;
+                    self.own_replica("weight_sync.replica", w.replica)
+                        .map_err(invalid)?;
                     return weight_sync_openai(backend, w).await;
                 }
                 if let Some(backend) = &self.tokens {
-                    self.own_replica(w.replica).map_err(invalid)?;
+                    self.own_replica("weight_sync.replica", w.replica)
+                        .map_err(invalid)?;
                     return token_engine::weight_sync(backend, w).await;
                 }
-                let engine = self.engine(w.replica).map_err(invalid)?;
+                let engine = self
+                    .engine("weight_sync.replica", w.replica)
+                    .map_err(invalid)?;
                 engine
                     .load_weights(w.to_version, w.weight_bytes)
                     .await
