@@ -11,12 +11,49 @@
 //! scheduler is gone with its streams, so their stages go back to the queues and their replicas
 //! to the workers that register again.
 //!
-//! The file is a [`JournalHeader`] then [`JournalRecord`]s, each prefixed by its length as a
-//! varint. The records of the events the actor takes together (those waiting in its inbox) are
-//! handed to the operating system (buffered, so one `write` for a small batch) before it acts on
-//! any of them, so a killed process loses nothing it acted on; a torn record at the end (the
-//! process died in the middle of writing it, before acting on it) is cut off when the file is
-//! opened again.
+//! # The file
+//!
+//! A [`JournalHeader`] (format [`FORMAT`]) then [`JournalRecord`]s, each in a frame of its own:
+//!
+//! ```text
+//! length    u32, little-endian: the bytes of the message (at most 64 MiB)
+//! check     u32, little-endian: CRC32C (Castagnoli) of the 4 bytes of `length`
+//! message   `length` bytes, protobuf
+//! checksum  u32, little-endian: CRC32C of the 4 bytes of `length`, then the message
+//! ```
+//!
+//! The length has a check of its own so that a damaged length is never taken for a record cut
+//! short: without it, a length that grew would send the reader past the end of the file, and
+//! the rest of the journal would look like a torn record to cut off. A fixed-size length keeps
+//! every bit of the frame at a place the checks cover, whatever a bit flip does to the value.
+//! A frame costs 12 bytes beside its message.
+//!
+//! # Torn, or damaged
+//!
+//! The records of the events the actor takes together (those waiting in its inbox) are handed
+//! to the operating system (buffered, so one `write` for a small batch) before it acts on any of
+//! them, so a killed process loses nothing it acted on. A process killed in the middle of that
+//! `write` leaves the file ending inside a frame: a *torn* record, which the scheduler never
+//! acted on. That, and only that, is cut off when the journal is resumed
+//! ([`JournalWriter::append`]): the file ends before a frame does, inside its first 8 bytes
+//! (too few to check), or after a length whose check holds and before the message and its
+//! checksum are all there.
+//!
+//! Anything else is damage, and the reader refuses the file ([`JournalError::Corrupt`], naming
+//! the byte and the record) rather than resume from less than the journal held: a length whose
+//! check fails, a length over the limit, a whole frame whose checksum fails, a message that does
+//! not decode, zeros where a frame should start. A whole last frame with a bad checksum is
+//! damage too, not a torn write: an append cut short leaves the file shorter than the frame, so
+//! a frame of full length with wrong bytes comes from elsewhere (a machine that lost power
+//! before the file reached the disk, the disk, a hand), and such a journal may have lost records
+//! the actor acted on. Nothing is cut off or rewritten on damage: the file stays as it
+//! is, to be looked into, and the scheduler is started on another journal file.
+//!
+//! A journal of an older format (`rollfleet-journal-v1`: each message prefixed by its length as
+//! a varint, with no checksum) is refused, saying so ([`JournalError::OtherFormat`]).
+//!
+//! # Syncing
+//!
 //! Unless asked to ([`JournalWriter::syncing`], `--journal-sync`), the file is not `fsync`ed: a
 //! killed process loses nothing, but a machine that loses power can lose records the actor had
 //! acted on, and a journal that lost them is not one to resume from. Syncing, every batch is on
@@ -24,17 +61,37 @@
 //! make the next batch bigger, so one sync covers more of them as the load grows.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufRead, BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use prost::Message;
 use rollfleet_proto::v1::{JournalHeader, JournalRecord};
 
 /// What the header's `format` says.
-pub const FORMAT: &str = "rollfleet-journal-v1";
+pub const FORMAT: &str = "rollfleet-journal-v2";
+
+/// How every format of the journal starts, this one and the older.
+const FORMAT_FAMILY: &str = "rollfleet-journal-";
+
+/// The format before the frames had checksums.
+const FORMAT_V1: &str = "rollfleet-journal-v1";
 
 /// The largest record the reader takes (a worker's message is at most a few MB on the wire).
 const MAX_RECORD_BYTES: u64 = 64 << 20;
+
+/// A frame's length and the check of the length.
+const HEAD_BYTES: usize = 8;
+
+/// A frame's checksum, after the message.
+const CHECKSUM_BYTES: usize = 4;
+
+/// What a frame adds to its message.
+const FRAME_OVERHEAD: u64 = (HEAD_BYTES + CHECKSUM_BYTES) as u64;
+
+/// What to do about a journal the scheduler cannot resume from.
+const START_AFRESH: &str = "the scheduler does not resume from it, and the file is kept as it \
+                            is (nothing was cut off or overwritten): start the scheduler with \
+                            another journal file to run the job afresh";
 
 /// What went wrong with a journal.
 #[derive(Debug, thiserror::Error)]
@@ -47,15 +104,31 @@ pub enum JournalError {
         /// The error.
         source: std::io::Error,
     },
-    /// The file is not a journal, or is damaged before its end.
-    #[error("journal {path}: {reason} (at byte {offset})")]
+    /// The file is not a journal, or is damaged: anything but a record torn at its end.
+    #[error("journal {path}, at byte {offset}: {reason}; {advice}", advice = START_AFRESH)]
     Corrupt {
         /// The file.
         path: PathBuf,
-        /// Where.
+        /// Where the damaged frame (or region) starts.
         offset: u64,
-        /// What is wrong.
+        /// What is wrong: the record, what was expected and what was found.
         reason: String,
+    },
+    /// The journal was written in another format of it (by another version of rollfleet).
+    #[error(
+        "journal {path} is in format {format:?}, written by {written_by}; this scheduler reads \
+         only {expected:?} and cannot resume from it. The file is kept as it is: start the \
+         scheduler with another journal file to run the job afresh, or finish the job with the \
+         rollfleet that wrote it",
+        expected = FORMAT
+    )]
+    OtherFormat {
+        /// The file.
+        path: PathBuf,
+        /// The format the file says it has.
+        format: String,
+        /// Which rollfleet wrote it, as far as the format tells.
+        written_by: &'static str,
     },
     /// There is nothing to replay: no such file, or an empty one.
     #[error("journal {path}: no such file, or an empty one: nothing to replay")]
@@ -105,21 +178,37 @@ impl JournalWriter {
         Ok(writer)
     }
 
-    /// Opens `path` to append after its first `valid_bytes` (what [`JournalReader`] read whole;
-    /// a torn record after them is cut off).
+    /// Opens `path` to append after its first `valid_bytes` (what [`JournalReader`] read whole).
+    /// What follows them is cut off only if it is a torn record: the start of a frame that the
+    /// file ends inside. Anything else there (a whole frame, a damaged one) is refused with
+    /// [`JournalError::Corrupt`] and the file is left as it is.
     pub fn append(path: &Path, valid_bytes: u64) -> Result<JournalWriter, JournalError> {
-        let file = OpenOptions::new()
+        let mut file = OpenOptions::new()
+            .read(true)
             .write(true)
             .open(path)
             .map_err(|source| io(path, source))?;
-        file.set_len(valid_bytes)
-            .map_err(|source| io(path, source))?;
-        let mut out = BufWriter::new(file);
-        std::io::Seek::seek(&mut out, std::io::SeekFrom::End(0))
+        let len = file.metadata().map_err(|source| io(path, source))?.len();
+        if len < valid_bytes {
+            return Err(corrupt(
+                path,
+                len,
+                format!(
+                    "the file is {len} bytes long, shorter than the {valid_bytes} bytes of whole \
+                     records read from it: it changed while it was read"
+                ),
+            ));
+        }
+        if len > valid_bytes {
+            check_torn(&mut file, path, valid_bytes, len - valid_bytes)?;
+            file.set_len(valid_bytes)
+                .map_err(|source| io(path, source))?;
+        }
+        file.seek(SeekFrom::End(0))
             .map_err(|source| io(path, source))?;
         Ok(JournalWriter {
             path: path.to_owned(),
-            out,
+            out: BufWriter::new(file),
             buf: Vec::with_capacity(1024),
             sync: false,
         })
@@ -166,11 +255,35 @@ impl JournalWriter {
         Ok(())
     }
 
+    /// Frames `message` (see the module's documentation) into the buffer.
     fn put(&mut self, message: &impl Message) -> Result<(), JournalError> {
+        let len = message.encoded_len();
+        // A record the reader would refuse must not be written: the journal would end there.
+        let len32 = match u32::try_from(len) {
+            Ok(n) if u64::from(n) <= MAX_RECORD_BYTES => n,
+            _ => {
+                return Err(io(
+                    &self.path,
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!(
+                            "a record of {len} bytes is over the journal's limit of \
+                             {MAX_RECORD_BYTES} bytes"
+                        ),
+                    ),
+                ));
+            }
+        };
+        let len_bytes = len32.to_le_bytes();
         self.buf.clear();
+        self.buf.extend_from_slice(&len_bytes);
+        self.buf
+            .extend_from_slice(&crc32c(&len_bytes).to_le_bytes());
         message
-            .encode_length_delimited(&mut self.buf)
+            .encode(&mut self.buf)
             .map_err(|e| io(&self.path, std::io::Error::other(e)))?;
+        let checksum = crc32c_append(crc32c(&len_bytes), &self.buf[HEAD_BYTES..]);
+        self.buf.extend_from_slice(&checksum.to_le_bytes());
         self.out
             .write_all(&self.buf)
             .map_err(|source| io(&self.path, source))
@@ -192,6 +305,19 @@ impl JournalWriter {
     }
 }
 
+/// What the reader found where the next frame should be.
+enum Frame {
+    /// A whole frame whose checks hold; its message is the first `len` bytes of the buffer.
+    Whole {
+        /// The message's bytes.
+        len: usize,
+    },
+    /// The file ends here, between two frames.
+    End,
+    /// The file ends inside a frame, this many bytes into it.
+    Torn(u64),
+}
+
 /// Reads a journal file's records in order.
 pub struct JournalReader {
     path: PathBuf,
@@ -200,6 +326,12 @@ pub struct JournalReader {
     valid: u64,
     /// Bytes of a torn record at the end, once the end is reached.
     torn: u64,
+    /// Whole frames read so far, the header included: the next record's number.
+    frames: u64,
+    /// The end was reached (a torn record there included).
+    ended: bool,
+    /// The damage found, given again to a caller that asks for more.
+    failed: Option<(u64, String)>,
     buf: Vec<u8>,
 }
 
@@ -221,24 +353,67 @@ impl JournalReader {
             input: BufReader::with_capacity(1 << 16, file),
             valid: 0,
             torn: 0,
+            frames: 0,
+            ended: false,
+            failed: None,
             buf: Vec::new(),
         };
-        let header: JournalHeader = match reader.next_message()? {
-            Some(h) => h,
-            None => {
-                return Err(reader.corrupt(
-                    0,
-                    "not a rollfleet journal, or one whose scheduler was killed while writing its \
-                     header (before serving anything: delete it to start the job afresh)"
-                        .into(),
-                ));
+        let header = match reader.next_frame() {
+            Ok(Frame::Whole { len }) => match JournalHeader::decode(&reader.buf[..len]) {
+                Ok(header) => {
+                    reader.commit(len);
+                    header
+                }
+                Err(e) => {
+                    return Err(reader.fail(
+                        0,
+                        format!(
+                            "not a rollfleet journal: its header's checksums hold but it does not \
+                             decode ({e})"
+                        ),
+                    ));
+                }
+            },
+            // The file is not empty, so this is the file shrinking under the reader.
+            Ok(Frame::End) => return Ok(None),
+            Ok(Frame::Torn(n)) => {
+                return Err(older_format(path).unwrap_or_else(|| {
+                    corrupt(
+                        path,
+                        0,
+                        format!(
+                            "the file ends {n} bytes into the header: not a rollfleet journal, or \
+                             one whose scheduler was killed while writing its header, before \
+                             serving anything (there is nothing to resume)"
+                        ),
+                    )
+                }));
             }
+            Err(JournalError::Corrupt { reason, .. }) => {
+                return Err(older_format(path).unwrap_or_else(|| {
+                    corrupt(
+                        path,
+                        0,
+                        format!(
+                            "not a rollfleet journal, or one whose header is damaged: {reason}"
+                        ),
+                    )
+                }));
+            }
+            Err(e) => return Err(e),
         };
         if header.format != FORMAT {
-            return Err(reader.corrupt(
+            if header.format.starts_with(FORMAT_FAMILY) {
+                return Err(JournalError::OtherFormat {
+                    path: path.to_owned(),
+                    written_by: written_by(&header.format),
+                    format: header.format,
+                });
+            }
+            return Err(reader.fail(
                 0,
                 format!(
-                    "not a rollfleet journal (format {:?}, expected {FORMAT:?})",
+                    "not a rollfleet journal: its header says format {:?}, expected {FORMAT:?}",
                     header.format
                 ),
             ));
@@ -247,9 +422,40 @@ impl JournalReader {
     }
 
     /// The next record; `None` at the end (a torn record there counts as the end: see
-    /// [`JournalReader::torn_bytes`]).
+    /// [`JournalReader::torn_bytes`]). Damage anywhere before the end is
+    /// [`JournalError::Corrupt`], and so is every call after it.
     pub fn next_record(&mut self) -> Result<Option<JournalRecord>, JournalError> {
-        self.next_message()
+        if let Some((offset, reason)) = &self.failed {
+            return Err(corrupt(&self.path, *offset, reason.clone()));
+        }
+        if self.ended {
+            return Ok(None);
+        }
+        match self.next_frame()? {
+            Frame::Whole { len } => match JournalRecord::decode(&self.buf[..len]) {
+                Ok(record) => {
+                    self.commit(len);
+                    Ok(Some(record))
+                }
+                Err(e) => {
+                    let reason = format!(
+                        "{}, of {len} bytes: its checksums hold but it does not decode as a \
+                         journal record ({e}): it was not written by this version of rollfleet",
+                        self.what()
+                    );
+                    Err(self.fail(self.valid, reason))
+                }
+            },
+            Frame::End => {
+                self.ended = true;
+                Ok(None)
+            }
+            Frame::Torn(bytes) => {
+                self.ended = true;
+                self.torn = bytes;
+                Ok(None)
+            }
+        }
     }
 
     /// Bytes of whole records read so far (where appending goes on).
@@ -262,57 +468,204 @@ impl JournalReader {
         self.torn
     }
 
-    fn next_message<M: Message + Default>(&mut self) -> Result<Option<M>, JournalError> {
+    /// Reads the frame at [`JournalReader::valid_bytes`] and checks it; nothing is counted as
+    /// read until [`JournalReader::commit`].
+    fn next_frame(&mut self) -> Result<Frame, JournalError> {
         let start = self.valid;
-        let mut len: u64 = 0;
-        let mut read = 0u64;
-        loop {
-            let mut byte = [0u8; 1];
-            match self.input.read(&mut byte) {
-                Ok(0) => {
-                    self.torn = read;
-                    return Ok(None);
-                }
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(source) => return Err(io(&self.path, source)),
-            }
-            if read >= 10 {
-                return Err(self.corrupt(start, "a record's length is not a varint".into()));
-            }
-            len |= u64::from(byte[0] & 0x7f) << (7 * read);
-            read += 1;
-            if byte[0] & 0x80 == 0 {
-                break;
-            }
+        let mut head = [0u8; HEAD_BYTES];
+        let got = self.fill(&mut head)?;
+        if got == 0 {
+            return Ok(Frame::End);
         }
-        if len > MAX_RECORD_BYTES {
-            return Err(self.corrupt(
-                start,
-                format!("a record says it is {len} bytes long (at most {MAX_RECORD_BYTES})"),
-            ));
+        if got < HEAD_BYTES {
+            return Ok(Frame::Torn(got as u64));
         }
+        let len = match parse_head(&head) {
+            Ok(len) => len,
+            Err(damage) => {
+                let reason = format!("{}: {damage}", self.what());
+                return Err(self.fail(start, reason));
+            }
+        };
         self.buf.clear();
+        let want = len + CHECKSUM_BYTES as u64;
         let got = (&mut self.input)
-            .take(len)
+            .take(want)
             .read_to_end(&mut self.buf)
             .map_err(|source| io(&self.path, source))? as u64;
-        if got < len {
-            self.torn = read + got;
-            return Ok(None);
+        if got < want {
+            return Ok(Frame::Torn(HEAD_BYTES as u64 + got));
         }
-        let message = M::decode(self.buf.as_slice())
-            .map_err(|e| self.corrupt(start, format!("a record does not decode: {e}")))?;
-        self.valid = start + read + len;
-        Ok(Some(message))
+        // `len` is at most MAX_RECORD_BYTES, and the buffer holds it.
+        let len = len as usize;
+        let (message, stored) = self.buf.split_at(len);
+        let mut stored_bytes = [0u8; CHECKSUM_BYTES];
+        stored_bytes.copy_from_slice(stored);
+        let stored = u32::from_le_bytes(stored_bytes);
+        let computed = crc32c_append(crc32c(&head[..4]), message);
+        if stored != computed {
+            let end = start + FRAME_OVERHEAD + len as u64;
+            let last = if self.input.fill_buf().is_ok_and(|rest| rest.is_empty()) {
+                "; it is the last thing in the file, and whole: a write cut short leaves a \
+                 frame shorter than its length, not one of full length with other bytes"
+            } else {
+                ""
+            };
+            let reason = format!(
+                "{}, bytes {start} to {end}: its checksum does not match (expected \
+                 {computed:#010x} from its length and its {len} bytes, found {stored:#010x}): \
+                 its bytes were changed after they were written{last}",
+                self.what()
+            );
+            return Err(self.fail(start, reason));
+        }
+        Ok(Frame::Whole { len })
     }
 
-    fn corrupt(&self, offset: u64, reason: String) -> JournalError {
-        JournalError::Corrupt {
-            path: self.path.clone(),
-            offset,
-            reason,
+    /// Counts the frame just read, whose message had `len` bytes.
+    fn commit(&mut self, len: usize) {
+        self.valid += FRAME_OVERHEAD + len as u64;
+        self.frames += 1;
+    }
+
+    /// The frame being read, as a person would name it.
+    fn what(&self) -> String {
+        match self.frames {
+            0 => "the header".to_owned(),
+            n => format!("record {n} (counting from 1 after the header)"),
         }
+    }
+
+    /// Reads until `buf` is full or the file ends; the bytes read.
+    fn fill(&mut self, buf: &mut [u8]) -> Result<usize, JournalError> {
+        let mut got = 0;
+        while got < buf.len() {
+            match self.input.read(&mut buf[got..]) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(source) => return Err(io(&self.path, source)),
+            }
+        }
+        Ok(got)
+    }
+
+    /// The damage found at `offset`: remembered, so that the reader never goes on past it.
+    fn fail(&mut self, offset: u64, reason: String) -> JournalError {
+        self.failed = Some((offset, reason.clone()));
+        corrupt(&self.path, offset, reason)
+    }
+}
+
+/// The message length a frame's head gives, once its check holds; otherwise what is wrong.
+fn parse_head(head: &[u8; HEAD_BYTES]) -> Result<u64, String> {
+    let mut len_bytes = [0u8; 4];
+    len_bytes.copy_from_slice(&head[..4]);
+    let mut check_bytes = [0u8; 4];
+    check_bytes.copy_from_slice(&head[4..]);
+    let stored = u32::from_le_bytes(check_bytes);
+    let computed = crc32c(&len_bytes);
+    if stored != computed {
+        if head.iter().all(|&b| b == 0) {
+            return Err(format!(
+                "{HEAD_BYTES} zero bytes where its length and the length's check should be: a \
+                 zeroed region, such as a machine that lost power before the file reached the \
+                 disk can leave (--journal-sync prevents that)"
+            ));
+        }
+        return Err(format!(
+            "the check of its length does not match (for the length {} expected \
+             {computed:#010x}, found {stored:#010x}): the length, or its check, was changed \
+             after it was written",
+            u32::from_le_bytes(len_bytes)
+        ));
+    }
+    let len = u64::from(u32::from_le_bytes(len_bytes));
+    if len > MAX_RECORD_BYTES {
+        return Err(format!(
+            "its length says {len} bytes, over the limit of {MAX_RECORD_BYTES} (no rollfleet \
+             writes such a record)"
+        ));
+    }
+    Ok(len)
+}
+
+/// Checks that the `tail` bytes of `file` from `at` on are a torn frame (one that the file ends
+/// inside), the only thing [`JournalWriter::append`] may cut off.
+fn check_torn(file: &mut File, path: &Path, at: u64, tail: u64) -> Result<(), JournalError> {
+    if tail < HEAD_BYTES as u64 {
+        return Ok(());
+    }
+    let mut head = [0u8; HEAD_BYTES];
+    file.seek(SeekFrom::Start(at))
+        .and_then(|_| file.read_exact(&mut head))
+        .map_err(|source| io(path, source))?;
+    let len = parse_head(&head).map_err(|damage| {
+        corrupt(
+            path,
+            at,
+            format!("the bytes after the last whole record are not a torn one: {damage}"),
+        )
+    })?;
+    if tail >= FRAME_OVERHEAD + len {
+        return Err(corrupt(
+            path,
+            at,
+            format!(
+                "the {tail} bytes after the last whole record hold a whole frame of a {len}-byte \
+                 record, not a torn one, so they are not cut off"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The error for a journal of an older format at `path`, if it is one: a v1 file is a header
+/// prefixed by its length as a varint, with no checksum.
+fn older_format(path: &Path) -> Option<JournalError> {
+    let mut file = File::open(path).ok()?;
+    let mut len = 0u64;
+    for i in 0..10 {
+        let mut byte = [0u8; 1];
+        file.read_exact(&mut byte).ok()?;
+        len |= u64::from(byte[0] & 0x7f) << (7 * i);
+        if byte[0] & 0x80 == 0 {
+            break;
+        }
+        if i == 9 {
+            return None;
+        }
+    }
+    if len > MAX_RECORD_BYTES {
+        return None;
+    }
+    let mut header = Vec::new();
+    file.take(len).read_to_end(&mut header).ok()?;
+    if header.len() as u64 != len {
+        return None;
+    }
+    let format = JournalHeader::decode(header.as_slice()).ok()?.format;
+    (format.starts_with(FORMAT_FAMILY) && format != FORMAT).then(|| JournalError::OtherFormat {
+        path: path.to_owned(),
+        written_by: written_by(&format),
+        format,
+    })
+}
+
+/// Which rollfleet wrote a journal of `format`.
+fn written_by(format: &str) -> &'static str {
+    if format == FORMAT_V1 {
+        "an older rollfleet (its records have no checksums)"
+    } else {
+        "another version of rollfleet"
+    }
+}
+
+fn corrupt(path: &Path, offset: u64, reason: String) -> JournalError {
+    JournalError::Corrupt {
+        path: path.to_owned(),
+        offset,
+        reason,
     }
 }
 
@@ -321,6 +674,44 @@ fn io(path: &Path, source: std::io::Error) -> JournalError {
         path: path.to_owned(),
         source,
     }
+}
+
+/// CRC32C (Castagnoli, reflected polynomial 0x82F63B78), one byte at a time: fast enough for a
+/// journal, which is written and replayed at tens of MB/s at most.
+const CRC32C_TABLE: [u32; 256] = crc32c_table();
+
+const fn crc32c_table() -> [u32; 256] {
+    let mut table = [0u32; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut c = i as u32;
+        let mut bit = 0;
+        while bit < 8 {
+            c = if c & 1 != 0 {
+                (c >> 1) ^ 0x82F6_3B78
+            } else {
+                c >> 1
+            };
+            bit += 1;
+        }
+        table[i] = c;
+        i += 1;
+    }
+    table
+}
+
+/// The CRC32C of `bytes`.
+fn crc32c(bytes: &[u8]) -> u32 {
+    crc32c_append(0, bytes)
+}
+
+/// The CRC32C of the bytes whose CRC32C is `crc` followed by `bytes`.
+fn crc32c_append(crc: u32, bytes: &[u8]) -> u32 {
+    let mut c = !crc;
+    for &b in bytes {
+        c = CRC32C_TABLE[((c ^ u32::from(b)) & 0xff) as usize] ^ (c >> 8);
+    }
+    !c
 }
 
 /// Checks that `header` was written with the settings of `now`; the first that differs is the
@@ -519,6 +910,13 @@ mod tests {
         let err = JournalReader::open(&path).err().unwrap().to_string();
         assert!(err.contains("n.journal"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn crc32c_gives_the_standard_check_value_and_chains() {
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+        assert_eq!(crc32c(b""), 0);
+        assert_eq!(crc32c_append(crc32c(b"1234"), b"56789"), 0xE306_9283);
     }
 
     #[test]
