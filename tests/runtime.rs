@@ -1065,6 +1065,60 @@ impl Rogue {
         }
     }
 
+    /// Serves as an environment worker until its stream ends, answering the first `huge` steps
+    /// of the first trajectory it steps with an applied action of `bytes` bytes, and everything
+    /// else as a small environment would. Returns how many huge answers it sent.
+    async fn serve_env_with_huge_answers(mut self, huge: u32, bytes: usize) -> u32 {
+        use rollfleet_proto::v1::work_assignment::Work;
+        let mut target = None;
+        let mut sent = 0;
+        while let Ok(Some(m)) = self.inbound.message().await {
+            let a = match m.message {
+                Some(scheduler_message::Message::Assign(a)) => a,
+                Some(scheduler_message::Message::Drain(_)) => break,
+                _ => continue,
+            };
+            let traj = a.trajectory.as_ref().map_or(0, |t| t.id);
+            let output = match &a.work {
+                Some(Work::EnvStep(e))
+                    if !e.reset && sent < huge && *target.get_or_insert(traj) == traj =>
+                {
+                    sent += 1;
+                    StageOutput {
+                        token_count: 60,
+                        text: "x".repeat(bytes),
+                        observation: "ok".into(),
+                        ..Default::default()
+                    }
+                }
+                Some(Work::EnvStep(e)) => StageOutput {
+                    token_count: if e.reset { 200 } else { 60 },
+                    done: !e.reset && a.turn >= 3,
+                    text: "up".into(),
+                    observation: "ok".into(),
+                    ..Default::default()
+                },
+                Some(Work::Reward(_)) => StageOutput {
+                    reward: 1.0,
+                    ..Default::default()
+                },
+                _ => StageOutput::default(),
+            };
+            let result = WorkerMessage {
+                message: Some(worker_message::Message::Result(WorkResult {
+                    assignment_id: a.assignment_id,
+                    outcome: Some(work_result::Outcome::Output(output)),
+                    duration_us: 1,
+                })),
+            };
+            if self.outbox.send(result).is_err() {
+                break;
+            }
+        }
+        self.heartbeats.abort();
+        sent
+    }
+
     /// Waits for its first assignment, then sends what `lie` makes of its id; returns why the
     /// scheduler closed its stream, after checking that its lease is gone too.
     async fn lie(mut self, lie: fn(u64) -> Vec<WorkerMessage>) -> String {
@@ -1105,6 +1159,54 @@ impl Rogue {
         assert_eq!(hb.code(), tonic::Code::NotFound);
         end
     }
+}
+
+#[test]
+fn an_environment_answering_with_megabytes_of_text_fails_its_stages_and_no_worker_or_job_is_wedged()
+{
+    let dir = temp_dir("huge-env");
+    let job = job_file(&dir, 2);
+    let report = dir.join("report.json");
+    let (sched, url, log) = scheduler_with_log(&job, &report, 6);
+    let mut procs = Procs(vec![sched]);
+    // The hostile environment registers first, so that it is given the first episodes. Two of
+    // its answers carry 2.2 MB each: kept, the episode's history (resent with every step) would
+    // pass the 4 MiB a worker takes, and every worker it went to would die on it.
+    let (attached, is_attached) = std::sync::mpsc::channel();
+    let rogue = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            rt().block_on(async {
+                let rogue = Rogue::attach(&url, "huge", "envs").await;
+                attached.send(()).unwrap();
+                rogue.serve_env_with_huge_answers(2, 2_200_000).await
+            })
+        })
+    };
+    is_attached.recv().unwrap();
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert!(status.success(), "the scheduler failed: {status:?}");
+    assert_eq!(rogue.join().unwrap(), 2, "the hostile answers were sent");
+    let report = check_report(&report, 2, 0);
+    assert_eq!(
+        report["workers_lost"],
+        serde_json::json!([]),
+        "no worker died or was cut off for an environment's answer: {report:#}"
+    );
+    let lines: Vec<String> = log.try_iter().collect();
+    let refused = lines
+        .iter()
+        .filter(|l| l.contains("bytes of text") && l.contains("over its budget of 131072 bytes"))
+        .count();
+    assert_eq!(refused, 2, "each huge answer failed its stage, saying why");
+    // The honest workers are still alive, and leave with the job.
+    for worker in &mut procs.0[1..] {
+        assert!(wait_exit(worker, DEADLINE).success());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -20,6 +20,12 @@ pub mod tls;
 /// larger window does not let a peer hold more of its memory than the message size limit does.
 pub const HTTP2_WINDOW_BYTES: u32 = 64 << 20;
 
+/// The largest message the scheduler and its workers send each other on a work stream, and the
+/// largest each takes (both sides set both limits, so that a message one side may send is one
+/// the other takes). The scheduler keeps what it sends far below it: a trajectory's history, the
+/// bulk of an environment step or a text engine's prompt, holds at most 1 MiB of text.
+pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+
 /// Version 1 of the contract.
 pub mod v1 {
     #![allow(missing_docs, clippy::all)]

@@ -176,6 +176,16 @@ const MAX_LATENCY_SAMPLES: usize = 4_000_000;
 const UPDATE_RETRY_FIRST: Duration = Duration::from_secs(1);
 const UPDATE_RETRY_MAX: Duration = Duration::from_secs(60);
 
+/// Bytes of environment text (its observations and applied actions) a trajectory may hold per
+/// token of its task's `contextLimit`: far above what text takes per token (about 4 bytes in
+/// English), so an honest environment never meets it.
+const TEXT_BYTES_PER_CONTEXT_TOKEN: u64 = 32;
+
+/// Bytes of environment text a trajectory may hold whatever its context: its history travels in
+/// every environment step (and a text engine's prompt), and each message must stay well within
+/// what a worker takes ([`rollfleet_proto::MAX_MESSAGE_BYTES`]).
+const MAX_TRAJECTORY_TEXT_BYTES: u64 = 1 << 20;
+
 /// A replica whose last weight update failed: out of service, to be updated again at
 /// `retry_at` on the job's clock (`None` while that attempt runs).
 struct UpdateRetry {
@@ -475,6 +485,8 @@ struct TrajInfo {
     observations: Vec<String>,
     /// The text a real engine generated, per turn (none for emulated generations).
     outputs: BTreeMap<u32, String>,
+    /// Bytes of `prompt`, `actions` and `observations`: what the environment's answers brought.
+    env_text_bytes: u64,
     env_worker: Option<u64>,
     /// Policy version of each turn's generation.
     versions: BTreeMap<u32, u64>,
@@ -2948,6 +2960,43 @@ impl Actor {
         }
     }
 
+    /// Why an environment step's answer cannot join its trajectory: an observation longer than
+    /// the task's whole context, or text that would take the trajectory past its budget
+    /// ([`TEXT_BYTES_PER_CONTEXT_TOKEN`] per token of `contextLimit`, at most
+    /// [`MAX_TRAJECTORY_TEXT_BYTES`]), and with it every message that carries its history past
+    /// what a worker takes. `None` when it fits.
+    fn oversized_step(
+        &self,
+        traj: TrajId,
+        reset: bool,
+        o: &rollfleet_proto::v1::StageOutput,
+    ) -> Option<String> {
+        let t = self.trajs.get(&traj)?;
+        let task = self.plan.spec().tasks.get(t.task as usize)?;
+        let context = task.context_limit.max(1) as u64;
+        if o.token_count > context {
+            return Some(format!(
+                "the environment's observation is {} tokens, more than task {}'s whole context \
+                 (contextLimit {context})",
+                o.token_count,
+                crate::quoted(&task.name)
+            ));
+        }
+        let budget = context
+            .saturating_mul(TEXT_BYTES_PER_CONTEXT_TOKEN)
+            .min(MAX_TRAJECTORY_TEXT_BYTES);
+        let held = if reset { 0 } else { t.env_text_bytes };
+        let brought = o.observation.len() as u64 + if reset { 0 } else { o.text.len() as u64 };
+        (held + brought > budget).then(|| {
+            format!(
+                "the environment's answer brings {brought} bytes of text to a trajectory holding \
+                 {held}: over its budget of {budget} bytes ({TEXT_BYTES_PER_CONTEXT_TOKEN} per \
+                 token of task {}'s contextLimit {context}, at most {MAX_TRAJECTORY_TEXT_BYTES})",
+                crate::quoted(&task.name)
+            )
+        })
+    }
+
     /// Records how long a worker took for an environment step (not a reset) or a reward, in the
     /// job's time (the wall time over the time scale), as the task's or reward function's online
     /// profile.
@@ -3007,12 +3056,26 @@ impl Actor {
                     .inc();
                 let outcome = match kind {
                     StageKindOf::Env { .. } => {
+                        if let Some(reason) = self.oversized_step(traj, reset, &o) {
+                            // The environment's answer, not the worker, is at fault: the stage
+                            // fails (and is retried, or its group given up) and the worker stays.
+                            log!(self, "scheduler: assignment {id} on w{worker}: {reason}");
+                            if let Some(t) = self.trajs.get_mut(&traj) {
+                                t.last_failure = reason;
+                            }
+                            self.metrics.oversized_environment_steps.inc();
+                            self.deferred.push_back(Input::StageFailed { stage });
+                            return;
+                        }
                         if let Some(t) = self.trajs.get_mut(&traj) {
                             let next_turn = if reset { 0 } else { a.message.turn };
                             t.message_tokens.insert(next_turn, o.token_count);
+                            let brought = (o.observation.len() + o.text.len()) as u64;
                             if reset {
+                                t.env_text_bytes = o.observation.len() as u64;
                                 t.prompt = o.observation.clone();
                             } else {
+                                t.env_text_bytes += brought;
                                 t.actions.push(o.text.clone());
                                 t.observations.push(o.observation.clone());
                                 if o.done {

@@ -272,10 +272,12 @@ pub async fn serve_until(
             }
         }
     };
-    let workers = WorkerServiceServer::with_interceptor(
-        grpc::Workers {
+    let workers = tonic::service::interceptor::InterceptedService::new(
+        WorkerServiceServer::new(grpc::Workers {
             inbox: inbox.clone(),
-        },
+        })
+        .max_decoding_message_size(rollfleet_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(rollfleet_proto::MAX_MESSAGE_BYTES),
         guard.clone(),
     );
     let jobs = JobServiceServer::with_interceptor(

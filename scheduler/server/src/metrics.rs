@@ -26,6 +26,9 @@ pub struct Metrics {
     /// Weight updates an engine failed (or timed out, or did not apply): the replica left
     /// service and is updated again after a backoff.
     pub weight_update_failures: IntCounter,
+    /// Environment answers refused for their size (an observation longer than the task's
+    /// context, or more text than a trajectory may hold): the stage failed, the worker stayed.
+    pub oversized_environment_steps: IntCounter,
     /// Workers that registered.
     pub workers_registered: IntCounter,
     /// Workers lost or cut off.
@@ -99,6 +102,11 @@ impl Metrics {
             "weight_update_failures_total",
             "Weight updates a replica's engine failed, timed out or did not apply: the replica \
              left service and is updated again after a backoff.",
+        )?;
+        let oversized_environment_steps = IntCounter::new(
+            "oversized_environment_steps_total",
+            "Environment answers refused for their size (an observation longer than the task's \
+             context, or more text than a trajectory may hold): the stage failed and is retried.",
         )?;
         let workers_registered =
             IntCounter::new("workers_registered_total", "Workers that registered.")?;
@@ -221,6 +229,7 @@ impl Metrics {
         registry.register(Box::new(groups_abandoned.clone()))?;
         registry.register(Box::new(engine_version_mismatches.clone()))?;
         registry.register(Box::new(weight_update_failures.clone()))?;
+        registry.register(Box::new(oversized_environment_steps.clone()))?;
         registry.register(Box::new(workers_registered.clone()))?;
         registry.register(Box::new(workers_lost.clone()))?;
         registry.register(Box::new(workers_left.clone()))?;
@@ -248,6 +257,7 @@ impl Metrics {
             groups_abandoned,
             engine_version_mismatches,
             weight_update_failures,
+            oversized_environment_steps,
             workers_registered,
             workers_lost,
             workers_left,

@@ -343,7 +343,9 @@ async fn connect(
                 return Ok(WorkerServiceClient::with_interceptor(
                     channel,
                     ClientAuth::new(opts.token.as_ref()),
-                ));
+                )
+                .max_decoding_message_size(rollfleet_proto::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(rollfleet_proto::MAX_MESSAGE_BYTES));
             }
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(refused(e.to_string()));
