@@ -1,6 +1,7 @@
 //! Configuration of the local function host: which functions it serves and with what timeout,
-//! memory size, reserved concurrency and cold start; payload limits; injected faults; and the
-//! `clap` arguments of `rollfleet serverless serve`, which build a [`HostConfig`].
+//! memory size, reserved concurrency and cold start; payload, concurrency, event-queue and
+//! connection limits; injected faults; and the `clap` arguments of `rollfleet serverless serve`,
+//! which build a [`HostConfig`].
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -16,10 +17,30 @@ use crate::stats::HostStats;
 /// AWS's documented limit for a synchronous (RequestResponse) request payload: 6 MB.
 pub const MAX_SYNC_PAYLOAD: usize = 6 * 1024 * 1024;
 /// AWS's documented limit for an asynchronous (Event) request payload: 1 MB (raised from
-/// 256 KB in 2025).
+/// 256 KB; the Invoke API reference now gives 1 MB).
 pub const MAX_EVENT_PAYLOAD: usize = 1024 * 1024;
 /// A function's response is limited to 6 MB as well.
 pub const MAX_RESPONSE_PAYLOAD: usize = 6 * 1024 * 1024;
+
+/// Concurrency limit of a function without reserved concurrency. Lambda's unreserved functions
+/// share the account's pool (1,000 by default); locally each function gets its own, small
+/// enough that its synchronous request bodies stay within this many times 6 MB.
+pub const DEFAULT_CONCURRENCY_PER_FUNCTION: u32 = 64;
+/// How many Event invocations the host's asynchronous queue holds at once, all functions
+/// together (received, or waiting for a concurrency slot).
+pub const DEFAULT_EVENT_QUEUE_EVENTS: usize = 1_000;
+/// How many payload bytes that queue holds at once.
+pub const DEFAULT_EVENT_QUEUE_BYTES: usize = 64 * 1024 * 1024;
+/// How long a queued event may wait for a concurrency slot before it is discarded: Lambda's
+/// default `MaximumEventAgeInSeconds`, six hours.
+pub const DEFAULT_EVENT_MAX_AGE: Duration = Duration::from_secs(6 * 60 * 60);
+/// Time a client has to send a whole request head, counted from the connection's opening or
+/// from the previous response (so it is also the idle keep-alive timeout).
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a client has to send a whole request body once its head has arrived.
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Open connections served at once; further ones wait in the listen backlog.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
 
 /// A boxed future returned by a custom function.
 pub type FunctionFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>, FunctionError>> + Send>>;
@@ -53,7 +74,7 @@ pub struct FunctionConfig {
     /// As Lambda's `MemorySize`; used in the billing report (GB-seconds).
     pub memory_mb: u32,
     /// As Lambda's reserved concurrency: invocations beyond it are throttled (429).
-    /// `None` means no limit.
+    /// `None` means the host's [`HostConfig::concurrency_per_function`].
     pub reserved_concurrency: Option<u32>,
     /// Time to start a new execution environment when no warm one is free.
     pub cold_start: Duration,
@@ -125,8 +146,25 @@ pub struct HostConfig {
     pub functions: BTreeMap<String, FunctionConfig>,
     pub region: String,
     pub account_id: String,
+    /// Largest RequestResponse (and DryRun) request body, in bytes.
     pub max_sync_payload: usize,
+    /// Largest Event request body, in bytes.
     pub max_event_payload: usize,
+    /// Concurrency limit of each function that has no reserved concurrency.
+    pub concurrency_per_function: u32,
+    /// Event invocations the asynchronous queue holds at once, all functions together; beyond
+    /// it an Event invocation is answered 429.
+    pub event_queue_events: usize,
+    /// Payload bytes the asynchronous queue holds at once; beyond it, 429 as well.
+    pub event_queue_bytes: usize,
+    /// A queued event still waiting for a concurrency slot after this long is discarded.
+    pub event_max_age: Duration,
+    /// See [`DEFAULT_HEADER_READ_TIMEOUT`].
+    pub header_read_timeout: Duration,
+    /// See [`DEFAULT_BODY_READ_TIMEOUT`].
+    pub body_read_timeout: Duration,
+    /// See [`DEFAULT_MAX_CONNECTIONS`].
+    pub max_connections: usize,
     pub faults: FaultConfig,
     /// Runs the built-in reward functions (holds the sandbox limits).
     pub handler: Arc<Handler>,
@@ -143,6 +181,13 @@ impl HostConfig {
             account_id: "000000000000".to_owned(),
             max_sync_payload: MAX_SYNC_PAYLOAD,
             max_event_payload: MAX_EVENT_PAYLOAD,
+            concurrency_per_function: DEFAULT_CONCURRENCY_PER_FUNCTION,
+            event_queue_events: DEFAULT_EVENT_QUEUE_EVENTS,
+            event_queue_bytes: DEFAULT_EVENT_QUEUE_BYTES,
+            event_max_age: DEFAULT_EVENT_MAX_AGE,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             faults: FaultConfig::default(),
             handler: Arc::new(Handler::default()),
             stats: Arc::new(HostStats::default()),
@@ -184,9 +229,12 @@ pub struct ServeArgs {
     /// Memory size of each function in MB (Lambda's `MemorySize`; used for GB-seconds).
     #[arg(long, default_value_t = 512)]
     pub memory_mb: u32,
-    /// Reserved concurrency of each cheap function; unlimited when absent.
+    /// Reserved concurrency of each cheap function; `--concurrency-per-function` when absent.
     #[arg(long)]
     pub reserved_concurrency: Option<u32>,
+    /// Concurrency limit of each function without reserved concurrency (429 beyond it).
+    #[arg(long, default_value_t = DEFAULT_CONCURRENCY_PER_FUNCTION)]
+    pub concurrency_per_function: u32,
     /// Reserved concurrency of `code_tests` (each invocation runs Python subprocesses);
     /// defaults to the number of CPUs.
     #[arg(long)]
@@ -209,6 +257,25 @@ pub struct ServeArgs {
     /// Output limit of one sandboxed code run (each of stdout, stderr), in KiB.
     #[arg(long, default_value_t = 1024)]
     pub sandbox_output_kib: usize,
+    /// Event invocations the asynchronous queue holds at once (429 beyond it).
+    #[arg(long, default_value_t = DEFAULT_EVENT_QUEUE_EVENTS)]
+    pub event_queue_events: usize,
+    /// Payload MiB the asynchronous queue holds at once (429 beyond it).
+    #[arg(long, default_value_t = DEFAULT_EVENT_QUEUE_BYTES >> 20)]
+    pub event_queue_mib: usize,
+    /// Seconds a queued event may wait for a concurrency slot before it is discarded.
+    #[arg(long, default_value_t = DEFAULT_EVENT_MAX_AGE.as_secs())]
+    pub event_max_age_secs: u64,
+    /// Milliseconds a client has to send a whole request head (also the idle keep-alive
+    /// timeout).
+    #[arg(long, default_value_t = DEFAULT_HEADER_READ_TIMEOUT.as_millis() as u64)]
+    pub header_read_timeout_ms: u64,
+    /// Milliseconds a client has to send a whole request body.
+    #[arg(long, default_value_t = DEFAULT_BODY_READ_TIMEOUT.as_millis() as u64)]
+    pub body_read_timeout_ms: u64,
+    /// Open connections served at once; further ones wait to be accepted.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
     /// Region used in ARNs and error messages.
     #[arg(long, default_value = "us-east-1")]
     pub region: String,
@@ -221,6 +288,7 @@ impl Default for ServeArgs {
             timeout_secs: 30,
             memory_mb: 512,
             reserved_concurrency: None,
+            concurrency_per_function: DEFAULT_CONCURRENCY_PER_FUNCTION,
             code_tests_concurrency: None,
             cold_start_ms: 0,
             idle_ttl_secs: 300,
@@ -228,6 +296,12 @@ impl Default for ServeArgs {
             sandbox_wall_ms: 10_000,
             sandbox_memory_mib: 512,
             sandbox_output_kib: 1024,
+            event_queue_events: DEFAULT_EVENT_QUEUE_EVENTS,
+            event_queue_mib: DEFAULT_EVENT_QUEUE_BYTES >> 20,
+            event_max_age_secs: DEFAULT_EVENT_MAX_AGE.as_secs(),
+            header_read_timeout_ms: DEFAULT_HEADER_READ_TIMEOUT.as_millis() as u64,
+            body_read_timeout_ms: DEFAULT_BODY_READ_TIMEOUT.as_millis() as u64,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             region: "us-east-1".to_owned(),
         }
     }
@@ -247,6 +321,14 @@ impl ServeArgs {
         let timeout = Duration::from_secs(self.timeout_secs.max(1));
         let mut config = HostConfig::empty();
         config.region = self.region.clone();
+        config.concurrency_per_function = self.concurrency_per_function;
+        config.event_queue_events = self.event_queue_events;
+        config.event_queue_bytes = self.event_queue_mib.saturating_mul(1 << 20);
+        config.event_max_age = Duration::from_secs(self.event_max_age_secs);
+        // A zero timeout would disconnect every client before its first byte.
+        config.header_read_timeout = Duration::from_millis(self.header_read_timeout_ms.max(1));
+        config.body_read_timeout = Duration::from_millis(self.body_read_timeout_ms.max(1));
+        config.max_connections = self.max_connections.max(1);
         // A code_tests call stops starting new cases a little before the function times out.
         config.handler = Arc::new(Handler::new(
             Sandbox::new(limits),

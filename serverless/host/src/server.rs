@@ -6,27 +6,43 @@
 //! Execution environments are modelled per function: an invocation reuses an idle warm one
 //! (LIFO, like Lambda) or pays the configured cold start; a timed-out environment is discarded,
 //! so the next invocation after a timeout starts cold, as on Lambda.
+//!
+//! Everything a client can make the host hold is bounded, so memory is too:
+//! - request bodies, by the payload limit of their invocation type, enforced while reading
+//!   (no more than the limit is ever buffered) and within the body-read timeout;
+//! - synchronous invocations, by each function's concurrency (a slot is taken before the body
+//!   is read, so at most that many bodies per function are in memory);
+//! - Event invocations, by one queue for the whole host, counted in events and payload bytes
+//!   (reserved before the body is read); each function's dispatcher runs queued events as its
+//!   concurrency slots free up and discards those older than the maximum event age;
+//! - connections, by a cap (beyond it the host stops accepting, and new connections wait in
+//!   the listen backlog), a header-read timeout that is also the idle keep-alive timeout, and
+//!   hyper's read buffer size.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use rollfleet_rewards::{FunctionError, Handler, RewardFunction};
 use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::config::{FunctionCode, FunctionConfig, HostConfig, MAX_RESPONSE_PAYLOAD};
 use crate::stats::HostStats;
+
+/// hyper's per-connection read buffer, and so the longest request head: small enough that the
+/// connection cap bounds what idle or slow connections hold, large enough for any Invoke head.
+const CONNECTION_BUFFER: usize = 64 * 1024;
 
 /// Errors that stop the host.
 #[derive(Debug, thiserror::Error)]
@@ -45,8 +61,13 @@ pub enum HostError {
 
 /// A deployed function and its execution environments.
 struct Deployed {
+    name: String,
     config: FunctionConfig,
-    slots: Option<Arc<Semaphore>>,
+    /// Concurrency slots, shared by synchronous invocations and queued events as Lambda shares
+    /// a function's concurrency between them.
+    slots: Arc<Semaphore>,
+    /// The number of `slots`.
+    concurrency: usize,
     /// When each idle warm environment was last used; the last entry is the most recent.
     warm: Mutex<Vec<Instant>>,
 }
@@ -73,14 +94,135 @@ impl Deployed {
             warm.push(Instant::now());
         }
     }
+
+    /// The 429 for an invocation that found every concurrency slot taken.
+    fn throttled(&self, request_id: &str) -> Reply {
+        match self.config.reserved_concurrency {
+            Some(_) => throttle(
+                "ReservedFunctionConcurrentInvocationLimitExceeded",
+                &format!(
+                    "Rate Exceeded: function {} is at its reserved concurrency of {} concurrent invocations",
+                    self.name, self.concurrency
+                ),
+                request_id,
+            ),
+            None => throttle(
+                "ConcurrentInvocationLimitExceeded",
+                &format!(
+                    "Rate Exceeded: function {} is at the host's concurrency limit of {} concurrent invocations per function",
+                    self.name, self.concurrency
+                ),
+                request_id,
+            ),
+        }
+    }
+}
+
+/// A function as the router sees it: what runs, and where its events are queued.
+struct Function {
+    deployed: Arc<Deployed>,
+    /// Unbounded as a channel; bounded by the [`EventBudget`] each event holds a share of.
+    events: mpsc::UnboundedSender<QueuedEvent>,
+}
+
+/// An Event invocation waiting for its function's dispatcher.
+struct QueuedEvent {
+    payload: Bytes,
+    received: Instant,
+    /// Released when the event leaves the queue (starts running, or is discarded).
+    _reservation: Reservation,
+}
+
+/// The asynchronous queue's capacity, shared by every function: at most `max_events` events
+/// and `max_bytes` payload bytes at once, counting bodies still being received.
+struct EventBudget {
+    max_events: usize,
+    max_bytes: usize,
+    used: Mutex<(usize, usize)>,
+    stats: Arc<HostStats>,
+}
+
+/// Why an Event invocation found no room in the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+enum QueueFull {
+    #[error(
+        "Rate Exceeded: the asynchronous event queue is full ({max} events queued, the limit is {max} events)"
+    )]
+    Events { max: usize },
+    #[error(
+        "Rate Exceeded: the asynchronous event queue is full ({used} payload bytes queued, {wanted} more would pass the limit of {max} bytes)"
+    )]
+    Bytes {
+        used: usize,
+        wanted: usize,
+        max: usize,
+    },
+}
+
+impl EventBudget {
+    fn try_reserve(self: &Arc<Self>, bytes: usize) -> Result<Reservation, QueueFull> {
+        let mut used = self.used.lock().unwrap_or_else(PoisonError::into_inner);
+        let (events, queued) = *used;
+        if events >= self.max_events {
+            return Err(QueueFull::Events {
+                max: self.max_events,
+            });
+        }
+        if queued.saturating_add(bytes) > self.max_bytes {
+            return Err(QueueFull::Bytes {
+                used: queued,
+                wanted: bytes,
+                max: self.max_bytes,
+            });
+        }
+        *used = (events + 1, queued + bytes);
+        self.stats.event_queue_size(used.0, used.1);
+        Ok(Reservation {
+            budget: self.clone(),
+            bytes,
+        })
+    }
+
+    fn release(&self, events: usize, bytes: usize) {
+        let mut used = self.used.lock().unwrap_or_else(PoisonError::into_inner);
+        *used = (used.0.saturating_sub(events), used.1.saturating_sub(bytes));
+        self.stats.event_queue_size(used.0, used.1);
+    }
+}
+
+/// One event's share of the [`EventBudget`]; given back on drop.
+struct Reservation {
+    budget: Arc<EventBudget>,
+    bytes: usize,
+}
+
+impl Reservation {
+    /// Gives back what a body turned out not to need (a reservation is made for the declared
+    /// or the largest allowed size, before the body is read).
+    fn shrink_to(&mut self, bytes: usize) {
+        if bytes < self.bytes {
+            self.budget.release(0, self.bytes - bytes);
+            self.bytes = bytes;
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.budget.release(1, self.bytes);
+    }
 }
 
 struct State {
-    functions: HashMap<String, Arc<Deployed>>,
+    functions: HashMap<String, Function>,
     region: String,
     account_id: String,
     max_sync_payload: usize,
     max_event_payload: usize,
+    body_read_timeout: Duration,
+    header_read_timeout: Duration,
+    max_connections: usize,
+    event_budget: Arc<EventBudget>,
     faults: crate::config::FaultConfig,
     fault_rng: Mutex<fastrand::Rng>,
     handler: Arc<Handler>,
@@ -88,20 +230,34 @@ struct State {
 }
 
 impl State {
+    /// Also starts each function's event dispatcher, so it must run inside a tokio runtime.
     fn new(config: HostConfig) -> Self {
+        let event_max_age = config.event_max_age;
         let functions = config
             .functions
             .into_iter()
-            .map(|(name, config)| {
-                let slots = config
+            .map(|(name, function)| {
+                let concurrency = function
                     .reserved_concurrency
-                    .map(|n| Arc::new(Semaphore::new(n as usize)));
-                let deployed = Deployed {
-                    config,
-                    slots,
+                    .unwrap_or(config.concurrency_per_function)
+                    as usize;
+                let concurrency = concurrency.min(Semaphore::MAX_PERMITS);
+                let deployed = Arc::new(Deployed {
+                    name: name.clone(),
+                    config: function,
+                    slots: Arc::new(Semaphore::new(concurrency)),
+                    concurrency,
                     warm: Mutex::new(Vec::new()),
-                };
-                (name, Arc::new(deployed))
+                });
+                let (events, queue) = mpsc::unbounded_channel();
+                tokio::spawn(dispatch_events(
+                    deployed.clone(),
+                    queue,
+                    event_max_age,
+                    config.handler.clone(),
+                    config.stats.clone(),
+                ));
+                (name, Function { deployed, events })
             })
             .collect();
         Self {
@@ -110,6 +266,16 @@ impl State {
             account_id: config.account_id,
             max_sync_payload: config.max_sync_payload,
             max_event_payload: config.max_event_payload,
+            body_read_timeout: config.body_read_timeout,
+            // hyper disconnects at once on a zero timeout.
+            header_read_timeout: config.header_read_timeout.max(Duration::from_millis(1)),
+            max_connections: config.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+            event_budget: Arc::new(EventBudget {
+                max_events: config.event_queue_events,
+                max_bytes: config.event_queue_bytes,
+                used: Mutex::new((0, 0)),
+                stats: config.stats.clone(),
+            }),
             faults: config.faults,
             fault_rng: Mutex::new(fastrand::Rng::with_seed(config.faults.seed)),
             handler: config.handler,
@@ -149,17 +315,121 @@ enum Fault {
     Timeout,
 }
 
+/// Runs one function's queued events, each in one of the function's concurrency slots, oldest
+/// first, and discards those that waited longer than `max_age`. Returns once the host has
+/// stopped (the sender is gone) and every event still queued has run or expired.
+async fn dispatch_events(
+    deployed: Arc<Deployed>,
+    mut queue: mpsc::UnboundedReceiver<QueuedEvent>,
+    max_age: Duration,
+    handler: Arc<Handler>,
+    stats: Arc<HostStats>,
+) {
+    // Events taken off the channel, so that the oldest one's age can be watched while every
+    // slot is busy.
+    let mut waiting: VecDeque<QueuedEvent> = VecDeque::new();
+    let mut open = true;
+    loop {
+        let Some(oldest) = waiting.front().map(|e| e.received) else {
+            if !open {
+                return;
+            }
+            match queue.recv().await {
+                Some(event) => waiting.push_back(event),
+                None => open = false,
+            }
+            continue;
+        };
+        let expires = tokio::time::Instant::from_std(oldest)
+            .checked_add(max_age)
+            .unwrap_or_else(far_future);
+        tokio::select! {
+            received = queue.recv(), if open => match received {
+                Some(event) => waiting.push_back(event),
+                None => open = false,
+            },
+            () = tokio::time::sleep_until(expires) => {
+                while waiting.front().is_some_and(|e| e.received.elapsed() >= max_age) {
+                    waiting.pop_front();
+                    stats.event_expired();
+                }
+            }
+            slot = deployed.slots.clone().acquire_owned() => {
+                let Ok(slot) = slot else {
+                    // The semaphore is never closed; nothing could run these events.
+                    return;
+                };
+                let Some(event) = waiting.pop_front() else {
+                    continue;
+                };
+                if event.received.elapsed() >= max_age {
+                    stats.event_expired();
+                    continue;
+                }
+                let QueuedEvent { payload, _reservation: reservation, .. } = event;
+                // Leaving the queue for a slot: its room is free for the next event.
+                drop(reservation);
+                tokio::spawn(run_event(
+                    deployed.clone(),
+                    payload,
+                    slot,
+                    handler.clone(),
+                    stats.clone(),
+                ));
+            }
+        }
+    }
+}
+
+/// An instant no timer reaches, for a maximum age too large to add to the clock.
+fn far_future() -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 24 * 60 * 60)
+}
+
+async fn run_event(
+    deployed: Arc<Deployed>,
+    payload: Bytes,
+    _slot: OwnedSemaphorePermit,
+    handler: Arc<Handler>,
+    stats: Arc<HostStats>,
+) {
+    let _ = execute(&handler, &stats, &deployed, payload, None).await;
+    stats.event_completed();
+}
+
 /// Serves the Lambda Invoke API on `listener` until `shutdown` completes, then stops accepting,
-/// lets in-flight requests finish (for up to 10 seconds) and returns.
+/// lets in-flight requests finish (for up to 10 seconds) and returns. Events still queued then
+/// run in the background as their function's concurrency allows.
 pub async fn serve(
     listener: TcpListener,
     config: HostConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), HostError> {
     let state = Arc::new(State::new(config));
+    let connections = Arc::new(Semaphore::new(state.max_connections));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(state.header_read_timeout)
+        .max_buf_size(CONNECTION_BUFFER);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
+        // At the cap, stop accepting: new connections wait in the kernel's listen backlog,
+        // costing the host nothing, and are served in order as slots free up (the header-read
+        // timeout frees the slots of clients that stall).
+        let slot = match connections.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                state.stats.connection_cap_wait();
+                tokio::select! {
+                    () = &mut shutdown => break,
+                    slot = connections.clone().acquire_owned() => match slot {
+                        Ok(slot) => slot,
+                        Err(_) => break,
+                    },
+                }
+            }
+        };
         tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => {
@@ -174,14 +444,20 @@ pub async fn serve(
                 };
                 // Small request/response pairs: Nagle would add tens of milliseconds.
                 let _ = stream.set_nodelay(true);
-                let state = state.clone();
-                let service = hyper::service::service_fn(move |req| handle(state.clone(), req));
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service);
-                let conn = graceful.watch(conn);
+                let service_state = state.clone();
+                let service =
+                    hyper::service::service_fn(move |req| handle(service_state.clone(), req));
+                let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+                let stats = state.stats.clone();
                 tokio::spawn(async move {
-                    // A client hanging up mid-request is its own business.
-                    let _ = conn.await;
+                    let _slot = slot;
+                    // A client hanging up mid-request is its own business; one that was too
+                    // slow to send a request head is counted.
+                    if let Err(e) = conn.await
+                        && e.is_timeout()
+                    {
+                        stats.header_read_timeout();
+                    }
                 });
             }
         }
@@ -336,11 +612,10 @@ async fn route(
     });
     let (function_name, qualifier) = split_function_name(&name);
     let qualifier = qualifier.map(str::to_owned).or(query_qualifier);
-    let deployed = state
+    let function = state
         .functions
         .get(function_name)
         .filter(|_| qualifier.as_deref().is_none_or(|q| q == "$LATEST"))
-        .cloned()
         .ok_or_else(|| {
             let mut arn = state.arn(function_name);
             if let Some(q) = &qualifier {
@@ -355,6 +630,7 @@ async fn route(
                 request_id,
             )
         })?;
+    let deployed = function.deployed.clone();
 
     let headers = req.headers();
     let invocation_type = match headers
@@ -377,16 +653,22 @@ async fn route(
         .get("x-amz-log-type")
         .is_some_and(|v| v.as_bytes() == b"Tail");
 
-    let limit = match invocation_type {
-        InvocationType::Event => state.max_event_payload,
-        _ => state.max_sync_payload,
+    let (limit, limit_name) = match invocation_type {
+        InvocationType::Event => (state.max_event_payload, "Event (asynchronous)"),
+        InvocationType::RequestResponse => {
+            (state.max_sync_payload, "RequestResponse (synchronous)")
+        }
+        InvocationType::DryRun => (state.max_sync_payload, "DryRun (synchronous)"),
     };
     let too_large = || {
+        state.stats.payload_too_large();
         aws_error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "RequestTooLargeException",
             "User",
-            &format!("Request must be smaller than {limit} bytes for the InvokeFunction operation"),
+            &format!(
+                "Request must be smaller than {limit} bytes for the InvokeFunction operation: the {limit_name} payload limit is {limit} bytes"
+            ),
             request_id,
         )
     };
@@ -398,10 +680,55 @@ async fn route(
         // Answer before reading: a client streaming gigabytes gets its 413 at once.
         return Err(too_large());
     }
-    let payload = match Limited::new(req.into_body(), limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => return Err(too_large()),
-        Err(e) => {
+    // A declared length is at most `limit` here.
+    let expected = declared.map_or(limit, |n| usize::try_from(n).unwrap_or(limit));
+
+    // Room for the request is taken before its body is read, so that only admitted bodies are
+    // ever in memory: a queue reservation for an event, a concurrency slot otherwise (DryRun
+    // included: it runs nothing, but its body is up to 6 MB too).
+    let admission = match invocation_type {
+        InvocationType::Event => match state.event_budget.try_reserve(expected) {
+            Ok(reservation) => Admission::Queued(reservation),
+            Err(full) => {
+                state.stats.throttle();
+                state.stats.event_refused();
+                let refusal = throttle(
+                    "FunctionInvocationRateLimitExceeded",
+                    &full.to_string(),
+                    request_id,
+                );
+                discard_body(req.into_body(), limit, state.body_read_timeout).await;
+                return Err(refusal);
+            }
+        },
+        _ => match deployed.slots.clone().try_acquire_owned() {
+            Ok(slot) => Admission::Slot(slot),
+            Err(_) => {
+                state.stats.throttle();
+                let refusal = deployed.throttled(request_id);
+                discard_body(req.into_body(), limit, state.body_read_timeout).await;
+                return Err(refusal);
+            }
+        },
+    };
+
+    let payload = match read_body(req.into_body(), limit, expected, state.body_read_timeout).await {
+        Ok(payload) => payload,
+        Err(BodyError::TooLarge) => return Err(too_large()),
+        Err(BodyError::TimedOut) => {
+            state.stats.body_read_timeout();
+            return Err(aws_error(
+                StatusCode::REQUEST_TIMEOUT,
+                "RequestTimeoutException",
+                "User",
+                &format!(
+                    "The request body was not received within the body-read timeout of {} ms",
+                    state.body_read_timeout.as_millis()
+                ),
+                request_id,
+            ));
+        }
+        Err(BodyError::Read(e)) => {
             return Err(aws_error(
                 StatusCode::BAD_REQUEST,
                 "InvalidRequestContentException",
@@ -421,22 +748,27 @@ async fn route(
         ));
     }
 
-    match invocation_type {
-        InvocationType::DryRun => Ok(empty(StatusCode::NO_CONTENT, request_id)),
-        InvocationType::Event => {
-            let state = state.clone();
-            tokio::spawn(async move {
-                // Lambda queues asynchronous events instead of throttling the caller.
-                let _permit = match &deployed.slots {
-                    Some(slots) => slots.clone().acquire_owned().await.ok(),
-                    None => None,
-                };
-                let _ = execute(&state, &deployed, payload, None).await;
-                state.stats.event_completed();
-            });
+    match admission {
+        Admission::Queued(mut reservation) => {
+            reservation.shrink_to(payload.len());
+            let event = QueuedEvent {
+                payload,
+                received: Instant::now(),
+                _reservation: reservation,
+            };
+            if function.events.send(event).is_err() {
+                return Err(service_error(
+                    "the function's event dispatcher has stopped",
+                    request_id,
+                ));
+            }
+            state.stats.event_queued();
             Ok(empty(StatusCode::ACCEPTED, request_id))
         }
-        InvocationType::RequestResponse => {
+        Admission::Slot(_) if invocation_type == InvocationType::DryRun => {
+            Ok(empty(StatusCode::NO_CONTENT, request_id))
+        }
+        Admission::Slot(slot) => {
             let fault = state.draw_fault();
             if fault == Some(Fault::ServiceError) {
                 state.stats.service_error();
@@ -448,23 +780,91 @@ async fn route(
                     request_id,
                 ));
             }
-            let permit = match &deployed.slots {
-                Some(slots) if fault != Some(Fault::Throttle) => {
-                    slots.clone().try_acquire_owned().ok()
-                }
-                _ => None,
-            };
-            let throttled =
-                fault == Some(Fault::Throttle) || (deployed.slots.is_some() && permit.is_none());
-            if throttled {
+            if fault == Some(Fault::Throttle) {
                 state.stats.throttle();
-                return Err(throttle(request_id));
+                return Err(throttle(
+                    "ReservedFunctionConcurrentInvocationLimitExceeded",
+                    "Rate Exceeded. (injected fault)",
+                    request_id,
+                ));
             }
-            let outcome = execute(state, &deployed, payload, fault).await;
-            drop(permit);
+            let outcome = execute(&state.handler, &state.stats, &deployed, payload, fault).await;
+            drop(slot);
             Ok(sync_reply(&deployed, outcome, tail, request_id))
         }
     }
+}
+
+/// What lets a request in: a share of the event queue for an Event invocation, a concurrency
+/// slot for the others.
+enum Admission {
+    Queued(Reservation),
+    Slot(OwnedSemaphorePermit),
+}
+
+/// Why a request body was not read whole.
+#[derive(Debug)]
+enum BodyError {
+    /// Longer than the payload limit.
+    TooLarge,
+    /// Not received within the body-read timeout.
+    TimedOut,
+    Read(hyper::Error),
+}
+
+/// Reads a body of at most `limit` bytes within `timeout`. The buffer never holds more than
+/// `limit` bytes: a frame that would take it past the limit ends the read instead.
+async fn read_body(
+    mut body: Incoming,
+    limit: usize,
+    expected: usize,
+    timeout: Duration,
+) -> Result<Bytes, BodyError> {
+    let read = async {
+        let mut buffer = BytesMut::with_capacity(expected.min(limit));
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(BodyError::Read)?;
+            if let Ok(data) = frame.into_data() {
+                if data.len() > limit.saturating_sub(buffer.len()) {
+                    return Err(BodyError::TooLarge);
+                }
+                buffer.extend_from_slice(&data);
+            }
+        }
+        Ok(buffer.freeze())
+    };
+    tokio::time::timeout(timeout, read)
+        .await
+        .unwrap_or(Err(BodyError::TimedOut))
+}
+
+/// Reads and drops a refused request's body, up to the payload limit and within the body-read
+/// timeout, holding no more than one frame at a time. Without it the host would close the
+/// connection with the body unread, the kernel would answer the client's data with a reset,
+/// and the client could lose the refusal (and its `Retry-After`) before reading it.
+async fn discard_body(mut body: Incoming, limit: usize, timeout: Duration) {
+    let drain = async {
+        let mut seen = 0usize;
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Some(data) = frame.data_ref() {
+                seen = seen.saturating_add(data.len());
+                if seen > limit {
+                    return;
+                }
+            }
+        }
+    };
+    let _ = tokio::time::timeout(timeout, drain).await;
+}
+
+fn service_error(message: &str, request_id: &str) -> Reply {
+    aws_error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "ServiceException",
+        "Service",
+        &format!("The local host could not take the invocation: {message}"),
+        request_id,
+    )
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -480,12 +880,18 @@ struct Outcome {
     init: Option<Duration>,
 }
 
-async fn execute(state: &State, f: &Deployed, payload: Bytes, fault: Option<Fault>) -> Outcome {
-    state.stats.invocation();
+async fn execute(
+    handler: &Arc<Handler>,
+    stats: &HostStats,
+    f: &Deployed,
+    payload: Bytes,
+    fault: Option<Fault>,
+) -> Outcome {
+    stats.invocation();
     let init = if f.take_warm() {
         None
     } else {
-        state.stats.cold_start();
+        stats.cold_start();
         let started = Instant::now();
         if !f.config.cold_start.is_zero() {
             tokio::time::sleep(f.config.cold_start).await;
@@ -498,7 +904,7 @@ async fn execute(state: &State, f: &Deployed, payload: Bytes, fault: Option<Faul
             // Hang past the timeout, as a function stuck on a dead dependency would.
             tokio::time::sleep(f.config.timeout + Duration::from_secs(1)).await;
         }
-        run_code(&state.handler, &f.config.code, payload).await
+        run_code(handler, &f.config.code, payload).await
     };
     let result = match tokio::time::timeout(f.config.timeout, run).await {
         Ok(result) => {
@@ -507,7 +913,7 @@ async fn execute(state: &State, f: &Deployed, payload: Bytes, fault: Option<Faul
         }
         Err(_) => {
             // Lambda resets the environment after a timeout; it is not returned to the pool.
-            state.stats.timeout();
+            stats.timeout();
             Err(FunctionError::new(
                 "Sandbox.Timedout",
                 format!(
@@ -528,7 +934,7 @@ async fn execute(state: &State, f: &Deployed, payload: Bytes, fault: Option<Faul
         other => other,
     };
     if result.is_err() {
-        state.stats.function_error();
+        stats.function_error();
     }
     Outcome {
         result,
@@ -611,11 +1017,12 @@ fn report_log(
     report
 }
 
-fn throttle(request_id: &str) -> Reply {
+/// A 429 `TooManyRequestsException`; `reason` is one of Lambda's `ThrottleReason` values.
+fn throttle(reason: &str, message: &str, request_id: &str) -> Reply {
     let body = json!({
-        "Reason": "ReservedFunctionConcurrentInvocationLimitExceeded",
+        "Reason": reason,
         "Type": "User",
-        "message": "Rate Exceeded.",
+        "message": message,
     });
     let mut reply = json_reply(StatusCode::TOO_MANY_REQUESTS, body, request_id);
     let h = reply.headers_mut();

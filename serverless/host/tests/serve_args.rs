@@ -66,3 +66,52 @@ fn malformed_arguments_are_rejected_by_the_parser() {
     assert!(Cli::try_parse_from(["serve", "--listen", "not-an-address"]).is_err());
     assert!(Cli::try_parse_from(["serve", "--timeout-secs", "-1"]).is_err());
 }
+
+#[test]
+fn limit_defaults_follow_lambda_and_the_documented_host_limits() {
+    let config = Cli::try_parse_from(["serve"])
+        .expect("defaults parse")
+        .serve
+        .host_config();
+    assert_eq!(config.max_sync_payload, 6 * 1024 * 1024);
+    assert_eq!(config.max_event_payload, 1024 * 1024);
+    assert_eq!(config.concurrency_per_function, 64);
+    assert_eq!(config.event_queue_events, 1_000);
+    assert_eq!(config.event_queue_bytes, 64 * 1024 * 1024);
+    assert_eq!(config.event_max_age, Duration::from_secs(6 * 60 * 60));
+    assert_eq!(config.header_read_timeout, Duration::from_secs(10));
+    assert_eq!(config.body_read_timeout, Duration::from_secs(30));
+    assert_eq!(config.max_connections, 512);
+}
+
+#[test]
+fn limit_flags_reach_the_host_configuration_and_zeroes_are_raised_to_a_minimum() {
+    let config = Cli::try_parse_from([
+        "serve",
+        "--concurrency-per-function",
+        "8",
+        "--event-queue-events",
+        "10",
+        "--event-queue-mib",
+        "2",
+        "--event-max-age-secs",
+        "60",
+        "--header-read-timeout-ms",
+        "0",
+        "--body-read-timeout-ms",
+        "1500",
+        "--max-connections",
+        "0",
+    ])
+    .expect("arguments parse")
+    .serve
+    .host_config();
+    assert_eq!(config.concurrency_per_function, 8);
+    assert_eq!(config.event_queue_events, 10);
+    assert_eq!(config.event_queue_bytes, 2 << 20);
+    assert_eq!(config.event_max_age, Duration::from_secs(60));
+    // A zero timeout or cap would turn every client away.
+    assert_eq!(config.header_read_timeout, Duration::from_millis(1));
+    assert_eq!(config.body_read_timeout, Duration::from_millis(1500));
+    assert_eq!(config.max_connections, 1);
+}
