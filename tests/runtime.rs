@@ -1248,6 +1248,24 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
                 && refused.message().contains("... (100000 bytes)"),
             "{refused:?}"
         );
+        // A hostname with a newline (it would forge a log line) is refused, quoted escaped.
+        let forged = client
+            .register(RegisterRequest {
+                inventory: Some(HardwareInventory {
+                    pool: "decode".into(),
+                    hostname: "node\nscheduler: job quickstart ends".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(forged.code(), tonic::Code::InvalidArgument, "{forged:?}");
+        assert!(
+            forged.message().starts_with("inventory.hostname: ")
+                && !forged.message().contains('\n'),
+            "{forged:?}"
+        );
         let mut jobs = JobServiceClient::connect(url.clone()).await.unwrap();
         let unknown = jobs.status(JobRef { job: long.clone() }).await.unwrap_err();
         assert_eq!(unknown.code(), tonic::Code::NotFound, "{unknown:?}");

@@ -1216,6 +1216,9 @@ impl Actor {
     }
 
     fn register(&mut self, inventory: HardwareInventory) -> Result<RegisterResponse, Status> {
+        if let Some(problem) = crate::inventory::check(&inventory) {
+            return Err(Status::invalid_argument(problem));
+        }
         let pools: Vec<&str> = self
             .plan
             .spec()
@@ -3358,6 +3361,13 @@ impl Actor {
         let Some(w) = self.workers.get(&worker).filter(|w| w.alive) else {
             return Ok(());
         };
+        if load.gpus.len() > crate::inventory::MAX_GPUS_PER_NODE {
+            return Err(format!(
+                "load.gpus: {} readings (a node has at most {} GPUs)",
+                load.gpus.len(),
+                crate::inventory::MAX_GPUS_PER_NODE
+            ));
+        }
         let any = !load.gpus.is_empty()
             || load.gpu_utilization.is_some()
             || load.gpu_memory_used_bytes.is_some();

@@ -16,6 +16,7 @@
 pub mod actor;
 pub mod feed;
 pub mod grpc;
+pub mod inventory;
 pub mod job;
 pub mod journal;
 pub mod metrics;
