@@ -1225,6 +1225,10 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
         s.write_all(b"\x00\xffthis is not HTTP/2 at all\r\n\r\n\x16\x03\x01")
             .unwrap();
     }
+    // A connection that says nothing at all: the scheduler gives it up (within 10 s of it
+    // opening), rather than holding it for good.
+    let silent = std::net::TcpStream::connect(&addr).unwrap();
+    let opened = Instant::now();
     rt().block_on(async {
         let mut client = WorkerServiceClient::connect(url.clone()).await.unwrap();
         // A hostile 100 KB name is refused with the field named and the name cut short: echoed
@@ -1328,6 +1332,31 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
         let late = client.heartbeat(beat()).await.unwrap_err();
         assert_eq!(late.code(), tonic::Code::NotFound, "{late:?}");
     });
+    {
+        use std::io::Read;
+        silent
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        // Whatever the server says first (its HTTP/2 settings, a goodbye), then the end.
+        let closed = loop {
+            match (&silent).read(&mut [0u8; 256]) {
+                Ok(n) if n > 0 => continue,
+                other => break other,
+            }
+        };
+        assert!(
+            matches!(closed, Ok(0))
+                || closed
+                    .as_ref()
+                    .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "the silent connection was not closed: {closed:?}"
+        );
+        assert!(
+            opened.elapsed() < Duration::from_secs(18),
+            "{:?}",
+            opened.elapsed()
+        );
+    }
 }
 
 /// Registers a test peer (a gRPC client with no worker process behind it) and returns its

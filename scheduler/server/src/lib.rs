@@ -19,6 +19,7 @@ pub mod grpc;
 pub mod inventory;
 pub mod job;
 pub mod journal;
+pub mod listener;
 pub mod metrics;
 pub mod plan;
 pub mod replan;
@@ -36,7 +37,6 @@ use rollfleet_proto::v1::worker_service_server::WorkerServiceServer;
 use rollfleet_proto::v1::{JobPhase, JobStatus};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::TcpListenerStream;
 
 pub use actor::Report;
 pub use plan::{JobPlan, PlanError, PoolRole};
@@ -409,7 +409,8 @@ pub async fn serve_until(
         }
     };
     let mut builder = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(listener::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(listener::KEEPALIVE_TIMEOUT))
         .initial_stream_window_size(rollfleet_proto::HTTP2_WINDOW_BYTES)
         .initial_connection_window_size(rollfleet_proto::HTTP2_WINDOW_BYTES);
     if let Some(tls) = tls {
@@ -421,7 +422,10 @@ pub async fn serve_until(
         .add_service(workers)
         .add_service(jobs)
         .add_service(trainer_feed)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), run_job);
+        .serve_with_incoming_shutdown(
+            listener::bounded(listener, listener::Limits::default()),
+            run_job,
+        );
     server.await?;
     match done_rx.await {
         Ok(report) => Ok(Some(report)),

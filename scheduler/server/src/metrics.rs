@@ -292,26 +292,56 @@ impl Metrics {
     }
 }
 
+/// Scrapes answered at once; more wait in the kernel's backlog (Prometheus scrapes one at a time).
+const MAX_SCRAPES: usize = 64;
+
+/// How long one scrape may take, reading the request and writing the page: a client that stops
+/// reading does not hold its connection for good.
+const SCRAPE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serves the metrics over HTTP on `listener` until the task is dropped.
 pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
+    let open = Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
+    let mut backoff = std::time::Duration::ZERO;
     loop {
-        let Ok((mut socket, _)) = listener.accept().await else {
-            continue;
+        let Ok(permit) = open.clone().acquire_owned().await else {
+            return;
+        };
+        let mut socket = match listener.accept().await {
+            Ok((socket, _)) => {
+                backoff = std::time::Duration::ZERO;
+                socket
+            }
+            Err(_) => {
+                // Out of descriptors: retrying at once would spin.
+                backoff = (backoff * 2).clamp(
+                    std::time::Duration::from_millis(10),
+                    std::time::Duration::from_secs(1),
+                );
+                tokio::time::sleep(backoff).await;
+                continue;
+            }
         };
         let metrics = metrics.clone();
         tokio::spawn(async move {
-            // Read the request head (its content does not matter: every path gets the metrics).
-            let mut buf = [0u8; 2048];
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(2), socket.read(&mut buf))
-                .await;
-            let body = metrics.render();
-            let head = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = socket.write_all(head.as_bytes()).await;
-            let _ = socket.write_all(body.as_bytes()).await;
-            let _ = socket.shutdown().await;
+            let _permit = permit;
+            let scrape = async {
+                // Read the request head (its content does not matter: every path gets the
+                // metrics).
+                let mut buf = [0u8; 2048];
+                let _ =
+                    tokio::time::timeout(std::time::Duration::from_secs(2), socket.read(&mut buf))
+                        .await;
+                let body = metrics.render();
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = socket.write_all(head.as_bytes()).await;
+                let _ = socket.write_all(body.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            };
+            let _ = tokio::time::timeout(SCRAPE_WITHIN, scrape).await;
         });
     }
 }
