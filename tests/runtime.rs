@@ -1327,6 +1327,20 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
             load: None,
         };
         client.heartbeat(beat()).await.unwrap();
+        // A load report of 50,000 GPU readings is refused before the scheduler keeps any of it.
+        let flood = HeartbeatRequest {
+            load: Some(rollfleet_proto::v1::WorkerLoad {
+                gpus: vec![Default::default(); 50_000],
+                ..Default::default()
+            }),
+            ..beat()
+        };
+        let refused = client.heartbeat(flood).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(
+            refused.message().starts_with("load.gpus: 50000 readings"),
+            "{refused:?}"
+        );
         // Then silence, twice the lease: the worker is declared lost, and the lease is gone.
         tokio::time::sleep(Duration::from_millis(2 * lease.ttl_ms)).await;
         let late = client.heartbeat(beat()).await.unwrap_err();

@@ -65,6 +65,9 @@ impl WorkerService for Workers {
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
         let r = request.into_inner();
+        if let Some(problem) = r.load.as_ref().and_then(oversized_load) {
+            return Err(Status::invalid_argument(problem));
+        }
         ask(&self.inbox, |reply| Event::Heartbeat {
             worker_id: r.worker_id,
             epoch: r.epoch,
@@ -110,6 +113,11 @@ impl WorkerService for Workers {
             let reason = loop {
                 match incoming.next().await {
                     Some(Ok(message)) => {
+                        if let Some(worker_message::Message::Load(load)) = &message.message
+                            && let Some(problem) = oversized_load(load)
+                        {
+                            break format!("it sent {problem}");
+                        }
                         let received = tokio::time::Instant::now();
                         let event = Event::Message {
                             worker,
@@ -130,6 +138,25 @@ impl WorkerService for Workers {
         });
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }
+}
+
+/// Why a load report is refused before the actor (and its journal) sees it: more GPU readings
+/// or profile samples than a node can have, which only grow the scheduler and its journal.
+fn oversized_load(load: &rollfleet_proto::v1::WorkerLoad) -> Option<String> {
+    if load.gpus.len() > crate::inventory::MAX_GPUS_PER_NODE {
+        return Some(format!(
+            "load.gpus: {} readings (a node has at most {} GPUs)",
+            load.gpus.len(),
+            crate::inventory::MAX_GPUS_PER_NODE
+        ));
+    }
+    (load.samples.len() > crate::MAX_PROFILE_SAMPLES_PER_REPORT).then(|| {
+        format!(
+            "load.samples: {} samples in one report (at most {})",
+            load.samples.len(),
+            crate::MAX_PROFILE_SAMPLES_PER_REPORT
+        )
+    })
 }
 
 /// The JobService of a scheduler that runs one job, given when it started or submitted.
