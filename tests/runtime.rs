@@ -1309,6 +1309,24 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
         )
         .await;
         assert_eq!(lease.ttl_ms, 2000);
+        // A lease id is a capability: its number alone, or with another secret, names no lease.
+        let (number, secret) = lease.worker_id.split_once('-').unwrap();
+        assert_eq!(secret.len(), 32, "128 random bits: {}", lease.worker_id);
+        for guess in [number.to_owned(), format!("{number}-{}", "0".repeat(32))] {
+            let refused = client
+                .heartbeat(HeartbeatRequest {
+                    worker_id: guess.clone(),
+                    epoch: 1,
+                    load: None,
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(
+                refused.code(),
+                tonic::Code::NotFound,
+                "{guess}: {refused:?}"
+            );
+        }
         // A first message that is not a hello is refused.
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tx.send(WorkerMessage {

@@ -38,11 +38,11 @@ use rollfleet_core::{
 use rollfleet_proto::v1::{
     CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
     HeartbeatResponse, JobPhase, JobStatus, JournalDetach, JournalHeartbeat, JournalMessage,
-    JournalRecord, Lease, PoolStatus, PublicationAnswer, PublishWeights, RegisterResponse,
-    ReplicaStart, RewardWork, SchedulerMessage, Segment, StageKind, TrainWork, TrajectoryId, Turn,
-    WeightSyncWork, WorkAssignment, WorkResult, WorkerHello, WorkerLoad, WorkerMessage,
-    hardware_inventory::Device, journal_record, scheduler_message, work_assignment, work_result,
-    worker_message,
+    JournalRecord, JournalRegister, Lease, PoolStatus, PublicationAnswer, PublishWeights,
+    RegisterResponse, ReplicaStart, RewardWork, SchedulerMessage, Segment, StageKind, TrainWork,
+    TrajectoryId, Turn, WeightSyncWork, WorkAssignment, WorkResult, WorkerHello, WorkerLoad,
+    WorkerMessage, hardware_inventory::Device, journal_record, scheduler_message, work_assignment,
+    work_result, worker_message,
 };
 use rollfleet_sim::hardware::Meter;
 use serde::{Deserialize, Serialize};
@@ -107,6 +107,9 @@ pub enum Event {
     Register {
         /// What the node offers.
         inventory: HardwareInventory,
+        /// The random part of the lease id to give it (drawn outside the actor, journaled, so
+        /// that a replay gives the same lease).
+        secret: String,
         /// The answer.
         reply: oneshot::Sender<Result<RegisterResponse, Status>>,
     },
@@ -451,6 +454,8 @@ struct Assignment {
 
 struct Worker {
     name: String,
+    /// The random part of its lease id (`w<N>-<secret>`).
+    secret: String,
     host: String,
     pool: u32,
     /// What it said about GPU telemetry at registration (`None`: nothing).
@@ -892,8 +897,8 @@ impl Actor {
                 continue;
             };
             match event {
-                journal_record::Event::Register(inventory) => {
-                    let _ = self.register(inventory);
+                journal_record::Event::Register(r) => {
+                    let _ = self.register(r.inventory.unwrap_or_default(), r.lease_secret);
                 }
                 journal_record::Event::Heartbeat(h) => {
                     let _ = self.heartbeat(&h.worker_id, h.epoch, h.load);
@@ -996,9 +1001,12 @@ impl Actor {
             }
             Step::Event(event) => {
                 let recorded = match &event {
-                    Event::Register { inventory, .. } => {
-                        journal_record::Event::Register(inventory.clone())
-                    }
+                    Event::Register {
+                        inventory, secret, ..
+                    } => journal_record::Event::Register(JournalRegister {
+                        inventory: Some(inventory.clone()),
+                        lease_secret: secret.clone(),
+                    }),
                     Event::Heartbeat {
                         worker_id,
                         epoch,
@@ -1099,8 +1107,12 @@ impl Actor {
 
     fn handle(&mut self, event: Event) {
         match event {
-            Event::Register { inventory, reply } => {
-                let _ = reply.send(self.register(inventory));
+            Event::Register {
+                inventory,
+                secret,
+                reply,
+            } => {
+                let _ = reply.send(self.register(inventory, secret));
             }
             Event::Heartbeat {
                 worker_id,
@@ -1211,11 +1223,27 @@ impl Actor {
         self.pump();
     }
 
+    /// The worker a lease id (`w<N>-<secret>`) names, when its secret is that worker's: a lease
+    /// id is a capability, so a peer cannot heartbeat or attach to another node's lease by
+    /// guessing its number.
     fn worker_number(&self, worker_id: &str) -> Option<u64> {
-        worker_id.strip_prefix('w')?.parse().ok()
+        let (number, secret) = worker_id.strip_prefix('w')?.split_once('-')?;
+        let id = number.parse().ok()?;
+        let w = self.workers.get(&id)?;
+        let same = w.secret.len() == secret.len()
+            && w.secret
+                .bytes()
+                .zip(secret.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        same.then_some(id)
     }
 
-    fn register(&mut self, inventory: HardwareInventory) -> Result<RegisterResponse, Status> {
+    fn register(
+        &mut self,
+        inventory: HardwareInventory,
+        secret: String,
+    ) -> Result<RegisterResponse, Status> {
         if let Some(problem) = crate::inventory::check(&inventory) {
             return Err(Status::invalid_argument(problem));
         }
@@ -1285,6 +1313,7 @@ impl Actor {
             id,
             Worker {
                 name: format!("w{id} ({}@{})", inventory.pool, inventory.hostname),
+                secret,
                 host: inventory.hostname.clone(),
                 pool,
                 telemetry: inventory.gpu_telemetry.clone(),
@@ -1346,8 +1375,9 @@ impl Actor {
 
     fn lease(&self, id: u64) -> Lease {
         let ttl = self.opts.lease_ttl.as_millis() as u64;
+        let secret = self.workers.get(&id).map_or("", |w| w.secret.as_str());
         Lease {
-            worker_id: format!("w{id}"),
+            worker_id: format!("w{id}-{secret}"),
             ttl_ms: ttl,
             heartbeat_interval_ms: (ttl / 4).max(1),
             epoch: 1,

@@ -55,9 +55,14 @@ impl WorkerService for Workers {
             .into_inner()
             .inventory
             .ok_or_else(|| Status::invalid_argument("inventory: required"))?;
-        ask(&self.inbox, |reply| Event::Register { inventory, reply })
-            .await
-            .map(Response::new)
+        let secret = lease_secret()?;
+        ask(&self.inbox, |reply| Event::Register {
+            inventory,
+            secret,
+            reply,
+        })
+        .await
+        .map(Response::new)
     }
 
     async fn heartbeat(
@@ -138,6 +143,14 @@ impl WorkerService for Workers {
         });
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }
+}
+
+/// The random part of a lease id: 128 bits from the operating system, in hex.
+fn lease_secret() -> Result<String, Status> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes)
+        .map_err(|e| Status::unavailable(format!("no randomness for a lease id: {e}")))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Why a load report is refused before the actor (and its journal) sees it: more GPU readings
