@@ -2939,7 +2939,13 @@ fn gpu_telemetry_is_exported_as_workers_report_it_and_absent_where_there_is_no_d
         assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
         (lease.ttl_ms, lease.worker_id)
     });
-    let (ttl_ms, peer) = lease_ms;
+    // Metrics name a worker by its number, never by its lease's secret.
+    let (ttl_ms, lease_id) = lease_ms;
+    let peer = lease_id.split('-').next().unwrap().to_owned();
+    assert!(
+        peer.starts_with('w') && peer.len() < lease_id.len(),
+        "{lease_id}"
+    );
 
     // Two of the real worker's heartbeats (every ttl/4) have come and gone.
     std::thread::sleep(Duration::from_millis(ttl_ms / 2 + 300));
