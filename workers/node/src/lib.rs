@@ -670,7 +670,7 @@ async fn session(
         eprintln!(
             "worker {} ({}): registered for pool {}; generation token-in, token-out on {} {} \
              engine(s): {}",
-            lease.worker_id,
+            shown_lease(&lease.worker_id),
             opts.hostname,
             opts.pool,
             t.urls().len(),
@@ -683,7 +683,7 @@ async fn session(
         None => eprintln!(
             "worker {} ({}): registered for pool {} ({:?}); emulated hardware at time scale \
              {time_scale}",
-            lease.worker_id,
+            shown_lease(&lease.worker_id),
             opts.hostname,
             opts.pool,
             plan.pool_role(pool)
@@ -691,7 +691,7 @@ async fn session(
         Some(b) => eprintln!(
             "worker {} ({}): registered for pool {}; generation on the OpenAI-compatible engine \
              at {} (model {:?}); training emulated at time scale {time_scale}",
-            lease.worker_id,
+            shown_lease(&lease.worker_id),
             opts.hostname,
             opts.pool,
             b.engine.base_url(),
@@ -707,7 +707,7 @@ async fn session(
             .collect();
         eprintln!(
             "worker {} ({}): GPU telemetry (NVML) from {} GPUs ({}) with every heartbeat",
-            lease.worker_id,
+            shown_lease(&lease.worker_id),
             opts.hostname,
             names.len(),
             names.join(", ")
@@ -715,7 +715,9 @@ async fn session(
     } else {
         eprintln!(
             "worker {} ({}): no GPU telemetry on this node, reported once and never as zeros: {}",
-            lease.worker_id, opts.hostname, telemetry_info.unavailable_reason
+            shown_lease(&lease.worker_id),
+            opts.hostname,
+            telemetry_info.unavailable_reason
         );
     }
     let node = Arc::new(Node {
@@ -792,7 +794,7 @@ async fn session(
                 eprintln!(
                     "worker {} ({}): leaving: the scheduler gives this node nothing new and \
                      releases it once what it runs is done (at most {:?})",
-                    lease.worker_id, opts.hostname, opts.leave_timeout
+                    shown_lease(&lease.worker_id), opts.hostname, opts.leave_timeout
                 );
                 let _ = out.send(WorkerMessage {
                     message: Some(worker_message::Message::Leaving(WorkerLeaving {
@@ -1684,6 +1686,12 @@ impl Node {
             self.host.end(episode);
         }
     }
+}
+
+/// A lease id as logs show it: its number (`w<N>`), without the secret that makes it a
+/// capability.
+fn shown_lease(worker_id: &str) -> &str {
+    worker_id.split('-').next().unwrap_or(worker_id)
 }
 
 #[cfg(test)]
