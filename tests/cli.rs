@@ -10,12 +10,22 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn rollfleet(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rollfleet"))
+/// The binary, run from the repository, with no `ROLLFLEET_SCHEDULER` of the caller's shell.
+fn command(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rollfleet"));
+    command
         .args(args)
         .current_dir(repo())
-        .output()
-        .unwrap()
+        .env_remove("ROLLFLEET_SCHEDULER");
+    command
+}
+
+fn rollfleet(args: &[&str]) -> Output {
+    command(args).output().unwrap()
+}
+
+fn rollfleet_with_env(args: &[&str], name: &str, value: &str) -> Output {
+    command(args).env(name, value).output().unwrap()
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -89,10 +99,106 @@ fn an_invalid_job_exits_3_with_every_problem_on_stderr() {
 }
 
 #[test]
-fn a_missing_file_exits_1_naming_the_file() {
+fn a_missing_file_exits_3_naming_the_file() {
     let out = rollfleet(&["validate", "no/such/job.yaml"]);
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(3));
     assert!(text(&out.stderr).starts_with("error: no/such/job.yaml: cannot read"));
+}
+
+#[test]
+fn every_command_that_reads_a_file_exits_3_naming_a_missing_one() {
+    let missing = "no/such/dir/input.yaml";
+    let checkpoints = std::env::temp_dir().join(format!(
+        "rollfleet-cli-{}-checkpoints-never-made",
+        std::process::id()
+    ));
+    let checkpoints = checkpoints.to_str().unwrap();
+    let quickstart = "examples/jobs/quickstart.yaml";
+    let external = "examples/jobs/quickstart-external.yaml";
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["validate", missing],
+        vec!["validate", "-o", "json", missing],
+        vec!["sim", missing],
+        vec!["plan", missing],
+        vec!["plan", quickstart, "--inventory", missing],
+        vec!["plan", quickstart, "--profiles", missing],
+        vec!["catalog", "--job", missing],
+        vec!["profile", "show", missing],
+        vec!["profile", "import", missing],
+        vec![
+            "profile",
+            "export",
+            "--to",
+            "/dev/null",
+            "--profiles",
+            missing,
+        ],
+        vec!["journal", "show", missing],
+        vec![
+            "job",
+            "submit",
+            missing,
+            "--scheduler",
+            "http://127.0.0.1:1",
+        ],
+        vec!["job", "status", "quickstart", "--token-file", missing],
+        vec![
+            "job",
+            "cancel",
+            "quickstart",
+            "--scheduler",
+            "https://127.0.0.1:1",
+            "--tls-ca",
+            missing,
+        ],
+        vec!["run", missing],
+        vec!["train", missing, "--checkpoints", checkpoints],
+        vec![
+            "train",
+            external,
+            "--checkpoints",
+            checkpoints,
+            "--token-file",
+            missing,
+        ],
+        vec![
+            "train",
+            external,
+            "--checkpoints",
+            checkpoints,
+            "--scheduler",
+            "https://127.0.0.1:1",
+            "--tls-ca",
+            missing,
+        ],
+        vec!["scheduler", missing, "--listen", "127.0.0.1:0"],
+        vec![
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            missing,
+        ],
+        vec!["worker", "--pool", "decode", "--token-file", missing],
+        vec![
+            "worker",
+            "--pool",
+            "decode",
+            "--scheduler",
+            "https://127.0.0.1:1",
+            "--tls-ca",
+            missing,
+        ],
+    ];
+    for args in &cases {
+        let out = rollfleet(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{args:?}: {stderr}");
+        assert!(stderr.contains(missing), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    // Refused before anything was done.
+    assert!(!Path::new(checkpoints).exists());
 }
 
 #[test]
@@ -827,9 +933,121 @@ fn rollfleet_job_names_the_scheduler_it_cannot_reach_and_refuses_a_url_that_is_n
         said.contains("cannot reach the scheduler at http://127.0.0.1:1"),
         "{said}"
     );
+    // A value that is no URL is a bad command line, refused by the argument parser.
     let out = rollfleet(&["job", "cancel", "quickstart", "--scheduler", "not a url"]);
-    assert_eq!(out.status.code(), Some(3));
-    assert!(text(&out.stderr).contains("--scheduler \"not a url\": not a URL"));
+    assert_eq!(out.status.code(), Some(2));
+    let said = text(&out.stderr);
+    assert!(
+        said.contains("--scheduler") && said.contains("\"not a url\" is not a URL"),
+        "{said}"
+    );
+}
+
+#[test]
+fn a_scheduler_url_without_a_scheme_is_a_usage_error_saying_what_to_write() {
+    let checkpoints = std::env::temp_dir().join(format!(
+        "rollfleet-cli-{}-no-scheme-checkpoints",
+        std::process::id()
+    ));
+    for args in [
+        &["job", "status", "quickstart", "--scheduler", "127.0.0.1:1"][..],
+        &["job", "watch", "quickstart", "--scheduler", "127.0.0.1:1"],
+        &["job", "cancel", "quickstart", "--scheduler", "127.0.0.1:1"],
+        &[
+            "job",
+            "submit",
+            "examples/jobs/quickstart.yaml",
+            "--scheduler",
+            "127.0.0.1:1",
+        ],
+        &["worker", "--pool", "decode", "--scheduler", "127.0.0.1:1"],
+        &[
+            "train",
+            "examples/jobs/quickstart-external.yaml",
+            "--checkpoints",
+            checkpoints.to_str().unwrap(),
+            "--scheduler",
+            "127.0.0.1:1",
+        ],
+    ] {
+        let out = rollfleet(args);
+        let said = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {said}");
+        assert!(said.contains("--scheduler"), "{args:?}: {said}");
+        assert!(
+            said.contains(
+                "127.0.0.1:1 has no scheme; use http://127.0.0.1:1 or https://127.0.0.1:1"
+            ),
+            "{args:?}: {said}"
+        );
+        assert!(
+            !said.contains("unreachable") && !said.contains("cannot reach"),
+            "{said}"
+        );
+    }
+    assert!(!checkpoints.exists());
+}
+
+#[test]
+fn rollfleet_scheduler_in_the_environment_is_the_default_of_every_scheduler_flag() {
+    const VAR: &str = "ROLLFLEET_SCHEDULER";
+    // Read: a value with no scheme is refused as the flag's would be, naming the variable.
+    for args in [
+        &["job", "status", "quickstart"][..],
+        &["worker", "--pool", "decode"],
+    ] {
+        let out = rollfleet_with_env(args, VAR, "127.0.0.1:9");
+        let said = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {said}");
+        assert!(
+            said.contains("127.0.0.1:9 has no scheme") && said.contains(VAR),
+            "{args:?}: {said}"
+        );
+    }
+    // A good one is used.
+    let out = rollfleet_with_env(&["job", "status", "quickstart"], VAR, "http://127.0.0.1:1");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("cannot reach the scheduler at http://127.0.0.1:1"),
+        "{}",
+        text(&out.stderr)
+    );
+    // The flag wins over the variable.
+    let out = rollfleet_with_env(
+        &[
+            "job",
+            "status",
+            "quickstart",
+            "--scheduler",
+            "http://127.0.0.1:1",
+        ],
+        VAR,
+        "127.0.0.1:9",
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("http://127.0.0.1:1"));
+    // Unset, the scheduler's own default address, as before.
+    let out = rollfleet(&["job", "status", "quickstart"]);
+    let said = text(&out.stderr);
+    assert_ne!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains("http://127.0.0.1:7070"), "{said}");
+    // Every command with the flag says so in its help.
+    for args in [
+        &["job", "submit", "--help"][..],
+        &["job", "status", "--help"],
+        &["job", "watch", "--help"],
+        &["job", "cancel", "--help"],
+        &["worker", "--help"],
+        &["train", "--help"],
+    ] {
+        let out = rollfleet(args);
+        assert_eq!(out.status.code(), Some(0));
+        assert!(
+            text(&out.stdout).contains("[env: ROLLFLEET_SCHEDULER="),
+            "{args:?}: {}",
+            text(&out.stdout)
+        );
+    }
 }
 
 #[test]
@@ -854,4 +1072,125 @@ fn rollfleet_job_submit_checks_the_job_before_contacting_any_scheduler() {
         said.contains("gpu") && !said.contains("cannot reach"),
         "{said}"
     );
+}
+
+/// Runs `args` with stdout a pipe whose reader leaves early: at once, or after one line.
+fn with_a_reader_that_leaves(args: &[&str], read_a_line_first: bool) -> Output {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    let mut child = command(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    if read_a_line_first {
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+    } else {
+        drop(stdout);
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_reader_that_closes_the_pipe_early_is_no_error() {
+    // Each command prints more than one line; whether the reader has gone before the writes
+    // is a race, hence the rounds.
+    let commands: [(&[&str], bool); 4] = [
+        (&["catalog", "-o", "json"], false),
+        (&["catalog"], false),
+        (&["completion", "bash"], false),
+        (
+            &[
+                "sim",
+                "examples/jobs/quickstart.yaml",
+                "--baseline",
+                "rollfleet",
+                "-o",
+                "json",
+            ],
+            true,
+        ),
+    ];
+    for round in 0..20 {
+        for (args, progress_on_stderr) in commands {
+            let out = with_a_reader_that_leaves(args, round % 2 == 1);
+            let stderr = text(&out.stderr);
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{args:?}, round {round}: {stderr}"
+            );
+            assert!(
+                !stderr.contains("Broken pipe")
+                    && !stderr.contains("error")
+                    && !stderr.contains("panicked"),
+                "{args:?}, round {round}: {stderr}"
+            );
+            if !progress_on_stderr {
+                assert!(stderr.is_empty(), "{args:?}, round {round}: {stderr}");
+            }
+        }
+    }
+}
+
+#[test]
+fn counts_of_one_are_printed_in_the_singular() {
+    let job = std::fs::read_to_string(repo().join("examples/jobs/quickstart.yaml"))
+        .unwrap()
+        .replace("rolloutBatchSize: 32", "rolloutBatchSize: 4")
+        .replace("trainBatchSize: 16", "trainBatchSize: 4")
+        .replace("steps: 5", "steps: 1");
+    let path = scratch("one-of-everything.yaml", &job);
+    let out = rollfleet(&["validate", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("1 group of 4 = 4 trajectories per step")
+            && stdout.contains("1 optimizer update per step")
+            && stdout.contains("max staleness 1, 1 step\n"),
+        "{stdout}"
+    );
+    // And the plural stays for other counts.
+    let out = rollfleet(&["validate", "examples/jobs/quickstart.yaml"]);
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("8 groups of 4 = 32 trajectories per step")
+            && stdout.contains("2 optimizer updates per step")
+            && stdout.contains("5 steps"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn the_top_level_help_shows_rollfleet_run_on_the_quickstart_among_its_examples() {
+    let out = rollfleet(&["--help"]);
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = text(&out.stdout);
+    let examples = stdout.split("Examples:").nth(1).unwrap_or_default();
+    assert!(
+        examples.contains("\n  rollfleet run examples/jobs/quickstart.yaml"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("ROLLFLEET_SCHEDULER"), "{stdout}");
+}
+
+#[test]
+fn completion_prints_a_script_for_bash_zsh_and_fish() {
+    for shell in ["bash", "zsh", "fish"] {
+        let out = rollfleet(&["completion", shell]);
+        assert_eq!(out.status.code(), Some(0), "{shell}: {}", text(&out.stderr));
+        assert!(out.stderr.is_empty(), "{shell}: {}", text(&out.stderr));
+        let script = text(&out.stdout);
+        assert!(
+            script.contains("rollfleet")
+                && script.contains("validate")
+                && script.contains("journal"),
+            "{shell}: {script}"
+        );
+    }
+    let out = rollfleet(&["completion", "tcsh"]);
+    assert_eq!(out.status.code(), Some(2));
 }

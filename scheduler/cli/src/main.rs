@@ -1,7 +1,8 @@
 //! `rollfleet`: the command-line tool for RL jobs on disaggregated hardware.
 //!
 //! Every subcommand follows the conventions in `output.rs`: `-o table|json|yaml`, results on
-//! stdout, errors on stderr, the exit codes of `output::exit`, and an example in `--help`.
+//! stdout, errors on stderr, the exit codes of `output::exit`, an example in `--help`, and a
+//! closed stdout pipe as a clean end.
 
 mod commands;
 mod output;
@@ -9,7 +10,7 @@ mod output;
 use std::io::Write;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::output::{OutputFormat, exit};
 
@@ -20,11 +21,16 @@ use crate::output::{OutputFormat, exit};
     version,
     after_help = "Examples:\n  \
         rollfleet validate examples/jobs/quickstart.yaml\n  \
+        rollfleet run examples/jobs/quickstart.yaml   # the whole job on this machine, GPUs emulated\n  \
         rollfleet sim examples/jobs/rollart-agentic.yaml\n  \
         rollfleet plan examples/jobs/rollart-agentic.yaml\n  \
         rollfleet serverless serve\n  \
-        rollfleet catalog -o json\n\n\
-        Exit codes: 0 success, 1 failure while running, 2 bad command line, 3 invalid input.\n\
+        rollfleet catalog -o json\n  \
+        rollfleet completion bash > ~/.local/share/bash-completion/completions/rollfleet\n\n\
+        Exit codes: 0 success (a closed stdout pipe included), 1 failure while running, 2 bad \
+        command line, 3 invalid or unreadable input.\n\
+        Environment: ROLLFLEET_SCHEDULER (the default of every --scheduler), ROLLFLEET_TOKEN (the \
+        scheduler's token), ROLLFLEET_ENGINE_API_KEY (a real engine's API key).\n\
         Docs: docs/cli.md"
 )]
 struct Cli {
@@ -97,19 +103,23 @@ enum Command {
         rollfleet worker --scheduler http://127.0.0.1:7070 --pool decode\n  \
         rollfleet worker --pool decode --engine openai --engine-url http://127.0.0.1:8000   # vLLM, SGLang")]
     Worker(commands::runtime::WorkerArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) for `rollfleet`.
+    Completion(commands::completion::CompletionArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Unlocked handles: the runtime commands log from worker threads, which a lock held here
     // for the whole run would block forever.
-    let mut stdout = std::io::stdout();
+    let mut stdout = output::Stdout::new();
     let mut stderr = std::io::stderr();
     let result = match &cli.command {
         Command::Validate(args) => {
             commands::validate::run(args, cli.output, &mut stdout, &mut stderr)
         }
-        Command::Catalog(args) => commands::catalog::run(args, cli.output, &mut stdout),
+        Command::Catalog(args) => {
+            commands::catalog::run(args, cli.output, &mut stdout, &mut stderr)
+        }
         Command::Sim(args) => commands::sim::run(args, cli.output, &mut stdout, &mut stderr),
         Command::Plan(args) => commands::plan::run(args, cli.output, &mut stdout, &mut stderr),
         Command::Profile(command) => {
@@ -125,17 +135,16 @@ fn main() -> ExitCode {
         }
         Command::Worker(args) => commands::runtime::worker(args, &mut stderr),
         Command::Train(args) => commands::train::run(args, &mut stderr),
+        Command::Completion(args) => commands::completion::run(args, Cli::command(), &mut stdout),
     };
+    // A reader that went away (`rollfleet catalog -o json | head -1`) wanted no more: that is
+    // no failure, whatever shape the write error took on its way up.
+    if output::stdout_closed() {
+        return ExitCode::from(exit::OK);
+    }
     match result {
         Ok(code) => ExitCode::from(code),
         Err(error) => {
-            // A closed pipe (`rollfleet catalog | head`) is not a failure worth reporting.
-            if error
-                .downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
-            {
-                return ExitCode::from(exit::OK);
-            }
             let _ = writeln!(stderr, "error: {error:#}");
             ExitCode::from(exit::FAILED)
         }

@@ -3,8 +3,13 @@
 //!
 //! Tables are for people (aligned columns, units in the cells); JSON and YAML are for programs
 //! and carry the same facts with numbers unformatted.
+//!
+//! A reader that goes away (`rollfleet catalog -o json | head -1`) ends the command cleanly:
+//! every result is written through [`Stdout`], which notes a closed pipe, and `main` then exits
+//! 0 without a word, however the write error travelled back up.
 
 use std::io::{self, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::Serialize;
 
@@ -28,6 +33,57 @@ pub mod exit {
     // 2 is clap's own code for a wrong command line; clap exits with it before we run.
     /// The input (a job spec, an inventory) is invalid; nothing was done.
     pub const INVALID_INPUT: u8 = 3;
+}
+
+/// Set by the first write to stdout that finds the pipe's reader gone. Global because a write
+/// error reaches `main` in many shapes (wrapped by serde_json, turned into a message by a
+/// command's own error type), and only the fact that the reader left decides the exit code.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+
+/// Whether a write to [`Stdout`] found the reader of the pipe gone.
+pub fn stdout_closed() -> bool {
+    STDOUT_CLOSED.load(Ordering::Relaxed)
+}
+
+/// The process's stdout, noting a closed pipe (EPIPE) as it passes the error on, so that the
+/// command stops producing and `main` can tell a reader that left from a failure.
+pub struct Stdout(io::Stdout);
+
+impl Stdout {
+    /// The process's stdout (unlocked: the runtime commands also log from worker threads).
+    pub fn new() -> Stdout {
+        Stdout(io::stdout())
+    }
+}
+
+impl Default for Stdout {
+    fn default() -> Stdout {
+        Stdout::new()
+    }
+}
+
+/// Passes `result` on, noting a closed pipe.
+fn noting_closed<T>(result: io::Result<T>) -> io::Result<T> {
+    if let Err(e) = &result
+        && e.kind() == io::ErrorKind::BrokenPipe
+    {
+        STDOUT_CLOSED.store(true, Ordering::Relaxed);
+    }
+    result
+}
+
+impl Write for Stdout {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        noting_closed(self.0.write(buf))
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        noting_closed(self.0.write_all(buf))
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        noting_closed(self.0.flush())
+    }
 }
 
 /// Writes `value` as JSON or YAML.
@@ -130,6 +186,19 @@ pub fn count(value: f64) -> String {
     three_digits(value)
 }
 
+/// A count with its noun in the number the count needs: `counted(1, "worker", "workers") ==
+/// "1 worker"`, `counted(3, "worker", "workers") == "3 workers"`.
+pub fn counted<N>(n: N, one: &str, many: &str) -> String
+where
+    N: std::fmt::Display + PartialEq + From<u8>,
+{
+    if n == N::from(1) {
+        format!("{n} {one}")
+    } else {
+        format!("{n} {many}")
+    }
+}
+
 /// Three significant digits, without trailing zeros beyond them.
 fn three_digits(value: f64) -> String {
     if value.abs() >= 100.0 {
@@ -153,6 +222,21 @@ mod tests {
         assert_eq!(si(12.0, "ms"), "12.0 ms");
         assert_eq!(count(32.8e9), "32.8B");
         assert_eq!(count(1.54e9), "1.54B");
+    }
+
+    #[test]
+    fn a_count_of_one_takes_the_singular_and_any_other_the_plural() {
+        assert_eq!(counted(1_usize, "worker", "workers"), "1 worker");
+        assert_eq!(counted(0_u64, "worker", "workers"), "0 workers");
+        assert_eq!(counted(2_u32, "entry", "entries"), "2 entries");
+        assert_eq!(
+            counted(1.0_f64, "wall second", "wall seconds"),
+            "1 wall second"
+        );
+        assert_eq!(
+            counted(4.0_f64, "wall second", "wall seconds"),
+            "4 wall seconds"
+        );
     }
 
     #[test]

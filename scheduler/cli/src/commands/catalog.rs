@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use rollfleet_catalog::{Catalog, CpuShape, GpuProduct, ServerlessPlatform};
 use serde::Serialize;
 
@@ -33,13 +33,23 @@ struct Listing<'a> {
 }
 
 /// Runs the command; returns the exit code.
-pub fn run(args: &CatalogArgs, format: OutputFormat, stdout: &mut dyn Write) -> Result<u8> {
+pub fn run(
+    args: &CatalogArgs,
+    format: OutputFormat,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<u8> {
     let catalog = match &args.job {
-        Some(path) => {
-            rollfleet_spec::load_job_file(path)
-                .with_context(|| "the job's catalogue additions are only read from a valid job")?
-                .catalog
-        }
+        Some(path) => match rollfleet_spec::load_job_file(path) {
+            Ok(job) => job.catalog,
+            Err(e) => {
+                writeln!(
+                    stderr,
+                    "error: {e}\n(the job's catalogue additions are only read from a valid job)"
+                )?;
+                return Ok(exit::INVALID_INPUT);
+            }
+        },
         None => Catalog::builtin(),
     };
     let listing = Listing {

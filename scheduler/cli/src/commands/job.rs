@@ -16,7 +16,7 @@ use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus, PoolStatus, SubmitJobRequ
 use rollfleet_server::job::{ended, phase_name};
 use serde::Serialize;
 
-use crate::commands::{TlsClientArgs, TokenArgs};
+use crate::commands::{SCHEDULER_ENV, TlsClientArgs, TokenArgs, scheduler_url};
 use crate::output::{OutputFormat, Table, exit, write_structured};
 
 /// Where the scheduler listens unless told otherwise (`rollfleet scheduler`'s default).
@@ -81,8 +81,14 @@ pub enum JobCommand {
 /// Which scheduler to ask.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Target {
-    /// The scheduler's URL.
-    #[arg(long, default_value = DEFAULT_SCHEDULER, value_name = "URL")]
+    /// The scheduler's URL: http://HOST:PORT, or https://HOST:PORT with --tls-ca.
+    #[arg(
+        long,
+        env = SCHEDULER_ENV,
+        default_value = DEFAULT_SCHEDULER,
+        value_name = "URL",
+        value_parser = scheduler_url
+    )]
     scheduler: String,
     #[command(flatten)]
     token: TokenArgs,
@@ -263,6 +269,8 @@ pub fn run(
     });
     match outcome {
         Ok(code) => Ok(code),
+        // The reader of stdout left (`rollfleet job watch NAME -o json | head -1`): a clean end.
+        Err(_) if crate::output::stdout_closed() => Ok(exit::OK),
         Err(failure) => {
             if !failure.message.is_empty() {
                 writeln!(stderr, "error: {}", failure.message)?;

@@ -12,7 +12,7 @@ use anyhow::Result;
 use rollfleet_proto::v1::JournalHeader;
 use serde::Serialize;
 
-use crate::output::{OutputFormat, exit, write_structured};
+use crate::output::{OutputFormat, counted, exit, write_structured};
 
 /// `rollfleet journal`.
 #[derive(Debug, clap::Subcommand)]
@@ -95,8 +95,9 @@ pub fn run(
     let ended = shown.phase != "Running";
     let torn = if shown.torn_bytes > 0 {
         format!(
-            "; the last {} bytes are a record torn when its scheduler was killed (cut off on resume)",
-            shown.torn_bytes
+            "; the last {} {} a record torn when its scheduler was killed (cut off on resume)",
+            counted(shown.torn_bytes, "byte", "bytes"),
+            if shown.torn_bytes == 1 { "is" } else { "are" }
         )
     } else {
         String::new()
@@ -105,9 +106,9 @@ pub fn run(
         (
             "journal",
             format!(
-                "{} ({} records, {:.1} MB{torn})",
+                "{} ({}, {:.1} MB{torn})",
                 shown.journal,
-                shown.records,
+                counted(shown.records, "record", "records"),
                 shown.bytes as f64 / 1e6
             ),
         ),
@@ -115,11 +116,11 @@ pub fn run(
         (
             "where it stood",
             format!(
-                "{} at version {} of {} RL steps; {} trajectories trained ({} twice)",
+                "{} at version {} of {}; {} trained ({} twice)",
                 shown.phase,
                 shown.policy_version,
-                shown.steps,
-                shown.trajectories_trained,
+                counted(shown.steps, "RL step", "RL steps"),
+                counted(shown.trajectories_trained, "trajectory", "trajectories"),
                 shown.trajectories_trained_twice
             ),
         ),

@@ -1,6 +1,7 @@
 //! One module per subcommand; each exposes its clap `Args` and a `run` that returns an exit code.
 
 pub mod catalog;
+pub mod completion;
 pub mod gpus;
 pub mod job;
 pub mod journal;
@@ -15,6 +16,44 @@ pub mod validate;
 use std::path::PathBuf;
 
 use rollfleet_proto::auth::{Token, TokenError};
+
+/// The environment variable every `--scheduler` flag defaults from (as `RAY_ADDRESS` does for
+/// Ray), so that a shell or a pod names its scheduler once.
+pub const SCHEDULER_ENV: &str = "ROLLFLEET_SCHEDULER";
+
+/// Checks a `--scheduler` URL (given, or from [`SCHEDULER_ENV`]) while the command line is
+/// parsed, so that a slip such as `127.0.0.1:7070` is a usage error that says what to write,
+/// not a scheduler reported unreachable after a connection attempt.
+pub fn scheduler_url(value: &str) -> Result<String, String> {
+    // Said when the value came from the environment, where the user may not think to look.
+    let origin = match std::env::var(SCHEDULER_ENV) {
+        Ok(from_env) if from_env == value => format!(" (from {SCHEDULER_ENV})"),
+        _ => String::new(),
+    };
+    if value.is_empty() && !origin.is_empty() {
+        return Err(format!(
+            "{SCHEDULER_ENV} is set but empty; unset it, or set it to http://HOST:PORT"
+        ));
+    }
+    let uri: tonic::transport::Uri = value.parse().map_err(|e| {
+        format!("{value:?} is not a URL ({e}){origin}; use http://HOST:PORT or https://HOST:PORT")
+    })?;
+    match uri.scheme_str() {
+        None => Err(format!(
+            "{value} has no scheme{origin}; use http://{value} or https://{value} (with --tls-ca)"
+        )),
+        // The TLS choice downstream reads the URL's text, so the scheme is taken as written.
+        Some(_) if value.starts_with("http://") || value.starts_with("https://") => {
+            Ok(value.to_owned())
+        }
+        Some(scheme) if ["http", "https"].contains(&scheme) => Err(format!(
+            "{value}: write the scheme in lower case{origin}: http:// or https://"
+        )),
+        Some(scheme) => Err(format!(
+            "{value}: the scheme {scheme:?} is not served{origin}; use http:// or https://"
+        )),
+    }
+}
 
 /// The scheduler's bearer token, for every command that serves or calls it.
 #[derive(Debug, Clone, Default, clap::Args)]

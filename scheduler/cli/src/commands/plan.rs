@@ -15,7 +15,7 @@ use rollfleet_sim::workload::mean;
 use rollfleet_spec::load_job_file;
 use serde::Serialize;
 
-use crate::output::{OutputFormat, Table, exit, write_structured};
+use crate::output::{OutputFormat, Table, counted, exit, write_structured};
 
 /// Arguments of `rollfleet plan`.
 #[derive(Debug, clap::Args)]
@@ -96,7 +96,8 @@ pub fn run(
         {
             Ok(job) => job,
             Err(e) => {
-                writeln!(stderr, "error: {e:#}")?;
+                // Each error names its cause itself; the alternate form would print the I/O one twice.
+                writeln!(stderr, "error: {e}")?;
                 return Ok(exit::INVALID_INPUT);
             }
         },
@@ -254,13 +255,13 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
             rollfleet_planner::profile::Source::Model => "model assumption".to_owned(),
             rollfleet_planner::profile::Source::Probed => "probed".to_owned(),
             rollfleet_planner::profile::Source::Measured => format!(
-                "{}: median of {} samples, spread {:.1} points",
+                "{}: median of {}, spread {:.1} points",
                 if f.modelled {
                     "measured on emulated or simulated hardware (the model's own figures)"
                 } else {
                     "measured"
                 },
-                f.samples,
+                counted(f.samples, "sample", "samples"),
                 f.spread.unwrap_or(0.0) * 100.0
             ),
         };

@@ -20,7 +20,7 @@ use rollfleet_sim::workload::mean;
 use rollfleet_spec::{PoolKind, load_job_file};
 use serde::Serialize;
 
-use crate::output::{OutputFormat, Table, exit, write_structured};
+use crate::output::{OutputFormat, Table, counted, exit, write_structured};
 
 /// `rollfleet profile`.
 #[derive(Debug, clap::Subcommand)]
@@ -116,11 +116,11 @@ pub fn read_store(path: &Path) -> Result<ProfileStore> {
             let mean_ok = e.lifetime_mean().is_none_or(seconds);
             if !(e.sum.is_finite() && e.sum >= 0.0 && mean_ok) {
                 anyhow::bail!(
-                    "{}: {section}.{name}: sum {} over {} samples is not a mean duration in (0, \
+                    "{}: {section}.{name}: sum {} over {} is not a mean duration in (0, \
                      {MAX_TIMED_S}] s",
                     path.display(),
                     e.sum,
-                    e.total
+                    counted(e.total, "sample", "samples")
                 );
             }
         }
@@ -255,12 +255,21 @@ pub fn run(
             let json = serde_json::to_string_pretty(&store)?;
             std::fs::write(to, json + "\n")
                 .with_context(|| format!("{}: cannot write", to.display()))?;
+            let estimates = store.measured.values().map(|m| m.len()).sum::<usize>();
             writeln!(
                 stderr,
-                "wrote {}: {} measured (kind, pool) estimates, {} probed GPU products",
+                "wrote {}: {estimates} measured (kind, pool) {}, {}",
                 to.display(),
-                store.measured.values().map(|m| m.len()).sum::<usize>(),
-                store.probed.len()
+                if estimates == 1 {
+                    "estimate"
+                } else {
+                    "estimates"
+                },
+                counted(
+                    store.probed.len(),
+                    "probed GPU product",
+                    "probed GPU products"
+                )
             )?;
             Ok(exit::OK)
         }

@@ -19,8 +19,8 @@ use rollfleet_proto::v1::{JobPhase, JobRef};
 use rollfleet_server::{Report, ServerOptions};
 use tonic::transport::Endpoint;
 
-use crate::commands::{TlsClientArgs, TokenArgs};
-use crate::output::{OutputFormat, Table, exit, write_structured};
+use crate::commands::{SCHEDULER_ENV, TlsClientArgs, TokenArgs, scheduler_url};
+use crate::output::{OutputFormat, Table, counted, exit, write_structured};
 
 /// Wall seconds per modelled second that `run` uses unless told otherwise.
 pub const DEFAULT_TIME_SCALE: f64 = 4.0;
@@ -104,8 +104,14 @@ pub struct SchedulerArgs {
 /// `rollfleet worker`.
 #[derive(Debug, clap::Args)]
 pub struct WorkerArgs {
-    /// The scheduler's URL.
-    #[arg(long, default_value = "http://127.0.0.1:7070")]
+    /// The scheduler's URL: http://HOST:PORT, or https://HOST:PORT with --tls-ca.
+    #[arg(
+        long,
+        env = SCHEDULER_ENV,
+        default_value = crate::commands::job::DEFAULT_SCHEDULER,
+        value_name = "URL",
+        value_parser = scheduler_url
+    )]
     pub scheduler: String,
     /// The pool to join, as named in the job.
     #[arg(long)]
@@ -412,8 +418,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
         // must find the handler there rather than the default action.
         let stop = shutdown_signal()?;
         // The parent of `rollfleet run` reads this line to find the port.
-        println!("listening on {addr}");
-        std::io::stdout().flush()?;
+        announce(&format!("listening on {addr}"))?;
         let opts = ServerOptions {
             job_yaml,
             origin,
@@ -466,6 +471,17 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
     } else {
         exit::FAILED
     })
+}
+
+/// Writes a server's line on stdout. Not through `output::Stdout`: a reader that has gone (a
+/// parent that read the port and closed the pipe) is no reason for a server to stop serving, nor
+/// to exit 0 whatever became of its job.
+fn announce(line: &str) -> std::io::Result<()> {
+    let mut out = std::io::stdout();
+    match writeln!(out, "{line}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other,
+    }
 }
 
 /// Reads a job file (size-limited, so a huge file is refused before it is read) and checks that
@@ -536,6 +552,16 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
             return Ok(exit::INVALID_INPUT);
         }
     };
+    // The TLS files are read here once, only to check them: a missing CA or key is the user's
+    // input (exit 3, naming the file) rather than a worker that fails to connect.
+    if let Err(e) = rollfleet_proto::tls::endpoint(
+        &args.scheduler,
+        args.tls.tls_ca.as_deref(),
+        args.tls.identity(),
+    ) {
+        writeln!(stderr, "error: {e}")?;
+        return Ok(exit::INVALID_INPUT);
+    }
     let name = args.name.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_owned())
@@ -770,8 +796,9 @@ pub fn run(
         _ => writeln!(
             stderr,
             "rollfleet run: scheduler on {url}; GPUs are emulated (roofline model), time scale {} \
-             (one modelled second takes {} wall seconds)",
-            args.time_scale, args.time_scale
+             (one modelled second takes {})",
+            args.time_scale,
+            counted(args.time_scale, "wall second", "wall seconds")
         )?,
     }
     for &p in &pools {
@@ -808,8 +835,9 @@ pub fn run(
     )?;
     writeln!(
         stderr,
-        "rollfleet run: {} worker processes for pools {}",
-        pools.len() * per_pool,
+        "rollfleet run: {} for {} {}",
+        counted(pools.len() * per_pool, "worker process", "worker processes"),
+        if pools.len() == 1 { "pool" } else { "pools" },
         pools
             .iter()
             .map(|&p| plan.pool_name(p))
@@ -875,10 +903,10 @@ pub fn run(
             .with_context(|| format!("writing the profiles {}", path.display()))?;
         writeln!(
             stderr,
-            "rollfleet run: {} profile samples from the workers' replicas written to {} (emulated \
+            "rollfleet run: {} from the workers' replicas written to {} (emulated \
              replicas measure the roofline model's own figures); plan with them: rollfleet plan \
              {} --profiles {}",
-            report.profile_samples,
+            counted(report.profile_samples, "profile sample", "profile samples"),
             path.display(),
             args.job.display(),
             path.display()
@@ -970,7 +998,7 @@ async fn watch(
         for (bar, pool) in pool_bars.iter().zip(&status.pools) {
             bar.set_prefix(pool.pool.clone());
             bar.set_position((pool.busy * 100.0).round() as u64);
-            bar.set_message(format!("({} workers)", pool.workers));
+            bar.set_message(format!("({})", counted(pool.workers, "worker", "workers")));
         }
         // Without a terminal the bars are hidden: print a plain line every few seconds instead.
         if hidden && last_print.elapsed() > Duration::from_secs(5) {
@@ -1008,15 +1036,17 @@ fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> {
     if report.emulated_gpus {
         writeln!(
             out,
-            "GPU figures are EMULATED (roofline model, time scale {}: one modelled second took {} wall seconds)",
-            report.time_scale, report.time_scale
+            "GPU figures are EMULATED (roofline model, time scale {}: one modelled second took {})",
+            report.time_scale,
+            counted(report.time_scale, "wall second", "wall seconds")
         )?;
     } else {
         writeln!(
             out,
-            "{} generations by a real OpenAI-compatible engine; training and weight syncs are \
-             EMULATED (time scale {}), and so are the busy shares of GPU pools",
-            report.engine_generations, report.time_scale
+            "{} by a real OpenAI-compatible engine; training and weight syncs are EMULATED (time \
+             scale {}), and so are the busy shares of GPU pools",
+            counted(report.engine_generations, "generation", "generations"),
+            report.time_scale
         )?;
     }
     let mut t = Table::new(&[
@@ -1050,19 +1080,19 @@ fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> {
     for r in &report.replans {
         writeln!(
             out,
-            "re-plan at {:.1} s: {}; pool {} {} -> {} GPUs; predicted step (modelled) {} as it \
-             ran, {:.2} s planned; {} of {} waves, {} replicas started, {} retired",
+            "re-plan at {:.1} s: {}; pool {} {} -> {}; predicted step (modelled) {} as it \
+             ran, {:.2} s planned; {} of {}, {} started, {} retired",
             r.at_s,
             r.reason,
             r.pool,
             r.gpus_before,
-            r.gpus_after,
+            counted(r.gpus_after, "GPU", "GPUs"),
             r.running_step_s
                 .map_or_else(|| "none".to_owned(), |s| format!("{s:.2} s")),
             r.planned_step_s,
             r.waves_done,
-            r.waves,
-            r.replicas_started,
+            counted(r.waves, "wave", "waves"),
+            counted(r.replicas_started, "replica", "replicas"),
             r.replicas_retired + r.replicas_lost
         )?;
     }

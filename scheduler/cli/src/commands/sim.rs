@@ -8,7 +8,6 @@ use std::io::Write;
 
 use anyhow::Result;
 use rollfleet_sim::cli::{OutputFormat as SimFormat, SimArgs, SimError, run as simulate};
-use rollfleet_spec::SpecError;
 
 use crate::output::{OutputFormat, exit, write_structured};
 
@@ -34,12 +33,14 @@ pub fn run(
     };
     match outcome {
         Ok(()) => Ok(exit::OK),
+        // The reader of stdout left (`rollfleet sim JOB -o json | head -1`): a clean end.
+        Err(_) if crate::output::stdout_closed() => Ok(exit::OK),
         Err(error) => {
             writeln!(stderr, "error: {error}")?;
+            // A job file that cannot be read is input, as a malformed one is; writing the
+            // report or the timeline, and the run itself, fail while running.
             Ok(match error {
-                SimError::Spec(SpecError::Read { .. }) | SimError::Io(_) | SimError::Run { .. } => {
-                    exit::FAILED
-                }
+                SimError::Io(_) | SimError::Json(_) | SimError::Run { .. } => exit::FAILED,
                 _ => exit::INVALID_INPUT,
             })
         }

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use rollfleet_proto::auth::ClientAuth;
+use rollfleet_proto::auth::{ClientAuth, Token};
 use rollfleet_proto::v1::trainer_feed_client::TrainerFeedClient;
 use rollfleet_proto::v1::{
     CompletedTrajectory, FeedSubscribe, PublishWeights, TrainerFeedRequest, trainer_feed_item,
@@ -25,17 +25,24 @@ use rollfleet_proto::v1::{
 };
 use serde::{Deserialize, Serialize};
 use tokio_stream::StreamExt;
+use tonic::transport::Endpoint;
 
-use crate::commands::{TlsClientArgs, TokenArgs};
-use crate::output::exit;
+use crate::commands::{SCHEDULER_ENV, TlsClientArgs, TokenArgs, scheduler_url};
+use crate::output::{counted, exit};
 
 /// `rollfleet train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
     /// The job file (its name, `rolloutBatchSize`, `maxStaleness` and `steps` are read from it).
     pub job: PathBuf,
-    /// The scheduler's URL.
-    #[arg(long, default_value = crate::commands::job::DEFAULT_SCHEDULER, value_name = "URL")]
+    /// The scheduler's URL: http://HOST:PORT, or https://HOST:PORT with --tls-ca.
+    #[arg(
+        long,
+        env = SCHEDULER_ENV,
+        default_value = crate::commands::job::DEFAULT_SCHEDULER,
+        value_name = "URL",
+        value_parser = scheduler_url
+    )]
     pub scheduler: String,
     /// Where checkpoints (and the trainer's own `state.json`) are written; engines load the
     /// checkpoints from there, so on a real fleet it is storage every engine node can read.
@@ -155,6 +162,26 @@ pub fn run(args: &TrainArgs, stderr: &mut dyn Write) -> Result<u8> {
         )?;
         return Ok(exit::INVALID_INPUT);
     }
+    // The files the flags name (token, CA, client certificate) are input too: refused before
+    // the checkpoint directory is made or the scheduler is called.
+    let token = match args.token.token() {
+        Ok(token) => token,
+        Err(e) => {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    };
+    let endpoint = match rollfleet_proto::tls::endpoint(
+        &args.scheduler,
+        args.tls.tls_ca.as_deref(),
+        args.tls.identity(),
+    ) {
+        Ok(endpoint) => endpoint,
+        Err(e) => {
+            writeln!(stderr, "error: {e}")?;
+            return Ok(exit::INVALID_INPUT);
+        }
+    };
     let settings = Settings {
         job: job.manifest.metadata.name.clone(),
         batch: spec.rl.rollout_batch_size.max(1) as usize,
@@ -168,15 +195,22 @@ pub fn run(args: &TrainArgs, stderr: &mut dyn Write) -> Result<u8> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let state = runtime.block_on(train(args, &settings, &checkpoints, stderr))?;
+    let state = runtime.block_on(train(
+        args,
+        &settings,
+        &checkpoints,
+        token.as_ref(),
+        endpoint,
+        stderr,
+    ))?;
     if let Some(path) = &args.report {
         std::fs::write(path, serde_json::to_vec_pretty(&state)?)
             .with_context(|| format!("--report {}", path.display()))?;
     }
     writeln!(
         stderr,
-        "trainer: done: {} trajectories consumed, version {} published, {} stale, {} malformed",
-        state.trajectories.len(),
+        "trainer: done: {} consumed, version {} published, {} stale, {} malformed",
+        counted(state.trajectories.len(), "trajectory", "trajectories"),
         state.version,
         state.stale.len(),
         state.malformed.len()
@@ -236,18 +270,24 @@ fn check_tokens(t: &CompletedTrajectory, state: &mut TrainerState, record: bool)
         let covered: u64 = turn.segments.iter().map(|s| u64::from(s.tokens)).sum();
         let problem = if turn.action_logprobs.len() != actions {
             Some(format!(
-                "{} log-probabilities for {actions} action tokens",
-                turn.action_logprobs.len()
+                "{} for {}",
+                counted(
+                    turn.action_logprobs.len(),
+                    "log-probability",
+                    "log-probabilities"
+                ),
+                counted(actions, "action token", "action tokens")
             ))
         } else if turn.loss_mask.len() != turn.prompt_tokens.len() + actions {
             Some(format!(
-                "a loss mask of {} for {} tokens",
+                "a loss mask of {} for {}",
                 turn.loss_mask.len(),
-                turn.prompt_tokens.len() + actions
+                counted(turn.prompt_tokens.len() + actions, "token", "tokens")
             ))
         } else if covered != actions as u64 {
             Some(format!(
-                "segments cover {covered} of {actions} action tokens"
+                "segments cover {covered} of {}",
+                counted(actions, "action token", "action tokens")
             ))
         } else if turn
             .segments
@@ -287,15 +327,11 @@ async fn train(
     args: &TrainArgs,
     settings: &Settings,
     checkpoints: &Path,
+    token: Option<&Token>,
+    endpoint: Endpoint,
     stderr: &mut dyn Write,
 ) -> Result<TrainerState> {
     let mut state = load_state(checkpoints)?;
-    let token = args.token.token()?;
-    let endpoint = rollfleet_proto::tls::endpoint(
-        &args.scheduler,
-        args.tls.tls_ca.as_deref(),
-        args.tls.identity(),
-    )?;
     let mut missed_connects = 0;
     loop {
         if state.version >= settings.steps {
@@ -318,8 +354,7 @@ async fn train(
             }
         };
         missed_connects = 0;
-        let mut client =
-            TrainerFeedClient::with_interceptor(channel, ClientAuth::new(token.as_ref()));
+        let mut client = TrainerFeedClient::with_interceptor(channel, ClientAuth::new(token));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let _ = tx.send(TrainerFeedRequest {
             message: Some(trainer_feed_request::Message::Subscribe(FeedSubscribe {

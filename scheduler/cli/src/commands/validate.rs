@@ -10,12 +10,11 @@ use std::path::PathBuf;
 use anyhow::Result;
 use rollfleet_catalog::Catalog;
 use rollfleet_spec::{
-    JobManifest, JobSpec, PoolKind, Problem, SpecError, USABLE_MEMORY_FRACTION, load_job_file,
-    replica_bytes,
+    JobManifest, JobSpec, PoolKind, Problem, USABLE_MEMORY_FRACTION, load_job_file, replica_bytes,
 };
 use serde::Serialize;
 
-use crate::output::{OutputFormat, Table, count, exit, si, write_structured};
+use crate::output::{OutputFormat, Table, count, counted, exit, si, write_structured};
 
 /// Arguments of `rollfleet validate`.
 #[derive(Debug, clap::Args)]
@@ -119,10 +118,8 @@ pub fn run(
                 };
                 write_structured(format, &report, stdout)?;
             }
-            Ok(match error {
-                SpecError::Read { .. } => exit::FAILED,
-                _ => exit::INVALID_INPUT,
-            })
+            // A file that cannot be read is input the command cannot use, as a malformed one.
+            Ok(exit::INVALID_INPUT)
         }
     }
 }
@@ -223,16 +220,20 @@ fn write_table(report: &Report, out: &mut dyn Write) -> Result<()> {
     let rl = &spec.rl;
     writeln!(
         out,
-        "rl     {} groups of {} = {} trajectories per step ({} started with {:.0}% over-provisioning), \
-         {} optimizer updates per step, max staleness {}, {} steps",
-        derived.groups_per_step,
+        "rl     {} of {} = {} per step ({} started with {:.0}% over-provisioning), {} per \
+         step, max staleness {}, {}",
+        counted(derived.groups_per_step, "group", "groups"),
         rl.group_size,
-        rl.rollout_batch_size,
+        counted(rl.rollout_batch_size, "trajectory", "trajectories"),
         derived.trajectories_started_per_step,
         rl.over_provisioning * 100.0,
-        derived.optimizer_updates_per_step,
+        counted(
+            derived.optimizer_updates_per_step,
+            "optimizer update",
+            "optimizer updates"
+        ),
         rl.max_staleness,
-        rl.steps,
+        counted(rl.steps, "step", "steps"),
     )?;
     writeln!(out)?;
 
