@@ -12,6 +12,7 @@
 mod distribution;
 mod manifest;
 mod model;
+mod nesting;
 mod validate;
 
 use std::path::Path;
@@ -29,6 +30,12 @@ use rollfleet_catalog::Catalog;
 /// Largest job file accepted. Real specs are a few kilobytes; the limit keeps a wrong file (a
 /// dataset, a binary) from being parsed into memory.
 pub const MAX_SPEC_BYTES: usize = 1024 * 1024;
+
+/// Deepest nesting accepted, counting block collections (indented mappings and lists) and flow
+/// collections (`[...]`, `{...}`) together. A job spec nests five levels deep (the map of
+/// `spec.tasks[0].actionTokens`); the YAML parser's time grows with the flow nesting depth times
+/// the document's length, so a document nested far deeper is refused before it is parsed.
+pub const MAX_NESTING: usize = 64;
 
 /// Why a job spec was rejected.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +55,20 @@ pub enum SpecError {
         origin: String,
         /// Its size.
         size: u64,
+        /// The limit.
+        limit: usize,
+    },
+    /// The input nests deeper than [`MAX_NESTING`] levels.
+    #[error(
+        "{origin}: line {line}: nested deeper than {limit} levels; a job spec needs fewer than \
+         ten, and the YAML parser's time grows with the depth times the length, so the document \
+         is refused before parsing"
+    )]
+    TooDeep {
+        /// The file.
+        origin: String,
+        /// Line (from 1) where the document first goes deeper than the limit.
+        line: usize,
         /// The limit.
         limit: usize,
     },
@@ -192,10 +213,27 @@ pub fn read_limited(path: &Path) -> Result<Vec<u8>, SpecError> {
 
 /// Parses YAML into `T` (a job, or a file in one of its formats such as an inventory), naming
 /// the field path where it stops.
+///
+/// Text over [`MAX_SPEC_BYTES`] or nested deeper than [`MAX_NESTING`] levels is refused before
+/// the parser sees it: the parser's time grows with the nesting depth times the length (a minute
+/// for 200 KB of `[[[...]]]`), and its own recursion limit applies only after it has read the
+/// whole document.
 pub fn parse_yaml<T: serde::de::DeserializeOwned>(
     text: &str,
     origin: &str,
 ) -> Result<T, SpecError> {
+    if text.len() > MAX_SPEC_BYTES {
+        return Err(SpecError::TooLarge {
+            origin: origin.to_owned(),
+            size: text.len() as u64,
+            limit: MAX_SPEC_BYTES,
+        });
+    }
+    nesting::check(text, MAX_NESTING).map_err(|too_deep| SpecError::TooDeep {
+        origin: origin.to_owned(),
+        line: too_deep.line,
+        limit: MAX_NESTING,
+    })?;
     let deserializer = serde_yaml_ng::Deserializer::from_str(text);
     serde_path_to_error::deserialize(deserializer).map_err(|e| {
         let path = e.path().to_string();

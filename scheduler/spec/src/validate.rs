@@ -10,6 +10,7 @@ use std::collections::BTreeSet;
 use rollfleet_catalog::Catalog;
 use serde::Serialize;
 
+use crate::distribution::Distribution;
 use crate::manifest::{
     API_VERSION, JobManifest, JobSpec, KIND, PoolKind, PoolSpec, RewardPlacement, Role,
 };
@@ -46,6 +47,131 @@ pub const MAX_CONTEXT_LIMIT: i64 = 10 * 1024 * 1024;
 /// would exhaust memory or time instead of failing.
 pub const MAX_POOL_COUNT: i64 = 1_000_000;
 
+// Upper bounds on every other figure of a job. Each is far beyond any real job, so only a typo
+// or a hostile file meets one; without them a spec of a few bytes (a batch of 4e12, a token
+// count of 1e300) validates and then keeps the planner or the simulator busy for hours, or
+// overflows their arithmetic. Each error message carries the bound's reason.
+//
+// Figures with no bound among these, and why none is needed: `dtypeBytes` is one of 1, 2 or 4;
+// `overProvisioning`, `trainMfu`, `share`, `envCpus` and `envFailureRate` already have fixed
+// ranges; `activeParameters` is at most `parameters`; `contextLimit` and a pool's `count` have
+// the bounds above.
+
+/// Trajectories per RL step or per update: a million, over ten times the scale benchmark's
+/// 80,000 and far past published RL batches. The simulator and the planner's queueing model
+/// walk through every trajectory and group of a step.
+pub const MAX_BATCH_SIZE: i64 = 1 << 20;
+
+/// Trajectories per group: GRPO groups hold 4 to 64; 4,096 leaves room for any variant.
+pub const MAX_GROUP_SIZE: i64 = 4096;
+
+/// Policy versions a turn may lag: asynchronous RL stays within a handful; a thousand versions
+/// back is off-policy by any measure.
+pub const MAX_STALENESS: i64 = 1000;
+
+/// RL steps: ten million; published RL runs take hundreds to thousands.
+pub const MAX_STEPS: i64 = 10_000_000;
+
+/// Turns of one episode: agentic tasks take tens to hundreds; ten thousand is far past any.
+pub const MAX_TURNS: i64 = 10_000;
+
+/// Latency of one environment step or reward call, ms: a day. Longer is a unit slip.
+pub const MAX_LATENCY_MS: f64 = 86_400_000.0;
+
+/// A log-normal's 99th percentile over its median: ten thousand (a sigma of about 4). Up to
+/// about fifty thousand the mean stays below the 99th percentile; far past it the mean, which
+/// the planner plans with, is astronomically larger than any figure in the spec, or infinite.
+pub const MAX_LOGNORMAL_SPREAD: f64 = 10_000.0;
+
+/// Multiplier on a trace's samples: 1 to 10 stretches serving traffic to RL lengths; at 100
+/// the Azure trace's longest prompt (14,050 tokens) is already 1.4 M tokens.
+pub const MAX_TRACE_SCALE: f64 = 100.0;
+
+/// Model parameters: ten trillion, five times the largest models announced.
+pub const MAX_PARAMETERS: f64 = 1e13;
+
+/// Transformer layers: published models have up to about 130.
+pub const MAX_LAYERS: i64 = 10_000;
+
+/// Hidden size: published models have up to about 20,000.
+pub const MAX_HIDDEN_SIZE: i64 = 1 << 20;
+
+/// KV heads, and the dimension of a head: published models have at most 128 KV heads and
+/// heads of at most 512 dimensions.
+pub const MAX_ATTENTION_SIZE: i64 = 8192;
+
+/// Tasks in the mix, and reward functions: task suites run to about a hundred kinds; the
+/// planner and the simulator model each task separately.
+pub const MAX_TASKS: usize = 1024;
+
+/// Pools in a job, and GPU products or CPU shapes a job adds to the catalogue: real inventories
+/// have a few to a few dozen. The planner's search grows with the number of pools (256 pools
+/// take seconds to a minute to plan, depending on their sizes and the task mix).
+pub const MAX_POOLS: usize = 256;
+
+/// GPUs per node, the most a tensor-parallel replica may span: NVLink domains hold 8 to 72.
+pub const MAX_GPUS_PER_NODE: i64 = 1024;
+
+/// Concurrent executions of a serverless pool: account quotas reach tens of thousands.
+pub const MAX_CONCURRENCY: i64 = 1_000_000;
+
+/// Memory of a serverless function, MB: a hundred times AWS Lambda's largest (10,240 MB).
+pub const MAX_FUNCTION_MEMORY_MB: i64 = 1 << 20;
+
+/// A GPU's dense BF16 TFLOP/s: a few hundred times the fastest GPU's (B200: 2,250).
+pub const MAX_GPU_TFLOPS: f64 = 1e6;
+
+/// A GPU's memory, GB: several hundred times the largest (B200: 192 GB).
+pub const MAX_GPU_MEMORY_GB: f64 = 1e5;
+
+/// A bandwidth, GB/s (a GPU's memory or interconnect, or the network between pools): over a
+/// hundred times the highest (B200 HBM: 8,000 GB/s).
+pub const MAX_BANDWIDTH_GBPS: f64 = 1e6;
+
+/// A price per GPU-hour or node-hour, USD: far past any (GPUs rent for a few dollars an hour).
+pub const MAX_PRICE_PER_HOUR_USD: f64 = 1e6;
+
+/// vCPUs of a CPU node shape: fifty times the largest instances (under two thousand).
+pub const MAX_VCPUS: u32 = 100_000;
+
+/// Memory of a CPU node shape, GiB: thirty times the largest instances (32 TiB).
+pub const MAX_CPU_MEMORY_GIB: f64 = 1e6;
+
+/// What a distribution measures: the most any of its parameters may be, the unit, and why.
+struct Quantity {
+    max: f64,
+    unit: &'static str,
+    reason: &'static str,
+}
+
+const TOKENS: Quantity = Quantity {
+    max: MAX_CONTEXT_LIMIT as f64,
+    unit: "tokens",
+    reason: "the longest context window accepted",
+};
+
+const TURNS: Quantity = Quantity {
+    max: MAX_TURNS as f64,
+    unit: "turns",
+    reason: "agentic episodes take tens to hundreds",
+};
+
+const MILLISECONDS: Quantity = Quantity {
+    max: MAX_LATENCY_MS,
+    unit: "ms",
+    reason: "a day",
+};
+
+/// A float as a person reads it: plain up to a quadrillion, in exponent form beyond
+/// (`1e300` rather than three hundred digits).
+fn show(value: f64) -> String {
+    if value.is_finite() && value.abs() >= 1e15 {
+        format!("{value:e}")
+    } else {
+        value.to_string()
+    }
+}
+
 #[derive(Default)]
 struct Problems {
     errors: Vec<Problem>,
@@ -70,6 +196,34 @@ impl Problems {
     fn at_least(&mut self, path: impl Into<String>, value: i64, min: i64) {
         if value < min {
             self.error(path, format!("must be at least {min}, got {value}"));
+        }
+    }
+
+    /// At least `min` and at most `max` `what` (a unit, then the bound's reason).
+    fn within(&mut self, path: impl Into<String>, value: i64, min: i64, max: i64, what: &str) {
+        if value < min {
+            self.error(path, format!("must be at least {min}, got {value}"));
+        } else if value > max {
+            self.error(path, format!("must be at most {max} {what}, got {value}"));
+        }
+    }
+
+    /// Finite and at most `max` `what`; the lower bound is checked by the caller.
+    fn finite_at_most(&mut self, path: impl Into<String>, value: f64, max: f64, what: &str) {
+        if !value.is_finite() {
+            self.error(path, format!("must be a finite number, got {value}"));
+        } else if value > max {
+            self.error(
+                path,
+                format!("must be at most {} {what}, got {}", show(max), show(value)),
+            );
+        }
+    }
+
+    /// At most `max` entries of a list.
+    fn at_most_entries(&mut self, path: &str, len: usize, max: usize, what: &str) {
+        if len > max {
+            self.error(path, format!("must list at most {max} {what}, got {len}"));
         }
     }
 
@@ -142,6 +296,13 @@ pub(crate) fn validate(manifest: &JobManifest) -> Outcome {
             "spec.network.crossPoolGBps",
             format!("must be > 0, got {}", spec.network.cross_pool_gbps),
         );
+    } else {
+        problems.finite_at_most(
+            "spec.network.crossPoolGBps",
+            spec.network.cross_pool_gbps,
+            MAX_BANDWIDTH_GBPS,
+            "GB/s (a thousand times eight 800 Gb/s NICs)",
+        );
     }
     Outcome {
         errors: problems.errors,
@@ -162,32 +323,67 @@ fn is_dns_label(name: &str) -> bool {
 
 fn catalog_with_additions(spec: &JobSpec, problems: &mut Problems) -> Catalog {
     let mut catalog = Catalog::builtin();
+    problems.at_most_entries(
+        "spec.catalog.gpus",
+        spec.catalog.gpus.len(),
+        MAX_POOLS,
+        "GPU products (at most one per pool)",
+    );
+    problems.at_most_entries(
+        "spec.catalog.cpuShapes",
+        spec.catalog.cpu_shapes.len(),
+        MAX_POOLS,
+        "CPU shapes (at most one per pool)",
+    );
     for (i, gpu) in spec.catalog.gpus.iter().enumerate() {
         let path = format!("spec.catalog.gpus[{i}]");
         let figures = [
-            ("bf16DenseTflops", gpu.bf16_dense_tflops),
-            ("memoryGb", gpu.memory_gb),
-            ("memoryBandwidthGBps", gpu.memory_bandwidth_gbps),
-            ("interconnectGBps", gpu.interconnect_gbps),
+            (
+                "bf16DenseTflops",
+                gpu.bf16_dense_tflops,
+                MAX_GPU_TFLOPS,
+                "TFLOP/s (a few hundred times the fastest GPU's)",
+            ),
+            (
+                "memoryGb",
+                gpu.memory_gb,
+                MAX_GPU_MEMORY_GB,
+                "GB (several hundred times the largest GPU's)",
+            ),
+            (
+                "memoryBandwidthGBps",
+                gpu.memory_bandwidth_gbps,
+                MAX_BANDWIDTH_GBPS,
+                "GB/s (over a hundred times the highest GPU's)",
+            ),
+            (
+                "interconnectGBps",
+                gpu.interconnect_gbps,
+                MAX_BANDWIDTH_GBPS,
+                "GB/s (over a hundred times the highest GPU's)",
+            ),
         ];
         let mut valid = !gpu.name.trim().is_empty();
         if !valid {
             problems.error(format!("{path}.name"), "must not be empty");
         }
-        for (field, value) in figures {
+        for (field, value, max, what) in figures {
             if !value.is_finite() || value <= 0.0 {
                 problems.error(
                     format!("{path}.{field}"),
                     format!("must be > 0, got {value}"),
                 );
                 valid = false;
+            } else if value > max {
+                problems.finite_at_most(format!("{path}.{field}"), value, max, what);
+                valid = false;
             }
         }
-        if !gpu.price_per_hour_usd.is_finite() || gpu.price_per_hour_usd < 0.0 {
-            problems.error(
-                format!("{path}.pricePerHourUsd"),
-                format!("must be >= 0, got {}", gpu.price_per_hour_usd),
-            );
+        if !price_valid(
+            &format!("{path}.pricePerHourUsd"),
+            gpu.price_per_hour_usd,
+            problems,
+        ) {
             valid = false;
         }
         if valid {
@@ -204,6 +400,16 @@ fn catalog_with_additions(spec: &JobSpec, problems: &mut Problems) -> Catalog {
         if shape.vcpus == 0 {
             problems.error(format!("{path}.vcpus"), "must be at least 1, got 0");
             valid = false;
+        } else if shape.vcpus > MAX_VCPUS {
+            problems.error(
+                format!("{path}.vcpus"),
+                format!(
+                    "must be at most {MAX_VCPUS} vCPUs (fifty times the largest \
+                     instances'), got {}",
+                    shape.vcpus
+                ),
+            );
+            valid = false;
         }
         if !shape.memory_gib.is_finite() || shape.memory_gib <= 0.0 {
             problems.error(
@@ -211,12 +417,46 @@ fn catalog_with_additions(spec: &JobSpec, problems: &mut Problems) -> Catalog {
                 format!("must be > 0, got {}", shape.memory_gib),
             );
             valid = false;
+        } else if shape.memory_gib > MAX_CPU_MEMORY_GIB {
+            problems.finite_at_most(
+                format!("{path}.memoryGib"),
+                shape.memory_gib,
+                MAX_CPU_MEMORY_GIB,
+                "GiB (thirty times the largest instances')",
+            );
+            valid = false;
+        }
+        if !price_valid(
+            &format!("{path}.pricePerHourUsd"),
+            shape.price_per_hour_usd,
+            problems,
+        ) {
+            valid = false;
         }
         if valid {
             catalog.add_cpu_shape(shape.clone());
         }
     }
     catalog
+}
+
+/// Whether a price per hour is a finite figure from 0 to [`MAX_PRICE_PER_HOUR_USD`], reporting
+/// it if not.
+fn price_valid(path: &str, price: f64, problems: &mut Problems) -> bool {
+    if !price.is_finite() || price < 0.0 {
+        problems.error(path, format!("must be >= 0, got {price}"));
+        false
+    } else if price > MAX_PRICE_PER_HOUR_USD {
+        problems.finite_at_most(
+            path,
+            price,
+            MAX_PRICE_PER_HOUR_USD,
+            "USD (GPUs rent for a few dollars an hour)",
+        );
+        false
+    } else {
+        true
+    }
 }
 
 fn check_model(spec: &JobSpec, problems: &mut Problems) {
@@ -232,6 +472,13 @@ fn check_model(spec: &JobSpec, problems: &mut Problems) {
                 model.parameters
             ),
         );
+    } else {
+        problems.finite_at_most(
+            "spec.model.parameters",
+            model.parameters,
+            MAX_PARAMETERS,
+            "(five times the largest models announced)",
+        );
     }
     if let Some(active) = model.active_parameters
         && (!active.is_finite() || active < 1.0 || active > model.parameters)
@@ -244,10 +491,34 @@ fn check_model(spec: &JobSpec, problems: &mut Problems) {
             ),
         );
     }
-    problems.at_least("spec.model.layers", model.layers, 1);
-    problems.at_least("spec.model.hiddenSize", model.hidden_size, 1);
-    problems.at_least("spec.model.kvHeads", model.kv_heads, 1);
-    problems.at_least("spec.model.headDim", model.head_dim, 1);
+    problems.within(
+        "spec.model.layers",
+        model.layers,
+        1,
+        MAX_LAYERS,
+        "(published models have up to about 130)",
+    );
+    problems.within(
+        "spec.model.hiddenSize",
+        model.hidden_size,
+        1,
+        MAX_HIDDEN_SIZE,
+        "(published models have up to about 20,000)",
+    );
+    problems.within(
+        "spec.model.kvHeads",
+        model.kv_heads,
+        1,
+        MAX_ATTENTION_SIZE,
+        "(published models have up to 128)",
+    );
+    problems.within(
+        "spec.model.headDim",
+        model.head_dim,
+        1,
+        MAX_ATTENTION_SIZE,
+        "(published models have up to 512)",
+    );
     if ![1, 2, 4].contains(&model.dtype_bytes) {
         problems.error(
             "spec.model.dtypeBytes",
@@ -258,11 +529,43 @@ fn check_model(spec: &JobSpec, problems: &mut Problems) {
 
 fn check_rl(spec: &JobSpec, problems: &mut Problems) {
     let rl = &spec.rl;
-    problems.at_least("spec.rl.groupSize", rl.group_size, 1);
-    problems.at_least("spec.rl.rolloutBatchSize", rl.rollout_batch_size, 1);
-    problems.at_least("spec.rl.trainBatchSize", rl.train_batch_size, 1);
-    problems.at_least("spec.rl.maxStaleness", rl.max_staleness, 0);
-    problems.at_least("spec.rl.steps", rl.steps, 1);
+    let batch = "trajectories (far past published RL batches; the simulator and the planner work \
+                 through every trajectory of a step)";
+    problems.within(
+        "spec.rl.groupSize",
+        rl.group_size,
+        1,
+        MAX_GROUP_SIZE,
+        "trajectories (GRPO groups hold 4 to 64)",
+    );
+    problems.within(
+        "spec.rl.rolloutBatchSize",
+        rl.rollout_batch_size,
+        1,
+        MAX_BATCH_SIZE,
+        batch,
+    );
+    problems.within(
+        "spec.rl.trainBatchSize",
+        rl.train_batch_size,
+        1,
+        MAX_BATCH_SIZE,
+        batch,
+    );
+    problems.within(
+        "spec.rl.maxStaleness",
+        rl.max_staleness,
+        0,
+        MAX_STALENESS,
+        "policy versions (asynchronous RL stays within a handful)",
+    );
+    problems.within(
+        "spec.rl.steps",
+        rl.steps,
+        1,
+        MAX_STEPS,
+        "steps (published RL runs take hundreds to thousands)",
+    );
     problems.finite_in("spec.rl.overProvisioning", rl.over_provisioning, 0.0, 4.0);
     if !rl.train_mfu.is_finite() || rl.train_mfu <= 0.0 || rl.train_mfu > 1.0 {
         problems.error(
@@ -306,6 +609,12 @@ fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
         problems.error("spec.tasks", "must list at least one task");
         return;
     }
+    problems.at_most_entries(
+        "spec.tasks",
+        spec.tasks.len(),
+        MAX_TASKS,
+        "tasks (task suites run to about a hundred kinds)",
+    );
     let rewards: BTreeSet<&str> = spec.rewards.iter().map(|r| r.name.as_str()).collect();
     let mut names = BTreeSet::new();
     let mut share_sum = 0.0;
@@ -325,7 +634,13 @@ fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
         } else {
             share_sum += task.share;
         }
-        problems.at_least(format!("{path}.maxTurns"), task.max_turns, 1);
+        problems.within(
+            format!("{path}.maxTurns"),
+            task.max_turns,
+            1,
+            MAX_TURNS,
+            "turns (agentic episodes take tens to hundreds)",
+        );
         problems.at_least(format!("{path}.contextLimit"), task.context_limit, 1);
         if task.context_limit > MAX_CONTEXT_LIMIT {
             problems.error(
@@ -349,15 +664,19 @@ fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
             );
         }
         let distributions = [
-            ("turns", task.turns.as_deref()),
-            ("promptTokens", Some(&*task.prompt_tokens)),
-            ("actionTokens", Some(&*task.action_tokens)),
-            ("observationTokens", Some(&*task.observation_tokens)),
-            ("envStepMs", Some(&*task.env_step_ms)),
+            ("turns", task.turns.as_deref(), &TURNS),
+            ("promptTokens", Some(&*task.prompt_tokens), &TOKENS),
+            ("actionTokens", Some(&*task.action_tokens), &TOKENS),
+            (
+                "observationTokens",
+                Some(&*task.observation_tokens),
+                &TOKENS,
+            ),
+            ("envStepMs", Some(&*task.env_step_ms), &MILLISECONDS),
         ];
-        for (field, distribution) in distributions {
-            for (parameter, reason) in distribution.map(|d| d.problems()).unwrap_or_default() {
-                problems.error(format!("{path}.{field}.{parameter}"), reason);
+        for (field, distribution, quantity) in distributions {
+            if let Some(distribution) = distribution {
+                check_distribution(&format!("{path}.{field}"), distribution, quantity, problems);
             }
         }
         if let Some(turns) = task.turns.as_ref().and_then(|t| t.upper_bound())
@@ -407,14 +726,29 @@ fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
 }
 
 fn check_rewards(spec: &JobSpec, problems: &mut Problems) {
+    problems.at_most_entries(
+        "spec.rewards",
+        spec.rewards.len(),
+        MAX_TASKS,
+        "rewards (at most one per task)",
+    );
     let mut names = BTreeSet::new();
     for (i, reward) in spec.rewards.iter().enumerate() {
         let path = format!("spec.rewards[{i}]");
         problems.name(format!("{path}.name"), &reward.name, &mut names, "reward");
-        for (parameter, reason) in reward.latency_ms.problems() {
-            problems.error(format!("{path}.latencyMs.{parameter}"), reason);
-        }
-        problems.at_least(format!("{path}.memoryMb"), reward.memory_mb, 128);
+        check_distribution(
+            &format!("{path}.latencyMs"),
+            &reward.latency_ms,
+            &MILLISECONDS,
+            problems,
+        );
+        problems.within(
+            format!("{path}.memoryMb"),
+            reward.memory_mb,
+            128,
+            MAX_FUNCTION_MEMORY_MB,
+            "MB (a hundred times AWS Lambda's largest function)",
+        );
         let wanted_kind = match reward.runs_on {
             RewardPlacement::Serverless => Some(PoolKind::Serverless),
             RewardPlacement::Local => Some(PoolKind::Cpu),
@@ -469,6 +803,78 @@ fn check_rewards(spec: &JobSpec, problems: &mut Problems) {
     }
 }
 
+/// A distribution's own problems, then each parameter beyond what `quantity` allows, a
+/// log-normal spread so wide its mean runs away, and a trace stretched too far.
+fn check_distribution(
+    path: &str,
+    distribution: &Distribution,
+    quantity: &Quantity,
+    problems: &mut Problems,
+) {
+    let own = distribution.problems();
+    let reported: BTreeSet<&str> = own.iter().map(|(parameter, _)| *parameter).collect();
+    for (parameter, reason) in &own {
+        problems.error(format!("{path}.{parameter}"), reason.clone());
+    }
+    let parameters: Vec<(&str, f64)> = match *distribution {
+        Distribution::Fixed { value } => vec![("value", value)],
+        Distribution::Uniform { min, max } => vec![("min", min), ("max", max)],
+        Distribution::LogNormal { median, p99, max } => [("median", median), ("p99", p99)]
+            .into_iter()
+            .chain(max.map(|max| ("max", max)))
+            .collect(),
+        Distribution::Trace { max, .. } => max.map(|max| ("max", max)).into_iter().collect(),
+    };
+    let mut beyond = BTreeSet::new();
+    for (parameter, value) in parameters {
+        if !reported.contains(parameter) && value > quantity.max {
+            problems.error(
+                format!("{path}.{parameter}"),
+                format!(
+                    "must be at most {} {} ({}), got {}",
+                    show(quantity.max),
+                    quantity.unit,
+                    quantity.reason,
+                    show(value)
+                ),
+            );
+            beyond.insert(parameter);
+        }
+    }
+    match *distribution {
+        Distribution::LogNormal { median, p99, .. }
+            if !reported.contains("p99")
+                && !reported.contains("median")
+                && !beyond.contains("p99")
+                && p99 > median * MAX_LOGNORMAL_SPREAD =>
+        {
+            problems.error(
+                format!("{path}.p99"),
+                format!(
+                    "must be at most {} times the median ({}): a wider spread puts the mean \
+                     above the 99th percentile, got {}",
+                    show(MAX_LOGNORMAL_SPREAD),
+                    show(median),
+                    show(p99)
+                ),
+            );
+        }
+        Distribution::Trace { scale, .. }
+            if !reported.contains("scale") && scale > MAX_TRACE_SCALE =>
+        {
+            problems.error(
+                format!("{path}.scale"),
+                format!(
+                    "must be at most {} (1 to 10 stretches serving traffic to RL lengths), got {}",
+                    show(MAX_TRACE_SCALE),
+                    show(scale)
+                ),
+            );
+        }
+        _ => {}
+    }
+}
+
 fn placement_name(placement: RewardPlacement) -> &'static str {
     match placement {
         RewardPlacement::Serverless => "serverless",
@@ -490,6 +896,13 @@ fn check_pools(spec: &JobSpec, catalog: &Catalog, problems: &mut Problems) {
         problems.error("spec.pools", "must list at least one pool");
         return;
     }
+    problems.at_most_entries(
+        "spec.pools",
+        spec.pools.len(),
+        MAX_POOLS,
+        "pools (real inventories have a few dozen at most; the planner's search grows with \
+         each one)",
+    );
     let mut names = BTreeSet::new();
     for (i, pool) in spec.pools.iter().enumerate() {
         let path = format!("spec.pools[{i}]");
@@ -507,7 +920,13 @@ fn check_pools(spec: &JobSpec, catalog: &Catalog, problems: &mut Problems) {
                     problems.error(format!("{path}.gpu"), unknown.to_string());
                 }
                 check_count(pool, &path, "GPUs", problems);
-                problems.at_least(format!("{path}.gpusPerNode"), pool.gpus_per_node(), 1);
+                problems.within(
+                    format!("{path}.gpusPerNode"),
+                    pool.gpus_per_node(),
+                    1,
+                    MAX_GPUS_PER_NODE,
+                    "GPUs (NVLink domains hold 8 to 72)",
+                );
             }
             PoolKind::Cpu => {
                 if let Some(Err(unknown)) = pool.cpu.as_deref().map(|c| catalog.cpu_shape(c)) {
@@ -526,7 +945,13 @@ fn check_pools(spec: &JobSpec, catalog: &Catalog, problems: &mut Problems) {
                         "is required for a serverless pool",
                     ),
                     Some(concurrency) => {
-                        problems.at_least(format!("{path}.concurrency"), concurrency, 1);
+                        problems.within(
+                            format!("{path}.concurrency"),
+                            concurrency,
+                            1,
+                            MAX_CONCURRENCY,
+                            "executions (account quotas reach tens of thousands)",
+                        );
                         if let Some(Ok(platform)) = platform
                             && concurrency > i64::from(platform.default_concurrency)
                         {
@@ -566,6 +991,27 @@ fn check_pools(spec: &JobSpec, catalog: &Catalog, problems: &mut Problems) {
             }
         }
     }
+    for (kind, unit) in [(PoolKind::Gpu, "GPUs"), (PoolKind::Cpu, "nodes")] {
+        // Each pool is bounded on its own; together they are bounded the same, since the
+        // simulator's books and the planner's search grow with the total.
+        let total = spec
+            .pools
+            .iter()
+            .filter(|p| p.kind() == Some(kind))
+            .filter_map(|p| p.count)
+            .filter(|&count| (1..=MAX_POOL_COUNT).contains(&count))
+            .fold(0_i64, i64::saturating_add);
+        if total > MAX_POOL_COUNT {
+            problems.error(
+                "spec.pools",
+                format!(
+                    "the {} pools must count at most {MAX_POOL_COUNT} {unit} together \
+                     (several times the largest cluster built), got {total}",
+                    kind_name(kind)
+                ),
+            );
+        }
+    }
     if !spec.pools.iter().any(|p| p.kind() == Some(PoolKind::Gpu)) {
         problems.error(
             "spec.pools",
@@ -591,7 +1037,10 @@ fn check_count(pool: &PoolSpec, path: &str, unit: &str, problems: &mut Problems)
             if count > MAX_POOL_COUNT {
                 problems.error(
                     format!("{path}.count"),
-                    format!("must be at most {MAX_POOL_COUNT} {unit}, got {count}"),
+                    format!(
+                        "must be at most {MAX_POOL_COUNT} {unit} (several times the largest \
+                         cluster built), got {count}"
+                    ),
                 );
             }
         }

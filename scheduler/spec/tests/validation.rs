@@ -182,7 +182,7 @@ const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
         "a pool larger than any cluster",
         "gpu: H20\n      count: 2",
         "gpu: H20\n      count: 1099511627776",
-        "spec.pools[1].count: must be at most 1000000 GPUs, got 1099511627776",
+        "spec.pools[1].count: must be at most 1000000 GPUs (several times the largest cluster built), got 1099511627776",
     ),
 ];
 
@@ -357,7 +357,7 @@ fn other_pools_are_validated_as_the_jobs_own_with_their_paths_in_the_inventory()
     assert_eq!(
         problems,
         [
-            "pools[0].count: must be at most 1000000 GPUs, got 1099511627776",
+            "pools[0].count: must be at most 1000000 GPUs (several times the largest cluster built), got 1099511627776",
             "pools[5].name: duplicate pool name \"decode\"",
         ]
     );
