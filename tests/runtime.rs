@@ -580,12 +580,10 @@ fn a_scheduler_requiring_client_certificates_serves_only_the_clients_that_presen
     check_report(&report, 1, 0);
 }
 
-#[test]
-fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_the_new_plan() {
-    let dir = temp_dir("replan");
-    // The quick-start job, long enough to lose a node and gain one mid-run, with its decode
-    // pool as two nodes of two H20s: one TP2 decode replica on each.
-    let job = job_file(&dir, 24);
+/// The quick-start job cut to `steps` RL steps, with its decode pool as two nodes of two H20s
+/// (one TP2 decode replica on each).
+fn two_node_decode_job(dir: &Path, steps: u32) -> PathBuf {
+    let job = job_file(dir, steps);
     let yaml = std::fs::read_to_string(&job).unwrap();
     let decode = "      gpu: H20\n      count: 2\n";
     assert!(yaml.contains(decode));
@@ -597,6 +595,15 @@ fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_t
         ),
     )
     .unwrap();
+    job
+}
+
+#[test]
+fn a_lost_decode_node_is_planned_around_and_a_node_that_joins_gets_replicas_of_the_new_plan() {
+    let dir = temp_dir("replan");
+    // The quick-start job, long enough to lose a node and gain one mid-run, with its decode
+    // pool as two nodes of two H20s: one TP2 decode replica on each.
+    let job = two_node_decode_job(&dir, 24);
     let report = dir.join("report.json");
     let pools = [
         ("prefill", 1),
@@ -669,18 +676,7 @@ fn a_job_replanned_before_a_scheduler_failover_resumes_and_no_weight_update_fail
     let dir = temp_dir("replan-failover");
     // Decode as two nodes of two H20s; one is lost, and the re-plan on a node that joins starts
     // replicas of the new plan there (as in the re-plan test above).
-    let job = job_file(&dir, 24);
-    let yaml = std::fs::read_to_string(&job).unwrap();
-    let decode = "      gpu: H20\n      count: 2\n";
-    assert!(yaml.contains(decode));
-    std::fs::write(
-        &job,
-        yaml.replace(
-            decode,
-            "      gpu: H20\n      count: 4\n      gpusPerNode: 2\n",
-        ),
-    )
-    .unwrap();
+    let job = two_node_decode_job(&dir, 24);
     let report = dir.join("report.json");
     let journal = dir.join("scheduler.journal");
     let journal = journal.to_str().unwrap();

@@ -5,36 +5,15 @@
 
 #![allow(clippy::unwrap_used)] // test helpers may fail loudly
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use rollfleet_spec::{
     MAX_NESTING, MAX_SPEC_BYTES, SpecError, load_job_file, parse_job, parse_yaml,
 };
 
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn quickstart() -> String {
-    std::fs::read_to_string(repo_root().join("examples/jobs/quickstart.yaml")).unwrap()
-}
-
-/// Replaces exactly one occurrence, so a case cannot silently stop mutating anything.
-fn edit(text: &str, from: &str, to: &str) -> String {
-    assert_eq!(
-        text.matches(from).count(),
-        1,
-        "`{from}` must occur exactly once"
-    );
-    text.replacen(from, to, 1)
-}
-
-fn problems_of(text: &str) -> Vec<String> {
-    match parse_job(text.as_bytes(), "job.yaml") {
-        Ok(_) => vec![],
-        Err(error) => error.problems().iter().map(|p| p.to_string()).collect(),
-    }
-}
+use common::{edit, problems_of, quickstart, repo_root};
 
 fn assert_problem(text: &str, expected: &str) {
     let problems = problems_of(text);

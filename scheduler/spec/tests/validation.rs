@@ -3,34 +3,17 @@
 
 #![allow(clippy::unwrap_used)] // test helpers may fail loudly
 
+mod common;
+
 use std::path::PathBuf;
 
 use proptest::prelude::*;
 use rollfleet_spec::{MAX_SPEC_BYTES, SpecError, load_job_file, parse_job};
 
+use common::{edit, problems_of, quickstart, repo_root};
+
 fn examples_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/jobs")
-}
-
-fn quickstart() -> String {
-    std::fs::read_to_string(examples_dir().join("quickstart.yaml")).unwrap()
-}
-
-/// Replaces exactly one occurrence, so a table row cannot silently stop mutating anything.
-fn edit(text: &str, from: &str, to: &str) -> String {
-    assert_eq!(
-        text.matches(from).count(),
-        1,
-        "`{from}` must occur exactly once"
-    );
-    text.replacen(from, to, 1)
-}
-
-fn problems_of(text: &str) -> Vec<String> {
-    match parse_job(text.as_bytes(), "job.yaml") {
-        Ok(_) => vec![],
-        Err(error) => error.problems().iter().map(|p| p.to_string()).collect(),
-    }
+    repo_root().join("examples/jobs")
 }
 
 #[test]

@@ -16,7 +16,7 @@ use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus, PoolStatus, SubmitJobRequ
 use rollfleet_server::job::{ended, phase_name};
 use serde::Serialize;
 
-use crate::commands::{SCHEDULER_ENV, TlsClientArgs, TokenArgs, scheduler_url};
+use crate::commands::{SchedulerArg, TlsClientArgs, TokenArgs};
 use crate::output::{OutputFormat, Table, exit, write_structured};
 
 /// Where the scheduler listens unless told otherwise (`rollfleet scheduler`'s default).
@@ -81,15 +81,8 @@ pub enum JobCommand {
 /// Which scheduler to ask.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Target {
-    /// The scheduler's URL: http://HOST:PORT, or https://HOST:PORT with --tls-ca.
-    #[arg(
-        long,
-        env = SCHEDULER_ENV,
-        default_value = DEFAULT_SCHEDULER,
-        value_name = "URL",
-        value_parser = scheduler_url
-    )]
-    scheduler: String,
+    #[command(flatten)]
+    at: SchedulerArg,
     #[command(flatten)]
     token: TokenArgs,
     #[command(flatten)]
@@ -236,7 +229,7 @@ pub fn run(
                 let status = client
                     .status(job_ref(name))
                     .await
-                    .map_err(|s| Failure::answer(&target.scheduler, "status", &s))?;
+                    .map_err(|s| Failure::answer(&target.at.scheduler, "status", &s))?;
                 write_status(&status.into_inner(), format, stdout)?;
                 Ok(exit::OK)
             }
@@ -247,14 +240,22 @@ pub fn run(
             } => {
                 let every = interval(*every)?;
                 let mut client = connect(target).await?;
-                watch(&mut client, &target.scheduler, name, every, format, stdout).await
+                watch(
+                    &mut client,
+                    &target.at.scheduler,
+                    name,
+                    every,
+                    format,
+                    stdout,
+                )
+                .await
             }
             JobCommand::Cancel { name, target } => {
                 let mut client = connect(target).await?;
                 let answer = client
                     .cancel(job_ref(name))
                     .await
-                    .map_err(|s| Failure::answer(&target.scheduler, "cancel", &s))?;
+                    .map_err(|s| Failure::answer(&target.at.scheduler, "cancel", &s))?;
                 writeln!(
                     stderr,
                     "job {name}: cancelling (its workers are drained; `rollfleet job watch \
@@ -310,7 +311,7 @@ async fn submit(
     let bytes = rollfleet_spec::read_limited(job).map_err(|e| Failure::input(e.to_string()))?;
     let yaml = String::from_utf8(bytes)
         .map_err(|_| Failure::input(format!("{}: not UTF-8", job.display())))?;
-    let url = target.scheduler.as_str();
+    let url = target.at.scheduler.as_str();
     let mut client = connect(target).await?;
     // No request key: a scheduler takes one job ever, and recognises it resubmitted.
     let request = SubmitJobRequest {
@@ -341,7 +342,7 @@ async fn submit(
 }
 
 async fn connect(target: &Target) -> Result<JobServiceClient<AuthChannel>, Failure> {
-    let url = target.scheduler.as_str();
+    let url = target.at.scheduler.as_str();
     // A token that cannot be read stops the command before anything is sent.
     let token = target
         .token

@@ -21,6 +21,20 @@ use rollfleet_proto::auth::{Token, TokenError};
 /// Ray), so that a shell or a pod names its scheduler once.
 pub const SCHEDULER_ENV: &str = "ROLLFLEET_SCHEDULER";
 
+/// The `--scheduler` flag of every command that talks to a scheduler.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SchedulerArg {
+    /// The scheduler's URL: http://HOST:PORT, or https://HOST:PORT with --tls-ca.
+    #[arg(
+        long,
+        env = SCHEDULER_ENV,
+        default_value = crate::commands::job::DEFAULT_SCHEDULER,
+        value_name = "URL",
+        value_parser = scheduler_url
+    )]
+    pub scheduler: String,
+}
+
 /// Checks a `--scheduler` URL (given, or from [`SCHEDULER_ENV`]) while the command line is
 /// parsed, so that a slip such as `127.0.0.1:7070` is a usage error that says what to write,
 /// not a scheduler reported unreachable after a connection attempt.

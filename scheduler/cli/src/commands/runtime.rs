@@ -19,7 +19,7 @@ use rollfleet_proto::v1::{JobPhase, JobRef};
 use rollfleet_server::{Report, ServerOptions};
 use tonic::transport::Endpoint;
 
-use crate::commands::{SCHEDULER_ENV, TlsClientArgs, TokenArgs, scheduler_url};
+use crate::commands::{SchedulerArg, TlsClientArgs, TokenArgs};
 use crate::output::{OutputFormat, Table, counted, exit, write_structured};
 
 /// Wall seconds per modelled second that `run` uses unless told otherwise.
@@ -104,15 +104,8 @@ pub struct SchedulerArgs {
 /// `rollfleet worker`.
 #[derive(Debug, clap::Args)]
 pub struct WorkerArgs {
-    /// The scheduler's URL: http://HOST:PORT, or https://HOST:PORT with --tls-ca.
-    #[arg(
-        long,
-        env = SCHEDULER_ENV,
-        default_value = crate::commands::job::DEFAULT_SCHEDULER,
-        value_name = "URL",
-        value_parser = scheduler_url
-    )]
-    pub scheduler: String,
+    #[command(flatten)]
+    pub at: SchedulerArg,
     /// The pool to join, as named in the job.
     #[arg(long)]
     pub pool: String,
@@ -555,7 +548,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
     // The TLS files are read here once, only to check them: a missing CA or key is the user's
     // input (exit 3, naming the file) rather than a worker that fails to connect.
     if let Err(e) = rollfleet_proto::tls::endpoint(
-        &args.scheduler,
+        &args.at.scheduler,
         args.tls.tls_ca.as_deref(),
         args.tls.identity(),
     ) {
@@ -569,7 +562,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
         format!("{host}-{}", std::process::id())
     });
     let opts = rollfleet_node::WorkerOptions {
-        scheduler: args.scheduler.clone(),
+        scheduler: args.at.scheduler.clone(),
         pool: args.pool.clone(),
         hostname: name,
         lease_ms: 3000,

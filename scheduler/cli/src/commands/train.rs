@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use tokio_stream::StreamExt;
 use tonic::transport::Endpoint;
 
-use crate::commands::{SCHEDULER_ENV, TlsClientArgs, TokenArgs, scheduler_url};
+use crate::commands::{SchedulerArg, TlsClientArgs, TokenArgs};
 use crate::output::{counted, exit};
 
 /// `rollfleet train`.
@@ -35,15 +35,8 @@ use crate::output::{counted, exit};
 pub struct TrainArgs {
     /// The job file (its name, `rolloutBatchSize`, `maxStaleness` and `steps` are read from it).
     pub job: PathBuf,
-    /// The scheduler's URL: http://HOST:PORT, or https://HOST:PORT with --tls-ca.
-    #[arg(
-        long,
-        env = SCHEDULER_ENV,
-        default_value = crate::commands::job::DEFAULT_SCHEDULER,
-        value_name = "URL",
-        value_parser = scheduler_url
-    )]
-    pub scheduler: String,
+    #[command(flatten)]
+    pub at: SchedulerArg,
     /// Where checkpoints (and the trainer's own `state.json`) are written; engines load the
     /// checkpoints from there, so on a real fleet it is storage every engine node can read.
     #[arg(long, value_name = "DIR")]
@@ -172,7 +165,7 @@ pub fn run(args: &TrainArgs, stderr: &mut dyn Write) -> Result<u8> {
         }
     };
     let endpoint = match rollfleet_proto::tls::endpoint(
-        &args.scheduler,
+        &args.at.scheduler,
         args.tls.tls_ca.as_deref(),
         args.tls.identity(),
     ) {
@@ -347,7 +340,7 @@ async fn train(
             Err(e) => {
                 missed_connects += 1;
                 if missed_connects > 300 {
-                    bail!("cannot reach the scheduler at {}: {e}", args.scheduler);
+                    bail!("cannot reach the scheduler at {}: {e}", args.at.scheduler);
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
