@@ -14,6 +14,13 @@ use clap::{CommandFactory, Parser, Subcommand};
 
 use crate::output::{OutputFormat, exit};
 
+/// The scheduler allocates and frees buffers of a few KB for every result's token ids and
+/// log-probabilities; glibc's allocator spent a fifth of the scheduler's CPU on them in the
+/// dispatch benchmark (`cargo bench -p rollfleet-server --bench dispatch`, which runs the
+/// scheduler with this same allocator), mimalloc about half that.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// rollfleet: a disaggregated, heterogeneous-hardware scheduler for agentic RL training.
 #[derive(Debug, Parser)]
 #[command(

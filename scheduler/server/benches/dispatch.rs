@@ -18,6 +18,10 @@
 //! fast, and whether it ends with the very report the live run wrote. `ROLLFLEET_BENCH_MODES`
 //! (indices into the modes, e.g. `0,4`) runs only some of them.
 
+/// The allocator the `rollfleet` binary runs the scheduler with.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::time::{Duration, Instant};
 
 use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
