@@ -99,6 +99,39 @@ fn an_invalid_job_exits_3_with_every_problem_on_stderr() {
 }
 
 #[test]
+fn validate_refuses_a_job_naming_an_environment_and_a_reward_function_that_exist_nowhere() {
+    let good = std::fs::read_to_string(repo().join("examples/jobs/quickstart.yaml")).unwrap();
+    let bad = good
+        .replace("environment: frozenlake", "environment: my-webshop")
+        .replace("function: math_answer", "function: my_python_reward");
+    let path = scratch("unknown-names.yaml", &bad);
+    let out = rollfleet(&["validate", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stdout));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("2 problems"), "{stderr}");
+    assert!(
+        stderr.contains("spec.tasks[1].environment: unknown environment \"my-webshop\""),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("spec.rewards[1].function: unknown reward function \"my_python_reward\""),
+        "{stderr}"
+    );
+    assert!(out.stdout.is_empty());
+    // A slip of one letter is answered with the name meant.
+    let misspelt = good.replace("environment: sokoban", "environment: sokobam");
+    let path = scratch("misspelt-environment.yaml", &misspelt);
+    let out = rollfleet(&["validate", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("spec.tasks[0].environment: unknown environment \"sokobam\"")
+            && stderr.contains("did you mean `sokoban`?"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_missing_file_exits_3_naming_the_file() {
     let out = rollfleet(&["validate", "no/such/job.yaml"]);
     assert_eq!(out.status.code(), Some(3));
@@ -915,6 +948,32 @@ fn serverless_serve_answers_the_lambda_invoke_api_and_stops_on_ctrl_c() {
         .unwrap();
     assert!(interrupted.success());
     assert_eq!(child.wait().unwrap().code(), Some(0));
+}
+
+#[test]
+fn rollfleet_job_says_when_the_address_answers_but_is_no_scheduler() {
+    // A plain HTTP/1.1 server on the port (a web server, a proxy): it answers every request
+    // with the same page and closes.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            use std::io::{Read, Write};
+            let mut buf = [0u8; 1024];
+            let _ = stream.read(&mut buf);
+            let _ = stream.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello",
+            );
+        }
+    });
+    let out = rollfleet(&["job", "status", "quickstart", "--scheduler", &url]);
+    assert_eq!(out.status.code(), Some(1));
+    let said = text(&out.stderr);
+    assert!(
+        said.contains(&format!("{url} did not answer as a rollfleet scheduler")),
+        "{said}"
+    );
 }
 
 #[test]

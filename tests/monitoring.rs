@@ -1,7 +1,9 @@
 //! The monitoring manifests (`manifests/monitoring/`) checked by Prometheus's own tool: the
 //! scrape configuration and the rules load, and the alerts fire (and stay quiet) as their unit
-//! tests say; and the Grafana dashboard is well formed. That a real Prometheus scrapes a running
-//! scheduler with them, and that every dashboard query returns data, is tested in `runtime.rs`.
+//! tests say, every alert links to its runbook; and the Grafana dashboard is well formed, with
+//! every query filtered by the dashboard's job. That a real Prometheus scrapes a running
+//! scheduler with them, that the scrape passes `promtool check metrics`, that every dashboard
+//! query returns data, and that a normal end raises no alert, is tested in `runtime.rs`.
 
 #![allow(clippy::unwrap_used)] // test helpers may fail loudly
 
@@ -82,7 +84,22 @@ fn the_grafana_dashboard_is_well_formed_and_every_panel_queries_prometheus() {
         .iter()
         .map(|v| v["name"].as_str().unwrap())
         .collect();
-    assert_eq!(variables, ["datasource", "pool"]);
+    assert_eq!(variables, ["datasource", "namespace", "rljob", "pool"]);
+    // The job's variables come from the scheduler's build info, the pools from the chosen job.
+    let list = dashboard["templating"]["list"].as_array().unwrap();
+    assert_eq!(
+        list[1]["definition"],
+        "label_values(rollfleet_build_info, namespace)"
+    );
+    assert_eq!(
+        list[2]["definition"],
+        "label_values(rollfleet_build_info{namespace=~\"$namespace\"}, rljob)"
+    );
+    assert_eq!(
+        list[3]["definition"],
+        "label_values(rollfleet_pool_busy_ratio{namespace=~\"$namespace\", rljob=~\"$rljob\"}, pool)"
+    );
+    let mut all_exprs = String::new();
     let mut ids = BTreeSet::new();
     let mut queries = 0;
     for panel in dashboard["panels"].as_array().unwrap() {
@@ -107,6 +124,22 @@ fn the_grafana_dashboard_is_well_formed_and_every_panel_queries_prometheus() {
         for target in targets {
             let expr = target["expr"].as_str().unwrap();
             assert!(expr.contains("rollfleet_"), "{title}: {expr}");
+            // Every series the query selects is the dashboard's job's.
+            for selector in expr.split("rollfleet_").skip(1) {
+                let labels = selector
+                    .trim_start_matches(|c: char| c.is_ascii_alphanumeric() || c == '_')
+                    .strip_prefix('{')
+                    .and_then(|l| l.split_once('}'))
+                    .map(|(l, _)| l);
+                assert!(
+                    labels.is_some_and(
+                        |l| l.starts_with("namespace=~\"$namespace\", rljob=~\"$rljob\"")
+                    ),
+                    "{title}: rollfleet_{selector} is not filtered by the job"
+                );
+            }
+            all_exprs.push_str(expr);
+            all_exprs.push('\n');
             // Pool-labelled series follow the dashboard's pool selector.
             if [
                 "pool_busy",
@@ -123,5 +156,88 @@ fn the_grafana_dashboard_is_well_formed_and_every_panel_queries_prometheus() {
             queries += 1;
         }
     }
-    assert_eq!(queries, 19);
+    assert_eq!(queries, 29);
+    // What the practitioner watches: each task's reward and success rate.
+    for reward in [
+        "rollfleet_task_last_step_mean_reward{",
+        "rollfleet_task_last_step_success_ratio{",
+    ] {
+        assert!(all_exprs.contains(reward), "no panel shows {reward}");
+    }
+    // Utilisation from the busy-time counter, whatever the scrape interval; p50 and p99 of each
+    // histogram.
+    assert!(
+        !all_exprs.contains("rollfleet_pool_busy_ratio"),
+        "{all_exprs}"
+    );
+    assert!(
+        all_exprs.contains("rate(rollfleet_pool_busy_seconds_total{"),
+        "{all_exprs}"
+    );
+    for histogram in [
+        "stage_duration_seconds",
+        "stage_queue_wait_seconds",
+        "rl_step_duration_seconds",
+    ] {
+        for q in ["0.5", "0.99"] {
+            let quantile = format!("histogram_quantile({q}, sum by (");
+            assert!(
+                all_exprs.lines().any(|e| e.starts_with(&quantile)
+                    && e.contains(&format!("(rate(rollfleet_{histogram}_bucket{{"))),
+                "no p{} of {histogram}: {all_exprs}",
+                q.trim_start_matches("0.")
+            );
+        }
+    }
+}
+
+#[test]
+fn every_alert_links_to_a_runbook_section_of_the_monitoring_doc_that_exists() {
+    let rules = std::fs::read_to_string(monitoring_file("rollfleet-rules.yaml")).unwrap();
+    let doc = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/monitoring.md"),
+    )
+    .unwrap();
+    // GitHub's anchors of the doc's headings: lower case, spaces as dashes, other punctuation
+    // dropped.
+    let anchors: BTreeSet<String> = doc
+        .lines()
+        .filter_map(|l| l.strip_prefix('#'))
+        .map(|h| {
+            h.trim_start_matches('#')
+                .trim()
+                .to_lowercase()
+                .chars()
+                .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-' || *c == '_')
+                .map(|c| if c == ' ' { '-' } else { c })
+                .collect()
+        })
+        .collect();
+    let mut alert = None;
+    let mut linked = 0;
+    for line in rules.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix("- alert: ") {
+            assert!(
+                alert.is_none(),
+                "{name}: the alert before has no runbook_url"
+            );
+            alert = Some(name);
+        } else if let Some(url) = line.strip_prefix("runbook_url: ") {
+            let name = alert.take().expect("a runbook_url outside an alert");
+            let anchor = url
+                .trim_matches('"')
+                .strip_prefix(
+                    "https://github.com/rollfleet/rollfleet/blob/main/docs/monitoring.md#",
+                )
+                .unwrap_or_else(|| panic!("{name}: {url} is not a section of docs/monitoring.md"));
+            assert_eq!(anchor, name.to_lowercase(), "{name}");
+            assert!(
+                anchors.contains(anchor),
+                "{name}: docs/monitoring.md has no heading for #{anchor}"
+            );
+            linked += 1;
+        }
+    }
+    assert!(alert.is_none(), "the last alert has no runbook_url");
+    assert_eq!(linked, 11);
 }

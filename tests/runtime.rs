@@ -1944,6 +1944,213 @@ fn rollfleet_run_trains_every_step_and_says_the_gpus_are_emulated() {
     assert!(stderr.contains("GPUs are emulated"), "{stderr}");
 }
 
+/// The rewards a quick-start task's episodes can end on: a Sokoban move scores -0.1, plus 1 for a
+/// box pushed onto a target (-1 off one), plus 10 for the solving one; FrozenLake's goal and a
+/// right unit conversion score 1, anything else 0.
+fn quickstart_reward_range(task: &str) -> (f64, f64) {
+    match task {
+        "sokoban" => (-1.1, 10.9),
+        "frozenlake" | "unit-conversion" => (0.0, 1.0),
+        other => panic!("not a quick-start task: {other}"),
+    }
+}
+
+#[test]
+fn rollfleet_run_ends_with_each_tasks_reward_and_success_and_its_report_carries_the_same() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = temp_dir("outcomes");
+    let report_path = dir.join("report.json");
+    let out = Command::new(BIN)
+        .args(["run", "examples/jobs/quickstart.yaml", "--time-scale", "1"])
+        .arg("--report")
+        .arg(&report_path)
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    // The rewards are said to be an emulated policy's, with the success threshold.
+    assert!(
+        stdout.contains(
+            "rewards (policy EMULATED (random legal moves); success: a reward of at least 1)"
+        ),
+        "{stdout}"
+    );
+    let outcomes = &report["outcomes"];
+    assert_eq!(outcomes["success_reward"], 1.0);
+    let tasks = outcomes["tasks"].as_array().unwrap();
+    let names: Vec<&str> = tasks.iter().map(|t| t["task"].as_str().unwrap()).collect();
+    assert_eq!(names, ["sokoban", "frozenlake", "unit-conversion"]);
+    let mut trajectories = 0;
+    for t in tasks {
+        let name = t["task"].as_str().unwrap();
+        let n = t["trajectories"].as_u64().unwrap();
+        assert!(n > 0, "{name} trained nothing: {outcomes:#}");
+        trajectories += n;
+        let (lo, hi) = quickstart_reward_range(name);
+        let f = |key: &str| t[key].as_f64().unwrap();
+        assert!(
+            lo <= f("min_reward") && f("min_reward") <= f("mean_reward"),
+            "{t:#}"
+        );
+        assert!(
+            f("mean_reward") <= f("max_reward") && f("max_reward") <= hi,
+            "{t:#}"
+        );
+        let rate = t["successes"].as_u64().unwrap() as f64 / n as f64;
+        assert!((f("success_rate") - rate).abs() < 1e-12, "{t:#}");
+        // Every trajectory took a turn, read its prompt and generated; no trajectory was more
+        // than `maxStaleness: 1` version behind.
+        assert!(f("mean_turns") >= 1.0, "{t:#}");
+        assert!(
+            f("mean_prompt_tokens") > 0.0 && f("mean_action_tokens") > 0.0,
+            "{t:#}"
+        );
+        assert!(t["max_staleness"].as_u64().unwrap() <= 1, "{t:#}");
+        assert_eq!(
+            t["modelled_rewards"], 0,
+            "the environments ran for real: {t:#}"
+        );
+        // The summary's row of the task shows the report's figures.
+        let row = stdout
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no row for {name}: {stdout}"));
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cells[1], n.to_string(), "{row}");
+        assert_eq!(cells[2], format!("{:.3}", f("mean_reward")), "{row}");
+        assert_eq!(
+            cells[3],
+            format!("{:.0}%", f("success_rate") * 100.0),
+            "{row}"
+        );
+    }
+    assert_eq!(trajectories, 160, "{outcomes:#}");
+    assert_eq!(outcomes["overall"]["trajectories"], 160);
+    let all = stdout
+        .lines()
+        .find(|l| l.starts_with("all "))
+        .unwrap_or_else(|| panic!("no overall row: {stdout}"));
+    let overall_mean = outcomes["overall"]["mean_reward"].as_f64().unwrap();
+    assert!(all.contains(&format!(" {overall_mean:.3} ")), "{all}");
+    // One entry per RL step, each with the step's 32 trajectories.
+    let steps = outcomes["steps"].as_array().unwrap();
+    assert_eq!(
+        steps
+            .iter()
+            .map(|s| s["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4]
+    );
+    for s in steps {
+        assert_eq!(s["overall"]["trajectories"], 32, "{s:#}");
+    }
+    assert!(stdout.contains("mean reward by RL step: 0: "), "{stdout}");
+}
+
+#[test]
+fn the_job_status_over_grpc_and_the_metrics_carry_each_tasks_rewards_and_job_status_prints_them() {
+    let dir = temp_dir("status-outcomes");
+    let job = job_file(&dir, 50);
+    let report = dir.join("report.json");
+    let metrics_flag = ["--metrics-addr", "127.0.0.1:0"];
+    let (mut sched, url) = start_scheduler(&job, &report, 5, &metrics_flag, Stdio::piped());
+    let log = tee_log(&mut sched);
+    let metrics = metrics_address(&log);
+    let mut procs = Procs(vec![sched]);
+    for pool in ["prefill", "decode", "train", "envs", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let seen = std::sync::Mutex::new(None);
+    wait_status(&url, "a trained RL step", |s| {
+        let done = s.rl_step >= 1;
+        if done {
+            *seen.lock().unwrap() = Some(s.clone());
+        }
+        done
+    });
+    let status = seen.into_inner().unwrap().unwrap();
+    assert_eq!(status.success_reward, 1.0);
+    let names: Vec<&str> = status.tasks.iter().map(|t| t.task.as_str()).collect();
+    assert_eq!(names, ["sokoban", "frozenlake", "unit-conversion"]);
+    let overall = status.overall.clone().unwrap();
+    // Every trained trajectory is in its task's figures, and in no other.
+    assert_eq!(overall.trajectories, status.trajectories_trained);
+    assert_eq!(
+        status.tasks.iter().map(|t| t.trajectories).sum::<u64>(),
+        overall.trajectories
+    );
+    assert_eq!(
+        status.tasks.iter().map(|t| t.successes).sum::<u64>(),
+        overall.successes
+    );
+    for t in status.tasks.iter().filter(|t| t.trajectories > 0) {
+        let (lo, hi) = quickstart_reward_range(&t.task);
+        assert!(lo <= t.min_reward && t.max_reward <= hi, "{t:?}");
+        assert!(
+            t.min_reward <= t.mean_reward && t.mean_reward <= t.max_reward,
+            "{t:?}"
+        );
+        assert!(t.mean_turns >= 1.0 && t.mean_action_tokens > 0.0, "{t:?}");
+        assert!(t.max_staleness <= 1, "{t:?}");
+    }
+    let last = status.last_step.clone().unwrap();
+    assert!(
+        last.trajectories > 0 && last.step <= status.rl_step,
+        "{last:?}"
+    );
+
+    // The metrics count at least what the status did (they are raised before it is published),
+    // a success is a trained trajectory, and the exposition passes promtool's lint.
+    let exposition = scrape(&metrics);
+    let lint = promtool_check_metrics(exposition.split("\r\n\r\n").nth(1).unwrap());
+    assert_eq!(lint, "", "promtool check metrics:\n{lint}");
+    for t in &status.tasks {
+        let series = |name: &str| {
+            sample(&exposition, &format!("{name}{{task=\"{}\"}}", t.task))
+                .unwrap_or_else(|| panic!("no {name} of {}: {exposition}", t.task))
+        };
+        let trained = series("rollfleet_task_trajectories_trained_total");
+        assert!(trained >= t.trajectories as f64, "{}: {exposition}", t.task);
+        assert!(
+            series("rollfleet_task_successes_total") <= trained,
+            "{exposition}"
+        );
+        series("rollfleet_task_cumulative_reward");
+        series("rollfleet_task_action_tokens_total");
+    }
+    assert!(
+        exposition.contains("rollfleet_task_last_step_mean_reward{"),
+        "{exposition}"
+    );
+
+    // The CLI prints them: a row per task in the table, the figures in JSON.
+    let table = job_command(&url, &["status", "quickstart"]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(table.status.success(), "{table:?}");
+    assert!(
+        text.contains("rewards (success: a reward of at least 1)"),
+        "{text}"
+    );
+    for task in ["sokoban", "frozenlake", "unit-conversion", "all"] {
+        assert!(text.lines().any(|l| l.starts_with(task)), "{task}: {text}");
+    }
+    let json = job_command(&url, &["status", "quickstart", "-o", "json"]);
+    assert!(json.status.success(), "{json:?}");
+    let json: Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(json["tasks"].as_array().map(Vec::len), Some(3), "{json:#}");
+    assert!(json["overall"]["trajectories"].as_u64().unwrap() >= overall.trajectories);
+    assert!(json["last_step"]["step"].is_u64(), "{json:#}");
+    let cancelled = job_command(&url, &["cancel", "quickstart"]);
+    assert!(cancelled.status.success(), "{cancelled:?}");
+    assert_eq!(wait_exit(&mut procs.0[0], DEADLINE).code(), Some(1));
+}
+
 #[test]
 fn the_workers_replicas_measure_profiles_that_the_planner_then_plans_with() {
     let dir = temp_dir("profiles");
@@ -2030,6 +2237,8 @@ fn rollfleet_run_can_model_the_environments_as_the_simulator_does() {
     assert_eq!(report["phase"], "Succeeded");
     assert_eq!(report["trained"].as_array().unwrap().len(), 64);
     assert_eq!(report["emulated_gpus"], true);
+    // No reward is modelled: every trained trajectory's is counted as such.
+    assert_eq!(report["outcomes"]["overall"]["modelled_rewards"], 64);
     let envs = report["pools"]
         .as_array()
         .unwrap()
@@ -2054,6 +2263,91 @@ fn json_lines(stdout: &[u8]) -> Vec<Value> {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
         .collect()
+}
+
+#[test]
+fn rollfleet_job_list_and_logs_show_the_job_and_the_schedulers_log_lines_and_follow_new_ones() {
+    let dir = temp_dir("list-logs");
+    let report = dir.join("report.json");
+    let mut command = Command::new(BIN);
+    command.arg("scheduler");
+    let (idle, idle_url) = spawn_scheduler(&mut command, &report, 5, &[], Stdio::null());
+    let mut procs = Procs(vec![idle]);
+    let none = job_command(&idle_url, &["list", "-o", "json"]);
+    assert!(none.status.success(), "{none:?}");
+    assert_eq!(
+        serde_json::from_slice::<Value>(&none.stdout).unwrap(),
+        serde_json::json!([])
+    );
+
+    // Its own log, as JSON lines for a log collector.
+    let job = job_file(&dir, 50);
+    let mut command = Command::new(BIN);
+    command.arg("scheduler").arg(&job);
+    let json_log = ["--log-format", "json"];
+    let (mut sched, url) = spawn_scheduler(&mut command, &report, 5, &json_log, Stdio::piped());
+    let own_log = tee_log(&mut sched);
+    procs.0.push(sched);
+    let planned = own_log
+        .iter()
+        .find(|l| l.contains("job quickstart planned"))
+        .expect("the scheduler logs that it planned the job");
+    let planned: Value = serde_json::from_str(&planned).expect("a JSON log line");
+    assert_eq!(planned["level"], "INFO", "{planned}");
+    assert_eq!(
+        planned["fields"]["message"],
+        "scheduler: job quickstart planned"
+    );
+    let list = job_command(&url, &["list"]);
+    let table = String::from_utf8_lossy(&list.stdout);
+    assert!(list.status.success(), "{list:?}");
+    assert!(
+        table
+            .lines()
+            .nth(1)
+            .is_some_and(|row| row.starts_with("quickstart") && row.contains("Pending")),
+        "{table}"
+    );
+
+    let logs = job_command(&url, &["logs", "quickstart", "--tail", "0", "-o", "json"]);
+    assert!(logs.status.success(), "{logs:?}");
+    let lines = json_lines(&logs.stdout);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["message"] == "scheduler: job quickstart planned" && l["level"] == "INFO"),
+        "{lines:?}"
+    );
+    let seqs: Vec<u64> = lines.iter().map(|l| l["seq"].as_u64().unwrap()).collect();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    let unknown = job_command(&url, &["logs", "other"]);
+    assert_eq!(unknown.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("\"other\" is not known"));
+
+    // A follower sees a line logged after it started: the job's end, once cancelled.
+    let mut follower = Command::new(BIN)
+        .args(["job", "logs", "quickstart", "--follow", "--tail", "1"])
+        .args(["--scheduler", &url])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = follower.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let first = rx.recv_timeout(DEADLINE).expect("the tail line");
+    assert!(first.contains("INFO"), "{first}");
+    let cancel = job_command(&url, &["cancel", "quickstart"]);
+    assert!(cancel.status.success(), "{cancel:?}");
+    wait_log(&rx, "job quickstart ends: Cancelled");
+    let _ = follower.kill();
+    let _ = follower.wait();
 }
 
 #[test]
@@ -2292,26 +2586,8 @@ fn a_scheduler_told_to_stop_cancels_the_job_and_drains_its_workers() {
 fn an_environment_served_by_a_remote_python_server_runs_in_a_job() {
     let dir = temp_dir("remote");
     let job = job_file(&dir, 2);
-    let yaml = std::fs::read_to_string(&job)
-        .unwrap()
-        .replace("environment: frozenlake", "environment: guess");
-    std::fs::write(&job, yaml).unwrap();
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let mut python = Command::new("python3")
-        .arg(root.join("examples/remote-env/server.py"))
-        .args(["--port", "0", "--slots", "1024"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python3 must be installed");
-    let mut line = String::new();
-    BufReader::new(python.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let port = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap()
-        .to_owned();
+    declare_remote_environment(&job, "frozenlake", "guess");
+    let (python, port) = python_environment_server();
     let report = dir.join("report.json");
     let (sched, url) = scheduler(&job, &report, 5, &[]);
     let mut procs = Procs(vec![sched, python]);
@@ -2337,6 +2613,157 @@ fn an_environment_served_by_a_remote_python_server_runs_in_a_job() {
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success(), "the scheduler failed: {status:?}");
     check_report(&report, 2, 0);
+}
+
+/// Rewrites the job so that the task on `builtin` runs `remote` instead, declared in
+/// `spec.environments` as served by a remote environment server (validation requires it).
+fn declare_remote_environment(job: &Path, builtin: &str, remote: &str) {
+    let yaml = std::fs::read_to_string(job)
+        .unwrap()
+        .replace(
+            &format!("environment: {builtin}"),
+            &format!("environment: {remote}"),
+        )
+        .replace(
+            "  rewards:\n",
+            &format!("  environments:\n    - {{ name: {remote}, servedBy: remote }}\n  rewards:\n"),
+        );
+    assert!(yaml.contains("servedBy: remote"), "{yaml}");
+    std::fs::write(job, yaml).unwrap();
+}
+
+/// The reference remote environment server (it serves `guess`), on a free port: the process
+/// and its port.
+fn python_environment_server() -> (Child, String) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut python = Command::new("python3")
+        .arg(root.join("examples/remote-env/server.py"))
+        .args(["--port", "0", "--slots", "1024"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 must be installed");
+    let mut line = String::new();
+    BufReader::new(python.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_owned();
+    (python, port)
+}
+
+#[test]
+fn a_declared_remote_environment_its_server_does_not_know_fails_the_job_with_the_servers_reason() {
+    // The job passes validation (`wordle` is declared), but the server the environment worker
+    // is pointed at serves only `guess`: it answers 404 unknown_environment to every episode.
+    let dir = temp_dir("remote-unknown");
+    let job = job_file(&dir, 2);
+    declare_remote_environment(&job, "frozenlake", "wordle");
+    let validated = Command::new(BIN)
+        .arg("validate")
+        .arg(&job)
+        .output()
+        .unwrap();
+    assert!(validated.status.success(), "{validated:?}");
+    let (python, port) = python_environment_server();
+    let report_path = dir.join("report.json");
+    let (sched, url) = scheduler(&job, &report_path, 5, &[]);
+    let mut procs = Procs(vec![sched, python]);
+    for pool in ["prefill", "decode", "train", "rewards"] {
+        procs.0.push(worker(&url, pool, &format!("{pool}-0")));
+    }
+    let remote = format!("wordle=http://127.0.0.1:{port}");
+    procs.0.push(
+        Command::new(BIN)
+            .args(["worker", "--scheduler", &url, "--pool", "envs"])
+            .args(["--remote-env", &remote])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let status = wait_exit(&mut procs.0[0], DEADLINE);
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "a misconfigured job is not a success"
+    );
+    let report: Value = serde_json::from_slice(&std::fs::read(&report_path).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Failed", "{report:#}");
+    let failure = report["failure"].as_str().unwrap();
+    // The reason names the task, the environment and the server's own answer.
+    assert!(
+        failure.contains("task \"frozenlake\": its environment \"wordle\""),
+        "{failure}"
+    );
+    assert!(failure.contains("configuration error"), "{failure}");
+    assert!(failure.contains("unknown_environment"), "{failure}");
+    assert!(failure.contains(&format!("127.0.0.1:{port}")), "{failure}");
+    // It ended on the configuration error, before any of the task's groups was given up as
+    // an infrastructure failure.
+    assert_eq!(
+        report["groups_abandoned"],
+        serde_json::json!([]),
+        "{report:#}"
+    );
+}
+
+#[test]
+fn a_run_whose_declared_environment_no_worker_serves_exits_1_naming_it() {
+    let dir = temp_dir("run-unserved");
+    let job = job_file(&dir, 1);
+    declare_remote_environment(&job, "calculator", "webshop");
+    let out = Command::new(BIN)
+        .arg("run")
+        .arg(&job)
+        .args(["--time-scale", "1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stdout.contains("Failed"), "{stdout}");
+    assert!(
+        stdout.contains(
+            "the job failed: task \"unit-conversion\": its environment \"webshop\" failed"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "unknown environment \"webshop\" (this host runs: calculator, frozenlake, sokoban)"
+        ),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_run_whose_reward_function_refuses_every_payload_exits_1_naming_the_reward() {
+    // regex_match is a function the reward workers implement, so the job validates; but it
+    // needs a `pattern` the task's payload does not carry, so every call is refused as invalid.
+    let dir = temp_dir("run-reward-invalid");
+    let job = job_file(&dir, 1);
+    let yaml = std::fs::read_to_string(&job)
+        .unwrap()
+        .replace("function: math_answer", "function: regex_match");
+    std::fs::write(&job, yaml).unwrap();
+    let out = Command::new(BIN)
+        .arg("run")
+        .arg(&job)
+        .args(["--time-scale", "1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(
+            "the job failed: task \"unit-conversion\": its reward \"exact-answer\" (function \"regex_match\") failed"
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.contains("InvalidPayload"), "{stdout}");
 }
 
 // ---------------------------------------------------------------- a real (OpenAI-compatible) engine
@@ -2787,11 +3214,34 @@ fn scrape(addr: &str) -> String {
     out
 }
 
-/// The value of the exposition's sample `name{labels}` (labels in the encoder's order).
+/// The value of the exposition's sample `name{labels}` (labels in the encoder's order), the
+/// job's labels (`rljob`, `namespace`), which every sample carries, left out.
 fn sample(exposition: &str, series: &str) -> Option<f64> {
-    exposition
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    exposition.lines().find_map(|l| {
+        without_job_labels(l)
+            .strip_prefix(series)?
+            .strip_prefix(' ')?
+            .parse()
+            .ok()
+    })
+}
+
+/// An exposition line without its `rljob` and `namespace` labels (no label value in these
+/// tests holds a comma).
+fn without_job_labels(line: &str) -> String {
+    let (Some(open), Some(close)) = (line.find('{'), line.rfind('}')) else {
+        return line.to_owned();
+    };
+    let kept: Vec<&str> = line[open + 1..close]
+        .split(',')
+        .filter(|pair| !pair.starts_with("rljob=") && !pair.starts_with("namespace="))
+        .collect();
+    let labels = if kept.is_empty() {
+        String::new()
+    } else {
+        format!("{{{}}}", kept.join(","))
+    };
+    format!("{}{labels}{}", &line[..open], &line[close + 1..])
 }
 
 #[test]
@@ -3153,8 +3603,8 @@ fn percent_encoded(s: &str) -> String {
 }
 
 /// Every query of the shipped Grafana dashboard, with its panel's title, as Prometheus would get
-/// it from Grafana with every pool selected.
-fn dashboard_queries() -> Vec<(String, String)> {
+/// it from Grafana with the job `rljob` of `namespace` and every pool selected.
+fn dashboard_queries(rljob: &str, namespace: &str) -> Vec<(String, String)> {
     let dashboard: Value =
         serde_json::from_slice(&std::fs::read(monitoring_file("grafana-dashboard.json")).unwrap())
             .unwrap();
@@ -3165,6 +3615,8 @@ fn dashboard_queries() -> Vec<(String, String)> {
             queries.push((
                 panel["title"].as_str().unwrap().to_owned(),
                 expr.replace("$pool", ".*")
+                    .replace("$rljob", rljob)
+                    .replace("$namespace", namespace)
                     .replace("$__rate_interval", "1m"),
             ));
         }
@@ -3178,6 +3630,14 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
     use rollfleet_proto::v1::{GpuReading, WorkerLoad};
     let dir = temp_dir("prometheus");
     let job = job_file(&dir, 5);
+    // In a namespace, as the operator's jobs are: every series carries it.
+    let yaml = std::fs::read_to_string(&job).unwrap();
+    assert!(yaml.contains("\n  name: quickstart\n"));
+    let yaml = yaml.replace(
+        "\n  name: quickstart\n",
+        "\n  name: quickstart\n  namespace: rl-team\n",
+    );
+    std::fs::write(&job, yaml).unwrap();
     let report = dir.join("report.json");
     let (mut sched, url) = start_scheduler(
         &job,
@@ -3258,7 +3718,37 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
         );
         std::thread::sleep(Duration::from_millis(200));
     };
-    for (panel, expr) in dashboard_queries() {
+    // A scrape mid-job passes Prometheus's own linter, histograms included, and every sample
+    // names the job.
+    let exposition = scrape(&metrics);
+    let body = exposition.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let lint = promtool_check_metrics(body);
+    assert_eq!(lint, "", "promtool check metrics:\n{lint}");
+    assert_eq!(
+        sample(&exposition, "rollfleet_job_phase{phase=\"Running\"}"),
+        Some(1.0),
+        "{body}"
+    );
+    for present in [
+        "rollfleet_stage_duration_seconds_bucket{kind=\"decode\"",
+        "rollfleet_stage_duration_seconds_bucket{kind=\"environment_step\"",
+        "rollfleet_stage_queue_wait_seconds_bucket{kind=\"decode\"",
+        "rollfleet_rl_step_duration_seconds_bucket{",
+        "rollfleet_pool_busy_seconds_total{pool=\"decode\"",
+        "rollfleet_build_info{version=",
+        "process_cpu_seconds_total{",
+        "process_resident_memory_bytes{",
+        "process_open_fds{",
+    ] {
+        assert!(body.contains(present), "{present} not in {body}");
+    }
+    for line in body.lines().filter(|l| !l.starts_with('#')) {
+        assert!(
+            line.contains("rljob=\"quickstart\"") && line.contains("namespace=\"rl-team\""),
+            "{line}"
+        );
+    }
+    for (panel, expr) in dashboard_queries("quickstart", "rl-team") {
         let series = prometheus.query(&expr, at);
         assert!(
             !series.is_empty(),
@@ -3326,6 +3816,82 @@ fn a_real_prometheus_scrapes_the_scheduler_runs_the_shipped_rules_and_answers_ev
     let status = wait_exit(&mut procs.0[0], DEADLINE);
     assert!(status.success(), "the scheduler failed: {status:?}");
     check_report(&report, 5, 0);
+
+    // The job ended normally and its scheduler exited: Prometheus scraped its end before it
+    // went, and the alert on a scheduler that stops answering holds its peace.
+    let start = Instant::now();
+    let now = loop {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        if !prometheus
+            .query("up{job=\"rollfleet\"} == 0", now)
+            .is_empty()
+        {
+            break now;
+        }
+        assert!(start.elapsed() < DEADLINE, "the exit was never scraped");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let ended = prometheus.query(
+        "last_over_time(rollfleet_job_end_time_seconds{phase=\"Succeeded\", rljob=\"quickstart\", namespace=\"rl-team\"}[5m])",
+        now,
+    );
+    assert_eq!(ended.len(), 1, "the end was not scraped: {ended:?}");
+    let down = alert_expr("RollfleetSchedulerDown");
+    let fired = prometheus.query(&down, now);
+    assert!(fired.is_empty(), "{down} after a normal end: {fired:?}");
+}
+
+/// The expression of the shipped alert `name`.
+fn alert_expr(name: &str) -> String {
+    let rules: serde_yaml_ng::Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(monitoring_file("rollfleet-rules.yaml")).unwrap(),
+    )
+    .unwrap();
+    let groups = rules["groups"].as_sequence().unwrap();
+    let rule = groups
+        .iter()
+        .flat_map(|g| g["rules"].as_sequence().unwrap())
+        .find(|r| r["alert"].as_str() == Some(name))
+        .unwrap_or_else(|| panic!("no alert {name}"));
+    rule["expr"].as_str().unwrap().to_owned()
+}
+
+/// What `promtool check metrics` says of an exposition (nothing: it is clean); fails the test if
+/// promtool cannot run.
+fn promtool_check_metrics(exposition: &str) -> String {
+    use std::io::Write;
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run `promtool` ({e}): install Prometheus 2.x (Debian: `apt-get install \
+                 prometheus`; .ci/run does)"
+            )
+        });
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(exposition.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{said}"
+    );
+    said.trim().to_owned()
 }
 
 /// A `rollfleet` command with `ROLLFLEET_TOKEN` set to `token` (or removed).

@@ -3,11 +3,12 @@
 
 The game: find a secret number from 1 to 100; each wrong guess is told "higher" or "lower".
 The number of tries comes from the task row the episode's seed picks (``tasks``). Point an
-environment worker at it, and name the environment in the job's task::
+environment worker at it, declare the environment in the job and name it in a task::
 
     python3 examples/python/env_server.py --port 8765
     rollfleet worker --pool envs --remote-env guess=http://127.0.0.1:8765
     # in the job: tasks: [{ name: ..., environment: guess, ... }]
+    #             environments: [{ name: guess, servedBy: remote }]
 
 Any environment with gymnasium's ``reset(seed=, options=)`` and ``step(action)`` can take the
 place of ``GuessNumber`` (a ``gymnasium.Env`` too, with text observations or a ``render``).

@@ -298,7 +298,13 @@ def test_a_job_plays_a_python_environment_through_a_rollfleet_worker(
 ) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(
-        EXTERNAL_JOB.read_text().replace("environment: frozenlake", "environment: pyguess")
+        EXTERNAL_JOB.read_text()
+        .replace("environment: frozenlake", "environment: pyguess")
+        .replace(
+            "  rewards:\n",
+            "  environments:\n    - { name: pyguess, servedBy: remote }\n  rewards:\n",
+            1,
+        )
     )
     with serve(
         GuessNumber,

@@ -37,7 +37,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
         Exit codes: 0 success (a closed stdout pipe included), 1 failure while running, 2 bad \
         command line, 3 invalid or unreadable input.\n\
         Environment: ROLLFLEET_SCHEDULER (the default of every --scheduler), ROLLFLEET_TOKEN (the \
-        scheduler's token), ROLLFLEET_ENGINE_API_KEY (a real engine's API key).\n\
+        scheduler's token), ROLLFLEET_ENGINE_API_KEY (a real engine's API key), RUST_LOG (log \
+        levels, e.g. info,rollfleet_server=debug), ROLLFLEET_LOG_FORMAT (text or json).\n\
         Docs: docs/cli.md"
 )]
 struct Cli {
@@ -45,8 +46,19 @@ struct Cli {
     #[arg(short = 'o', long = "output", global = true, value_enum, default_value_t = OutputFormat::Table)]
     output: OutputFormat,
 
+    /// How the scheduler and workers write their log to stderr: text for people, or one JSON
+    /// object per line for a log collector. `RUST_LOG` sets the levels (default `info`).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormatArg::Text, env = "ROLLFLEET_LOG_FORMAT")]
+    log_format: LogFormatArg,
+
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LogFormatArg {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -116,6 +128,14 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let log_format = match cli.log_format {
+        LogFormatArg::Text => rollfleet_server::logs::LogFormat::Text,
+        LogFormatArg::Json => rollfleet_server::logs::LogFormat::Json,
+    };
+    if let Err(e) = rollfleet_server::logs::init(log_format) {
+        eprintln!("error: {e}");
+        return ExitCode::from(exit::USAGE);
+    }
     // Unlocked handles: the runtime commands log from worker threads, which a lock held here
     // for the whole run would block forever.
     let mut stdout = output::Stdout::new();

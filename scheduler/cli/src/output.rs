@@ -30,7 +30,9 @@ pub mod exit {
     pub const OK: u8 = 0;
     /// The command failed while running (I/O, a peer, an internal error).
     pub const FAILED: u8 = 1;
-    // 2 is clap's own code for a wrong command line; clap exits with it before we run.
+    /// A wrong command line (clap exits with it before a command runs) or environment
+    /// (`RUST_LOG` that does not parse).
+    pub const USAGE: u8 = 2;
     /// The input (a job spec, an inventory) is invalid; nothing was done.
     pub const INVALID_INPUT: u8 = 3;
 }
@@ -186,18 +188,7 @@ pub fn count(value: f64) -> String {
     three_digits(value)
 }
 
-/// A count with its noun in the number the count needs: `counted(1, "worker", "workers") ==
-/// "1 worker"`, `counted(3, "worker", "workers") == "3 workers"`.
-pub fn counted<N>(n: N, one: &str, many: &str) -> String
-where
-    N: std::fmt::Display + PartialEq + From<u8>,
-{
-    if n == N::from(1) {
-        format!("{n} {one}")
-    } else {
-        format!("{n} {many}")
-    }
-}
+pub use rollfleet_server::counted;
 
 /// Three significant digits, without trailing zeros beyond them.
 fn three_digits(value: f64) -> String {

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
@@ -43,7 +43,7 @@ use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::{JobRef, JobStatus};
 
 use crate::crd::{RLJob, RLJobStatus};
-use crate::desired::{self, JOB_LABEL, Settings};
+use crate::desired::{self, COMPONENT_LABEL, JOB_LABEL, POOL_LABEL, Settings};
 
 /// The finalizer that cancels a job before its RLJob is deleted.
 pub const FINALIZER: &str = "rollfleet.dev/cancel-job";
@@ -53,6 +53,10 @@ pub const MANAGER: &str = "rollfleet-operator";
 const SCHEDULER_TIMEOUT: Duration = Duration::from_secs(5);
 /// The most of a spec's problems `status.message` holds.
 const MAX_MESSAGE_CHARS: usize = 4000;
+/// How long a worker pod may stay Pending as Unschedulable before the RLJob says its pool cannot
+/// be placed: long enough for a cluster autoscaler to add a node in the common case, short
+/// enough that a job waiting on a pool that will never fit says so within minutes.
+pub const UNSCHEDULABLE_GRACE: Duration = Duration::from_secs(120);
 
 /// What a reconciliation needs.
 pub struct Context {
@@ -263,14 +267,24 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
                 phase: "Invalid".into(),
                 observed_generation: generation,
                 message: message.clone(),
-                conditions: vec![condition(
-                    previous,
-                    "Valid",
-                    false,
-                    "InvalidSpec",
-                    &message,
-                    generation,
-                )],
+                conditions: vec![
+                    condition(
+                        previous,
+                        "Valid",
+                        false,
+                        "InvalidSpec",
+                        &message,
+                        generation,
+                    ),
+                    condition(
+                        previous,
+                        "Ready",
+                        false,
+                        "InvalidSpec",
+                        "the spec is invalid",
+                        generation,
+                    ),
+                ],
                 ..Default::default()
             };
             write_status(&jobs, name, &status).await?;
@@ -338,15 +352,46 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     if desired::finished(job) {
         return Ok(Action::await_change());
     }
+    let valid = condition(previous, "Valid", true, "Planned", "", generation);
+    if desired::suspended(job) {
+        // Every Deployment was applied with no replicas; nothing answers until it is resumed.
+        let message = "suspended (spec.suspend): every Deployment of the job is scaled to zero";
+        let status = RLJobStatus {
+            phase: "Suspended".into(),
+            observed_generation: generation,
+            workers: wanted.workers,
+            message: message.into(),
+            conditions: vec![
+                valid,
+                condition(previous, "Ready", false, "Suspended", message, generation),
+                condition(previous, "Complete", false, "Suspended", "", generation),
+                condition(previous, "Failed", false, "Suspended", "", generation),
+                condition(
+                    previous,
+                    "Suspended",
+                    true,
+                    "Suspended",
+                    message,
+                    generation,
+                ),
+            ],
+            // A resumed job starts its clock again, as a Kubernetes Job does.
+            start_time: None,
+            completion_time: None,
+            ..previous.cloned().unwrap_or_default()
+        };
+        write_status(&jobs, name, &status).await?;
+        return Ok(Action::await_change());
+    }
+    let unplaced = unschedulable_pools(job, ctx).await?;
     let answer = match call(job, ctx).await {
         Ok(call) => scheduler_status(&call, name).await,
         Err(why) => Err(why),
     };
-    let valid = condition(previous, "Valid", true, "Planned", "", generation);
     let ended = answer
         .as_ref()
         .is_ok_and(|s| rollfleet_server::job::ended(s.phase()));
-    let status = match answer {
+    let mut status = match answer {
         Ok(s) => RLJobStatus {
             phase: rollfleet_server::job::phase_name(s.phase()),
             observed_generation: generation,
@@ -366,6 +411,8 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
                     generation,
                 ),
             ],
+            start_time: None,
+            completion_time: None,
         },
         Err(why) => RLJobStatus {
             phase: "Starting".into(),
@@ -386,12 +433,171 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
             ..previous.cloned().unwrap_or_default()
         },
     };
+    // Times carry over while the status describes the same spec.
+    let same_spec = previous.is_some_and(|p| p.observed_generation == generation);
+    let kept = |time: Option<&Time>| time.filter(|_| same_spec).cloned();
+    let now = || Some(Time(k8s_openapi::jiff::Timestamp::now()));
+    status.start_time = kept(previous.and_then(|p| p.start_time.as_ref())).or_else(now);
+    status.completion_time = if ended {
+        kept(previous.and_then(|p| p.completion_time.as_ref())).or_else(now)
+    } else {
+        None
+    };
+    if let Some(unplaced) = &unplaced
+        && !ended
+    {
+        status.message = unplaced.clone();
+    }
+    let lifecycle = lifecycle(previous, &status.phase, unplaced.as_deref(), generation);
+    status.conditions.extend(lifecycle);
     write_status(&jobs, name, &status).await?;
     Ok(Action::requeue(Duration::from_secs(if ended {
         300
     } else {
         10
     })))
+}
+
+/// The conditions `kubectl wait` and dashboards read, from the job's `phase`: `Ready` (the job
+/// runs), `Complete` and `Failed` (it ended; a cancelled job is `Failed` with reason
+/// `Cancelled`, so that waiting for either condition ends at every end), and `Suspended`
+/// turned false once a suspended job runs again. `unplaced` says which pools cannot be placed
+/// (`Ready` false, reason `Unschedulable`).
+fn lifecycle(
+    previous: Option<&RLJobStatus>,
+    phase: &str,
+    unplaced: Option<&str>,
+    generation: Option<i64>,
+) -> Vec<Condition> {
+    let ready = match (phase, unplaced) {
+        ("Running", _) => condition(previous, "Ready", true, "Running", "", generation),
+        ("Succeeded" | "Failed" | "Cancelled", _) => {
+            condition(previous, "Ready", false, phase, "the job ended", generation)
+        }
+        (_, Some(why)) => condition(previous, "Ready", false, "Unschedulable", why, generation),
+        _ => condition(
+            previous,
+            "Ready",
+            false,
+            phase,
+            "waiting for the scheduler and every worker",
+            generation,
+        ),
+    };
+    let complete = condition(
+        previous,
+        "Complete",
+        phase == "Succeeded",
+        phase,
+        "",
+        generation,
+    );
+    let failed = condition(
+        previous,
+        "Failed",
+        matches!(phase, "Failed" | "Cancelled"),
+        phase,
+        "",
+        generation,
+    );
+    let mut conditions = vec![ready, complete, failed];
+    let was_suspended = previous
+        .into_iter()
+        .flat_map(|p| &p.conditions)
+        .any(|c| c.type_ == "Suspended");
+    if was_suspended {
+        conditions.push(condition(
+            previous,
+            "Suspended",
+            false,
+            "Resumed",
+            "",
+            generation,
+        ));
+    }
+    conditions
+}
+
+/// The pools of `job` whose worker pods the cluster cannot place: pods Pending with
+/// `PodScheduled` false for reason `Unschedulable` for longer than [`UNSCHEDULABLE_GRACE`].
+/// `None` when every pod was placed or is still within its grace; else a message naming each
+/// such pool, its count of such pods and what the cluster's scheduler said of one of them.
+async fn unschedulable_pools(job: &RLJob, ctx: &Context) -> Result<Option<String>, Error> {
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), job.namespace());
+    let selector = format!(
+        "{JOB_LABEL}={},{COMPONENT_LABEL}=worker",
+        desired::dns_name(&[job.name()])
+    );
+    let pending = pods
+        .list(
+            &ListParams::default()
+                .labels(&selector)
+                .fields("status.phase=Pending"),
+        )
+        .await?;
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let grace = k8s_openapi::jiff::SignedDuration::try_from(UNSCHEDULABLE_GRACE)
+        .unwrap_or(k8s_openapi::jiff::SignedDuration::MAX);
+    // By pool label: pods that cannot be placed, and the cluster's word on the first.
+    let mut pools: std::collections::BTreeMap<String, (u32, String)> = Default::default();
+    for pod in pending.items {
+        let stuck = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .find(|c| {
+                c.type_ == "PodScheduled"
+                    && c.status == "False"
+                    && c.reason.as_deref() == Some("Unschedulable")
+                    && c.last_transition_time
+                        .as_ref()
+                        .is_some_and(|since| now.duration_since(since.0) >= grace)
+            });
+        let Some(stuck) = stuck else { continue };
+        let pool = pod
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(POOL_LABEL))
+            .cloned()
+            .unwrap_or_default();
+        let entry = pools
+            .entry(pool)
+            .or_insert_with(|| (0, stuck.message.clone().unwrap_or_default()));
+        entry.0 += 1;
+    }
+    if pools.is_empty() {
+        return Ok(None);
+    }
+    // The pools by the names the spec gives them (the label is the name made a DNS label).
+    let spec_name = |label: &str| -> String {
+        job.spec["pools"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["name"].as_str())
+            .find(|name| desired::dns_name(&[name]) == label)
+            .unwrap_or(label)
+            .to_owned()
+    };
+    let parts: Vec<String> = pools
+        .iter()
+        .map(|(label, (count, why))| {
+            let pods = if *count == 1 { "pod" } else { "pods" };
+            format!(
+                "pool {}: {count} {pods} cannot be placed ({why})",
+                spec_name(label)
+            )
+        })
+        .collect();
+    let text = format!(
+        "Unschedulable for over {} s, so the job cannot start: {}",
+        UNSCHEDULABLE_GRACE.as_secs(),
+        parts.join("; ")
+    );
+    Ok(Some(text.chars().take(MAX_MESSAGE_CHARS).collect()))
 }
 
 async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
@@ -426,4 +632,72 @@ async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
         ),
     }
     Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn of(conditions: &[Condition], type_: &str) -> (String, String) {
+        conditions
+            .iter()
+            .find(|c| c.type_ == type_)
+            .map(|c| (c.status.clone(), c.reason.clone()))
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_succeeded_job_is_complete_and_a_failed_one_failed_and_neither_is_ready() {
+        let t = |s: &str| s.to_owned();
+        for (phase, complete, failed, ready) in [
+            ("Succeeded", "True", "False", "False"),
+            ("Failed", "False", "True", "False"),
+            ("Cancelled", "False", "True", "False"),
+            ("Running", "False", "False", "True"),
+            ("Pending", "False", "False", "False"),
+        ] {
+            let conditions = lifecycle(None, phase, None, Some(2));
+            assert_eq!(
+                of(&conditions, "Complete"),
+                (t(complete), t(phase)),
+                "{phase}"
+            );
+            assert_eq!(of(&conditions, "Failed"), (t(failed), t(phase)), "{phase}");
+            assert_eq!(of(&conditions, "Ready").0, ready, "{phase}");
+            assert!(conditions.iter().all(|c| c.observed_generation == Some(2)));
+            // No Suspended condition for a job never suspended.
+            assert_eq!(of(&conditions, "Suspended"), Default::default(), "{phase}");
+        }
+    }
+
+    #[test]
+    fn an_unplaced_pool_makes_a_waiting_job_unready_but_not_an_ended_one() {
+        let why = "pool decode: 2 pods cannot be placed";
+        let waiting = lifecycle(None, "Pending", Some(why), None);
+        assert_eq!(
+            of(&waiting, "Ready"),
+            ("False".into(), "Unschedulable".into())
+        );
+        let ended = lifecycle(None, "Succeeded", Some(why), None);
+        assert_eq!(of(&ended, "Ready"), ("False".into(), "Succeeded".into()));
+    }
+
+    #[test]
+    fn a_conditions_transition_time_moves_only_when_its_status_does() {
+        let first = lifecycle(None, "Running", None, Some(1));
+        let previous = RLJobStatus {
+            conditions: first.clone(),
+            ..Default::default()
+        };
+        let ready_at = |c: &[Condition]| {
+            c.iter()
+                .find(|c| c.type_ == "Ready")
+                .map(|c| c.last_transition_time.clone())
+        };
+        std::thread::sleep(Duration::from_millis(5));
+        let again = lifecycle(Some(&previous), "Running", None, Some(1));
+        assert_eq!(ready_at(&again), ready_at(&first));
+        let ended = lifecycle(Some(&previous), "Succeeded", None, Some(1));
+        assert_ne!(ready_at(&ended), ready_at(&first));
+    }
 }

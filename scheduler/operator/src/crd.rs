@@ -15,7 +15,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     CustomResourceDefinitionSpec, CustomResourceDefinitionVersion, CustomResourceSubresourceStatus,
     CustomResourceSubresources, CustomResourceValidation, JSONSchemaProps,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 use serde::{Deserialize, Serialize};
 
 /// The API group.
@@ -52,8 +52,8 @@ pub struct RLJob {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RLJobStatus {
-    /// `Invalid`, `Starting` (objects applied, the scheduler not answering yet), or the
-    /// scheduler's own phase: `Pending`, `Running`, `Succeeded`, `Failed`, `Cancelled`.
+    /// `Invalid`, `Suspended`, `Starting` (objects applied, the scheduler not answering yet), or
+    /// the scheduler's own phase: `Pending`, `Running`, `Succeeded`, `Failed`, `Cancelled`.
     pub phase: String,
     /// The generation of the spec this status describes.
     pub observed_generation: Option<i64>,
@@ -67,9 +67,19 @@ pub struct RLJobStatus {
     pub workers: u32,
     /// What the phase means now: the spec's problems, the scheduler's message.
     pub message: String,
-    /// `Valid` (the spec passed validation and planning) and `SchedulerReachable`.
+    /// `Valid` (the spec passed validation and planning), `SchedulerReachable`, `Ready` (the job
+    /// runs: every worker it waits for has joined), `Complete` and `Failed` (the job ended, as
+    /// `kubectl wait --for=condition=Complete` waits for), and `Suspended` once `spec.suspend`
+    /// was set.
     #[serde(default)]
     pub conditions: Vec<Condition>,
+    /// When the job started for the spec it has (reset by a changed spec and by a resume, as a
+    /// Kubernetes Job's is).
+    #[serde(default)]
+    pub start_time: Option<Time>,
+    /// When the job ended (succeeded, failed or was cancelled).
+    #[serde(default)]
+    pub completion_time: Option<Time>,
 }
 
 impl RLJob {
@@ -186,6 +196,7 @@ pub fn crd() -> CustomResourceDefinition {
                     column("Trained", "integer", ".status.trajectoriesTrained"),
                     column("Workers", "integer", ".status.workers"),
                     column("Age", "date", ".metadata.creationTimestamp"),
+                    column("Message", "string", ".status.message"),
                 ]),
                 ..Default::default()
             }],

@@ -28,12 +28,12 @@ use k8s_openapi::api::core::v1::{
     ResourceRequirements, SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec,
     Volume, VolumeMount,
 };
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use rollfleet_server::{JobPlan, PlanError, PoolRole};
 
 use crate::crd::{KIND, RLJob};
+use crate::placement;
 
 /// The scheduler's gRPC port.
 pub const GRPC_PORT: i32 = 7070;
@@ -107,6 +107,9 @@ pub enum InvalidJob {
     /// The spec is invalid or cannot be planned (every problem, with its field path).
     #[error("{0}")]
     Plan(#[from] rollfleet_server::PlanError),
+    /// A pool's placement cannot be made into a pod's (its field path, what is wrong).
+    #[error("{0}")]
+    Placement(String),
 }
 
 /// Everything an RLJob should run.
@@ -122,9 +125,27 @@ pub struct Desired {
     pub workers: u32,
 }
 
+/// The field of an RLJob's spec that suspends it (`true`: every Deployment of the job scaled to
+/// zero), as Kueue and other queueing controllers drive it. It is the object's, not the job's:
+/// the job file leaves it out.
+pub const SUSPEND_FIELD: &str = "suspend";
+
+/// Whether `job`'s spec asks for it to be suspended.
+pub fn suspended(job: &RLJob) -> bool {
+    job.spec
+        .get(SUSPEND_FIELD)
+        .and_then(serde_json::Value::as_bool)
+        == Some(true)
+}
+
 /// The job file the scheduler runs: the object's kind, name and spec (none of the cluster's
-/// bookkeeping), as YAML.
+/// bookkeeping, and not `suspend`, so that suspending and resuming keep the job file, its hash
+/// and so its journal), as YAML.
 pub fn job_file(job: &RLJob) -> Result<String, serde_yaml_ng::Error> {
+    let mut spec = job.spec.clone();
+    if let Some(fields) = spec.as_object_mut() {
+        fields.remove(SUSPEND_FIELD);
+    }
     serde_yaml_ng::to_string(&serde_json::json!({
         "apiVersion": format!("{}/{}", crate::crd::GROUP, crate::crd::VERSION),
         "kind": KIND,
@@ -132,7 +153,7 @@ pub fn job_file(job: &RLJob) -> Result<String, serde_yaml_ng::Error> {
             "name": job.name(),
             "labels": job.metadata.labels.clone().unwrap_or_default(),
         },
-        "spec": job.spec,
+        "spec": spec,
     }))
 }
 
@@ -246,8 +267,14 @@ fn deployment(
 }
 
 /// A worker pod's container for `pool`, with `gpus` GPUs of its node (0: a CPU or serverless
-/// pool).
-fn worker_container(job: &RLJob, settings: &Settings, pool: &str, gpus: u32) -> Container {
+/// pool) and `resources` (the pool's placement).
+fn worker_container(
+    job: &RLJob,
+    settings: &Settings,
+    pool: &str,
+    gpus: u32,
+    resources: Option<ResourceRequirements>,
+) -> Container {
     let tls = tls_files(job, &[TLS_CA_KEY]);
     let mut args = vec![
         "worker".to_owned(),
@@ -266,7 +293,6 @@ fn worker_container(job: &RLJob, settings: &Settings, pool: &str, gpus: u32) -> 
     if tls.is_some() {
         args.extend(["--tls-ca".to_owned(), format!("{TLS_DIR}/{TLS_CA_KEY}")]);
     }
-    let mut resources = None;
     let annotation = |key: &str| annotation(job, key);
     if gpus > 0 {
         args.extend(["--gpus".to_owned(), gpus.to_string()]);
@@ -279,23 +305,42 @@ fn worker_container(job: &RLJob, settings: &Settings, pool: &str, gpus: u32) -> 
             ]);
         }
     }
-    if gpus > 0 && annotation(EMULATED_GPUS_ANNOTATION).as_deref() != Some("true") {
-        resources = Some(ResourceRequirements {
-            limits: Some(BTreeMap::from([(
-                "nvidia.com/gpu".to_owned(),
-                Quantity(gpus.to_string()),
-            )])),
-            ..Default::default()
-        });
-    }
-    Container {
+    placement::restricted(Container {
         name: "worker".into(),
         image: Some(settings.image.clone()),
         command: Some(vec!["rollfleet".into()]),
         args: Some(args),
         resources,
         env: token_env(job),
-        volume_mounts: tls.map(|(_, mount)| vec![mount]),
+        volume_mounts: Some(
+            [tmp_mount()]
+                .into_iter()
+                .chain(tls.map(|(_, mount)| mount))
+                .collect(),
+        ),
+        ..Default::default()
+    })
+}
+
+/// Whether `job`'s GPU workers emulate their GPUs (and ask the cluster for none).
+fn emulated_gpus(job: &RLJob) -> bool {
+    annotation(job, EMULATED_GPUS_ANNOTATION).as_deref() == Some("true")
+}
+
+/// The writable `emptyDir` every pod has at [`placement::TMP_DIR`] (its root filesystem is
+/// read-only).
+fn tmp_volume() -> Volume {
+    Volume {
+        name: "tmp".into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Default::default()
+    }
+}
+
+fn tmp_mount() -> VolumeMount {
+    VolumeMount {
+        name: "tmp".into(),
+        mount_path: placement::TMP_DIR.into(),
         ..Default::default()
     }
 }
@@ -469,10 +514,48 @@ pub fn desired_with(
             }
             l
         };
-        let pod = |gpus: u32| PodSpec {
-            containers: vec![worker_container(job, settings, pool_name, gpus)],
-            volumes: tls_files(job, &[TLS_CA_KEY]).map(|(volume, _)| vec![volume]),
-            ..Default::default()
+        let path = format!("spec.pools[{pool}]");
+        let pod = |gpus: u32| -> Result<PodSpec, InvalidJob> {
+            let defaults = match plan.pool_role(pool) {
+                Some(PoolRole::Gpu) if !emulated_gpus(job) => placement::Defaults::Gpu {
+                    product: spec.gpu.clone().unwrap_or_default(),
+                    gpus,
+                },
+                Some(PoolRole::Cpu) => spec
+                    .cpu
+                    .as_deref()
+                    .and_then(|shape| plan.catalog().cpu_shape(shape).ok())
+                    .map_or(placement::Defaults::None, |shape| {
+                        placement::Defaults::Cpu {
+                            vcpus: shape.vcpus,
+                            memory_gib: shape.memory_gib,
+                        }
+                    }),
+                _ => placement::Defaults::None,
+            };
+            let placed = placement::placement(&defaults, spec.kubernetes.as_ref(), &path)
+                .map_err(InvalidJob::Placement)?;
+            Ok(PodSpec {
+                containers: vec![worker_container(
+                    job,
+                    settings,
+                    pool_name,
+                    gpus,
+                    placed.resources,
+                )],
+                volumes: Some(
+                    [tmp_volume()]
+                        .into_iter()
+                        .chain(tls_files(job, &[TLS_CA_KEY]).map(|(volume, _)| volume))
+                        .collect(),
+                ),
+                node_selector: placed.node_selector,
+                tolerations: placed.tolerations,
+                affinity: placed.affinity,
+                priority_class_name: placed.priority_class_name,
+                security_context: Some(placement::pod_security_context()),
+                ..Default::default()
+            })
         };
         let count = u32::try_from(spec.count.unwrap_or(1).max(1)).unwrap_or(u32::MAX);
         match plan.pool_role(pool) {
@@ -486,7 +569,7 @@ pub fn desired_with(
                     dns_name(&[name, pool_name]),
                     worker_labels(None),
                     i32::try_from(full).unwrap_or(i32::MAX),
-                    pod(per_node),
+                    pod(per_node)?,
                     BTreeMap::new(),
                     false,
                 ));
@@ -497,7 +580,7 @@ pub fn desired_with(
                         dns_name(&[name, pool_name, "partial"]),
                         worker_labels(Some("partial")),
                         1,
-                        pod(rest),
+                        pod(rest)?,
                         BTreeMap::new(),
                         false,
                     ));
@@ -510,7 +593,7 @@ pub fn desired_with(
                     dns_name(&[name, pool_name]),
                     worker_labels(None),
                     i32::try_from(count).unwrap_or(i32::MAX),
-                    pod(0),
+                    pod(0)?,
                     BTreeMap::new(),
                     false,
                 ));
@@ -522,7 +605,7 @@ pub fn desired_with(
                     dns_name(&[name, pool_name]),
                     worker_labels(None),
                     1,
-                    pod(0),
+                    pod(0)?,
                     BTreeMap::new(),
                     false,
                 ));
@@ -564,7 +647,7 @@ pub fn desired_with(
             format!("{TLS_DIR}/{TLS_KEY_KEY}"),
         ]);
     }
-    let scheduler = Container {
+    let scheduler = placement::restricted(Container {
         name: "scheduler".into(),
         image: Some(settings.image.clone()),
         command: Some(vec!["rollfleet".into()]),
@@ -594,6 +677,7 @@ pub fn desired_with(
                     mount_path: JOURNAL_DIR.into(),
                     ..Default::default()
                 },
+                tmp_mount(),
             ]
             .into_iter()
             .chain(tls.clone().map(|(_, mount)| mount))
@@ -601,7 +685,7 @@ pub fn desired_with(
         ),
         env: token_env(job),
         ..Default::default()
-    };
+    });
     let scheduler_pod = PodSpec {
         containers: vec![scheduler],
         volumes: Some(
@@ -615,11 +699,13 @@ pub fn desired_with(
                     ..Default::default()
                 },
                 journal_volume(job),
+                tmp_volume(),
             ]
             .into_iter()
             .chain(tls.map(|(volume, _)| volume))
             .collect(),
         ),
+        security_context: Some(placement::pod_security_context()),
         ..Default::default()
     };
     let pod_annotations = BTreeMap::from([
@@ -640,8 +726,9 @@ pub fn desired_with(
         ),
     );
     // An ended job keeps no pods: a scheduler or worker that exits after the end would only be
-    // started again (the status the operator wrote stays in the object).
-    if finished(job) {
+    // started again (the status the operator wrote stays in the object). A suspended one keeps
+    // none until it is resumed.
+    if finished(job) || suspended(job) {
         for d in &mut deployments {
             if let Some(spec) = d.spec.as_mut() {
                 spec.replicas = Some(0);

@@ -5,7 +5,9 @@
 //! - [`desired`]: what an RLJob should run (its scheduler, a Deployment of workers per pool), a
 //!   pure function tested without a cluster;
 //! - [`controller`]: the reconciler that applies it and reports the scheduler's status back;
-//! - [`lease`]: leader election over a Lease, so that only one of several replicas reconciles.
+//! - [`lease`]: leader election over a Lease, so that only one of several replicas reconciles;
+//! - [`placement`]: where each pool's pods go, what they ask for, and the restricted security
+//!   context of every pod.
 //!
 //! It depends on kube and k8s-openapi, which the scheduler core and the simulator never do.
 
@@ -16,3 +18,4 @@ pub mod controller;
 pub mod crd;
 pub mod desired;
 pub mod lease;
+pub mod placement;

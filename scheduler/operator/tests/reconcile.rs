@@ -94,6 +94,10 @@ async fn next(handle: &mut Handle) -> (Seen, tower_test::mock::SendResponse<Resp
         .await
         .expect("a request within 30 s")
         .expect("the client is alive");
+    (seen(request).await, send)
+}
+
+async fn seen(request: Request<Body>) -> Seen {
     let method = request.method().to_string();
     let uri = request.uri().to_string();
     let content_type = request
@@ -108,15 +112,12 @@ async fn next(handle: &mut Handle) -> (Seen, tower_test::mock::SendResponse<Resp
     } else {
         serde_json::from_slice(&bytes).unwrap()
     };
-    (
-        Seen {
-            method,
-            uri,
-            content_type,
-            body,
-        },
-        send,
-    )
+    Seen {
+        method,
+        uri,
+        content_type,
+        body,
+    }
 }
 
 fn answer(send: tower_test::mock::SendResponse<Response<Body>>, body: &Value) {
@@ -281,6 +282,20 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
         &json!({"apiVersion": "apps/v1", "kind": "Deployment",
                           "metadata": {"name": "quickstart-retired-pool"}}),
     );
+    // The job's Pending worker pods, to see whether a pool cannot be placed: none.
+    let (seen, send) = next(&mut handle).await;
+    permissions.insert(permission(&seen));
+    assert_eq!(seen.method, "GET");
+    assert!(
+        seen.uri.starts_with("/api/v1/namespaces/rl/pods?")
+            && seen.uri.contains(
+                "labelSelector=rollfleet.dev%2Fjob%3Dquickstart%2Crollfleet.dev%2Fcomponent%3Dworker"
+            )
+            && seen.uri.contains("fieldSelector=status.phase%3DPending"),
+        "{}",
+        seen.uri
+    );
+    answer(send, &pod_list(&[]));
     // The status, from the real scheduler: waiting for the five workers it was told to expect.
     let (seen, send) = next(&mut handle).await;
     permissions.insert(permission(&seen));
@@ -319,9 +334,15 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
         conditions,
         [
             ("Valid".into(), "True".into(), 3),
-            ("SchedulerReachable".into(), "True".into(), 3)
+            ("SchedulerReachable".into(), "True".into(), 3),
+            ("Ready".into(), "False".into(), 3),
+            ("Complete".into(), "False".into(), 3),
+            ("Failed".into(), "False".into(), 3),
         ]
     );
+    assert_eq!(status["conditions"][2]["reason"], "Pending", "{status:#}");
+    assert!(status["startTime"].is_string(), "{status:#}");
+    assert!(status["completionTime"].is_null(), "{status:#}");
     answer(send, &serde_json::to_value(&job).unwrap());
     let action = reconciling.await.unwrap().unwrap();
     assert_eq!(action, Action::requeue(Duration::from_secs(10)));
@@ -521,6 +542,7 @@ async fn status_written_with_secrets(
                             "data": {*key: base64_of_token(value)}}),
                 );
             }
+            "GET" if path == "/api/v1/namespaces/rl/pods" => answer(send, &pod_list(&[])),
             "GET" => answer(
                 send,
                 &json!({"apiVersion": "apps/v1", "kind": "DeploymentList", "metadata": {},
@@ -650,4 +672,474 @@ async fn an_rljob_with_a_tls_secret_reaches_its_scheduler_over_tls_trusting_the_
         message.contains("secret rl/rl-tls") && message.contains("ca.crt"),
         "{status:#}"
     );
+}
+
+/// A `PodList` answer holding `pods`.
+fn pod_list(pods: &[Value]) -> Value {
+    json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": pods})
+}
+
+/// A worker pod of the quickstart's pool `pool` that the cluster's scheduler has found no node
+/// for since `since` (RFC 3339), saying `why`.
+fn unschedulable_pod(name: &str, pool: &str, since: &str, why: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "rl", "labels": {
+            "rollfleet.dev/job": "quickstart", "rollfleet.dev/component": "worker",
+            "rollfleet.dev/pool": pool}},
+        "spec": {"containers": [{"name": "worker"}]},
+        "status": {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": why, "lastTransitionTime": since}]}
+    })
+}
+
+/// What one reconciliation did against the scripted API server.
+struct Pass {
+    /// The Deployments applied, by name, as sent.
+    deployments: Vec<(String, Value)>,
+    /// The ConfigMap applied.
+    config_map: Value,
+    /// Whether the job's pods were listed.
+    listed_pods: bool,
+    /// The status written, if one was.
+    status: Option<Value>,
+    /// What the pass asked of the controller next.
+    action: Action,
+}
+
+/// Reconciles `job` once with its scheduler at `url`, answering every apply with what was sent,
+/// the list of the job's Deployments with none and the list of its Pending pods with `pods`.
+async fn pass(job: &RLJob, url: String, pods: &[Value]) -> Pass {
+    let (mut reconciling, mut handle) = reconciling(job, url);
+    let mut out = Pass {
+        deployments: Vec::new(),
+        config_map: Value::Null,
+        listed_pods: false,
+        status: None,
+        action: Action::await_change(),
+    };
+    loop {
+        tokio::select! {
+            done = &mut reconciling => {
+                out.action = done.unwrap().unwrap();
+                return out;
+            }
+            request = handle.next_request() => {
+                // The client goes with the pass that ended: its result is ready.
+                let Some((request, send)) = request else {
+                    out.action = (&mut reconciling).await.unwrap().unwrap();
+                    return out;
+                };
+                let seen = seen(request).await;
+                let path = seen.uri.split('?').next().unwrap().to_owned();
+                match (seen.method.as_str(), path.as_str()) {
+                    ("GET", "/api/v1/namespaces/rl/pods") => {
+                        out.listed_pods = true;
+                        answer(send, &pod_list(pods));
+                    }
+                    ("GET", p) if p.starts_with("/api/v1/namespaces/rl/secrets/") => {
+                        send.send_response(
+                            Response::builder()
+                                .status(404)
+                                .body(Body::from(
+                                    serde_json::to_vec(&json!({
+                                        "apiVersion": "v1", "kind": "Status",
+                                        "status": "Failure", "reason": "NotFound", "code": 404,
+                                        "message": "not found"}))
+                                    .unwrap(),
+                                ))
+                                .unwrap(),
+                        );
+                    }
+                    ("GET", "/apis/apps/v1/namespaces/rl/deployments") => answer(
+                        send,
+                        &json!({"apiVersion": "apps/v1", "kind": "DeploymentList",
+                                "metadata": {}, "items": []}),
+                    ),
+                    ("PATCH", p) if p.ends_with("/rljobs/quickstart/status") => {
+                        out.status = Some(seen.body["status"].clone());
+                        answer(send, &serde_json::to_value(job).unwrap());
+                    }
+                    ("PATCH", _) => {
+                        match seen.body["kind"].as_str() {
+                            Some("Deployment") => out.deployments.push((
+                                seen.body["metadata"]["name"].as_str().unwrap().to_owned(),
+                                seen.body.clone(),
+                            )),
+                            Some("ConfigMap") => out.config_map = seen.body.clone(),
+                            _ => {}
+                        }
+                        answer(send, &seen.body);
+                    }
+                    (method, _) => panic!("unexpected {method} {}", seen.uri),
+                }
+            }
+        }
+    }
+}
+
+/// The pod template's spec of the Deployment `name` a pass applied.
+fn pod_of<'a>(pass: &'a Pass, name: &str) -> &'a Value {
+    let (_, deployment) = pass
+        .deployments
+        .iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no Deployment {name}"));
+    &deployment["spec"]["template"]["spec"]
+}
+
+/// A condition of a written status: its status, reason and message.
+fn condition_of(status: &Value, type_: &str) -> Option<(String, String, String)> {
+    status["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or_default().to_owned(),
+                c["reason"].as_str().unwrap_or_default().to_owned(),
+                c["message"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+}
+
+const GPU_TOLERATION: &str =
+    r#"{"effect":"NoSchedule","key":"nvidia.com/gpu","operator":"Exists"}"#;
+
+#[tokio::test]
+async fn a_two_gpu_type_job_pins_each_gpu_pools_workers_to_its_product_label_with_the_gpu_toleration()
+ {
+    let done = pass(&quickstart(), "http://127.0.0.1:1".into(), &[]).await;
+    for (pool, product, gpus) in [
+        ("quickstart-prefill", "NVIDIA-H800", "1"),
+        ("quickstart-decode", "NVIDIA-H20", "2"),
+        ("quickstart-train", "NVIDIA-H800", "1"),
+    ] {
+        let pod = pod_of(&done, pool);
+        assert_eq!(
+            pod["nodeSelector"],
+            json!({"nvidia.com/gpu.product": product}),
+            "{pool}"
+        );
+        assert_eq!(
+            pod["tolerations"].to_string(),
+            format!("[{GPU_TOLERATION}]"),
+            "{pool}"
+        );
+        assert_eq!(
+            pod["containers"][0]["resources"],
+            json!({"limits": {"nvidia.com/gpu": gpus}}),
+            "{pool}"
+        );
+    }
+    // The CPU environment pool asks for the cores and memory of its shape (c7i.8xlarge: 32
+    // vCPUs, 64 GiB), on any node; the serverless pool's one pod, for nothing in particular.
+    let envs = pod_of(&done, "quickstart-envs");
+    assert_eq!(
+        envs["containers"][0]["resources"],
+        json!({"requests": {"cpu": "32", "memory": "64Gi"}})
+    );
+    assert!(
+        envs["nodeSelector"].is_null() && envs["tolerations"].is_null(),
+        "{envs:#}"
+    );
+    let rewards = pod_of(&done, "quickstart-rewards");
+    assert!(
+        rewards["containers"][0]["resources"].is_null(),
+        "{rewards:#}"
+    );
+    assert!(rewards["nodeSelector"].is_null(), "{rewards:#}");
+    // The scheduler's pod is placed by the cluster alone.
+    assert!(pod_of(&done, "quickstart-scheduler")["nodeSelector"].is_null());
+}
+
+#[tokio::test]
+async fn a_pools_kubernetes_block_wins_over_the_defaults_but_keeps_the_pods_gpus() {
+    let mut job = quickstart();
+    job.spec["pools"][1]["kubernetes"] = json!({
+        "nodeSelector": {"cloud.example.com/node-pool": "h20-spot"},
+        "tolerations": [{"key": "spot", "operator": "Equal", "value": "true",
+                         "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}]}}},
+        "resources": {"requests": {"cpu": 16, "memory": "256Gi"}, "limits": {"memory": "512Gi"}},
+        "priorityClassName": "rl-high"
+    });
+    job.spec["pools"][3]["kubernetes"] = json!({"resources": {"requests": {"cpu": "30"}}});
+    let done = pass(&job, "http://127.0.0.1:1".into(), &[]).await;
+    let decode = pod_of(&done, "quickstart-decode");
+    assert_eq!(
+        decode["nodeSelector"],
+        json!({"cloud.example.com/node-pool": "h20-spot"}),
+        "the pool's selector replaces the product label"
+    );
+    assert_eq!(
+        decode["tolerations"].to_string(),
+        format!(
+            r#"[{GPU_TOLERATION},{{"effect":"NoSchedule","key":"spot","operator":"Equal","value":"true"}}]"#
+        ),
+        "the pool's tolerations come besides the default one"
+    );
+    assert_eq!(
+        decode["containers"][0]["resources"],
+        json!({"requests": {"cpu": "16", "memory": "256Gi"},
+               "limits": {"memory": "512Gi", "nvidia.com/gpu": "2"}})
+    );
+    assert_eq!(decode["priorityClassName"], "rl-high");
+    assert_eq!(
+        decode["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            [0]["matchExpressions"][0]["values"],
+        json!(["z1"])
+    );
+    // Only the pool that says so: the other H20-less pools keep their defaults.
+    assert_eq!(
+        pod_of(&done, "quickstart-prefill")["nodeSelector"],
+        json!({"nvidia.com/gpu.product": "NVIDIA-H800"})
+    );
+    // A CPU pool's request of one resource replaces that one only.
+    assert_eq!(
+        pod_of(&done, "quickstart-envs")["containers"][0]["resources"],
+        json!({"requests": {"cpu": "30", "memory": "64Gi"}})
+    );
+
+    // A block that asks for the pod's GPUs itself is refused, naming the field.
+    job.spec["pools"][1]["kubernetes"] = json!({"resources": {"limits": {"nvidia.com/gpu": 8}}});
+    let refused = pass(&job, "http://127.0.0.1:1".into(), &[]).await;
+    let status = refused.status.expect("a status");
+    assert_eq!(status["phase"], "Invalid");
+    let message = status["message"].as_str().unwrap();
+    assert!(
+        message.contains(r#"spec.pools[1].kubernetes.resources.limits["nvidia.com/gpu"]"#),
+        "{message}"
+    );
+    assert!(refused.deployments.is_empty());
+}
+
+#[tokio::test]
+async fn a_pool_whose_pods_stay_unschedulable_past_the_grace_is_named_in_an_unschedulable_condition()
+ {
+    let job = quickstart();
+    let long_ago = "2020-01-01T00:00:00Z";
+    let just_now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let why = "0/12 nodes are available: 12 node(s) didn't match Pod's node affinity/selector.";
+    let pods = [
+        unschedulable_pod("quickstart-decode-a", "decode", long_ago, why),
+        unschedulable_pod("quickstart-decode-b", "decode", long_ago, why),
+        // Within its grace: a cluster autoscaler may still be adding its node.
+        unschedulable_pod("quickstart-prefill-a", "prefill", &just_now, "no node yet"),
+    ];
+    let (url, _scheduler) = scheduler(&job).await;
+    let done = pass(&job, url.clone(), &pods).await;
+    assert!(done.listed_pods);
+    let status = done.status.expect("a status");
+    let (ready, reason, message) = condition_of(&status, "Ready").expect("Ready");
+    assert_eq!(
+        (ready.as_str(), reason.as_str()),
+        ("False", "Unschedulable")
+    );
+    assert!(
+        message.contains("pool decode: 2 pods cannot be placed") && message.contains(why),
+        "{message}"
+    );
+    assert!(!message.contains("prefill"), "{message}");
+    assert_eq!(status["message"], message.as_str(), "{status:#}");
+    // The scheduler is still asked: the status says where the job is, besides.
+    assert_eq!(status["phase"], "Pending");
+
+    // Placed at last: the condition says so no more.
+    let done = pass(&job, url, &[]).await;
+    let (_, reason, _) = condition_of(&done.status.unwrap(), "Ready").unwrap();
+    assert_eq!(reason, "Pending");
+}
+
+#[tokio::test]
+async fn a_suspended_rljob_has_every_deployment_at_zero_until_resumed_with_the_same_job_file() {
+    let mut job = quickstart();
+    job.metadata.annotations = Some(
+        [(
+            rollfleet_operator::desired::JOURNAL_CLAIM_ANNOTATION.to_owned(),
+            "rl-journals".to_owned(),
+        )]
+        .into(),
+    );
+    let running = pass(&job, "http://127.0.0.1:1".into(), &[]).await;
+    job.spec["suspend"] = true.into();
+    job.metadata.generation = Some(4);
+    // No scheduler there: a suspended job asks nothing of it.
+    let suspended = pass(&job, "http://127.0.0.1:1".into(), &[]).await;
+    let replicas = |pass: &Pass| -> Vec<(String, i64)> {
+        pass.deployments
+            .iter()
+            .map(|(name, d)| (name.clone(), d["spec"]["replicas"].as_i64().unwrap()))
+            .collect()
+    };
+    assert_eq!(replicas(&suspended).len(), 6);
+    assert!(
+        replicas(&suspended).iter().all(|(_, r)| *r == 0),
+        "{:?}",
+        replicas(&suspended)
+    );
+    assert!(!suspended.listed_pods);
+    assert_eq!(suspended.action, Action::await_change());
+    let status = suspended.status.clone().expect("a status");
+    assert_eq!(status["phase"], "Suspended");
+    assert_eq!(
+        condition_of(&status, "Suspended").map(|c| (c.0, c.1)),
+        Some(("True".into(), "Suspended".into()))
+    );
+    assert_eq!(condition_of(&status, "Ready").unwrap().0, "False");
+    // The journal's claim stays on the scheduler's pod, and the job file (so the journal's name)
+    // is the running one's: resuming resumes the job.
+    let scheduler_pod = pod_of(&suspended, "quickstart-scheduler");
+    assert_eq!(
+        scheduler_pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "journal")
+            .map(|v| v["persistentVolumeClaim"]["claimName"].clone()),
+        Some(json!("rl-journals"))
+    );
+    assert_eq!(suspended.config_map, running.config_map);
+    assert_eq!(
+        scheduler_pod["containers"][0]["args"],
+        pod_of(&running, "quickstart-scheduler")["containers"][0]["args"]
+    );
+
+    // Resumed: every Deployment back at its replicas, and the condition turned false.
+    job.spec["suspend"] = false.into();
+    job.metadata.generation = Some(5);
+    job.status = Some(serde_json::from_value(status).unwrap());
+    let (url, _scheduler) = scheduler(&job).await;
+    let resumed = pass(&job, url, &[]).await;
+    assert_eq!(replicas(&resumed), replicas(&running));
+    assert!(replicas(&resumed).iter().all(|(_, r)| *r >= 1));
+    let status = resumed.status.expect("a status");
+    assert_eq!(status["phase"], "Pending", "{status:#}");
+    assert_eq!(
+        condition_of(&status, "Suspended").map(|c| (c.0, c.1)),
+        Some(("False".into(), "Resumed".into()))
+    );
+    assert!(status["startTime"].is_string(), "{status:#}");
+}
+
+#[tokio::test]
+async fn a_cancelled_job_is_failed_and_complete_is_not_with_its_completion_time() {
+    let job = quickstart();
+    // A scheduler that waits at the job's end, as the operator's pods run it.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let opts = rollfleet_server::ServerOptions {
+        job_yaml: Some(job_file(&job).unwrap()),
+        origin: "test".into(),
+        seed: 0,
+        time_scale: 1.0,
+        lease_ttl: Duration::from_secs(10),
+        expect_workers: 5,
+        stage_timeout: Duration::from_secs(120),
+        report: None,
+        metrics_addr: None,
+        replan_on_drift: None,
+        token: None,
+        journal: None,
+        tls: None,
+        tls_client_ca: None,
+        journal_sync: false,
+        until_stopped: true,
+        weights_root: None,
+    };
+    let _scheduler = tokio::spawn(rollfleet_server::serve(listener, opts));
+    let before = pass(&job, url.clone(), &[]).await;
+    let mut job = job;
+    job.status = Some(serde_json::from_value(before.status.unwrap()).unwrap());
+    let mut client =
+        rollfleet_proto::v1::job_service_client::JobServiceClient::connect(url.clone())
+            .await
+            .unwrap();
+    client
+        .cancel(rollfleet_proto::v1::JobRef {
+            job: "quickstart".into(),
+        })
+        .await
+        .unwrap();
+    let ended = pass(&job, url, &[]).await;
+    let status = ended.status.expect("a status");
+    assert_eq!(status["phase"], "Cancelled", "{status:#}");
+    let of = |t: &str| condition_of(&status, t).map(|c| (c.0, c.1)).unwrap();
+    assert_eq!(of("Failed"), ("True".into(), "Cancelled".into()));
+    assert_eq!(of("Complete"), ("False".into(), "Cancelled".into()));
+    assert_eq!(of("Ready"), ("False".into(), "Cancelled".into()));
+    assert!(status["completionTime"].is_string(), "{status:#}");
+    // The start is the one written before, not the end's.
+    assert_eq!(
+        status["startTime"],
+        serde_json::to_value(&job.status.as_ref().unwrap().start_time).unwrap()
+    );
+    assert_eq!(ended.action, Action::requeue(Duration::from_secs(300)));
+}
+
+#[tokio::test]
+async fn every_pod_the_operator_makes_runs_restricted_with_only_its_volumes_writable() {
+    let mut job = quickstart();
+    job.metadata.annotations = Some(
+        [
+            (
+                rollfleet_operator::desired::TLS_SECRET_ANNOTATION.to_owned(),
+                "rl-tls".to_owned(),
+            ),
+            (
+                rollfleet_operator::desired::JOURNAL_CLAIM_ANNOTATION.to_owned(),
+                "rl-journals".to_owned(),
+            ),
+        ]
+        .into(),
+    );
+    let done = pass(&job, "http://127.0.0.1:1".into(), &[]).await;
+    assert_eq!(done.deployments.len(), 6);
+    for (name, deployment) in &done.deployments {
+        let pod = &deployment["spec"]["template"]["spec"];
+        assert_eq!(
+            pod["securityContext"],
+            json!({"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532,
+                   "fsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}}),
+            "{name}"
+        );
+        for container in pod["containers"].as_array().unwrap() {
+            assert_eq!(
+                container["securityContext"],
+                json!({"allowPrivilegeEscalation": false,
+                       "capabilities": {"drop": ["ALL"]},
+                       "readOnlyRootFilesystem": true,
+                       "runAsNonRoot": true,
+                       "seccompProfile": {"type": "RuntimeDefault"}}),
+                "{name}"
+            );
+            // What it writes goes to an emptyDir (`/tmp`) or the journal's claim; every other
+            // mount is read-only.
+            let mounts = container["volumeMounts"].as_array().unwrap();
+            assert!(
+                mounts
+                    .iter()
+                    .any(|m| m["mountPath"] == "/tmp" && m["readOnly"].is_null()),
+                "{name}: {mounts:?}"
+            );
+            for mount in mounts {
+                let writable = ["tmp", "journal"].contains(&mount["name"].as_str().unwrap());
+                assert_eq!(
+                    mount["readOnly"] != json!(true),
+                    writable,
+                    "{name}: {mount}"
+                );
+            }
+        }
+        let tmp = pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "tmp")
+            .cloned();
+        assert_eq!(tmp, Some(json!({"name": "tmp", "emptyDir": {}})), "{name}");
+    }
 }

@@ -19,6 +19,7 @@ fn pool(name: &str, gpu: &str, count: i64) -> PoolSpec {
         gpus_per_node: None,
         concurrency: None,
         roles: Vec::new(),
+        kubernetes: None,
     }
 }
 

@@ -44,6 +44,8 @@ spec:
       contextLimit: 16384
       envStepMs: {{ distribution: uniform, min: 2, max: 20 }}
       reward: env-score
+  environments:
+    - {{ name: swe-sandbox, servedBy: remote }}
   rewards:
     - {{ name: unit-tests, runsOn: serverless, pool: lambda, function: code_tests, latencyMs: 4000, memoryMb: 2048 }}
     - {{ name: env-score, runsOn: environment, latencyMs: 0 }}

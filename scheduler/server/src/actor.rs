@@ -62,7 +62,7 @@ use rollfleet_planner::replan::{Drift, Settle, Settling};
 macro_rules! log {
     ($actor:expr, $($arg:tt)*) => {
         if !$actor.replaying {
-            eprintln!($($arg)*)
+            tracing::info!($($arg)*)
         }
     };
 }
@@ -178,6 +178,9 @@ const MAX_LATENCY_SAMPLES: usize = 4_000_000;
 /// load weights is retried at a bounded pace instead of in a loop.
 const UPDATE_RETRY_FIRST: Duration = Duration::from_secs(1);
 const UPDATE_RETRY_MAX: Duration = Duration::from_secs(60);
+/// The least time a training batch or a weight update may run before it is taken for hung
+/// (the stage timeout, when longer, is the bound).
+const HUNG_AFTER_AT_LEAST: Duration = Duration::from_secs(600);
 
 /// Bytes of environment text (its observations and applied actions) a trajectory may hold per
 /// token of its task's `contextLimit`: far above what text takes per token (about 4 bytes in
@@ -278,6 +281,9 @@ pub struct Report {
     pub trained: Vec<u64>,
     /// Trajectories handed to the trainer more than once (must be empty).
     pub trained_twice: Vec<u64>,
+    /// What the trained trajectories scored and cost: per task, over every task, and per RL step.
+    #[serde(default)]
+    pub outcomes: Outcomes,
     /// Stages completed over gRPC.
     pub stages_completed: u64,
     /// Median time from a worker's message coming off the wire to the scheduler having handed
@@ -328,6 +334,217 @@ pub struct Report {
     pub gpu_telemetry: Vec<WorkerTelemetry>,
     /// Per pool.
     pub pools: Vec<PoolSummary>,
+}
+
+/// The reward at or above which a trajectory counts as a success. It is what every built-in
+/// environment and reward function gives a solved episode and nothing else: FrozenLake's goal,
+/// the calculator's right answer and the serverless functions' match give 1 (otherwise 0); a
+/// solved Sokoban level ends on 10.9, a last move that does not solve it on at most 0.9; a code
+/// test's pass rate is 1 only when every test passes.
+pub const SUCCESS_REWARD: f64 = 1.0;
+
+/// What the trained trajectories scored and cost (`Report::outcomes`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Outcomes {
+    /// The reward at or above which a trajectory counts as a success ([`SUCCESS_REWARD`]).
+    pub success_reward: f64,
+    /// Over every task.
+    pub overall: OutcomeFigures,
+    /// Per task, in the job's task order (a task with no trained trajectory included).
+    pub tasks: Vec<OutcomeFigures>,
+    /// Per RL step trained, in order.
+    pub steps: Vec<StepOutcomes>,
+}
+
+/// What one RL step's trajectories scored and cost.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepOutcomes {
+    /// The RL step: the policy version its batches were trained from.
+    pub step: u64,
+    /// Over every task.
+    pub overall: OutcomeFigures,
+    /// Per task, in the job's task order.
+    pub tasks: Vec<OutcomeFigures>,
+}
+
+/// What some trained trajectories (a task's, every task's, one step's) scored and cost. Means
+/// and extremes are 0 when there is no trajectory.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct OutcomeFigures {
+    /// The task; empty over every task.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub task: String,
+    /// Trajectories handed to the trainer.
+    pub trajectories: u64,
+    pub mean_reward: f64,
+    pub min_reward: f64,
+    pub max_reward: f64,
+    /// Trajectories whose reward reached [`Outcomes::success_reward`].
+    pub successes: u64,
+    /// Their share, 0..1.
+    pub success_rate: f64,
+    pub mean_turns: f64,
+    /// Prompt and observation tokens (what the policy read) per trajectory.
+    pub mean_prompt_tokens: f64,
+    /// Action tokens (what the policy generated) per trajectory.
+    pub mean_action_tokens: f64,
+    /// Policy versions behind the trainer at training (the trajectory's oldest turn's).
+    pub mean_staleness: f64,
+    pub max_staleness: u64,
+    /// Trajectories whose reward was modelled from the job spec (`--model-environments`), not
+    /// computed by an environment or a reward function.
+    pub modelled_rewards: u64,
+}
+
+impl OutcomeFigures {
+    /// As the job status carries them.
+    fn to_proto(&self, step: u64) -> rollfleet_proto::v1::TrajectoryOutcomes {
+        rollfleet_proto::v1::TrajectoryOutcomes {
+            task: self.task.clone(),
+            step,
+            trajectories: self.trajectories,
+            mean_reward: self.mean_reward,
+            min_reward: self.min_reward,
+            max_reward: self.max_reward,
+            successes: self.successes,
+            success_rate: self.success_rate,
+            mean_turns: self.mean_turns,
+            mean_prompt_tokens: self.mean_prompt_tokens,
+            mean_action_tokens: self.mean_action_tokens,
+            mean_staleness: self.mean_staleness,
+            max_staleness: self.max_staleness,
+            modelled_rewards: self.modelled_rewards,
+        }
+    }
+}
+
+/// One trained trajectory's figures.
+#[derive(Debug, Clone, Copy, Default)]
+struct TrajectoryOutcome {
+    reward: f64,
+    /// Its reward was modelled, not computed.
+    modelled: bool,
+    turns: u64,
+    prompt_tokens: u64,
+    action_tokens: u64,
+    /// Policy versions its oldest turn was behind the trainer.
+    staleness: u64,
+}
+
+/// Sums of trained trajectories' figures, from which [`OutcomeFigures`] are taken.
+#[derive(Debug, Clone, Copy, Default)]
+struct Tally {
+    trajectories: u64,
+    reward_sum: f64,
+    /// Lowest and highest reward (`None`: no trajectory yet).
+    reward_range: Option<(f64, f64)>,
+    successes: u64,
+    turns: u64,
+    prompt_tokens: u64,
+    action_tokens: u64,
+    staleness_sum: u64,
+    staleness_max: u64,
+    modelled: u64,
+}
+
+impl Tally {
+    fn add(&mut self, o: &TrajectoryOutcome) {
+        self.trajectories += 1;
+        self.reward_sum += o.reward;
+        self.reward_range = Some(match self.reward_range {
+            Some((lo, hi)) => (lo.min(o.reward), hi.max(o.reward)),
+            None => (o.reward, o.reward),
+        });
+        self.successes += u64::from(o.reward >= SUCCESS_REWARD);
+        self.turns += o.turns;
+        self.prompt_tokens += o.prompt_tokens;
+        self.action_tokens += o.action_tokens;
+        self.staleness_sum += o.staleness;
+        self.staleness_max = self.staleness_max.max(o.staleness);
+        self.modelled += u64::from(o.modelled);
+    }
+
+    fn merge(&mut self, other: &Tally) {
+        self.trajectories += other.trajectories;
+        self.reward_sum += other.reward_sum;
+        self.reward_range = match (self.reward_range, other.reward_range) {
+            (Some((a, b)), Some((c, d))) => Some((a.min(c), b.max(d))),
+            (mine, theirs) => mine.or(theirs),
+        };
+        self.successes += other.successes;
+        self.turns += other.turns;
+        self.prompt_tokens += other.prompt_tokens;
+        self.action_tokens += other.action_tokens;
+        self.staleness_sum += other.staleness_sum;
+        self.staleness_max = self.staleness_max.max(other.staleness_max);
+        self.modelled += other.modelled;
+    }
+
+    fn figures(&self, task: &str) -> OutcomeFigures {
+        let n = self.trajectories;
+        let mean = |sum: f64| if n == 0 { 0.0 } else { sum / n as f64 };
+        let (min_reward, max_reward) = self.reward_range.unwrap_or((0.0, 0.0));
+        OutcomeFigures {
+            task: task.to_owned(),
+            trajectories: n,
+            mean_reward: mean(self.reward_sum),
+            min_reward,
+            max_reward,
+            successes: self.successes,
+            success_rate: mean(self.successes as f64),
+            mean_turns: mean(self.turns as f64),
+            mean_prompt_tokens: mean(self.prompt_tokens as f64),
+            mean_action_tokens: mean(self.action_tokens as f64),
+            mean_staleness: mean(self.staleness_sum as f64),
+            max_staleness: self.staleness_max,
+            modelled_rewards: self.modelled,
+        }
+    }
+}
+
+/// The figures of every task (named by `tasks`, in order) and over them all, from the tallies
+/// of the tasks that have trajectories (by task index).
+fn task_figures(
+    tallies: &BTreeMap<u32, Tally>,
+    tasks: &[String],
+) -> (OutcomeFigures, Vec<OutcomeFigures>) {
+    let mut overall = Tally::default();
+    let per_task = tasks
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let tally = tallies.get(&(i as u32)).copied().unwrap_or_default();
+            overall.merge(&tally);
+            tally.figures(name)
+        })
+        .collect();
+    (overall.figures(""), per_task)
+}
+
+/// The report's figures from the tallies per RL step and task.
+fn outcomes(by_step: &BTreeMap<u64, BTreeMap<u32, Tally>>, tasks: &[String]) -> Outcomes {
+    let mut totals: BTreeMap<u32, Tally> = BTreeMap::new();
+    let steps = by_step
+        .iter()
+        .map(|(&step, tallies)| {
+            for (&task, tally) in tallies {
+                totals.entry(task).or_default().merge(tally);
+            }
+            let (overall, tasks) = task_figures(tallies, tasks);
+            StepOutcomes {
+                step,
+                overall,
+                tasks,
+            }
+        })
+        .collect();
+    let (overall, tasks) = task_figures(&totals, tasks);
+    Outcomes {
+        success_reward: SUCCESS_REWARD,
+        overall,
+        tasks,
+        steps,
+    }
 }
 
 /// One re-plan of a running job, and how far moving to it got.
@@ -430,6 +647,35 @@ enum StageKindOf {
     Reward { serverless: bool, millicpus: u64 },
 }
 
+/// The `kind` label of the stage metrics ([`crate::metrics::STAGE_KINDS`]).
+fn metric_kind(what: &What) -> &'static str {
+    match what {
+        What::Stage {
+            kind: StageKindOf::Prefill(_),
+            ..
+        } => "prefill",
+        What::Stage {
+            kind: StageKindOf::Generate(_),
+            ..
+        } => "decode",
+        What::Stage {
+            kind: StageKindOf::Env { .. },
+            reset: true,
+            ..
+        } => "environment_reset",
+        What::Stage {
+            kind: StageKindOf::Env { .. },
+            ..
+        } => "environment_step",
+        What::Stage {
+            kind: StageKindOf::Reward { .. },
+            ..
+        } => "reward",
+        What::Train(_) => "train",
+        What::Weights { .. } => "weight_sync",
+    }
+}
+
 #[derive(Debug, Clone)]
 enum What {
     Stage {
@@ -450,6 +696,8 @@ struct Assignment {
     pool: u32,
     what: What,
     message: WorkAssignment,
+    /// When it was sent to its worker (the actor's `at`).
+    sent_at: Option<Duration>,
 }
 
 struct Worker {
@@ -500,11 +748,18 @@ struct TrajInfo {
     /// Tokens of the message each turn's generation starts from (the prompt for turn 0, then
     /// the observation before the turn), as the environment counted them.
     message_tokens: BTreeMap<u32, u64>,
+    /// Tokens each turn's generation produced (ids, or the emulated engine's count).
+    action_tokens: BTreeMap<u32, u64>,
     reward: f64,
+    /// Its reward came from an environment or reward function modelled from the job spec.
+    reward_modelled: bool,
     /// What its last failed stage's worker said.
     last_failure: String,
     /// The part of a turn generated before an interrupt, to resume from.
     partial: Option<PartialTurn>,
+    /// When its last stage answered (on the job's clock): its next stage is ready from then
+    /// (`rollfleet_stage_queue_wait_seconds`).
+    ready_at: Option<Duration>,
 }
 
 /// What a turn generated before its generation was interrupted (one segment per interrupted
@@ -580,12 +835,19 @@ pub struct Actor {
     /// fault is not one trajectory's but the job's (an engine refusing every request), and
     /// the job fails with the reason instead of giving up groups forever.
     abandoned_since_training: u64,
+    /// Configuration errors in a row per task, of its environment (`false`) or its reward
+    /// (`true`): see [`Actor::configuration_failure`].
+    configuration_failures: BTreeMap<(u32, bool), u32>,
     failure: Option<String>,
     profiles: rollfleet_planner::profile::ProfileStore,
     profile_samples: u64,
     trained: Vec<u64>,
     trained_set: BTreeSet<u64>,
     trained_twice: Vec<u64>,
+    /// What the trained trajectories scored and cost, per RL step and task.
+    outcomes: BTreeMap<u64, BTreeMap<u32, Tally>>,
+    /// The same per task over every step (what the status carries at each tick).
+    outcome_totals: BTreeMap<u32, Tally>,
     // Busy accounting, per pool: a meter of units in use and the capacity it is divided by.
     meters: BTreeMap<u32, Meter>,
     capacity: BTreeMap<u32, f64>,
@@ -599,6 +861,10 @@ pub struct Actor {
     completed_by_pool: BTreeMap<u32, u64>,
     last_busy: BTreeMap<u32, (f64, Time)>,
     recent_busy: BTreeMap<u32, f64>,
+    /// Meter totals already counted in `rollfleet_pool_busy_seconds_total`, per pool.
+    busy_exported: BTreeMap<u32, f64>,
+    /// The policy version last seen and when (`rollfleet_rl_step_duration_seconds`).
+    version_seen: (u64, Duration),
     stages_completed: u64,
     /// Generations answered by a real engine (`StageOutput.emulated` false).
     engine_generations: u64,
@@ -690,12 +956,15 @@ impl Actor {
             trajs: BTreeMap::new(),
             abandoned: Vec::new(),
             abandoned_since_training: 0,
+            configuration_failures: BTreeMap::new(),
             failure: None,
             profiles: Default::default(),
             profile_samples: 0,
             trained: Vec::new(),
             trained_set: BTreeSet::new(),
             trained_twice: Vec::new(),
+            outcomes: BTreeMap::new(),
+            outcome_totals: BTreeMap::new(),
             meters: capacity.keys().map(|&p| (p, Meter::default())).collect(),
             capacity,
             replica_running: vec![0; replicas],
@@ -706,6 +975,8 @@ impl Actor {
             completed_by_pool: BTreeMap::new(),
             last_busy: BTreeMap::new(),
             recent_busy: BTreeMap::new(),
+            busy_exported: BTreeMap::new(),
+            version_seen: (0, Duration::ZERO),
             stages_completed: 0,
             engine_generations: 0,
             interrupted_generations: 0,
@@ -723,6 +994,23 @@ impl Actor {
             plan,
             opts,
         };
+        // Every task's counters from the start (at 0), so that increase() counts its first
+        // trajectories.
+        let m = &actor.metrics.outcomes;
+        for task in &actor.plan.spec().tasks {
+            let label = [task.name.as_str()];
+            for c in [
+                &m.trajectories,
+                &m.successes,
+                &m.turns,
+                &m.prompt_tokens,
+                &m.action_tokens,
+                &m.staleness_versions,
+            ] {
+                c.with_label_values(&label);
+            }
+            m.reward_sum.with_label_values(&label);
+        }
         // Whoever asks for the job's status before it runs sees it whole (its steps, its
         // pools), not a blank.
         actor.publish();
@@ -1496,7 +1784,8 @@ impl Actor {
         if !missing.is_empty() {
             log!(
                 self,
-                "scheduler: {attached} workers attached; waiting for pools {}",
+                "scheduler: {} attached; waiting for pools {}",
+                crate::counted(attached, "worker", "workers"),
                 missing.join(", ")
             );
             return;
@@ -1561,9 +1850,10 @@ impl Actor {
         self.started = Some(self.at);
         log!(
             self,
-            "scheduler: job {} starts with {attached} workers ({} replicas, time scale {})",
+            "scheduler: job {} starts with {} ({}, time scale {})",
             self.plan.name(),
-            self.owner.len(),
+            crate::counted(attached, "worker", "workers"),
+            crate::counted(self.owner.len(), "replica", "replicas"),
             self.opts.time_scale
         );
         self.core.handle_timeout(Time::ZERO);
@@ -2065,9 +2355,34 @@ impl Actor {
             }
         }
         self.release_leavers();
+        self.observe_rl_steps();
         if self.ended.is_none() && self.core.finished() {
             self.finish(JobPhase::Succeeded);
         }
+    }
+
+    /// Observes the RL steps trained since the last call: the time since the version before
+    /// (the first: since the job's start), in the job's seconds, shared evenly when several
+    /// versions came at once.
+    fn observe_rl_steps(&mut self) {
+        let version = self.core.version();
+        let (seen, at) = self.version_seen;
+        if version <= seen {
+            return;
+        }
+        let from = if seen == 0 {
+            self.started.unwrap_or(at)
+        } else {
+            at
+        };
+        let steps = version - seen;
+        let seconds = self.at.saturating_sub(from).as_secs_f64()
+            / self.opts.time_scale.max(1e-9)
+            / steps as f64;
+        for _ in 0..steps {
+            self.metrics.rl_step_duration.observe(seconds);
+        }
+        self.version_seen = (version, self.at);
     }
 
     /// A worker said it is leaving (its node is drained, preempted or scaled down): from now on
@@ -2197,6 +2512,7 @@ impl Actor {
                 pool,
                 what,
                 message,
+                sent_at: None,
             },
         );
         id
@@ -2285,7 +2601,7 @@ impl Actor {
                 self.abandoned_since_training += 1;
                 let cfg = &self.plan.config;
                 let limit = u64::from(cfg.rollout_batch_size / cfg.group_size.max(1)).max(4);
-                if self.abandoned_since_training >= limit {
+                if self.abandoned_since_training >= limit && self.failure.is_none() {
                     let reason = format!(
                         "{limit} groups in a row were given up with no batch trained in between, \
                          so the fault is not one trajectory's; the last one's failure: {}",
@@ -2304,7 +2620,8 @@ impl Actor {
                     failed: failed.0,
                     last_failure,
                 });
-                if self.failure.is_some() {
+                // A job already ended (by a configuration error) is not ended again.
+                if self.failure.is_some() && self.ended.is_none() {
                     self.finish(JobPhase::Failed);
                 }
             }
@@ -2321,7 +2638,11 @@ impl Actor {
                         self.trained_twice.push(t.0);
                     }
                     self.trained.push(t.0);
-                    let mut info = self.trajs.remove(t).unwrap_or_default();
+                    let known = self.trajs.remove(t);
+                    if let Some(info) = &known {
+                        self.record_outcome(step, info);
+                    }
+                    let mut info = known.unwrap_or_default();
                     let last_of_group = trajectories
                         .get(i + 1)
                         .and_then(|n| self.trajs.get(n))
@@ -2373,6 +2694,7 @@ impl Actor {
                 self.metrics
                     .trajectories_trained
                     .inc_by(trajectories.len() as u64);
+                self.export_step_outcomes(step);
                 if self.external_trainer() {
                     // The trajectories are on the feed: the trainer takes them from there. A
                     // batch within a step is handed over at once; the one that completes the
@@ -2440,7 +2762,9 @@ impl Actor {
             info.versions.retain(|&turn, _| turn < cmd.turn);
             info.tokens.retain(|&turn, _| turn < cmd.turn);
             info.message_tokens.retain(|&turn, _| turn <= cmd.turn);
+            info.action_tokens.retain(|&turn, _| turn < cmd.turn);
             info.reward = 0.0;
+            info.reward_modelled = false;
             info.partial = None;
         }
         info.group = cmd.group.0;
@@ -2774,8 +3098,19 @@ impl Actor {
             return;
         };
         a.worker = Some(worker);
+        a.sent_at = Some(self.at);
         w.assignments.insert(id);
         let (pool, what) = (a.pool, a.what.clone());
+        if let What::Stage { traj, .. } = &what
+            && let Some(ready) = self.trajs.get_mut(traj).and_then(|t| t.ready_at.take())
+        {
+            let seconds =
+                self.at.saturating_sub(ready).as_secs_f64() / self.opts.time_scale.max(1e-9);
+            self.metrics
+                .stage_queue_wait
+                .with_label_values(&[metric_kind(&what)])
+                .observe(seconds);
+        }
         if let What::Stage {
             traj,
             kind: StageKindOf::Env { .. },
@@ -2867,6 +3202,71 @@ impl Actor {
         }
     }
 
+    /// A training batch or a weight update that a live worker holds and never answers (a hung
+    /// trainer or engine whose process still heartbeats) would hold the job for good: stages
+    /// have the core's timeout, these had none. Past the bound it is aborted on its worker (a
+    /// late answer is then ignored, as for any aborted assignment); a batch goes to a trainer
+    /// again, and an update counts as failed: the replica leaves service and is updated again
+    /// after its backoff.
+    fn give_up_hung(&mut self) {
+        let bound = HUNG_AFTER_AT_LEAST.max(Duration::from_secs_f64(
+            self.plan.config.stage_timeout.as_secs_f64(),
+        ));
+        let now = self.at;
+        let hung: Vec<u64> = self
+            .assignments
+            .iter()
+            .filter(|(_, a)| matches!(a.what, What::Train(_) | What::Weights { .. }))
+            .filter(|(_, a)| {
+                a.sent_at
+                    .is_some_and(|sent| now.saturating_sub(sent) > bound)
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in hung {
+            let Some(a) = self.assignments.remove(&id) else {
+                continue;
+            };
+            self.unbook(&a);
+            let Some(worker) = a.worker else {
+                continue;
+            };
+            let mut name = String::from("?");
+            if let Some(w) = self.workers.get_mut(&worker) {
+                name.clone_from(&w.name);
+                w.assignments.remove(&id);
+                if w.alive {
+                    w.cancelled.insert(id);
+                    if let Some(o) = &w.outbox {
+                        o.send(Ok(SchedulerMessage {
+                            message: Some(scheduler_message::Message::AbortAssignmentId(id)),
+                        }));
+                    }
+                }
+            }
+            self.metrics.hung_assignments.inc();
+            let waited = bound.as_secs();
+            match a.what {
+                What::Train(batch) => {
+                    log!(
+                        self,
+                        "scheduler: assignment {id} (training) on w{worker} ({name}) had no \
+                         answer in {waited} s; aborted there and given to a trainer again"
+                    );
+                    let again = self.new_assignment(a.pool, What::Train(batch), a.message);
+                    self.dispatch_pooled(again);
+                }
+                What::Weights { replica, version } => self.update_failed(
+                    worker,
+                    replica,
+                    version,
+                    &format!("assignment {id} had no answer in {waited} s"),
+                ),
+                What::Stage { .. } => {}
+            }
+        }
+    }
+
     /// Takes a finished, failed or abandoned assignment out of the busy accounting.
     fn unbook(&mut self, a: &Assignment) {
         match a.what {
@@ -2947,6 +3347,8 @@ impl Actor {
         // protocol violation: the work counts as failed (and is redone), then the worker is cut
         // off.
         let mut violation = None;
+        // What the worker called invalid: for an environment or a reward, a configuration error.
+        let mut invalid = None;
         let output = match result.outcome {
             Some(work_result::Outcome::Output(mut o)) => {
                 match rollfleet_proto::packed::unpack(&mut o) {
@@ -2965,6 +3367,9 @@ impl Actor {
                     f.cause(),
                     f.message
                 );
+                if f.cause() == rollfleet_proto::v1::stage_failure::Cause::Invalid {
+                    invalid = Some(f.message.clone());
+                }
                 if let What::Stage { traj, .. } = a.what
                     && let Some(t) = self.trajs.get_mut(&traj)
                 {
@@ -2987,10 +3392,91 @@ impl Actor {
         {
             self.record_timed(*traj, kind, *reset, o.emulated, result.duration_us);
         }
+        // In the job's seconds, as the profiles are; a failure's time is not the stage's.
+        if output.is_ok() {
+            let seconds = result.duration_us as f64 / 1e6 / self.opts.time_scale.max(1e-9);
+            self.metrics
+                .stage_duration
+                .with_label_values(&[metric_kind(&a.what)])
+                .observe(seconds);
+        }
+        // The trajectory's next stage (or this one again, after a failure) is ready now; after
+        // its reward, it waits for its group or the trainer, which is no stage's queue.
+        if let What::Stage { traj, kind, .. } = &a.what
+            && !matches!(kind, StageKindOf::Reward { .. })
+            && let Some(t) = self.trajs.get_mut(traj)
+        {
+            t.ready_at = Some(self.at);
+        }
+        self.configuration_failure(&a.what, invalid.as_deref(), output.is_ok());
         self.settle(worker, id, a, output);
         if let Some(reason) = violation {
             self.cut_off(worker, &reason);
         }
+    }
+
+    /// Counts a task's configuration errors: an environment or reward stage the worker called
+    /// invalid (an environment it does not know, a remote environment's `InvalidConfig`, a
+    /// reward function it does not implement). When one task's environment or reward has
+    /// failed so `stage_failure_limit` times in a row, the job fails with that reason: retrying
+    /// cannot fix a configuration, and giving the task's groups up as infrastructure failures
+    /// would let the job succeed on a different task mix than the one asked for. A success of
+    /// the same task's environment (or reward) starts the count again.
+    fn configuration_failure(&mut self, what: &What, invalid: Option<&str>, succeeded: bool) {
+        let What::Stage { traj, kind, .. } = what else {
+            return;
+        };
+        let reward = match kind {
+            StageKindOf::Env { .. } => false,
+            StageKindOf::Reward { .. } => true,
+            StageKindOf::Prefill(_) | StageKindOf::Generate(_) => return,
+        };
+        let Some(task_index) = self.trajs.get(traj).map(|t| t.task) else {
+            return;
+        };
+        let key = (task_index, reward);
+        let Some(message) = invalid else {
+            if succeeded {
+                self.configuration_failures.remove(&key);
+            }
+            return;
+        };
+        let count = self.configuration_failures.entry(key).or_default();
+        *count += 1;
+        let count = *count;
+        if count < self.plan.config.stage_failure_limit.max(1) || self.ended.is_some() {
+            return;
+        }
+        let spec = self.plan.spec();
+        let what = match spec.tasks.get(task_index as usize) {
+            Some(task) if reward => {
+                let function = spec
+                    .rewards
+                    .iter()
+                    .find(|r| r.name == task.reward)
+                    .and_then(|r| r.function.as_deref())
+                    .map(|f| format!(" (function {})", crate::quoted(f)))
+                    .unwrap_or_default();
+                format!(
+                    "task {}: its reward {}{function}",
+                    crate::quoted(&task.name),
+                    crate::quoted(&task.reward)
+                )
+            }
+            Some(task) => format!(
+                "task {}: its environment {}",
+                crate::quoted(&task.name),
+                crate::quoted(&task.environment)
+            ),
+            None => format!("task {task_index}"),
+        };
+        let reason = format!(
+            "{what} failed {count} times in a row with a configuration error, which retrying \
+             cannot fix (not an infrastructure fault); the last: {message}"
+        );
+        log!(self, "scheduler: job fails: {reason}");
+        self.failure = Some(reason);
+        self.finish(JobPhase::Failed);
     }
 
     /// Why an environment step's answer cannot join its trajectory: an observation longer than
@@ -3113,6 +3599,7 @@ impl Actor {
                                 t.observations.push(o.observation.clone());
                                 if o.done {
                                     t.reward = o.reward;
+                                    t.reward_modelled = o.emulated;
                                 }
                             }
                         }
@@ -3191,6 +3678,7 @@ impl Actor {
                                 // applies it.
                                 t.outputs.insert(turn, std::mem::take(&mut part.text));
                             }
+                            t.action_tokens.insert(turn, part.count);
                             if !part.tokens.action.is_empty() || !part.tokens.prompt.is_empty() {
                                 t.tokens.insert(turn, part.tokens);
                             }
@@ -3215,6 +3703,7 @@ impl Actor {
                     && let Some(t) = self.trajs.get_mut(&traj)
                 {
                     t.reward = score;
+                    t.reward_modelled = o.emulated;
                 }
                 self.deferred
                     .push_back(Input::StageFinished { stage, outcome });
@@ -3559,6 +4048,7 @@ impl Actor {
             self.cut_off(id, &format!("lease expired: no heartbeat within {ttl:?}"));
         }
         self.check_drift();
+        self.give_up_hung();
         self.retry_updates();
         self.pump();
         let t = self.now();
@@ -3601,6 +4091,83 @@ impl Actor {
         }
     }
 
+    /// Counts a trajectory handed to the trainer at RL step `step` in its task's figures.
+    fn record_outcome(&mut self, step: u64, info: &TrajInfo) {
+        let outcome = TrajectoryOutcome {
+            reward: info.reward,
+            modelled: info.reward_modelled,
+            turns: info.versions.len() as u64,
+            // The prompt, then the observation before each turn and the one that ended it.
+            prompt_tokens: info.message_tokens.values().sum(),
+            action_tokens: info.action_tokens.values().sum(),
+            staleness: info
+                .versions
+                .values()
+                .min()
+                .map_or(0, |&v| step.saturating_sub(v)),
+        };
+        self.outcomes
+            .entry(step)
+            .or_default()
+            .entry(info.task)
+            .or_default()
+            .add(&outcome);
+        self.outcome_totals
+            .entry(info.task)
+            .or_default()
+            .add(&outcome);
+        let Some(task) = self.plan.spec().tasks.get(info.task as usize) else {
+            return;
+        };
+        let m = &self.metrics.outcomes;
+        let label = [task.name.as_str()];
+        m.trajectories.with_label_values(&label).inc();
+        m.reward_sum.with_label_values(&label).add(outcome.reward);
+        m.successes
+            .with_label_values(&label)
+            .inc_by(u64::from(outcome.reward >= SUCCESS_REWARD));
+        m.turns.with_label_values(&label).inc_by(outcome.turns);
+        m.prompt_tokens
+            .with_label_values(&label)
+            .inc_by(outcome.prompt_tokens);
+        m.action_tokens
+            .with_label_values(&label)
+            .inc_by(outcome.action_tokens);
+        m.staleness_versions
+            .with_label_values(&label)
+            .inc_by(outcome.staleness);
+    }
+
+    /// Sets the last step's gauges of every task that has trajectories in RL step `step`.
+    fn export_step_outcomes(&self, step: u64) {
+        let Some(tallies) = self.outcomes.get(&step) else {
+            return;
+        };
+        let m = &self.metrics.outcomes;
+        for (&task, tally) in tallies {
+            let Some(spec) = self.plan.spec().tasks.get(task as usize) else {
+                continue;
+            };
+            let figures = tally.figures(&spec.name);
+            let label = [spec.name.as_str()];
+            m.last_step_mean_reward
+                .with_label_values(&label)
+                .set(figures.mean_reward);
+            m.last_step_success_ratio
+                .with_label_values(&label)
+                .set(figures.success_rate);
+        }
+    }
+
+    fn task_names(&self) -> Vec<String> {
+        self.plan
+            .spec()
+            .tasks
+            .iter()
+            .map(|t| t.name.clone())
+            .collect()
+    }
+
     /// The core's trajectory figures as metrics. Its counts are cumulative, so each counter is
     /// raised by what it lacks.
     fn export_trajectory_metrics(&self, in_flight: u64, complete: u64) {
@@ -3638,6 +4205,7 @@ impl Actor {
             (Some(_), None) => JobPhase::Running,
             (None, None) => JobPhase::Pending,
         };
+        self.export_phase_and_busy_seconds(phase);
         let pools = (0..self.plan.spec().pools.len() as u32)
             .map(|p| {
                 let busy = self.recent_busy.get(&p).copied().unwrap_or(0.0);
@@ -3673,20 +4241,31 @@ impl Actor {
                 format!("failed: {}", self.failure.as_deref().unwrap_or_default())
             }
             _ if self.engine_generations > 0 => format!(
-                "{} stages completed, {} workers lost; {} generations by an OpenAI-compatible \
-                 engine, other GPU figures emulated (time scale {})",
-                self.stages_completed,
-                self.lost.len(),
-                self.engine_generations,
+                "{} completed, {} lost; {} by an OpenAI-compatible engine, other GPU figures \
+                 emulated (time scale {})",
+                crate::counted(self.stages_completed, "stage", "stages"),
+                crate::counted(self.lost.len(), "worker", "workers"),
+                crate::counted(self.engine_generations, "generation", "generations"),
                 self.opts.time_scale
             ),
             _ => format!(
-                "{} stages completed, {} workers lost; GPU figures are emulated (time scale {})",
-                self.stages_completed,
-                self.lost.len(),
+                "{} completed, {} lost; GPU figures are emulated (time scale {})",
+                crate::counted(self.stages_completed, "stage", "stages"),
+                crate::counted(self.lost.len(), "worker", "workers"),
                 self.opts.time_scale
             ),
         };
+        let (overall, tasks) = task_figures(&self.outcome_totals, &self.task_names());
+        let last_step =
+            self.outcomes
+                .last_key_value()
+                .map_or_else(Default::default, |(&step, tallies)| {
+                    let mut all = Tally::default();
+                    for tally in tallies.values() {
+                        all.merge(tally);
+                    }
+                    all.figures("").to_proto(step)
+                });
         let status = JobStatus {
             job: self.plan.name().to_owned(),
             phase: phase as i32,
@@ -3698,12 +4277,54 @@ impl Actor {
             trajectories_trained: self.trained.len() as u64,
             pools,
             message,
+            tasks: tasks.iter().map(|t| t.to_proto(0)).collect(),
+            overall: Some(overall.to_proto(0)),
+            last_step: Some(last_step),
+            success_reward: SUCCESS_REWARD,
         };
         self.status.send_replace(status);
     }
 
+    /// The job's phase, and each pool's busy time since the last call, as metrics.
+    fn export_phase_and_busy_seconds(&mut self, phase: JobPhase) {
+        for p in [
+            JobPhase::Pending,
+            JobPhase::Running,
+            JobPhase::Succeeded,
+            JobPhase::Failed,
+            JobPhase::Cancelled,
+        ] {
+            self.metrics
+                .job_phase
+                .with_label_values(&[&crate::job::phase_name(p)])
+                .set(i64::from(p == phase));
+        }
+        for (&pool, m) in &self.meters {
+            // Made at 0 before the pool's first busy second, so that rate() counts that one.
+            let counter = self
+                .metrics
+                .pool_busy_seconds
+                .with_label_values(&[self.plan.pool_name(pool)]);
+            let exported = self.busy_exported.entry(pool).or_default();
+            let cap = self.capacity.get(&pool).copied().unwrap_or(1.0);
+            if m.total > *exported && cap > 0.0 {
+                counter.inc_by((m.total - *exported) / cap);
+                *exported = m.total;
+            }
+        }
+    }
+
     fn finish(&mut self, phase: JobPhase) {
         self.ended = Some((self.at, phase));
+        // Unix time, not the job's clock: the alert on a scheduler that stops answering
+        // compares it with the process's start time.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.metrics
+            .job_end_time
+            .with_label_values(&[&crate::job::phase_name(phase)])
+            .set(now);
         log!(
             self,
             "scheduler: job {} ends: {phase:?} at version {}",
@@ -3796,6 +4417,7 @@ impl Actor {
             steps: self.plan.config.steps,
             trained: self.trained.clone(),
             trained_twice: self.trained_twice.clone(),
+            outcomes: outcomes(&self.outcomes, &self.task_names()),
             stages_completed: self.stages_completed,
             dispatch_p50_us: pct(0.5),
             dispatch_p99_us: pct(0.99),
@@ -3921,5 +4543,123 @@ async fn sleep_until_opt(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trajectory(reward: f64, turns: u64, staleness: u64) -> TrajectoryOutcome {
+        TrajectoryOutcome {
+            reward,
+            modelled: false,
+            turns,
+            prompt_tokens: 100 * turns,
+            action_tokens: 10 * turns,
+            staleness,
+        }
+    }
+
+    #[test]
+    fn each_task_averages_its_own_trajectories_and_the_overall_figures_average_them_all() {
+        let names = [
+            "sokoban".to_owned(),
+            "frozenlake".to_owned(),
+            "idle".to_owned(),
+        ];
+        let mut by_step: BTreeMap<u64, BTreeMap<u32, Tally>> = BTreeMap::new();
+        // Step 0: a solved Sokoban level (10.9) and an unsolved one (-0.1); a FrozenLake goal.
+        for (task, o) in [
+            (0, trajectory(10.9, 4, 0)),
+            (0, trajectory(-0.1, 8, 0)),
+            (1, trajectory(1.0, 2, 0)),
+        ] {
+            by_step
+                .entry(0)
+                .or_default()
+                .entry(task)
+                .or_default()
+                .add(&o);
+        }
+        // Step 1: a hole in FrozenLake, one version stale.
+        by_step
+            .entry(1)
+            .or_default()
+            .entry(1)
+            .or_default()
+            .add(&trajectory(0.0, 6, 1));
+        let o = outcomes(&by_step, &names);
+
+        assert_eq!(o.success_reward, SUCCESS_REWARD);
+        assert_eq!(o.tasks.len(), 3, "every task, trained or not: {o:?}");
+        let sokoban = &o.tasks[0];
+        assert_eq!(sokoban.task, "sokoban");
+        assert_eq!((sokoban.trajectories, sokoban.successes), (2, 1));
+        assert!((sokoban.mean_reward - 5.4).abs() < 1e-9, "{sokoban:?}");
+        assert_eq!((sokoban.min_reward, sokoban.max_reward), (-0.1, 10.9));
+        assert_eq!(sokoban.success_rate, 0.5);
+        assert_eq!(sokoban.mean_turns, 6.0);
+        assert_eq!(sokoban.mean_prompt_tokens, 600.0);
+        assert_eq!(sokoban.mean_action_tokens, 60.0);
+        let frozenlake = &o.tasks[1];
+        assert_eq!((frozenlake.trajectories, frozenlake.successes), (2, 1));
+        assert_eq!(frozenlake.mean_reward, 0.5);
+        assert_eq!(frozenlake.mean_staleness, 0.5);
+        assert_eq!(frozenlake.max_staleness, 1);
+        let idle = &o.tasks[2];
+        assert_eq!(
+            (idle.trajectories, idle.mean_reward, idle.success_rate),
+            (0, 0.0, 0.0)
+        );
+
+        assert_eq!(o.overall.task, "");
+        assert_eq!((o.overall.trajectories, o.overall.successes), (4, 2));
+        assert!((o.overall.mean_reward - 11.8 / 4.0).abs() < 1e-9, "{o:?}");
+        assert_eq!(o.overall.mean_turns, 5.0);
+        assert_eq!(
+            (o.overall.mean_staleness, o.overall.max_staleness),
+            (0.25, 1)
+        );
+
+        // Per step: each step's own trajectories.
+        assert_eq!(o.steps.iter().map(|s| s.step).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(o.steps[0].overall.trajectories, 3);
+        assert_eq!(o.steps[0].tasks[1].mean_reward, 1.0);
+        assert_eq!(o.steps[1].overall.trajectories, 1);
+        assert_eq!(o.steps[1].tasks[0].trajectories, 0);
+        assert_eq!(o.steps[1].overall.success_rate, 0.0);
+    }
+
+    #[test]
+    fn a_reward_counts_as_a_success_from_the_threshold_on_and_a_modelled_one_is_counted_apart() {
+        let mut tally = Tally::default();
+        for reward in [SUCCESS_REWARD, SUCCESS_REWARD - 1e-9, 0.9, 10.9] {
+            tally.add(&trajectory(reward, 1, 0));
+        }
+        tally.add(&TrajectoryOutcome {
+            modelled: true,
+            ..trajectory(0.0, 1, 0)
+        });
+        let f = tally.figures("t");
+        assert_eq!((f.trajectories, f.successes, f.modelled_rewards), (5, 2, 1));
+        assert_eq!(f.success_rate, 0.4);
+    }
+
+    #[test]
+    fn the_figures_read_back_from_their_json_as_they_were_written() {
+        let mut by_step: BTreeMap<u64, BTreeMap<u32, Tally>> = BTreeMap::new();
+        by_step
+            .entry(0)
+            .or_default()
+            .entry(0)
+            .or_default()
+            .add(&trajectory(1.0, 3, 0));
+        let o = outcomes(&by_step, &["calc".to_owned()]);
+        let json = serde_json::to_string(&o).expect("figures encode");
+        let back: Outcomes = serde_json::from_str(&json).expect("figures decode");
+        assert_eq!(back, o);
+        // The overall figures name no task.
+        assert!(!json.contains("\"task\":\"\""), "{json}");
     }
 }

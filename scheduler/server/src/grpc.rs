@@ -9,13 +9,15 @@ use std::sync::Arc;
 
 use futures_util::Stream;
 use rollfleet_proto::v1::{
-    CancelJobResponse, HeartbeatRequest, HeartbeatResponse, JobRef, JobStatus, RegisterRequest,
-    RegisterResponse, SchedulerMessage, SubmitJobRequest, SubmitJobResponse, WorkerMessage,
-    job_service_server::JobService, worker_message, worker_service_server::WorkerService,
+    CancelJobResponse, HeartbeatRequest, HeartbeatResponse, JobList, JobLogsRequest, JobRef,
+    JobStatus, ListJobsRequest, LogLine, RegisterRequest, RegisterResponse, SchedulerMessage,
+    SubmitJobRequest, SubmitJobResponse, WorkerMessage, job_service_server::JobService,
+    worker_message, worker_service_server::WorkerService,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::{UnboundedReceiverStream, WatchStream};
+use tokio_stream::wrappers::errors::BroadcastStreamRecvError;
+use tokio_stream::wrappers::{BroadcastStream, UnboundedReceiverStream, WatchStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::actor::Event;
@@ -192,6 +194,7 @@ impl Jobs {
 }
 
 type WatchResponse = Pin<Box<dyn Stream<Item = Result<JobStatus, Status>> + Send>>;
+type LogsResponse = Pin<Box<dyn Stream<Item = Result<LogLine, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl JobService for Jobs {
@@ -272,5 +275,43 @@ impl JobService for Jobs {
             })
             .map(Ok);
         Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn list(&self, _request: Request<ListJobsRequest>) -> Result<Response<JobList>, Status> {
+        let jobs = match self.slot.job() {
+            Some(_) => vec![self.status.borrow().clone()],
+            None => Vec::new(),
+        };
+        Ok(Response::new(JobList { jobs }))
+    }
+
+    type LogsStream = LogsResponse;
+
+    async fn logs(
+        &self,
+        request: Request<JobLogsRequest>,
+    ) -> Result<Response<Self::LogsStream>, Status> {
+        let request = request.into_inner();
+        self.check(&request.job)?;
+        let logs = crate::logs::RecentLogs::global();
+        let tail = request.tail as usize;
+        if !request.follow {
+            let lines = logs.tail(tail).into_iter().map(Ok);
+            return Ok(Response::new(Box::pin(tokio_stream::iter(lines))));
+        }
+        let (lines, receiver) = logs.follow(tail);
+        let later = BroadcastStream::new(receiver).map(|line| match line {
+            Ok(line) => Ok(line),
+            // The follower fell behind: it is told what it missed instead of a silent gap.
+            Err(BroadcastStreamRecvError::Lagged(missed)) => Ok(LogLine {
+                level: "WARN".into(),
+                target: "rollfleet::logs".into(),
+                message: format!("{missed} lines were missed: this reader fell behind the log"),
+                ..Default::default()
+            }),
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::iter(lines.into_iter().map(Ok)).chain(later),
+        )))
     }
 }

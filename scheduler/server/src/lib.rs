@@ -20,6 +20,7 @@ pub mod inventory;
 pub mod job;
 pub mod journal;
 pub mod listener;
+pub mod logs;
 pub mod metrics;
 pub mod plan;
 pub mod replan;
@@ -59,6 +60,19 @@ pub fn quoted(s: &str) -> String {
 /// The first `n` characters of `s` (all of it when shorter).
 pub fn first_chars(s: &str, n: usize) -> &str {
     s.char_indices().nth(n).map_or(s, |(end, _)| &s[..end])
+}
+
+/// A count with its noun in the number the count needs: `counted(1, "worker", "workers") ==
+/// "1 worker"`, `counted(3, "worker", "workers") == "3 workers"`.
+pub fn counted<N>(n: N, one: &str, many: &str) -> String
+where
+    N: std::fmt::Display + PartialEq + From<u8>,
+{
+    if n == N::from(1) {
+        format!("{n} {one}")
+    } else {
+        format!("{n} {many}")
+    }
 }
 
 /// How much of a peer's string an error message quotes.
@@ -162,7 +176,7 @@ fn refused(metrics: &metrics::Metrics, refusal: Refusal, peer: Option<SocketAddr
         power *= 10;
     }
     if power == total {
-        eprintln!(
+        tracing::warn!(
             "scheduler: refused a call from {}: {} token ({total} refused so far)",
             peer.map_or_else(|| "an unknown peer".to_owned(), |p| p.to_string()),
             match refusal {
@@ -216,6 +230,14 @@ pub async fn serve_until(
         None => job::JobSlot::new(opts.seed, opts.stage_timeout),
     });
     let metrics = Arc::new(metrics::Metrics::new()?);
+    if let Some(job) = slot.job() {
+        metrics.set_job(
+            job.plan.name(),
+            job.plan.job.manifest.metadata.namespace.as_deref(),
+        );
+    }
+    // Kept to wait, at the end, for the scrapes that show it.
+    let served_metrics = opts.metrics_addr.map(|_| metrics.clone());
     if let Some(addr) = opts.metrics_addr {
         let l = metrics::bind_metrics(addr)
             .await
@@ -223,7 +245,7 @@ pub async fn serve_until(
                 what: format!("metrics address {addr}"),
                 source,
             })?;
-        eprintln!(
+        tracing::info!(
             "scheduler: Prometheus metrics on http://{}/metrics",
             l.local_addr().unwrap_or(addr)
         );
@@ -251,14 +273,14 @@ pub async fn serve_until(
         && !addr.ip().is_loopback()
     {
         if !auth.required() {
-            eprintln!(
-                "scheduler: warning: no token (--token-file or {TOKEN_ENV}); any peer that \
+            tracing::warn!(
+                "scheduler: no token (--token-file or {TOKEN_ENV}); any peer that \
                  reaches {addr} may register workers, submit or cancel the job and read the \
                  trainer feed"
             );
         } else if tls.is_none() {
-            eprintln!(
-                "scheduler: warning: no TLS (--tls-cert, --tls-key): the token and every \
+            tracing::warn!(
+                "scheduler: no TLS (--tls-cert, --tls-key): the token and every \
                  trajectory cross the network to {addr} in clear"
             );
         }
@@ -299,7 +321,7 @@ pub async fn serve_until(
         guard,
     );
     if slot.job().is_none() {
-        eprintln!(
+        tracing::info!(
             "scheduler: waiting for a job (rollfleet job submit JOB.yaml --scheduler http://{})",
             listener
                 .local_addr()
@@ -331,7 +353,7 @@ pub async fn serve_until(
             Some((found, mut reader)) => {
                 journal::check_header(path, &found, &header)?;
                 // A long job's journal takes seconds to replay (about 600,000 records a second).
-                eprintln!(
+                tracing::info!(
                     "scheduler: journal {}: replaying {:.1} MB to resume job {}",
                     path.display(),
                     std::fs::metadata(path).map_or(0.0, |m| m.len() as f64 / 1e6),
@@ -340,14 +362,14 @@ pub async fn serve_until(
                 let replayed = actor.replay(&mut reader)?;
                 metrics.journal_replayed.inc_by(replayed);
                 if reader.torn_bytes() > 0 {
-                    eprintln!(
+                    tracing::warn!(
                         "scheduler: journal {}: the last {} bytes are a record the scheduler \
                          before was killed while writing (before acting on it); cut off",
                         path.display(),
                         reader.torn_bytes()
                     );
                 }
-                eprintln!(
+                tracing::info!(
                     "scheduler: journal {}: {replayed} records replayed",
                     path.display()
                 );
@@ -377,10 +399,16 @@ pub async fn serve_until(
             job = slot.taken() => job,
             _ = cancelled.wait_for(|c| *c) => return,
         };
-        if !given {
-            eprintln!("scheduler: job {} submitted", job.plan.name());
+        if given {
+            tracing::info!("scheduler: job {} planned", job.plan.name());
+        } else {
+            tracing::info!("scheduler: job {} submitted", job.plan.name());
         }
         status.send_modify(|s| s.job = job.plan.name().to_owned());
+        metrics.set_job(
+            job.plan.name(),
+            job.plan.job.manifest.metadata.namespace.as_deref(),
+        );
         let actor = match prepared {
             Some(actor) => actor,
             None => {
@@ -395,7 +423,7 @@ pub async fn serve_until(
                         .and_then(|writer| writer.syncing(journal_sync))
                     {
                         Ok(writer) => actor.set_journal(writer),
-                        Err(e) => eprintln!(
+                        Err(e) => tracing::error!(
                             "scheduler: {e}; the job runs without a journal (a restart cannot \
                              resume it)"
                         ),
@@ -427,6 +455,13 @@ pub async fn serve_until(
             run_job,
         );
     server.await?;
+    // Each regular scraper sees the job's end before the scheduler exits: the alert on a
+    // scheduler that stops answering tells a job that ended from a scheduler that died by it.
+    if let Some(m) = &served_metrics
+        && accepted.job().is_some()
+    {
+        m.wait_for_last_scrapes(metrics::LAST_SCRAPE_WAIT).await;
+    }
     match done_rx.await {
         Ok(report) => Ok(Some(report)),
         Err(_) if accepted.job().is_none() => Ok(None),

@@ -75,7 +75,7 @@ pub fn bounded(
                         // retrying at once would spin.
                         backoff =
                             (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
-                        eprintln!(
+                        tracing::warn!(
                             "scheduler: accepting a connection failed: {e}; trying again in {} ms",
                             backoff.as_millis()
                         );

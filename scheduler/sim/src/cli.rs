@@ -462,12 +462,16 @@ pub fn run(
             .unwrap_or_default(),
     };
     if let Some(path) = &args.timeline {
-        let names: Vec<String> = spec.pools.iter().map(|p| p.name.clone()).collect();
         let refs: Vec<(String, &crate::sim::RunResult)> =
             runs.iter().map(|(n, r)| (n.clone(), r)).collect();
         std::fs::write(
             path,
-            crate::svg::timeline(&names, &refs, attribution.as_deref()),
+            crate::svg::timeline(
+                &job.manifest.metadata.name,
+                &spec,
+                &refs,
+                attribution.as_deref(),
+            ),
         )?;
     }
     if let Some(path) = &args.profiles_out

@@ -18,7 +18,7 @@ spec:
   model: { name: toy, parameters: 1.0e9, layers: 4, hiddenSize: 1024, kvHeads: 4, headDim: 128 }
   rl: { groupSize: 4, rolloutBatchSize: 32, trainBatchSize: 16, maxStaleness: 1, overProvisioning: 0.25, steps: 8, trainMfu: 0.5 }
   tasks:
-    - { name: t, environment: e, share: 1.0, maxTurns: 3, promptTokens: 1000, actionTokens: 400,
+    - { name: t, environment: sokoban, share: 1.0, maxTurns: 3, promptTokens: 1000, actionTokens: 400,
         observationTokens: 100, contextLimit: 8192, envStepMs: 200, reward: r }
   rewards:
     - { name: r, runsOn: environment, latencyMs: 0 }

@@ -25,7 +25,7 @@ spec:
   model: { name: toy, parameters: 1.0e9, layers: 1, hiddenSize: 8, kvHeads: 1, headDim: 8 }
   rl: { groupSize: 1, rolloutBatchSize: 1, trainBatchSize: 1, maxStaleness: 1, steps: 2, trainMfu: 0.5 }
   tasks:
-    - { name: t, environment: e, share: 1.0, maxTurns: 1, promptTokens: 1000, actionTokens: 100,
+    - { name: t, environment: sokoban, share: 1.0, maxTurns: 1, promptTokens: 1000, actionTokens: 100,
         observationTokens: 10, contextLimit: 4096, envStepMs: 1000, reward: r }
   rewards:
     - { name: r, runsOn: environment, latencyMs: 0 }

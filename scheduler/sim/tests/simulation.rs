@@ -18,7 +18,7 @@ spec:
   model: { name: toy, parameters: 1.0e9, layers: 1, hiddenSize: 8, kvHeads: 1, headDim: 8 }
   rl: { groupSize: 1, rolloutBatchSize: 1, trainBatchSize: 1, maxStaleness: 1, steps: 2, trainMfu: 0.5 }
   tasks:
-    - { name: t, environment: e, share: 1.0, maxTurns: 1, promptTokens: 1000, actionTokens: 100,
+    - { name: t, environment: sokoban, share: 1.0, maxTurns: 1, promptTokens: 1000, actionTokens: 100,
         observationTokens: 10, contextLimit: 4096, envStepMs: 1000, reward: r }
   rewards:
     - { name: r, runsOn: environment, latencyMs: 0 }
@@ -331,7 +331,7 @@ spec:
   rl: { groupSize: 2, rolloutBatchSize: 8, trainBatchSize: 4, maxStaleness: 1,
         overProvisioning: 0.5, steps: 3, trainMfu: 0.5 }
   tasks:
-    - { name: t, environment: e, share: 1.0, maxTurns: 6,
+    - { name: t, environment: sokoban, share: 1.0, maxTurns: 6,
         turns: { distribution: uniform, min: 1, max: 6 },
         promptTokens: { distribution: lognormal, median: 500, p99: 3000, max: 4000 },
         actionTokens: { distribution: lognormal, median: 50, p99: 400, max: 1024 },
@@ -503,7 +503,7 @@ fn a_serverless_reward_pays_a_cold_start_only_when_no_instance_is_warm() {
     let yaml = HAND_JOB
         .replace(
             "- { name: r, runsOn: environment, latencyMs: 0 }",
-            "- { name: r, runsOn: serverless, pool: fn, function: f, latencyMs: 100 }",
+            "- { name: r, runsOn: serverless, pool: fn, function: math_answer, latencyMs: 100 }",
         )
         .replace(
             "- { name: envs, cpu: c7i.8xlarge, count: 1 }",

@@ -10,19 +10,27 @@
 //! scheduler core, the simulator, the CLI and the Kubernetes operator share one definition.
 
 mod distribution;
+mod kubernetes;
 mod manifest;
 mod model;
+mod names;
 mod nesting;
 mod validate;
 
 use std::path::Path;
 
 pub use distribution::{Dist, Distribution, TraceColumn, TraceName, lognormal_sigma};
+pub use kubernetes::{
+    GPU_RESOURCE, KubernetesPlacement, Quantity, Resources, TaintEffect, Toleration,
+    TolerationOperator,
+};
 pub use manifest::{
-    API_VERSION, CatalogAdditions, JobManifest, JobSpec, KIND, Metadata, NetworkSpec, PoolKind,
-    PoolSpec, RewardPlacement, RewardSpec, RlSpec, Role, TaskSpec, TrainerMode,
+    API_VERSION, CatalogAdditions, EnvironmentServer, EnvironmentSpec, JobManifest, JobSpec, KIND,
+    Metadata, NetworkSpec, PoolKind, PoolSpec, RewardPlacement, RewardSpec, RlSpec, Role, TaskSpec,
+    TrainerMode,
 };
 pub use model::ModelSpec;
+pub use names::{BUILTIN_ENVIRONMENTS, BUILTIN_REWARD_FUNCTIONS, did_you_mean};
 pub use validate::{Problem, USABLE_MEMORY_FRACTION, replica_bytes};
 
 use rollfleet_catalog::Catalog;
@@ -245,6 +253,7 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned>(
             }
             _ => message,
         };
+        let message = names::with_field_suggestion(message);
         SpecError::Syntax {
             origin: origin.to_owned(),
             path,

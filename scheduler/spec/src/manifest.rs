@@ -59,6 +59,10 @@ pub struct JobSpec {
     pub rl: RlSpec,
     /// The task mix; shares sum to 1.
     pub tasks: Vec<TaskSpec>,
+    /// Environments the tasks may name besides the built-in ones (each served by a remote
+    /// environment server the workers are pointed at).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub environments: Vec<EnvironmentSpec>,
     /// Reward functions the tasks refer to by name.
     pub rewards: Vec<RewardSpec>,
     /// Hardware pools.
@@ -174,6 +178,27 @@ fn one_f64() -> f64 {
     1.0
 }
 
+/// An environment kind the job declares, so that its tasks may name it: one no worker runs
+/// built in, served by a program of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EnvironmentSpec {
+    /// The kind, as tasks name it in `environment` and as the server knows it.
+    pub name: String,
+    /// What serves it.
+    pub served_by: EnvironmentServer,
+}
+
+/// What serves a declared environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum EnvironmentServer {
+    /// A remote environment server over rollfleet's HTTP protocol
+    /// (`docs/remote-environments.md`); the workers that run the job's environments are started
+    /// with `--remote-env NAME=URL`, which says where it listens.
+    Remote,
+}
+
 /// Where a reward function runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -267,6 +292,10 @@ pub struct PoolSpec {
     /// Roles this pool is pinned to; empty lets the planner decide.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub roles: Vec<Role>,
+    /// Where the pool's pods go on Kubernetes and what they ask for (the operator's defaults
+    /// when unset); every other entry point ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<crate::kubernetes::KubernetesPlacement>,
 }
 
 /// The kind of a pool, resolved.

@@ -14,6 +14,7 @@ use crate::distribution::Distribution;
 use crate::manifest::{
     API_VERSION, JobManifest, JobSpec, KIND, PoolKind, PoolSpec, RewardPlacement, Role,
 };
+use crate::names::{BUILTIN_ENVIRONMENTS, BUILTIN_REWARD_FUNCTIONS, did_you_mean};
 
 /// One problem (or warning) in a job spec.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -136,6 +137,20 @@ pub const MAX_VCPUS: u32 = 100_000;
 
 /// Memory of a CPU node shape, GiB: thirty times the largest instances (32 TiB).
 pub const MAX_CPU_MEMORY_GIB: f64 = 1e6;
+
+/// `unknown {what} "{name}" ({known})`, with a suggestion when a known name is close.
+fn unknown_name<'a>(
+    what: &str,
+    name: &str,
+    known: impl IntoIterator<Item = &'a str>,
+    listed: &str,
+) -> String {
+    let mut message = format!("unknown {what} \"{name}\" ({listed})");
+    if let Some(close) = did_you_mean(name, known) {
+        message.push_str(&format!("; did you mean `{close}`?"));
+    }
+    message
+}
 
 /// What a distribution measures: the most any of its parameters may be, the unit, and why.
 struct Quantity {
@@ -284,6 +299,7 @@ pub(crate) fn validate(manifest: &JobManifest) -> Outcome {
     let catalog = catalog_with_additions(spec, &mut problems);
     check_model(spec, &mut problems);
     check_rl(spec, &mut problems);
+    check_environments(spec, &mut problems);
     check_tasks(spec, &mut problems);
     check_rewards(spec, &mut problems);
     check_pools(spec, &catalog, &mut problems);
@@ -604,6 +620,24 @@ fn check_rl(spec: &JobSpec, problems: &mut Problems) {
     }
 }
 
+fn check_environments(spec: &JobSpec, problems: &mut Problems) {
+    problems.at_most_entries(
+        "spec.environments",
+        spec.environments.len(),
+        MAX_TASKS,
+        "environments (at most one per task)",
+    );
+    let mut names = BTreeSet::new();
+    for (i, environment) in spec.environments.iter().enumerate() {
+        problems.name(
+            format!("spec.environments[{i}].name"),
+            &environment.name,
+            &mut names,
+            "environment",
+        );
+    }
+}
+
 fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
     if spec.tasks.is_empty() {
         problems.error("spec.tasks", "must list at least one task");
@@ -616,6 +650,7 @@ fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
         "tasks (task suites run to about a hundred kinds)",
     );
     let rewards: BTreeSet<&str> = spec.rewards.iter().map(|r| r.name.as_str()).collect();
+    let declared: BTreeSet<&str> = spec.environments.iter().map(|e| e.name.as_str()).collect();
     let mut names = BTreeSet::new();
     let mut share_sum = 0.0;
     let mut shares_valid = true;
@@ -624,6 +659,37 @@ fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
         problems.name(format!("{path}.name"), &task.name, &mut names, "task");
         if task.environment.trim().is_empty() {
             problems.error(format!("{path}.environment"), "must not be empty");
+        } else if !BUILTIN_ENVIRONMENTS.contains(&task.environment.as_str())
+            && !declared.contains(task.environment.as_str())
+        {
+            // A worker given this task would refuse every episode of it: caught here, before
+            // the job takes any hardware, and the same for the simulator and the planner, so
+            // that a job they accept is one the workers can run.
+            let listed = format!(
+                "built in: {}; declared in spec.environments: {}",
+                BUILTIN_ENVIRONMENTS.join(", "),
+                if declared.is_empty() {
+                    "none".to_owned()
+                } else {
+                    declared.iter().copied().collect::<Vec<_>>().join(", ")
+                }
+            );
+            let known = || {
+                BUILTIN_ENVIRONMENTS
+                    .iter()
+                    .copied()
+                    .chain(declared.iter().copied())
+            };
+            let mut message = unknown_name("environment", &task.environment, known(), &listed);
+            // Without a close name it is more likely a remote environment left undeclared
+            // than a typo: say how to declare one.
+            if did_you_mean(&task.environment, known()).is_none() {
+                message.push_str(
+                    "; an environment served by a remote environment server is declared in \
+                     spec.environments with `servedBy: remote`",
+                );
+            }
+            problems.error(format!("{path}.environment"), message);
         }
         if !task.share.is_finite() || task.share <= 0.0 || task.share > 1.0 {
             problems.error(
@@ -707,13 +773,13 @@ fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
             0.99,
         );
         if !rewards.contains(task.reward.as_str()) {
+            let listed = format!(
+                "known: {}",
+                rewards.iter().copied().collect::<Vec<_>>().join(", ")
+            );
             problems.error(
                 format!("{path}.reward"),
-                format!(
-                    "unknown reward \"{}\" (known: {})",
-                    task.reward,
-                    rewards.iter().copied().collect::<Vec<_>>().join(", ")
-                ),
+                unknown_name("reward", &task.reward, rewards.iter().copied(), &listed),
             );
         }
     }
@@ -763,13 +829,18 @@ fn check_rewards(spec: &JobSpec, problems: &mut Problems) {
                 match spec.pools.iter().find(|p| &p.name == pool_name) {
                     None => problems.error(
                         format!("{path}.pool"),
-                        format!(
-                            "unknown pool \"{pool_name}\" (known: {})",
-                            spec.pools
-                                .iter()
-                                .map(|p| p.name.as_str())
-                                .collect::<Vec<_>>()
-                                .join(", ")
+                        unknown_name(
+                            "pool",
+                            pool_name,
+                            spec.pools.iter().map(|p| p.name.as_str()),
+                            &format!(
+                                "known: {}",
+                                spec.pools
+                                    .iter()
+                                    .map(|p| p.name.as_str())
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ),
                         ),
                     ),
                     Some(pool) if pool.kind().is_some_and(|k| k != kind_wanted) => problems.error(
@@ -798,6 +869,36 @@ fn check_rewards(spec: &JobSpec, problems: &mut Problems) {
             problems.error(
                 format!("{path}.function"),
                 "is required for runsOn: serverless",
+            );
+        }
+        // The reward workers run a function by this name (a local reward without one runs
+        // exact_match); a name they do not implement would fail every call of the job.
+        if reward.runs_on == RewardPlacement::Local
+            && reward
+                .function
+                .as_deref()
+                .is_some_and(|f| f.trim().is_empty())
+        {
+            problems.error(
+                format!("{path}.function"),
+                "must not be empty (left out, a local reward runs exact_match)",
+            );
+        } else if let Some(function) = reward.function.as_deref()
+            && !function.trim().is_empty()
+            && reward.runs_on != RewardPlacement::Environment
+            && !BUILTIN_REWARD_FUNCTIONS.contains(&function)
+        {
+            problems.error(
+                format!("{path}.function"),
+                unknown_name(
+                    "reward function",
+                    function,
+                    BUILTIN_REWARD_FUNCTIONS.iter().copied(),
+                    &format!(
+                        "the reward workers implement: {}",
+                        BUILTIN_REWARD_FUNCTIONS.join(", ")
+                    ),
+                ),
             );
         }
     }
@@ -907,6 +1008,8 @@ fn check_pools(spec: &JobSpec, catalog: &Catalog, problems: &mut Problems) {
     for (i, pool) in spec.pools.iter().enumerate() {
         let path = format!("spec.pools[{i}]");
         problems.name(format!("{path}.name"), &pool.name, &mut names, "pool");
+        let placement = crate::kubernetes::problems(pool.kubernetes.as_ref(), &path);
+        problems.errors.extend(placement);
         let Some(kind) = pool.kind() else {
             problems.error(
                 path,

@@ -99,7 +99,7 @@ const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
         "misspelled field",
         "maxStaleness: 1",
         "maxStalenes: 1",
-        "spec.rl.maxStalenes: unknown field `maxStalenes`, expected one of `groupSize`, `rolloutBatchSize`, `trainBatchSize`, `maxStaleness`, `overProvisioning`, `steps`, `trainMfu`, `trainer`, `interruptGeneration` at line 22 column 5",
+        "spec.rl.maxStalenes: unknown field `maxStalenes`, expected one of `groupSize`, `rolloutBatchSize`, `trainBatchSize`, `maxStaleness`, `overProvisioning`, `steps`, `trainMfu`, `trainer`, `interruptGeneration` at line 22 column 5; did you mean `maxStaleness`?",
     ),
     (
         "group size that does not divide the batch",
@@ -117,7 +117,7 @@ const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
         "reward that does not exist",
         "reward: exact-answer",
         "reward: exact-anser",
-        "spec.tasks[2].reward: unknown reward \"exact-anser\" (known: env-score, exact-answer)",
+        "spec.tasks[2].reward: unknown reward \"exact-anser\" (known: env-score, exact-answer); did you mean `exact-answer`?",
     ),
     (
         "serverless reward on a CPU pool",
@@ -167,6 +167,54 @@ const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
         "gpu: H20\n      count: 1099511627776",
         "spec.pools[1].count: must be at most 1000000 GPUs (several times the largest cluster built), got 1099511627776",
     ),
+    (
+        "an environment that exists nowhere",
+        "environment: frozenlake",
+        "environment: my-webshop",
+        "spec.tasks[1].environment: unknown environment \"my-webshop\" (built in: calculator, frozenlake, sokoban; declared in spec.environments: none); an environment served by a remote environment server is declared in spec.environments with `servedBy: remote`",
+    ),
+    (
+        "a misspelt built-in environment",
+        "environment: sokoban",
+        "environment: sokobn",
+        "spec.tasks[0].environment: unknown environment \"sokobn\" (built in: calculator, frozenlake, sokoban; declared in spec.environments: none); did you mean `sokoban`?",
+    ),
+    (
+        "a reward function no worker implements",
+        "function: math_answer",
+        "function: my_python_reward",
+        "spec.rewards[1].function: unknown reward function \"my_python_reward\" (the reward workers implement: code_tests, exact_match, json_format, math_answer, regex_match, think_answer_format)",
+    ),
+    (
+        "a misspelt reward function",
+        "function: math_answer",
+        "function: math-answer",
+        "spec.rewards[1].function: unknown reward function \"math-answer\" (the reward workers implement: code_tests, exact_match, json_format, math_answer, regex_match, think_answer_format); did you mean `math_answer`?",
+    ),
+    (
+        "a misspelt task field",
+        "      reward: exact-answer",
+        "      rewrd: exact-answer",
+        "spec.tasks[2].rewrd: unknown field `rewrd`, expected one of `name`, `environment`, `share`, `maxTurns`, `turns`, `promptTokens`, `actionTokens`, `observationTokens`, `contextLimit`, `envStepMs`, `envCpus`, `envFailureRate`, `reward` at line 55 column 7; did you mean `reward`?",
+    ),
+    (
+        "a misspelt reward placement",
+        "runsOn: serverless",
+        "runsOn: serverles",
+        "spec.rewards[1].runsOn: unknown variant `serverles`, expected one of `serverless`, `local`, `environment` at line 61 column 15; did you mean `serverless`?",
+    ),
+    (
+        "a declared environment without a server",
+        "  rewards:\n",
+        "  environments:\n    - name: guess\n      servedBy: somewhere\n  rewards:\n",
+        "spec.environments[0].servedBy: unknown variant `somewhere`, expected `remote` at line 58 column 17",
+    ),
+    (
+        "an environment declared twice",
+        "  rewards:\n",
+        "  environments:\n    - { name: guess, servedBy: remote }\n    - { name: guess, servedBy: remote }\n  rewards:\n",
+        "spec.environments[1].name: duplicate environment name \"guess\"",
+    ),
 ];
 
 #[test]
@@ -179,6 +227,37 @@ fn each_bad_spec_gives_its_own_clear_error() {
             "{what}: expected `{expected}`, got {problems:#?}"
         );
     }
+}
+
+#[test]
+fn an_environment_declared_as_served_remotely_may_be_named_by_a_task() {
+    let text = edit(
+        &quickstart(),
+        "environment: frozenlake",
+        "environment: guess",
+    );
+    let text = edit(
+        &text,
+        "  rewards:\n",
+        "  environments:\n    - name: guess\n      servedBy: remote\n  rewards:\n",
+    );
+    let job = parse_job(text.as_bytes(), "job.yaml").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(job.spec().environments[0].name, "guess");
+    assert_eq!(
+        job.spec().environments[0].served_by,
+        rollfleet_spec::EnvironmentServer::Remote
+    );
+    // Declared, it is written back out (the job `validate --json` and the journal carry).
+    let yaml = serde_yaml_ng::to_string(&job.manifest).unwrap();
+    assert!(yaml.contains("servedBy: remote"), "{yaml}");
+}
+
+#[test]
+fn a_job_without_declared_environments_writes_none_back_out() {
+    let job = parse_job(quickstart().as_bytes(), "job.yaml").unwrap();
+    assert!(job.spec().environments.is_empty());
+    let json = serde_json::to_value(&job.manifest).unwrap();
+    assert!(json["spec"].get("environments").is_none(), "{json:#}");
 }
 
 #[test]

@@ -1,29 +1,41 @@
 //! Sandboxed execution of untrusted Python 3 code (model-written solutions) for code rewards.
 //!
-//! Each run gets a fresh temporary directory and its own process group. A small Python wrapper
-//! (below) sets the resource limits on itself before it runs the user's file, so no `unsafe`
-//! `pre_exec` is needed on the Rust side:
+//! Two isolation levels, chosen by `ROLLFLEET_SANDBOX` (see [`SandboxMode`]):
+//!
+//! - **namespaces** (the default wherever it works): the interpreter runs under bubblewrap
+//!   (`bwrap`) in new user, PID, network, IPC, UTS and cgroup namespaces, as uid/gid 65534 with
+//!   every capability dropped, further user namespaces disabled, and a file system made of `/usr`
+//!   (and the distro's `/bin`, `/lib*` links) read-only, a fresh `/proc`, a minimal `/dev`, a
+//!   small tmpfs `/tmp`, and the run directory bound read-write at `/work`; no `/etc`, no host
+//!   home directories, no host network. `bwrap` is PID 1 of the namespace, so killing it (its
+//!   process group) kills every process of the run, `setsid` daemons included.
+//! - **process**: the older process-level sandbox, for places without user namespaces (inside
+//!   AWS Lambda the Firecracker microVM is the boundary). It shares the kernel, the network and
+//!   the file system with the host and is defence in depth only.
+//!
+//! In both, each run gets its own directory (mode 0700, owned by whoever the code runs as,
+//! removed afterwards), and a small Python wrapper (below) sets the resource limits on itself
+//! before it runs the user's file, so no `unsafe` `pre_exec` is needed on the Rust side:
 //! - `RLIMIT_CPU` (CPU seconds), `RLIMIT_AS` (address space), `RLIMIT_FSIZE` (largest file it
 //!   may write), `RLIMIT_NOFILE`, `RLIMIT_CORE = 0`, and `RLIMIT_NPROC` against fork bombs;
-//! - when started as root it drops to `nobody` (65534) first, because the kernel does not
-//!   enforce `RLIMIT_NPROC` for root and root could read every file on the machine;
+//! - when started as root (process mode only) it drops to `nobody` (65534) first, because the
+//!   kernel does not enforce `RLIMIT_NPROC` for root and root could read every file on the machine;
 //! - a Python audit hook refuses `open` outside the run directory (reads are also allowed under
 //!   the interpreter's own library paths), and refuses `subprocess`/`os.system`/`exec`/spawn,
-//!   sockets and `ctypes`.
+//!   sockets and `ctypes`. Code in the same interpreter can switch the hook off, so it is a
+//!   tripwire, not a wall.
 //!
 //! The Rust side enforces a wall-clock limit by killing the whole process group, caps each of
 //! stdout and stderr at a byte limit (the group is killed as soon as one is exceeded), and kills
-//! the group again after a normal exit so no background child outlives its run.
-//!
-//! This is defence in depth, not a security boundary: it shares the kernel, the network
-//! namespace and the file system with the host. See `docs/serverless.md`.
+//! the group again after a normal exit. See `docs/serverless.md` for what each mode holds against.
 
+use std::ffi::{OsStr, OsString};
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{Signal, killpg};
@@ -173,6 +185,75 @@ pub enum SandboxError {
     },
     #[error("could not wait for the sandboxed process: {0}")]
     Wait(#[source] std::io::Error),
+    #[error("the sandbox is not usable: {0}")]
+    Unavailable(String),
+    #[error("the interpreter {python} cannot be mounted in the namespace sandbox: {reason}")]
+    Interpreter { python: String, reason: String },
+}
+
+/// The isolation asked for, from `ROLLFLEET_SANDBOX` (`auto`, `namespaces` or `process`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SandboxMode {
+    /// Namespaces when `bwrap` works here, else the process sandbox with a warning.
+    Auto,
+    /// Namespaces or nothing: runs fail with [`SandboxError::Unavailable`] without them.
+    Namespaces,
+    /// The process-level sandbox only, for hosts that are themselves the boundary.
+    Process,
+}
+
+impl SandboxMode {
+    /// The environment variable that chooses the mode.
+    pub const ENV: &'static str = "ROLLFLEET_SANDBOX";
+
+    /// The mode `ROLLFLEET_SANDBOX` asks for; unset or empty is `auto`.
+    pub fn from_env() -> Result<Self, SandboxError> {
+        match std::env::var(Self::ENV) {
+            Ok(value) => value.parse(),
+            Err(std::env::VarError::NotPresent) => Ok(Self::Auto),
+            Err(std::env::VarError::NotUnicode(_)) => Err(SandboxError::Unavailable(format!(
+                "{} is not valid UTF-8",
+                Self::ENV
+            ))),
+        }
+    }
+}
+
+impl std::str::FromStr for SandboxMode {
+    type Err = SandboxError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "" | "auto" => Ok(Self::Auto),
+            "namespaces" => Ok(Self::Namespaces),
+            "process" => Ok(Self::Process),
+            other => Err(SandboxError::Unavailable(format!(
+                "{}={other:?} is not one of auto, namespaces, process",
+                Self::ENV
+            ))),
+        }
+    }
+}
+
+/// The isolation a [`Sandbox`] actually runs code under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Isolation {
+    /// bubblewrap: own user, PID, network, IPC, UTS and cgroup namespaces and a minimal
+    /// read-only file system.
+    Namespaces,
+    /// rlimits, a drop to `nobody` and the audit hook, sharing the host's kernel, network and
+    /// file system.
+    Process,
+}
+
+impl std::fmt::Display for Isolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Isolation::Namespaces => "namespaces (bubblewrap)",
+            Isolation::Process => "process (rlimits, nobody, audit hook; not a boundary)",
+        })
+    }
 }
 
 /// A Python interpreter and the limits to run code under.
@@ -180,13 +261,16 @@ pub enum SandboxError {
 pub struct Sandbox {
     python: PathBuf,
     limits: SandboxLimits,
+    mode: SandboxMode,
+    /// Resolved once at construction; an `Err` makes every run fail with that reason.
+    isolation: Result<Isolation, String>,
 }
 
 impl Sandbox {
     /// Uses `ROLLFLEET_SANDBOX_PYTHON` if set, else the system `/usr/bin/python3`, else the
-    /// first `python3` on `PATH`. A system interpreter is preferred because after the drop to
-    /// `nobody` the interpreter's library must still be readable (a per-user install under
-    /// `/root` is not).
+    /// first `python3` on `PATH`, under the isolation `ROLLFLEET_SANDBOX` asks for. A system
+    /// interpreter is preferred because the namespace sandbox mounts only `/usr`, and after the
+    /// drop to `nobody` in the process sandbox the library must still be readable.
     pub fn new(limits: SandboxLimits) -> Self {
         let python = std::env::var_os("ROLLFLEET_SANDBOX_PYTHON")
             .map(PathBuf::from)
@@ -195,21 +279,39 @@ impl Sandbox {
                 system.exists().then(|| system.to_path_buf())
             })
             .unwrap_or_else(|| PathBuf::from("python3"));
-        Self { python, limits }
+        Self::with_python(python, limits)
     }
 
     pub fn with_python(python: impl Into<PathBuf>, limits: SandboxLimits) -> Self {
+        let (mode, isolation) = match SandboxMode::from_env() {
+            Ok(mode) => (mode, resolve_isolation(mode)),
+            // An unknown mode fails closed: guessing could silently drop the boundary.
+            Err(e) => (SandboxMode::Namespaces, Err(e.to_string())),
+        };
         Self {
             python: python.into(),
             limits,
+            mode,
+            isolation,
         }
     }
 
-    /// The same interpreter under other limits.
-    pub fn with_limits(&self, limits: SandboxLimits) -> Self {
+    /// The same interpreter and limits under the isolation `mode` asks for, whatever
+    /// `ROLLFLEET_SANDBOX` says.
+    pub fn with_mode(&self, mode: SandboxMode) -> Self {
         Self {
             python: self.python.clone(),
+            limits: self.limits,
+            mode,
+            isolation: resolve_isolation(mode),
+        }
+    }
+
+    /// The same interpreter and isolation under other limits.
+    pub fn with_limits(&self, limits: SandboxLimits) -> Self {
+        Self {
             limits,
+            ..self.clone()
         }
     }
 
@@ -217,18 +319,39 @@ impl Sandbox {
         &self.limits
     }
 
+    /// The mode this sandbox was asked for.
+    pub fn mode(&self) -> SandboxMode {
+        self.mode
+    }
+
+    /// The isolation runs use, or why none is usable (`namespaces` was required and `bwrap`
+    /// does not work here, or `ROLLFLEET_SANDBOX` is not a known mode).
+    pub fn isolation(&self) -> Result<Isolation, SandboxError> {
+        self.isolation.clone().map_err(SandboxError::Unavailable)
+    }
+
     /// Runs `code` as `main.py` in a fresh directory with `stdin` as its standard input.
     pub fn run(&self, code: &str, stdin: &[u8]) -> Result<SandboxOutput, SandboxError> {
+        let isolation = self.isolation()?;
         let dir = tempfile::Builder::new()
             .prefix("rollfleet-sandbox-")
             .tempdir()
             .map_err(SandboxError::TempDir)?;
         let main = dir.path().join("main.py");
         std::fs::write(&main, code).map_err(SandboxError::TempDir)?;
-        // The child runs as `nobody` when we are root; it must be able to read its file and
-        // write next to it, and nothing else of ours.
-        set_mode(dir.path(), 0o777)?;
-        set_mode(&main, 0o644)?;
+        // Only the run itself may enter its directory: another run, or a daemon left behind by
+        // one, must not read or replace this run's files.
+        set_mode(dir.path(), 0o700)?;
+        set_mode(&main, 0o600)?;
+        let as_root = nix::unistd::geteuid().is_root();
+        if as_root {
+            // The code runs as `nobody` in both modes (see `run_as_nobody`); the directory
+            // becomes theirs rather than everyone's.
+            for path in [dir.path(), main.as_path()] {
+                std::os::unix::fs::chown(path, Some(NOBODY), Some(NOBODY))
+                    .map_err(SandboxError::TempDir)?;
+            }
+        }
 
         let cfg = serde_json::json!({
             "cpu_seconds": self.limits.cpu_seconds,
@@ -238,21 +361,55 @@ impl Sandbox {
         })
         .to_string();
 
+        let mut command = match isolation {
+            Isolation::Namespaces => {
+                // Inside the user namespace uid 65534 maps to the uid bwrap runs as outside:
+                // ours, or `nobody` when we are root. Either way the run owns its directory.
+                let bwrap = match probe() {
+                    Ok(bwrap) => bwrap,
+                    Err(reason) => return Err(SandboxError::Unavailable(reason.clone())),
+                };
+                let python = self.interpreter()?;
+                let extra =
+                    interpreter_mounts(&python).map_err(|reason| SandboxError::Interpreter {
+                        python: python.display().to_string(),
+                        reason,
+                    })?;
+                let mut command = Command::new(&bwrap.path);
+                command
+                    .args(bwrap.args(Some(dir.path()), &extra, &self.limits))
+                    .arg(&python)
+                    .env_clear();
+                if as_root {
+                    run_as_nobody(&mut command);
+                }
+                command
+            }
+            Isolation::Process => {
+                // As root, the wrapper itself drops to `nobody` after setting its limits.
+                let mut command = Command::new(&self.python);
+                command
+                    .current_dir(dir.path())
+                    .env_clear()
+                    .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+                    .env("HOME", dir.path())
+                    .env("PYTHONDONTWRITEBYTECODE", "1")
+                    .env("PYTHONIOENCODING", "utf-8");
+                command
+            }
+        };
+
         let started = Instant::now();
-        let mut child = Command::new(&self.python)
+        let mut child = command
             .arg("-I")
             .arg("-c")
             .arg(WRAPPER)
             .arg(cfg)
-            .current_dir(dir.path())
-            .env_clear()
-            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-            .env("HOME", dir.path())
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .env("PYTHONIOENCODING", "utf-8")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
+            // In namespace mode this group holds `bwrap`, whose death takes the whole PID
+            // namespace with it; in process mode it holds the interpreter and its children.
             .process_group(0)
             .spawn()
             .map_err(|source| SandboxError::Spawn {
@@ -284,7 +441,7 @@ impl Sandbox {
         let mut pause = Duration::from_micros(500);
         let termination = loop {
             if let Some(status) = child.try_wait().map_err(SandboxError::Wait)? {
-                break exit_termination(status);
+                break exit_termination(status, isolation);
             }
             if over_limit.load(Ordering::Relaxed) {
                 kill_group(pgid);
@@ -299,7 +456,9 @@ impl Sandbox {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(10));
         };
-        // Background children of the user's code would otherwise outlive the run.
+        // Background children of the user's code would otherwise outlive the run. Under
+        // namespaces `bwrap` has already exited and the kernel killed its PID namespace with
+        // it; in process mode this misses children that left the group with `setsid`.
         kill_group(pgid);
         let wall_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
         let (stdout, stdout_truncated) = stdout.map(Capture::finish).unwrap_or_default();
@@ -319,6 +478,226 @@ impl Sandbox {
             wall_ms,
         })
     }
+
+    /// The interpreter as an absolute, symlink-free path, so it can be mounted and named inside
+    /// the namespace, and so a missing interpreter is an error rather than a failing run.
+    fn interpreter(&self) -> Result<PathBuf, SandboxError> {
+        let not_found = |source| SandboxError::Spawn {
+            python: self.python.display().to_string(),
+            source,
+        };
+        let found = if self.python.components().count() > 1 {
+            self.python.clone()
+        } else {
+            find_on_path(&self.python).ok_or_else(|| {
+                not_found(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "not found on PATH",
+                ))
+            })?
+        };
+        std::fs::canonicalize(found).map_err(not_found)
+    }
+}
+
+/// uid and gid of `nobody`, which sandboxed code runs as.
+const NOBODY: u32 = 65534;
+
+/// The top-level entries of `/` that `/usr` alone does not provide: on merged-`/usr` systems
+/// they are symlinks into it, elsewhere directories mounted read-only.
+const ROOT_LINKS: [&str; 6] = ["bin", "sbin", "lib", "lib32", "lib64", "libx32"];
+
+/// A `bwrap` that was seen to work here, and the optional flags it accepts.
+#[derive(Debug)]
+struct Bwrap {
+    path: PathBuf,
+    disable_userns: bool,
+    tmpfs_size: bool,
+}
+
+impl Bwrap {
+    /// Everything before the interpreter's path on the `bwrap` command line.
+    fn args(
+        &self,
+        work: Option<&Path>,
+        extra_ro: &[PathBuf],
+        limits: &SandboxLimits,
+    ) -> Vec<OsString> {
+        let mut args: Vec<OsString> = Vec::new();
+        let mut push = |items: &[&OsStr]| args.extend(items.iter().map(|s| s.to_os_string()));
+        push(&[
+            "--unshare-all".as_ref(),
+            // `--unshare-all` only tries the user namespace; without it `--uid` fails and, as
+            // root, the run would keep real capabilities.
+            "--unshare-user".as_ref(),
+            "--die-with-parent".as_ref(),
+            "--new-session".as_ref(),
+            "--uid".as_ref(),
+            "65534".as_ref(),
+            "--gid".as_ref(),
+            "65534".as_ref(),
+            "--hostname".as_ref(),
+            "sandbox".as_ref(),
+            "--cap-drop".as_ref(),
+            "ALL".as_ref(),
+        ]);
+        if self.disable_userns {
+            push(&["--disable-userns".as_ref()]);
+        }
+        push(&["--ro-bind".as_ref(), "/usr".as_ref(), "/usr".as_ref()]);
+        for name in ROOT_LINKS {
+            let host = Path::new("/").join(name);
+            let Ok(meta) = std::fs::symlink_metadata(&host) else {
+                continue;
+            };
+            if meta.file_type().is_symlink() {
+                if let Ok(target) = std::fs::read_link(&host) {
+                    push(&["--symlink".as_ref(), target.as_os_str(), host.as_os_str()]);
+                }
+            } else if meta.is_dir() {
+                push(&["--ro-bind".as_ref(), host.as_os_str(), host.as_os_str()]);
+            }
+        }
+        for path in extra_ro {
+            push(&["--ro-bind".as_ref(), path.as_os_str(), path.as_os_str()]);
+        }
+        push(&[
+            "--proc".as_ref(),
+            "/proc".as_ref(),
+            "--dev".as_ref(),
+            "/dev".as_ref(),
+        ]);
+        let tmp_bytes = limits.max_file_bytes.max(1 << 20).to_string();
+        if self.tmpfs_size {
+            push(&["--size".as_ref(), tmp_bytes.as_ref()]);
+        }
+        push(&["--tmpfs".as_ref(), "/tmp".as_ref()]);
+        if let Some(work) = work {
+            push(&["--bind".as_ref(), work.as_os_str(), "/work".as_ref()]);
+            push(&["--chdir".as_ref(), "/work".as_ref()]);
+        }
+        push(&[
+            // The root is bwrap's own tmpfs; nothing but /work and /tmp needs to be writable.
+            "--remount-ro".as_ref(),
+            "/".as_ref(),
+            "--clearenv".as_ref(),
+            "--setenv".as_ref(),
+            "PATH".as_ref(),
+            "/usr/bin:/bin".as_ref(),
+            "--setenv".as_ref(),
+            "HOME".as_ref(),
+            "/work".as_ref(),
+            "--setenv".as_ref(),
+            "PYTHONDONTWRITEBYTECODE".as_ref(),
+            "1".as_ref(),
+            "--setenv".as_ref(),
+            "PYTHONIOENCODING".as_ref(),
+            "utf-8".as_ref(),
+            "--".as_ref(),
+        ]);
+        args
+    }
+}
+
+/// Whether the namespace sandbox works on this machine, checked once per process by running
+/// `true` under the same `bwrap` options a real run uses.
+fn probe() -> &'static Result<Bwrap, String> {
+    static PROBE: OnceLock<Result<Bwrap, String>> = OnceLock::new();
+    PROBE.get_or_init(|| {
+        let path = find_on_path(Path::new("bwrap"))
+            .ok_or_else(|| "bwrap (Debian package bubblewrap) is not installed".to_owned())?;
+        let mut bwrap = Bwrap {
+            path,
+            disable_userns: true,
+            tmpfs_size: true,
+        };
+        // Older bwrap releases lack some of the optional flags; drop what they reject.
+        loop {
+            let mut command = Command::new(&bwrap.path);
+            command
+                .args(bwrap.args(None, &[], &SandboxLimits::default()))
+                .arg("true")
+                .env_clear()
+                .stdin(Stdio::null());
+            if nix::unistd::geteuid().is_root() {
+                run_as_nobody(&mut command);
+            }
+            let output = command
+                .output()
+                .map_err(|e| format!("could not run {}: {e}", bwrap.path.display()))?;
+            if output.status.success() {
+                return Ok(bwrap);
+            }
+            let stderr = String::from_utf8_lossy(&output.stderr).trim().to_owned();
+            if bwrap.disable_userns && stderr.contains("--disable-userns") {
+                bwrap.disable_userns = false;
+            } else if bwrap.tmpfs_size && stderr.contains("--size") {
+                bwrap.tmpfs_size = false;
+            } else {
+                return Err(format!(
+                    "{} does not work here (are unprivileged user namespaces enabled?): {stderr}",
+                    bwrap.path.display()
+                ));
+            }
+        }
+    })
+}
+
+/// Starts `command` as `nobody` rather than root. bwrap maps the sandbox's uid to the uid it
+/// runs as, and the kernel exempts the host's root from `RLIMIT_NPROC` even inside a user
+/// namespace, so a run mapped to root could fork without bound.
+fn run_as_nobody(command: &mut Command) {
+    // The standard library also clears the supplementary groups when root changes uid.
+    command.uid(NOBODY).gid(NOBODY);
+}
+
+fn resolve_isolation(mode: SandboxMode) -> Result<Isolation, String> {
+    match mode {
+        SandboxMode::Process => Ok(Isolation::Process),
+        SandboxMode::Namespaces => match probe() {
+            Ok(_) => Ok(Isolation::Namespaces),
+            Err(reason) => Err(format!(
+                "{}=namespaces requires the namespace sandbox: {reason}",
+                SandboxMode::ENV
+            )),
+        },
+        SandboxMode::Auto => match probe() {
+            Ok(_) => Ok(Isolation::Namespaces),
+            Err(reason) => {
+                static WARNED: Once = Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        %reason,
+                        "code sandbox: namespaces unavailable, falling back to the process \
+                         sandbox, which is not a security boundary (set {}=namespaces to \
+                         require them)",
+                        SandboxMode::ENV
+                    );
+                });
+                Ok(Isolation::Process)
+            }
+        },
+    }
+}
+
+/// Read-only mounts an interpreter outside `/usr` needs: its installation prefix (the
+/// directory above its `bin`).
+fn interpreter_mounts(python: &Path) -> Result<Vec<PathBuf>, String> {
+    if python.starts_with("/usr") {
+        return Ok(Vec::new());
+    }
+    match python.parent().and_then(Path::parent) {
+        // Mounting `/` or a top-level directory would hand the host's file system to the run.
+        Some(prefix) if prefix.components().count() > 2 => Ok(vec![prefix.to_path_buf()]),
+        _ => Err("it is neither under /usr nor inside an installation prefix".to_owned()),
+    }
+}
+
+fn find_on_path(name: &Path) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
 }
 
 fn set_mode(path: &Path, mode: u32) -> Result<(), SandboxError> {
@@ -327,9 +706,13 @@ fn set_mode(path: &Path, mode: u32) -> Result<(), SandboxError> {
         .map_err(SandboxError::TempDir)
 }
 
-fn exit_termination(status: ExitStatus) -> Termination {
+fn exit_termination(status: ExitStatus, isolation: Isolation) -> Termination {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
+        // bwrap reports a child killed by signal N as exit status 128 + N.
+        (Some(code), _) if isolation == Isolation::Namespaces && (129..=192).contains(&code) => {
+            Termination::Signaled(code - 128)
+        }
         (Some(code), _) => Termination::Exited(code),
         (None, Some(sig)) => Termination::Signaled(sig),
         (None, None) => Termination::Exited(-1),

@@ -12,6 +12,9 @@ use rollfleet_rewards::sandbox::{
     CodeTests, IoCase, Sandbox, SandboxLimits, Termination, run_code_tests,
 };
 
+mod common;
+use common::marked;
+
 fn sandbox() -> Sandbox {
     Sandbox::new(SandboxLimits {
         cpu_seconds: 2,
@@ -76,10 +79,13 @@ fn a_sleeping_program_is_stopped_by_the_wall_clock_limit() {
 #[test]
 fn a_fork_bomb_is_contained_and_leaves_no_process_behind() {
     let marker = format!("rollfleet-forkbomb-{}", std::process::id());
-    let code = format!(
-        "import os, time\n# {marker}\nn = 0\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        n += 1\n        time.sleep(0.01)\n"
+    let bomb = "import os, time\nprint('bomb up', flush=True)\nn = 0\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        n += 1\n        time.sleep(0.01)\n";
+    let out = sandbox().run(&marked(&marker, bomb), b"").unwrap();
+    assert!(
+        out.stdout.contains("bomb up"),
+        "the marked bomb never ran, so the test proves nothing: {}",
+        out.stderr
     );
-    let out = sandbox().run(&code, b"").unwrap();
     assert!(
         matches!(
             out.termination,
@@ -166,6 +172,17 @@ fn writing_outside_the_run_directory_is_refused_but_inside_is_allowed() {
 }
 
 #[test]
+fn the_run_directory_is_private_to_the_run() {
+    let out = sandbox()
+        .run(
+            "import os\nst = os.stat('.')\nprint(oct(st.st_mode & 0o777), st.st_uid == os.getuid())",
+            b"",
+        )
+        .unwrap();
+    assert_eq!(out.stdout.trim(), "0o700 True", "{}", out.stderr);
+}
+
+#[test]
 fn writing_a_huge_file_is_stopped_by_the_file_size_limit() {
     let out = sandbox()
         .run("f = open('big', 'wb')\nfor _ in range(100):\n    f.write(b'x' * (1 << 20))\n    f.flush()", b"")
@@ -193,11 +210,14 @@ fn subprocesses_network_sockets_and_ctypes_are_refused() {
 #[test]
 fn a_background_child_does_not_outlive_the_run() {
     let marker = format!("rollfleet-orphan-{}", std::process::id());
-    let code = format!(
-        "import os, time\n# {marker}\nif os.fork() == 0:\n    time.sleep(30)\n    os._exit(0)\nprint('parent done')\n"
+    let code = "import os, time\nif os.fork() == 0:\n    print('child up', flush=True)\n    time.sleep(30)\n    os._exit(0)\ntime.sleep(0.5)\nprint('parent done', flush=True)\n";
+    let out = sandbox().run(&marked(&marker, code), b"").unwrap();
+    assert!(
+        out.stdout.contains("child up") && out.stdout.contains("parent done"),
+        "{} {}",
+        out.stdout,
+        out.stderr
     );
-    let out = sandbox().run(&code, b"").unwrap();
-    assert_eq!(out.stdout.trim(), "parent done");
     std::thread::sleep(Duration::from_millis(300));
     let survivors = std::process::Command::new("pgrep")
         .arg("-f")

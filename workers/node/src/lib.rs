@@ -515,10 +515,11 @@ pub async fn run(opts: WorkerOptions) -> Result<WorkerExit, NodeError> {
                 return Ok(WorkerExit::Closed);
             }
             Err(Ended::SchedulerGone { reason, .. }) if !opts.rejoin_for.is_zero() => {
-                eprintln!(
+                tracing::warn!(
                     "worker ({}): the scheduler went away ({reason}); registering again for up \
-                     to {:?}",
-                    opts.hostname, opts.rejoin_for
+                     to {} s",
+                    opts.hostname,
+                    opts.rejoin_for.as_secs_f64()
                 );
                 connect_for = opts.rejoin_for;
                 // A scheduler that takes the registration and loses the worker again at once
@@ -621,7 +622,7 @@ async fn session(
         // A scheduler that comes back to find its job over (it was resumed from its journal
         // after the end) has nothing for the worker: the job is drained.
         Err(status) if status.code() == tonic::Code::FailedPrecondition => {
-            eprintln!(
+            tracing::info!(
                 "worker ({}): the scheduler says {}; nothing left to do",
                 opts.hostname,
                 status.message()
@@ -667,7 +668,7 @@ async fn session(
                 t.kind
             ))));
         }
-        eprintln!(
+        tracing::info!(
             "worker {} ({}): registered for pool {}; generation token-in, token-out on {} {} \
              engine(s): {}",
             shown_lease(&lease.worker_id),
@@ -680,17 +681,22 @@ async fn session(
     }
     match &openai {
         None if tokens.is_some() => {}
-        None => eprintln!(
-            "worker {} ({}): registered for pool {} ({:?}); emulated hardware at time scale \
+        None => tracing::info!(
+            "worker {} ({}): registered for pool {} ({}); emulated hardware at time scale \
              {time_scale}",
             shown_lease(&lease.worker_id),
             opts.hostname,
             opts.pool,
-            plan.pool_role(pool)
+            match plan.pool_role(pool) {
+                Some(PoolRole::Gpu) => "GPUs",
+                Some(PoolRole::Cpu) => "CPU nodes",
+                Some(PoolRole::Serverless) => "serverless functions",
+                None => "not in the job",
+            }
         ),
-        Some(b) => eprintln!(
+        Some(b) => tracing::info!(
             "worker {} ({}): registered for pool {}; generation on the OpenAI-compatible engine \
-             at {} (model {:?}); training emulated at time scale {time_scale}",
+             at {} (model \"{}\"); training emulated at time scale {time_scale}",
             shown_lease(&lease.worker_id),
             opts.hostname,
             opts.pool,
@@ -705,7 +711,7 @@ async fn session(
             .iter()
             .map(|d| d.name.as_str())
             .collect();
-        eprintln!(
+        tracing::info!(
             "worker {} ({}): GPU telemetry (NVML) from {} GPUs ({}) with every heartbeat",
             shown_lease(&lease.worker_id),
             opts.hostname,
@@ -713,7 +719,7 @@ async fn session(
             names.join(", ")
         );
     } else {
-        eprintln!(
+        tracing::warn!(
             "worker {} ({}): no GPU telemetry on this node, reported once and never as zeros: {}",
             shown_lease(&lease.worker_id),
             opts.hostname,
@@ -791,10 +797,12 @@ async fn session(
                 break Err(gone_or_refused(&status, "heartbeat refused: "));
             }
             () = leave_asked(&mut leave), if release_by.is_none() => {
-                eprintln!(
+                tracing::info!(
                     "worker {} ({}): leaving: the scheduler gives this node nothing new and \
-                     releases it once what it runs is done (at most {:?})",
-                    shown_lease(&lease.worker_id), opts.hostname, opts.leave_timeout
+                     releases it once what it runs is done (at most {} s)",
+                    shown_lease(&lease.worker_id),
+                    opts.hostname,
+                    opts.leave_timeout.as_secs_f64()
                 );
                 let _ = out.send(WorkerMessage {
                     message: Some(worker_message::Message::Leaving(WorkerLeaving {
@@ -868,17 +876,19 @@ async fn session(
                 scheduler_message::Message::Drain(_) => break Ok(WorkerExit::Drained),
                 scheduler_message::Message::StartReplica(start) => {
                     if let Err(reason) = node.start_replica(&start) {
-                        eprintln!("worker: {reason}");
+                        tracing::warn!("worker: {reason}");
                     } else {
-                        eprintln!(
+                        tracing::info!(
                             "worker: serves replica {} from now on ({} x {} GPUs)",
-                            start.replica, start.role, start.gpus
+                            start.replica,
+                            start.role,
+                            start.gpus
                         );
                     }
                 }
                 scheduler_message::Message::StopReplica(replica) => {
                     node.stop_replica(replica);
-                    eprintln!("worker: replica {replica} retired");
+                    tracing::info!("worker: replica {replica} retired");
                 }
             },
         }
@@ -926,6 +936,32 @@ fn failure(cause: Cause, message: impl Into<String>) -> work_result::Outcome {
         cause: cause as i32,
         message: message.into(),
     })
+}
+
+/// An environment host's refusal as a stage failure. An environment this node does not know,
+/// or one that calls its configuration impossible (a remote server's `unknown_environment` and
+/// other 4xx answers), is a configuration error: retrying on another node cannot fix it, so it
+/// is reported as invalid, naming the environment, for the scheduler to fail the job with.
+/// Everything else (a crash, a timeout, an unreachable server) is an infrastructure fault.
+fn env_failure(kind: &str, error: rollfleet_envhost::HostError) -> work_result::Outcome {
+    use rollfleet_envhost::HostError;
+    match error {
+        HostError::UnknownEnvironment { .. } => failure(
+            Cause::Invalid,
+            format!(
+                "{error}; a remote environment is served by workers started with --remote-env \
+                 {kind}=URL"
+            ),
+        ),
+        HostError::Environment {
+            error: rollfleet_environments::EnvError::InvalidConfig(_),
+            ..
+        } => failure(
+            Cause::Invalid,
+            format!("environment {}: {error}", rollfleet_server::quoted(kind)),
+        ),
+        _ => failure(Cause::Infrastructure, error.to_string()),
+    }
 }
 
 /// A failed engine call as a stage failure: an engine that is unreachable, answers 5xx or breaks
@@ -1508,7 +1544,7 @@ impl Node {
                         .host
                         .start(&e.environment, e.seed)
                         .await
-                        .map_err(|err| infra(err.to_string()))?;
+                        .map_err(|err| env_failure(&e.environment, err))?;
                     self.remember(key, episode, 0);
                     return Ok(StageOutput {
                         token_count: tokens_of(&observation),
@@ -1532,7 +1568,7 @@ impl Node {
                             .host
                             .restore(&e.environment, e.seed, &e.history)
                             .await
-                            .map_err(|err| infra(err.to_string()))?;
+                            .map_err(|err| env_failure(&e.environment, err))?;
                         episode
                     }
                 };
@@ -1547,7 +1583,7 @@ impl Node {
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .remove(&key);
-                    infra(err.to_string())
+                    env_failure(&e.environment, err)
                 })?;
                 if step.done {
                     self.episodes
@@ -1697,6 +1733,52 @@ fn shown_lease(worker_id: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_environment_refused_for_its_configuration_is_invalid_and_a_crash_is_infrastructure() {
+        use rollfleet_envhost::HostError;
+        use rollfleet_environments::EnvError;
+        let cause = |outcome: work_result::Outcome| match outcome {
+            work_result::Outcome::Failure(f) => (f.cause(), f.message),
+            other => panic!("not a failure: {other:?}"),
+        };
+        let unknown = HostError::UnknownEnvironment {
+            kind: "webshop".into(),
+            known: vec!["sokoban".into()],
+        };
+        let (c, message) = cause(env_failure("webshop", unknown));
+        assert_eq!(c, Cause::Invalid);
+        assert!(
+            message.contains("unknown environment \"webshop\""),
+            "{message}"
+        );
+        assert!(message.contains("--remote-env webshop=URL"), "{message}");
+        let refused = HostError::Environment {
+            episode: 3,
+            error: EnvError::InvalidConfig(
+                "http://127.0.0.1:9: HTTP 404: unknown_environment: 'wordle'".into(),
+            ),
+        };
+        let (c, message) = cause(env_failure("wordle", refused));
+        assert_eq!(c, Cause::Invalid);
+        assert!(message.starts_with("environment \"wordle\": "), "{message}");
+        assert!(message.contains("unknown_environment"), "{message}");
+        for infrastructure in [
+            HostError::Infrastructure {
+                episode: 4,
+                reason: "the environment panicked".into(),
+            },
+            HostError::NoFreeSlot(8),
+            HostError::UnknownEpisode(5),
+            HostError::Environment {
+                episode: 6,
+                error: EnvError::NotRunning,
+            },
+        ] {
+            let (c, _) = cause(env_failure("sokoban", infrastructure));
+            assert_eq!(c, Cause::Infrastructure);
+        }
+    }
 
     #[test]
     fn readings_fill_the_load_and_no_reading_leaves_every_gpu_field_absent() {

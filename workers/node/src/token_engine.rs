@@ -92,9 +92,10 @@ impl TokenBackend {
                     .join(", ")
             ));
         };
-        eprintln!(
+        tracing::info!(
             "worker: replica {replica} is served by the {} engine at {}",
-            self.kind, self.urls[free]
+            self.kind,
+            self.urls[free]
         );
         assigned.insert(replica, free);
         Ok(self.endpoints[free].clone())
@@ -255,7 +256,7 @@ pub(crate) async fn generate(
                 // The engine answers the pending request with what it had; one that cannot
                 // stop a single request finishes it.
                 if let Err(e) = engine.interrupt(&request_id).await {
-                    eprintln!("worker: {request_id} runs to its end: {e}");
+                    tracing::warn!("worker: {request_id} runs to its end: {e}");
                 }
                 continue;
             }

@@ -1,4 +1,4 @@
-//! `rollfleet job submit|status|watch|cancel`: the client of a running scheduler's JobService.
+//! `rollfleet job submit|status|watch|cancel|list|logs`: the client of a running scheduler's JobService.
 //!
 //! A scheduler runs one job: the one it was started with (`rollfleet scheduler JOB.yaml`), or the
 //! first valid one submitted to it (`rollfleet scheduler`, then `rollfleet job submit`). A job is
@@ -12,12 +12,16 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use rollfleet_proto::auth::{AuthChannel, ClientAuth};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
-use rollfleet_proto::v1::{JobPhase, JobRef, JobStatus, PoolStatus, SubmitJobRequest};
+use rollfleet_proto::v1::{
+    JobLogsRequest, JobPhase, JobRef, JobStatus, ListJobsRequest, LogLine, PoolStatus,
+    SubmitJobRequest, TrajectoryOutcomes,
+};
+use rollfleet_server::actor::OutcomeFigures;
 use rollfleet_server::job::{ended, phase_name};
 use serde::Serialize;
 
 use crate::commands::{SchedulerArg, TlsClientArgs, TokenArgs};
-use crate::output::{OutputFormat, Table, exit, write_structured};
+use crate::output::{OutputFormat, Table, counted, exit, write_structured};
 
 /// Where the scheduler listens unless told otherwise (`rollfleet scheduler`'s default).
 pub const DEFAULT_SCHEDULER: &str = "http://127.0.0.1:7070";
@@ -76,6 +80,31 @@ pub enum JobCommand {
         #[command(flatten)]
         target: Target,
     },
+    /// List the jobs a scheduler runs (one at most; none while it waits for a submission).
+    #[command(after_help = "Examples:\n  \
+        rollfleet job list\n  \
+        ROLLFLEET_SCHEDULER=http://10.0.0.5:7070 rollfleet job list -o json")]
+    List {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Print the scheduler's newest log lines for a job (it keeps a few thousand), and with
+    /// `--follow` every new one until interrupted.
+    #[command(after_help = "Examples:\n  \
+        rollfleet job logs quickstart --tail 50\n  \
+        rollfleet job logs quickstart --follow -o json | jq -r .message")]
+    Logs {
+        /// The job's name.
+        name: String,
+        #[command(flatten)]
+        target: Target,
+        /// Only the newest N lines (0: every line kept).
+        #[arg(long, default_value_t = 100, value_name = "N")]
+        tail: u32,
+        /// Keep printing new lines as the scheduler logs them.
+        #[arg(short = 'f', long)]
+        follow: bool,
+    },
 }
 
 /// Which scheduler to ask.
@@ -102,6 +131,41 @@ struct StatusView {
     trajectories_trained: u64,
     pools: Vec<PoolView>,
     message: String,
+    /// The reward at or above which a trajectory counts as a success.
+    success_reward: f64,
+    /// What the trained trajectories scored and cost, per task, over every task, and in the RL
+    /// step trained last.
+    tasks: Vec<OutcomeFigures>,
+    overall: OutcomeFigures,
+    last_step: StepView,
+}
+
+/// The figures of the RL step trained last.
+#[derive(Debug, Serialize)]
+struct StepView {
+    step: u64,
+    #[serde(flatten)]
+    figures: OutcomeFigures,
+}
+
+/// The status's figures as the report has them (one shape for `rollfleet run` and `job`).
+fn figures(o: Option<&TrajectoryOutcomes>) -> OutcomeFigures {
+    let o = o.cloned().unwrap_or_default();
+    OutcomeFigures {
+        task: o.task,
+        trajectories: o.trajectories,
+        mean_reward: o.mean_reward,
+        min_reward: o.min_reward,
+        max_reward: o.max_reward,
+        successes: o.successes,
+        success_rate: o.success_rate,
+        mean_turns: o.mean_turns,
+        mean_prompt_tokens: o.mean_prompt_tokens,
+        mean_action_tokens: o.mean_action_tokens,
+        mean_staleness: o.mean_staleness,
+        max_staleness: o.max_staleness,
+        modelled_rewards: o.modelled_rewards,
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -144,6 +208,13 @@ impl From<&JobStatus> for StatusView {
                 })
                 .collect(),
             message: s.message.clone(),
+            success_reward: s.success_reward,
+            tasks: s.tasks.iter().map(|t| figures(Some(t))).collect(),
+            overall: figures(s.overall.as_ref()),
+            last_step: StepView {
+                step: s.last_step.as_ref().map_or(0, |l| l.step),
+                figures: figures(s.last_step.as_ref()),
+            },
         }
     }
 }
@@ -185,6 +256,18 @@ impl Failure {
                 "{what}: the scheduler at {url} refused the call: {}",
                 status.message()
             ),
+            // What tonic reports when the peer is not a gRPC server (a plain HTTP/1 server, a
+            // proxy, another service on the port): no scheduler said anything.
+            tonic::Code::Unknown | tonic::Code::Internal
+                if status.message().contains("transport error")
+                    || status.message().contains("protocol error") =>
+            {
+                format!(
+                    "{what}: {url} did not answer as a rollfleet scheduler (gRPC over HTTP/2): \
+                     {}; is that the scheduler's address and port?",
+                    status.message()
+                )
+            }
             _ => format!("{what}: the scheduler at {url} says: {}", status.message()),
         };
         Failure { code, message }
@@ -263,6 +346,41 @@ pub fn run(
                 )?;
                 if let Some(status) = answer.into_inner().status {
                     write_status(&status, format, stdout)?;
+                }
+                Ok(exit::OK)
+            }
+            JobCommand::List { target } => {
+                let mut client = connect(target).await?;
+                let list = client
+                    .list(ListJobsRequest {})
+                    .await
+                    .map_err(|s| Failure::answer(&target.at.scheduler, "list", &s))?;
+                write_list(&list.into_inner().jobs, format, stdout)?;
+                Ok(exit::OK)
+            }
+            JobCommand::Logs {
+                name,
+                target,
+                tail,
+                follow,
+            } => {
+                let mut client = connect(target).await?;
+                let request = JobLogsRequest {
+                    job: name.clone(),
+                    tail: *tail,
+                    follow: *follow,
+                };
+                let mut lines = client
+                    .logs(request)
+                    .await
+                    .map_err(|s| Failure::answer(&target.at.scheduler, "logs", &s))?
+                    .into_inner();
+                loop {
+                    match lines.message().await {
+                        Ok(Some(line)) => write_log_line(&line, format, stdout)?,
+                        Ok(None) => break,
+                        Err(s) => return Err(Failure::answer(&target.at.scheduler, "logs", &s)),
+                    }
                 }
                 Ok(exit::OK)
             }
@@ -436,6 +554,17 @@ fn write_progress(
                 status.trajectories_trained,
                 status.trajectories_in_flight
             )?;
+            if let Some(all) = status.overall.as_ref().filter(|o| o.trajectories > 0) {
+                write!(
+                    out,
+                    "; reward {:.3}, success {:.0}%",
+                    all.mean_reward,
+                    all.success_rate * 100.0
+                )?;
+                if let Some(last) = &status.last_step {
+                    write!(out, " (step {}: {:.3})", last.step, last.mean_reward)?;
+                }
+            }
             if !status.pools.is_empty() {
                 write!(out, "; busy: {}", busy_line(&status.pools))?;
             }
@@ -487,8 +616,95 @@ fn write_status(status: &JobStatus, format: OutputFormat, out: &mut dyn Write) -
         }
         table.write(out)?;
     }
+    let overall = figures(status.overall.as_ref());
+    if overall.trajectories > 0 {
+        writeln!(
+            out,
+            "rewards (success: a reward of at least {}):",
+            status.success_reward
+        )?;
+        let tasks: Vec<OutcomeFigures> = status.tasks.iter().map(|t| figures(Some(t))).collect();
+        super::runtime::write_outcome_table(&tasks, &overall, out)?;
+        if let Some(last) = &status.last_step {
+            writeln!(
+                out,
+                "RL step {} so far: {} trained, mean reward {:.3}, success {:.0}%",
+                last.step,
+                counted(last.trajectories, "trajectory", "trajectories"),
+                last.mean_reward,
+                last.success_rate * 100.0
+            )?;
+        }
+    }
     if !status.message.is_empty() {
         writeln!(out, "message: {}", status.message)?;
     }
     Ok(())
+}
+
+/// One row per job: name, phase, step, trajectories and message.
+fn write_list(jobs: &[JobStatus], format: OutputFormat, out: &mut dyn Write) -> Result<()> {
+    if format != OutputFormat::Table {
+        let views: Vec<StatusView> = jobs.iter().map(StatusView::from).collect();
+        return write_structured(format, &views, out);
+    }
+    let mut table = Table::new(&["job", "phase", "RL step>", "trained>", "message"]);
+    for job in jobs {
+        table.row(vec![
+            job.job.clone(),
+            phase_name(job.phase()),
+            format!("{}/{}", job.rl_step, job.rl_steps_total),
+            job.trajectories_trained.to_string(),
+            job.message.clone(),
+        ]);
+    }
+    table.write(out)?;
+    Ok(())
+}
+
+/// A log line as printed: `time LEVEL message` for people, one JSON object per line otherwise.
+#[derive(Debug, Serialize)]
+struct LogLineView<'a> {
+    seq: u64,
+    unix_ms: i64,
+    level: &'a str,
+    target: &'a str,
+    message: &'a str,
+}
+
+fn write_log_line(line: &LogLine, format: OutputFormat, out: &mut dyn Write) -> Result<()> {
+    if format == OutputFormat::Table {
+        writeln!(
+            out,
+            "{} {:>5} {}",
+            utc_time(line.unix_ms),
+            line.level,
+            line.message
+        )?;
+    } else {
+        let view = LogLineView {
+            seq: line.seq,
+            unix_ms: line.unix_ms,
+            level: &line.level,
+            target: &line.target,
+            message: &line.message,
+        };
+        // One object per line whatever the format, so that `--follow` output can be read as
+        // it comes (YAML documents would need a separator per line).
+        writeln!(out, "{}", serde_json::to_string(&view)?)?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// `unix_ms` as `HH:MM:SS.mmm` UTC.
+fn utc_time(unix_ms: i64) -> String {
+    let ms = unix_ms.rem_euclid(86_400_000);
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        ms / 3_600_000,
+        ms / 60_000 % 60,
+        ms / 1000 % 60,
+        ms % 1000
+    )
 }

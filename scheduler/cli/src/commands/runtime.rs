@@ -16,6 +16,7 @@ use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rollfleet_proto::auth::{ClientAuth, TOKEN_ENV, Token};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::{JobPhase, JobRef};
+use rollfleet_server::actor::{OutcomeFigures, StepOutcomes};
 use rollfleet_server::{Report, ServerOptions};
 use tonic::transport::Endpoint;
 
@@ -329,6 +330,10 @@ pub struct RunArgs {
     /// (repeatable): its workers run with `--emulate-slowdown SHARE`, to watch a drift.
     #[arg(long = "emulate-slowdown", value_name = "POOL=SHARE", value_parser = parse_slowdown)]
     pub emulate_slowdown: Vec<(String, f64)>,
+    /// Also write the scheduler's report (what `-o json` prints) to FILE, whatever the output
+    /// format: the summary on the terminal and the figures for a script, from one run.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
 }
 
 fn parse_slowdown(s: &str) -> std::result::Result<(String, f64), String> {
@@ -890,6 +895,11 @@ pub fn run(
         let _ = std::fs::remove_file(&report_path);
         serde_json::from_slice::<Report>(&bytes).context("parsing the scheduler's report")?
     };
+    if let Some(path) = &args.report {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json)
+            .with_context(|| format!("writing the report {}", path.display()))?;
+    }
     if let Some(path) = &args.profiles_out {
         let json = serde_json::to_string_pretty(&report.profiles)?;
         std::fs::write(path, json)
@@ -1012,10 +1022,12 @@ async fn watch(
             break;
         }
     }
-    step_bar.finish();
-    traj_bar.finish();
+    // `abandon`, not `finish`: finishing fills a bar to its length, which would show every
+    // pool 100% busy, and a failed job's steps all done, above a summary that says otherwise.
+    step_bar.abandon();
+    traj_bar.abandon();
     for b in pool_bars {
-        b.finish();
+        b.abandon();
     }
     Ok(())
 }
@@ -1059,6 +1071,7 @@ fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> {
         ]);
     }
     t.write(out)?;
+    write_outcomes(report, out)?;
     writeln!(
         out,
         "trajectories trained: {} ({} twice); stages completed: {}; retried: {}; turns regenerated \
@@ -1124,11 +1137,122 @@ fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> {
     Ok(())
 }
 
+/// What the trained trajectories scored and cost: a line saying where the rewards came from, a
+/// row per task and one over them all, then the mean reward of each RL step.
+fn write_outcomes(report: &Report, out: &mut dyn Write) -> Result<()> {
+    let o = &report.outcomes;
+    if o.overall.trajectories == 0 {
+        return Ok(());
+    }
+    // The policy is emulated unless a real engine generated: its rewards are those of random
+    // legal moves, which no one should read as a model's learning. Modelled environments score
+    // nothing at all (the job spec gives no reward distribution).
+    let source = if o.overall.modelled_rewards == o.overall.trajectories {
+        "environments and rewards MODELLED from the job spec, which gives no reward \
+         distribution: each reward is 0"
+            .to_owned()
+    } else {
+        let policy = if report.engine_generations == 0 {
+            "policy EMULATED (random legal moves)"
+        } else {
+            "policy: a real OpenAI-compatible engine"
+        };
+        if o.overall.modelled_rewards > 0 {
+            format!(
+                "{policy}; {} of {} MODELLED from the job spec, each 0",
+                o.overall.modelled_rewards, o.overall.trajectories
+            )
+        } else {
+            policy.to_owned()
+        }
+    };
+    writeln!(
+        out,
+        "rewards ({source}; success: a reward of at least {}):",
+        o.success_reward
+    )?;
+    write_outcome_table(&o.tasks, &o.overall, out)?;
+    if !o.steps.is_empty() {
+        writeln!(out, "mean reward by RL step: {}", step_line(&o.steps))?;
+    }
+    Ok(())
+}
+
+/// A row per task and one over them all (`all`): trajectories trained, mean reward, success
+/// rate, mean turns, mean tokens read (prompt and observations) and generated (actions), and the
+/// staleness at training (mean and most versions behind).
+pub(crate) fn write_outcome_table(
+    tasks: &[OutcomeFigures],
+    overall: &OutcomeFigures,
+    out: &mut dyn Write,
+) -> Result<()> {
+    let mut t = Table::new(&[
+        "task",
+        "trajectories>",
+        "mean reward>",
+        "success>",
+        "turns>",
+        "tokens in/out>",
+        "staleness mean/max>",
+    ]);
+    for f in tasks.iter().chain(std::iter::once(overall)) {
+        t.row(vec![
+            if f.task.is_empty() {
+                "all".to_owned()
+            } else {
+                f.task.clone()
+            },
+            f.trajectories.to_string(),
+            format!("{:.3}", f.mean_reward),
+            format!("{:.0}%", f.success_rate * 100.0),
+            format!("{:.1}", f.mean_turns),
+            format!("{:.0}/{:.0}", f.mean_prompt_tokens, f.mean_action_tokens),
+            format!("{:.2}/{}", f.mean_staleness, f.max_staleness),
+        ]);
+    }
+    t.write(out)?;
+    Ok(())
+}
+
+/// Each step's mean reward (`0: 0.412`), the first and last few of a long run.
+fn step_line(steps: &[StepOutcomes]) -> String {
+    const EACH_END: usize = 6;
+    let cell = |s: &StepOutcomes| format!("{}: {:.3}", s.step, s.overall.mean_reward);
+    if steps.len() <= 2 * EACH_END {
+        return steps.iter().map(cell).collect::<Vec<_>>().join(", ");
+    }
+    let head: Vec<String> = steps[..EACH_END].iter().map(cell).collect();
+    let tail: Vec<String> = steps[steps.len() - EACH_END..].iter().map(cell).collect();
+    format!("{}, ..., {}", head.join(", "), tail.join(", "))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn a_long_runs_step_line_shows_its_first_and_last_six_steps_and_a_short_ones_every_step() {
+        let steps = |n: u64| -> Vec<StepOutcomes> {
+            (0..n)
+                .map(|step| StepOutcomes {
+                    step,
+                    overall: OutcomeFigures {
+                        mean_reward: step as f64 / 4.0,
+                        ..Default::default()
+                    },
+                    tasks: Vec::new(),
+                })
+                .collect()
+        };
+        assert_eq!(step_line(&steps(3)), "0: 0.000, 1: 0.250, 2: 0.500");
+        let long = step_line(&steps(100));
+        assert!(long.starts_with("0: 0.000, 1: 0.250,"), "{long}");
+        assert!(long.contains("5: 1.250, ..., 94: 23.500"), "{long}");
+        assert!(long.ends_with("99: 24.750"), "{long}");
+        assert_eq!(long.matches(": ").count(), 12, "{long}");
+    }
 
     #[test]
     fn a_worker_that_exits_unsuccessfully_is_named_and_one_that_succeeds_is_not() {

@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Writes docs/results.md: every figure the README and the docs quote, from the commands that
+produce them.
+
+Two kinds of figures, in two sections:
+
+- simulated and planned (virtual clock): deterministic, the same on every machine; regenerated
+  on every run of this script, and checked by CI (`--check`) so that they cannot go stale;
+- measured (wall clock: benchmarks): they depend on the machine, so they are regenerated only
+  with `--benchmarks` (several minutes) and otherwise kept from the file as it stands, with the
+  machine and date they were measured on.
+
+Usage: python3 docs/results.py [--rollfleet PATH] [--benchmarks] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results.md"
+ROLLART = "examples/jobs/rollart-agentic.yaml"
+QUICKSTART = "examples/jobs/quickstart.yaml"
+SEEDS = (0, 1, 2)
+MEASURED_MARK = "<!-- measured: kept unless regenerated with --benchmarks -->"
+
+POLICY_NAMES = {
+    "sync": "sync (verl's synchronous colocated loop)",
+    "sync-disaggregated": "sync-disaggregated",
+    "one-step-off": "one-step-off (verl, slime)",
+    "rollfleet": "**rollfleet**",
+}
+
+
+def sim(rollfleet: str, job: str, *args: str) -> dict[str, Any]:
+    """The JSON report of `rollfleet sim JOB ARGS -o json`."""
+    out = subprocess.run(
+        [rollfleet, "sim", job, "-o", "json", *args],
+        cwd=ROOT,
+        check=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report
+
+
+def policy(report: dict[str, Any], name: str) -> dict[str, Any]:
+    for p in report["policies"]:
+        if p["policy"] == name:
+            found: dict[str, Any] = p
+            return found
+    raise KeyError(f"no policy {name} in the report")
+
+
+def simulated_section(rollfleet: str) -> str:
+    """The deterministic figures, as Markdown."""
+    lines: list[str] = []
+    add = lines.append
+    by_seed = {seed: sim(rollfleet, ROLLART, "--seed", str(seed)) for seed in SEEDS}
+    first = by_seed[SEEDS[0]]
+    add("## Simulated: the RollArt-like job under every policy")
+    add("")
+    add(
+        f"`rollfleet sim {ROLLART} --seed N -o json`, seeds {', '.join(map(str, SEEDS))}. "
+        "Every figure is **simulated** (virtual clock, a roofline of published peaks): the "
+        "same on every machine. `sync` keeps its colocated placement; the others run on the "
+        f"`{first['placement']}` placement. The lower bound is computed from the trajectories "
+        "each run trained ([baselines.md](baselines.md#the-lower-bound))."
+    )
+    add("")
+    add(
+        "| policy | s per RL step (seeds 0 / 1 / 2) | vs sync | trajectories/s | "
+        "lower bound s | efficiency |"
+    )
+    add("|---|---:|---:|---:|---:|---:|")
+    for name, shown in POLICY_NAMES.items():
+        runs = [policy(by_seed[s], name) for s in SEEDS]
+        steps = " / ".join(f"{r['step_time_s']:.1f}" for r in runs)
+        speedups = " / ".join(f"{r['speedup_vs_sync']:.2f}x" for r in runs)
+        add(
+            f"| {shown} | {steps} | {speedups} | {runs[0]['trajectories_per_s']:.2f} | "
+            f"{runs[0]['bound']['step_s']:.1f} | "
+            + " / ".join(f"{r['efficiency']:.2f}" for r in runs)
+            + " |"
+        )
+    add("")
+    add("Trajectories/s and the lower bound are seed 0's.")
+    add("")
+
+    add("## Simulated: placements of the RollArt-like job")
+    add("")
+    add(
+        f"`rollfleet sim {ROLLART} --baseline rollfleet --placement P --seed 0 -o json`. "
+        "\"Predicted\" is the planner's model of the same placement, averaged over the job's "
+        "steps as the simulated figure is."
+    )
+    add("")
+    add("| placement | simulated s per step | trajectories/s | predicted s per step |")
+    add("|---|---:|---:|---:|")
+    for placement in ("plan", "uniform", "best-gpu", "default"):
+        report = sim(
+            rollfleet,
+            ROLLART,
+            "--baseline",
+            "rollfleet",
+            "--placement",
+            placement,
+            "--seed",
+            "0",
+        )
+        run = policy(report, "rollfleet")
+        predicted = report.get("predicted_step_s")
+        shown = "-"
+        if isinstance(predicted, (int, float)):
+            shown = f"{predicted:.1f} ({(predicted / run['step_time_s'] - 1) * 100:+.1f}%)"
+        add(
+            f"| {placement} | {run['step_time_s']:.1f} | {run['trajectories_per_s']:.2f} | "
+            f"{shown} |"
+        )
+    add("")
+
+    add("## Simulated: the quick-start job")
+    add("")
+    add(f"`rollfleet sim {QUICKSTART} --seed N -o json`: seconds per RL step.")
+    add("")
+    add("| policy | " + " | ".join(f"seed {s}" for s in SEEDS) + " |")
+    add("|---|" + "---:|" * len(SEEDS))
+    quick = {seed: sim(rollfleet, QUICKSTART, "--seed", str(seed)) for seed in SEEDS}
+    for name in POLICY_NAMES:
+        steps = [policy(quick[s], name)["step_time_s"] for s in SEEDS]
+        add(f"| {POLICY_NAMES[name]} | " + " | ".join(f"{x:.2f}" for x in steps) + " |")
+    add("")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """This machine in one line: CPU model, vCPUs, memory."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = ""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                memory = f", {int(line.split()[1]) / 1024 / 1024:.0f} GiB"
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} vCPUs{memory}"
+
+
+def bench(args: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """The summary lines (those with a median) a `cargo bench` prints."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    out = subprocess.run(
+        ["cargo", "bench", *args],
+        cwd=ROOT,
+        check=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        text=True,
+    )
+    return [line for line in out.stdout.splitlines() if "median" in line]
+
+
+def measured_section() -> str:
+    """The wall-clock benchmarks, run now."""
+    today = datetime.date.today().isoformat()
+    lines = [
+        "## Measured: benchmarks",
+        "",
+        f"Measured {today} on {machine()}. Wall-clock figures: they vary with the machine "
+        "and, on shared VMs, from one hour to the next; each line is a median of the runs "
+        "the benchmark states.",
+        "",
+    ]
+    suites = [
+        (
+            "the scheduler's dispatch over gRPC on loopback "
+            "(`cargo bench -p rollfleet-server --bench dispatch`)",
+            ["-p", "rollfleet-server", "--bench", "dispatch"],
+            {"ROLLFLEET_BENCH_RUNS": "5"},
+        ),
+        (
+            "the simulator (`cargo bench -p rollfleet-sim`)",
+            ["-p", "rollfleet-sim"],
+            None,
+        ),
+        (
+            "reward invocations through aws-sdk-lambda against the local Lambda host "
+            "(`cargo bench -p rollfleet-lambda-invoker --bench invoke`)",
+            ["-p", "rollfleet-lambda-invoker", "--bench", "invoke"],
+            None,
+        ),
+    ]
+    for title, args, env in suites:
+        print(f"results: running {title}", file=sys.stderr)
+        lines += [f"{title}:", "", "```", *bench(args, env), "```", ""]
+    return "\n".join(lines)
+
+
+def kept_measured_section() -> str:
+    """The measured section of the file as it stands (empty when there is none)."""
+    if not RESULTS.exists():
+        return ""
+    text = RESULTS.read_text()
+    at = text.find(MEASURED_MARK)
+    return text[at + len(MEASURED_MARK) :].strip() + "\n" if at >= 0 else ""
+
+
+def document(simulated: str, measured: str) -> str:
+    header = (
+        "# Results\n\n"
+        "Generated by `python3 docs/results.py` from the commands named in each section; do "
+        "not edit by hand. Nothing here ran on a GPU: GPU figures are simulated (virtual "
+        "clock) or come from the emulated engine.\n\n"
+    )
+    body = header + simulated.strip() + "\n\n" + MEASURED_MARK + "\n\n"
+    return body + (measured.strip() + "\n" if measured.strip() else "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rollfleet",
+        default=str(ROOT / "target" / "release" / "rollfleet"),
+        help="the rollfleet binary (default: target/release/rollfleet)",
+    )
+    parser.add_argument("--benchmarks", action="store_true", help="run the benchmarks too")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="fail if the simulated figures in docs/results.md are not what the code gives",
+    )
+    args = parser.parse_args()
+    if not Path(args.rollfleet).exists():
+        print(
+            f"results: no binary at {args.rollfleet}; build it first "
+            "(cargo build --release -p rollfleet-cli)",
+            file=sys.stderr,
+        )
+        return 2
+    simulated = simulated_section(args.rollfleet)
+    if args.check:
+        current = RESULTS.read_text() if RESULTS.exists() else ""
+        if simulated.strip() not in current:
+            print(
+                "results: docs/results.md is stale: its simulated figures are not what the "
+                "code gives; run python3 docs/results.py and commit the file",
+                file=sys.stderr,
+            )
+            return 1
+        print("results: docs/results.md's simulated figures are current", file=sys.stderr)
+        return 0
+    measured = measured_section() if args.benchmarks else kept_measured_section()
+    RESULTS.write_text(document(simulated, measured))
+    print(f"results: wrote {RESULTS.relative_to(ROOT)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

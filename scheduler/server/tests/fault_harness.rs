@@ -1,0 +1,413 @@
+//! Seeded fault injection of the scheduler's actor: the real actor runs a short quick-start job
+//! on tokio's paused clock (so a case of minutes of job time takes milliseconds), with one
+//! in-process worker per pool that answers what it is given, and a seeded generator that makes
+//! them misbehave: results late, never, twice or for assignments they do not hold, failures of
+//! every cause, oversized texts, workers that vanish without a word and come back, workers
+//! that leave. Every case must end with the job Succeeded (the faults are all ones the
+//! scheduler recovers from), every trajectory trained once and none twice.
+//!
+//! `ROLLFLEET_FAULT_CASES` (default 1,000) sets the number of seeds, `ROLLFLEET_FAULT_SEED` runs
+//! one alone: a failing case prints the command that reproduces it.
+
+#![allow(clippy::unwrap_used)] // test helpers may fail loudly
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rollfleet_proto::v1::{
+    HardwareInventory, JobStatus, StageFailure, StageOutput, WorkResult, WorkerLeaving,
+    WorkerMessage, scheduler_message, stage_failure, work_assignment::Work, work_result,
+    worker_message,
+};
+use rollfleet_server::actor::{Actor, ActorOptions, Event, Report};
+use rollfleet_server::feed::FeedLog;
+use rollfleet_server::job::JobSlot;
+use rollfleet_server::metrics::Metrics;
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// SplitMix64: every fault comes from the case's seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn millis(&mut self, max: u64) -> Duration {
+        Duration::from_millis(self.next() % max.max(1))
+    }
+}
+
+const STEPS: u64 = 3;
+/// The quick-start's `trainBatchSize`.
+const TRAIN_BATCH: u64 = 32;
+const POOLS: [&str; 5] = ["prefill", "decode", "train", "envs", "rewards"];
+
+fn job_yaml() -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/jobs/quickstart.yaml");
+    std::fs::read_to_string(path)
+        .unwrap()
+        .replace("steps: 5", &format!("steps: {STEPS}"))
+}
+
+/// What a worker does with one assignment.
+enum Fault {
+    Answer,
+    Late(Duration),
+    Never,
+    Twice,
+    NotHeld,
+    Fail(stage_failure::Cause),
+    Oversized,
+    /// The process dies: its stream ends and it registers again.
+    Vanish,
+    /// A node drain: it says it is leaving, finishes what it runs, and comes back as a new node.
+    Leave,
+}
+
+impl Fault {
+    fn name(&self) -> &'static str {
+        match self {
+            Fault::Answer => "answer",
+            Fault::Late(_) => "late answer",
+            Fault::Never => "no answer",
+            Fault::Twice => "two answers",
+            Fault::NotHeld => "answer for an assignment not held",
+            Fault::Fail(_) => "failure",
+            Fault::Oversized => "oversized answer",
+            Fault::Vanish => "vanishing",
+            Fault::Leave => "leaving",
+        }
+    }
+}
+
+fn fault(rng: &mut Rng) -> Fault {
+    let draw = rng.next() % 1000;
+    if std::env::var_os("ROLLFLEET_FAULTS_OFF").is_some() {
+        return Fault::Answer;
+    }
+    match draw {
+        0..=19 => Fault::Late(rng.millis(3000)),
+        20..=24 => Fault::Never,
+        25..=29 => Fault::Twice,
+        30..=32 => Fault::NotHeld,
+        33..=42 => Fault::Fail(stage_failure::Cause::Infrastructure),
+        43..=45 => Fault::Fail(stage_failure::Cause::Aborted),
+        46..=47 => Fault::Oversized,
+        48 => Fault::Vanish,
+        49 => Fault::Leave,
+        _ => Fault::Answer,
+    }
+}
+
+/// A plausible answer to `work`, as the bench's instant workers give.
+fn output(work: Option<&Work>, turn: u32) -> StageOutput {
+    match work {
+        Some(Work::Generation(g)) => StageOutput {
+            token_count: u64::from(g.max_new_tokens.clamp(1, 48)),
+            emulated: true,
+            ..Default::default()
+        },
+        Some(Work::EnvStep(e)) => StageOutput {
+            token_count: if e.reset { 200 } else { 60 },
+            done: !e.reset && turn >= 3,
+            text: "up".into(),
+            ..Default::default()
+        },
+        Some(Work::Reward(_)) => StageOutput {
+            reward: 1.0,
+            ..Default::default()
+        },
+        _ => StageOutput::default(),
+    }
+}
+
+fn result(assignment_id: u64, outcome: work_result::Outcome) -> WorkerMessage {
+    WorkerMessage {
+        message: Some(worker_message::Message::Result(WorkResult {
+            assignment_id,
+            outcome: Some(outcome),
+            duration_us: 0,
+        })),
+    }
+}
+
+/// Registers, attaches and serves until the job drains it; registers again when it vanishes,
+/// leaves, or is cut off.
+async fn worker(inbox: mpsc::UnboundedSender<Event>, pool: &'static str, seed: u64) {
+    let mut rng = Rng(seed);
+    for life in 0..20u32 {
+        let (reply, answer) = oneshot::channel();
+        // No device: the scheduler gives a node of the pool's own shape, as to emulated workers.
+        let inventory = HardwareInventory {
+            hostname: format!("{pool}-{life}"),
+            pool: pool.into(),
+            ..Default::default()
+        };
+        let secret = format!("{:032x}", u128::from(rng.next()));
+        if inbox
+            .send(Event::Register {
+                inventory,
+                secret,
+                reply,
+            })
+            .is_err()
+        {
+            return;
+        }
+        let Ok(Ok(registered)) = answer.await else {
+            return;
+        };
+        let lease = registered.into_inner_lease();
+        let (outbox, mut assignments) = mpsc::unbounded_channel();
+        let (reply, answer) = oneshot::channel();
+        let _ = inbox.send(Event::Attach {
+            worker_id: lease.0.clone(),
+            epoch: lease.1,
+            outbox,
+            reply,
+        });
+        let Ok(Ok(stream)) = answer.await else {
+            return;
+        };
+        let beats = tokio::spawn(heartbeat(inbox.clone(), lease.0.clone(), lease.1));
+        let send = |message: WorkerMessage| {
+            let _ = inbox.send(Event::Message {
+                worker: stream,
+                message,
+                received: tokio::time::Instant::now(),
+            });
+        };
+        let mut leaving = false;
+        let ended_how = loop {
+            let Some(Ok(message)) = assignments.recv().await else {
+                break "cut off";
+            };
+            let assign = match message.message {
+                Some(scheduler_message::Message::Assign(a)) => a,
+                Some(scheduler_message::Message::Drain(_)) => {
+                    beats.abort();
+                    if leaving {
+                        break "left";
+                    }
+                    return;
+                }
+                _ => continue,
+            };
+            let id = assign.assignment_id;
+            let answer = work_result::Outcome::Output(output(assign.work.as_ref(), assign.turn));
+            let fault = fault(&mut rng);
+            if std::env::var_os("ROLLFLEET_FAULT_TRACE").is_some()
+                && !matches!(fault, Fault::Answer)
+            {
+                let kind = match &assign.work {
+                    Some(Work::Generation(_)) => "generation",
+                    Some(Work::EnvStep(_)) => "environment step",
+                    Some(Work::Reward(_)) => "reward",
+                    Some(Work::Train(_)) => "train",
+                    Some(Work::WeightSync(_)) => "weight sync",
+                    _ => "other",
+                };
+                eprintln!(
+                    "{:?} {pool}: {} of assignment {id} ({kind})",
+                    tokio::time::Instant::now(),
+                    fault.name()
+                );
+            }
+            match fault {
+                Fault::Answer => send(result(id, answer)),
+                Fault::Late(delay) => {
+                    let inbox = inbox.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        let _ = inbox.send(Event::Message {
+                            worker: stream,
+                            message: result(id, answer),
+                            received: tokio::time::Instant::now(),
+                        });
+                    });
+                }
+                Fault::Never => {}
+                Fault::Twice => {
+                    send(result(id, answer.clone()));
+                    send(result(id, answer));
+                }
+                Fault::NotHeld => send(result(id + 1_000_000, answer)),
+                Fault::Fail(cause) => send(result(
+                    id,
+                    work_result::Outcome::Failure(StageFailure {
+                        cause: cause as i32,
+                        message: "injected".into(),
+                    }),
+                )),
+                Fault::Oversized => {
+                    let mut big = output(assign.work.as_ref(), assign.turn);
+                    big.text = "x".repeat(3 << 20);
+                    big.observation = "y".repeat(3 << 20);
+                    send(result(id, work_result::Outcome::Output(big)));
+                }
+                Fault::Vanish => {
+                    let _ = inbox.send(Event::Detach {
+                        worker: stream,
+                        reason: "injected: the process died".into(),
+                    });
+                    beats.abort();
+                    break "vanished";
+                }
+                Fault::Leave => {
+                    send(result(id, answer));
+                    if !leaving {
+                        leaving = true;
+                        send(WorkerMessage {
+                            message: Some(worker_message::Message::Leaving(WorkerLeaving {
+                                reason: "injected: node drain".into(),
+                            })),
+                        });
+                    }
+                }
+            }
+        };
+        beats.abort();
+        // A worker comes back a moment later, as a restarted process or a replacement node.
+        let _ = ended_how;
+        tokio::time::sleep(rng.millis(2000)).await;
+    }
+}
+
+async fn heartbeat(inbox: mpsc::UnboundedSender<Event>, worker_id: String, epoch: u64) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (reply, answer) = oneshot::channel();
+        if inbox
+            .send(Event::Heartbeat {
+                worker_id: worker_id.clone(),
+                epoch,
+                load: None,
+                reply,
+            })
+            .is_err()
+        {
+            return;
+        }
+        if !matches!(answer.await, Ok(Ok(_))) {
+            return;
+        }
+    }
+}
+
+trait LeaseOf {
+    fn into_inner_lease(self) -> (String, u64);
+}
+
+impl LeaseOf for rollfleet_proto::v1::RegisterResponse {
+    fn into_inner_lease(self) -> (String, u64) {
+        let lease = self.lease.unwrap();
+        (lease.worker_id, lease.epoch)
+    }
+}
+
+/// The job planned with `seed`. Planning is the slowest part of a case in a debug build and
+/// only the seed differs between cases (the core's configuration carries it, nothing else
+/// reads it), so the job is planned once.
+fn plan_for(seed: u64) -> rollfleet_server::JobPlan {
+    static PLANNED: std::sync::OnceLock<rollfleet_server::JobPlan> = std::sync::OnceLock::new();
+    let mut plan = PLANNED
+        .get_or_init(|| {
+            JobSlot::new(0, Duration::from_secs(30))
+                .plan(&job_yaml(), "the fault harness's job")
+                .unwrap()
+        })
+        .clone();
+    plan.config.seed = seed;
+    plan
+}
+
+/// Runs case `seed` to its end on the paused clock; its report.
+fn run_case(seed: u64) -> Report {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    runtime.block_on(async move {
+        let plan = Arc::new(plan_for(seed));
+        let options = ActorOptions {
+            time_scale: 1.0,
+            lease_ttl: Duration::from_secs(2),
+            expect_workers: POOLS.len(),
+            report: None,
+            replan_on_drift: None,
+            until_stopped: false,
+        };
+        let status = Arc::new(watch::channel(JobStatus::default()).0);
+        let watching = status.subscribe();
+        let metrics = Arc::new(Metrics::new().unwrap());
+        let feed = Arc::new(FeedLog::default());
+        let actor = Actor::new(plan, options, status, metrics, feed);
+        let (inbox, events) = mpsc::unbounded_channel();
+        let job = tokio::spawn(actor.run(events));
+        for (i, pool) in POOLS.iter().enumerate() {
+            tokio::spawn(worker(
+                inbox.clone(),
+                pool,
+                seed.wrapping_mul(31).wrapping_add(i as u64),
+            ));
+        }
+        drop(inbox);
+        // Hours of job time: a case that has not ended by then is stuck.
+        match tokio::time::timeout(Duration::from_secs(4 * 3600), job).await {
+            Ok(Ok(report)) => report,
+            Ok(Err(e)) => panic!("case {seed}: the actor panicked: {e}"),
+            Err(_) => panic!(
+                "case {seed}: the job did not end in 4 hours of job time; it stands at {:?}",
+                *watching.borrow()
+            ),
+        }
+    })
+}
+
+#[test]
+fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
+    let seeds: Vec<u64> = match std::env::var("ROLLFLEET_FAULT_SEED") {
+        Ok(seed) => vec![seed.parse().expect("ROLLFLEET_FAULT_SEED is a number")],
+        Err(_) => {
+            let cases = std::env::var("ROLLFLEET_FAULT_CASES")
+                .ok()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(1000);
+            (0..cases).collect()
+        }
+    };
+    for seed in seeds {
+        let reproduce = format!(
+            "reproduce with: ROLLFLEET_FAULT_SEED={seed} cargo test -p rollfleet-server --test \
+             fault_harness"
+        );
+        let report = run_case(seed);
+        assert_eq!(report.phase, "Succeeded", "case {seed}: {reproduce}");
+        assert_eq!(report.policy_version, STEPS, "case {seed}: {reproduce}");
+        assert_eq!(
+            report.trained.len() as u64,
+            STEPS * TRAIN_BATCH,
+            "case {seed}: {reproduce}"
+        );
+        assert!(
+            report.trained_twice.is_empty(),
+            "case {seed}: trained twice: {:?}; {reproduce}",
+            report.trained_twice
+        );
+        let mut trained = report.trained.clone();
+        trained.sort_unstable();
+        trained.dedup();
+        assert_eq!(
+            trained.len(),
+            report.trained.len(),
+            "case {seed}: {reproduce}"
+        );
+    }
+}
