@@ -10,7 +10,8 @@ Two kinds of figures, in two sections:
   with `--benchmarks` (several minutes) and otherwise kept from the file as it stands, with the
   machine and date they were measured on.
 
-Usage: python3 docs/results.py [--rollfleet PATH] [--benchmarks] [--check]
+Usage: python3 docs/results.py [--rollfleet PATH] [--benchmarks [dispatch,simulator,invoke]]
+       [--check]
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ def bench(args: list[str], env: dict[str, str] | None = None) -> list[str]:
     return [line for line in out.stdout.splitlines() if "median" in line]
 
 
-def measured_section() -> str:
-    """The wall-clock benchmarks, run now."""
+def measured_section(only: set[str]) -> str:
+    """The wall-clock benchmarks named in `only` (all of them when empty), run now."""
     today = datetime.date.today().isoformat()
     lines = [
         "## Measured: benchmarks",
@@ -192,24 +193,29 @@ def measured_section() -> str:
     ]
     suites = [
         (
+            "dispatch",
             "the scheduler's dispatch over gRPC on loopback "
             "(`cargo bench -p rollfleet-server --bench dispatch`)",
             ["-p", "rollfleet-server", "--bench", "dispatch"],
             {"ROLLFLEET_BENCH_RUNS": "5"},
         ),
         (
+            "simulator",
             "the simulator (`cargo bench -p rollfleet-sim`)",
             ["-p", "rollfleet-sim"],
             None,
         ),
         (
+            "invoke",
             "reward invocations through aws-sdk-lambda against the local Lambda host "
             "(`cargo bench -p rollfleet-lambda-invoker --bench invoke`)",
             ["-p", "rollfleet-lambda-invoker", "--bench", "invoke"],
             None,
         ),
     ]
-    for title, args, env in suites:
+    for name, title, args, env in suites:
+        if only and name not in only:
+            continue
         print(f"results: running {title}", file=sys.stderr)
         lines += [f"{title}:", "", "```", *bench(args, env), "```", ""]
     return "\n".join(lines)
@@ -242,7 +248,13 @@ def main() -> int:
         default=str(ROOT / "target" / "release" / "rollfleet"),
         help="the rollfleet binary (default: target/release/rollfleet)",
     )
-    parser.add_argument("--benchmarks", action="store_true", help="run the benchmarks too")
+    parser.add_argument(
+        "--benchmarks",
+        nargs="?",
+        const="all",
+        default=None,
+        help="run the benchmarks too: all, or some of dispatch,simulator,invoke",
+    )
     parser.add_argument(
         "--check",
         action="store_true",
@@ -268,7 +280,11 @@ def main() -> int:
             return 1
         print("results: docs/results.md's simulated figures are current", file=sys.stderr)
         return 0
-    measured = measured_section() if args.benchmarks else kept_measured_section()
+    if args.benchmarks:
+        only = set() if args.benchmarks == "all" else set(args.benchmarks.split(","))
+        measured = measured_section(only)
+    else:
+        measured = kept_measured_section()
     RESULTS.write_text(document(simulated, measured))
     print(f"results: wrote {RESULTS.relative_to(ROOT)}", file=sys.stderr)
     return 0
