@@ -132,6 +132,46 @@ fn validate_refuses_a_job_naming_an_environment_and_a_reward_function_that_exist
 }
 
 #[test]
+fn every_command_exits_0_for_its_help_and_2_for_a_wrong_command_line() {
+    let commands: [&[&str]; 16] = [
+        &["validate"],
+        &["catalog"],
+        &["gpus"],
+        &["sim"],
+        &["plan"],
+        &["profile", "show"],
+        &["serverless", "serve"],
+        &["run"],
+        &["scheduler"],
+        &["job", "status"],
+        &["job", "list"],
+        &["job", "logs"],
+        &["journal", "show"],
+        &["worker"],
+        &["train"],
+        &["completion"],
+    ];
+    for command in commands {
+        let help = rollfleet(&[command, &["--help"]].concat());
+        assert_eq!(help.status.code(), Some(0), "{command:?} --help");
+        let wrong = rollfleet(&[command, &["--no-such-flag"]].concat());
+        assert_eq!(wrong.status.code(), Some(2), "{command:?} --no-such-flag");
+        assert!(
+            text(&wrong.stderr).contains("--no-such-flag"),
+            "{command:?}"
+        );
+    }
+    // The environment is part of the command line: log levels that do not parse.
+    let out = rollfleet_with_env(&["catalog"], "RUST_LOG", "[[[");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("RUST_LOG"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
 fn a_missing_file_exits_3_naming_the_file() {
     let out = rollfleet(&["validate", "no/such/job.yaml"]);
     assert_eq!(out.status.code(), Some(3));
