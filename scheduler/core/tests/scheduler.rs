@@ -1505,11 +1505,18 @@ fn random_world(
                                     list.truncate(turn as usize);
                                     list.push(earlier.map_or(v, |e| e.min(v)));
                                 }
-                                StageOutcome::Interrupted { .. } => {
-                                    partial.insert(
-                                        traj,
-                                        (turn, attempt, earlier.map_or(v, |e| e.min(v))),
-                                    );
+                                // An interrupt that came before the first token leaves
+                                // nothing of this version in the turn (the core keeps no part
+                                // of it either): only what was generated counts.
+                                StageOutcome::Interrupted { tokens } => {
+                                    let oldest = if *tokens > 0 {
+                                        Some(earlier.map_or(v, |e| e.min(v)))
+                                    } else {
+                                        earlier
+                                    };
+                                    if let Some(oldest) = oldest {
+                                        partial.insert(traj, (turn, attempt, oldest));
+                                    }
                                 }
                                 _ => {}
                             }
