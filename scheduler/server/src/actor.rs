@@ -3181,23 +3181,28 @@ impl Actor {
         };
         self.unbook(&a);
         match a.worker {
-            Some(w) => {
-                if let Some(worker) = self.workers.get_mut(&w) {
-                    worker.assignments.remove(&id);
-                    if worker.alive {
-                        worker.cancelled.insert(id);
-                        if let Some(o) = &worker.outbox {
-                            o.send(Ok(SchedulerMessage {
-                                message: Some(scheduler_message::Message::AbortAssignmentId(id)),
-                            }));
-                        }
-                    }
-                }
-            }
+            Some(w) => self.abort_on(w, id),
             None => {
                 if let Some(q) = self.pending.get_mut(&a.pool) {
                     q.retain(|x| *x != id);
                 }
+            }
+        }
+    }
+
+    /// Takes assignment `id` back from `worker`: a live worker is told to abort it, and its
+    /// late answer, if one comes, is ignored instead of cutting the worker off.
+    fn abort_on(&mut self, worker: u64, id: u64) {
+        let Some(w) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        w.assignments.remove(&id);
+        if w.alive {
+            w.cancelled.insert(id);
+            if let Some(o) = &w.outbox {
+                o.send(Ok(SchedulerMessage {
+                    message: Some(scheduler_message::Message::AbortAssignmentId(id)),
+                }));
             }
         }
     }
@@ -3231,19 +3236,11 @@ impl Actor {
             let Some(worker) = a.worker else {
                 continue;
             };
-            let mut name = String::from("?");
-            if let Some(w) = self.workers.get_mut(&worker) {
-                name.clone_from(&w.name);
-                w.assignments.remove(&id);
-                if w.alive {
-                    w.cancelled.insert(id);
-                    if let Some(o) = &w.outbox {
-                        o.send(Ok(SchedulerMessage {
-                            message: Some(scheduler_message::Message::AbortAssignmentId(id)),
-                        }));
-                    }
-                }
-            }
+            let name = self
+                .workers
+                .get(&worker)
+                .map_or_else(|| "?".to_owned(), |w| w.name.clone());
+            self.abort_on(worker, id);
             self.metrics.hung_assignments.inc();
             let waited = bound.as_secs();
             match a.what {

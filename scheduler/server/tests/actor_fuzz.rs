@@ -14,7 +14,7 @@
 
 #![allow(clippy::unwrap_used)] // test helpers may fail loudly
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use rollfleet_proto::v1::{
@@ -25,18 +25,10 @@ use rollfleet_proto::v1::{
 };
 use rollfleet_server::journal::{FORMAT, JournalWriter};
 
-/// SplitMix64: a seeded generator, so that every case is reproducible from its seed alone.
-struct Rng(u64);
+mod common;
+use common::{Rng, quickstart_yaml};
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
     }
@@ -75,11 +67,6 @@ impl Rng {
 const POOLS: [&str; 7] = [
     "prefill", "decode", "train", "envs", "rewards", "nowhere", "",
 ];
-
-fn quickstart_yaml() -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/jobs/quickstart.yaml");
-    std::fs::read_to_string(path).unwrap()
-}
 
 fn inventory(rng: &mut Rng) -> HardwareInventory {
     let pool = (*rng.pick(&POOLS)).to_owned();

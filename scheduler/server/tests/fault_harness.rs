@@ -25,34 +25,22 @@ use rollfleet_server::job::JobSlot;
 use rollfleet_server::metrics::Metrics;
 use tokio::sync::{mpsc, oneshot, watch};
 
-/// SplitMix64: every fault comes from the case's seed.
-struct Rng(u64);
+mod common;
+use common::{Rng, quickstart_yaml};
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
     fn millis(&mut self, max: u64) -> Duration {
         Duration::from_millis(self.next() % max.max(1))
     }
 }
 
 const STEPS: u64 = 3;
-/// The quick-start's `trainBatchSize`.
+/// The quick-start's `rolloutBatchSize`: trajectories trained per RL step.
 const TRAIN_BATCH: u64 = 32;
 const POOLS: [&str; 5] = ["prefill", "decode", "train", "envs", "rewards"];
 
 fn job_yaml() -> String {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../examples/jobs/quickstart.yaml");
-    std::fs::read_to_string(path)
-        .unwrap()
-        .replace("steps: 5", &format!("steps: {STEPS}"))
+    quickstart_yaml().replace("steps: 5", &format!("steps: {STEPS}"))
 }
 
 /// What a worker does with one assignment.
