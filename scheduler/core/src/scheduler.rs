@@ -944,7 +944,15 @@ impl Core {
                 }
                 self.touch(replica);
                 self.trajs[ti].kv = Kv::Held(replica, rec.kv_tokens, version);
-                self.enqueue(t, Queue::Decode, Phase::QueuedDecode);
+                if version < self.floor() {
+                    // Weights published while it ran put it out of the bound: held, it would
+                    // pin a replica that a rolling update may be draining (see
+                    // `release_expired_held_kv`).
+                    self.drop_kv(t, true);
+                    self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+                } else {
+                    self.enqueue(t, Queue::Decode, Phase::QueuedDecode);
+                }
             }
             (StageKind::Gen { version }, StageOutcome::Interrupted { tokens })
                 if self.trajs[ti]
@@ -1400,6 +1408,7 @@ impl Core {
             }
             self.regenerate_lone_expired();
             self.restart_late_groups();
+            self.release_expired_held_kv();
             if self.cfg.policy.weight_sync == SyncMode::Rolling {
                 for (i, r) in self.replicas.iter().enumerate() {
                     if r.healthy
@@ -1447,6 +1456,30 @@ impl Core {
             if let Some(k) = traj.turns.iter().position(|turn| turn.version < floor) {
                 self.regenerate(t, k);
                 self.stats.regenerated_at_publish += 1;
+                self.repump = true;
+            }
+        }
+    }
+
+    /// At a publication: a prefilled context waiting for its decode that the new floor expires
+    /// can no longer be decoded inside the bound, so its cache is released now and the turn goes
+    /// back to be prefilled on current weights. Left held until the decode queue reaches it, it
+    /// pins its prefill replica: a rolling update draining that replica waits for the cache to
+    /// go, while the decode queue, blocked on a decode replica that waits for the same update
+    /// slot, never reaches it (a stall seen with `maxStaleness: 0` after a decode replica was
+    /// lost).
+    fn release_expired_held_kv(&mut self) {
+        let floor = self.floor();
+        for i in 0..self.replicas.len() {
+            let expired: Vec<TrajId> = self.replicas[i]
+                .held
+                .iter()
+                .copied()
+                .filter(|t| matches!(self.trajs[t.0 as usize].kv, Kv::Held(_, _, v) if v < floor))
+                .collect();
+            for t in expired {
+                self.drop_kv(t, true);
+                self.enqueue(t, Queue::Gen, Phase::QueuedGen);
                 self.repump = true;
             }
         }
