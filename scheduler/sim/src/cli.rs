@@ -44,6 +44,10 @@ pub struct SimArgs {
     /// Override the number of RL steps of the job.
     #[arg(long, value_name = "N")]
     pub steps: Option<u64>,
+    /// Override the job's staleness bound (`maxStaleness`), which rollfleet and `areal-like`
+    /// keep: `--max-staleness 1` compares them with `one-step-off` at equal staleness.
+    #[arg(long, value_name = "VERSIONS")]
+    pub max_staleness: Option<u64>,
     /// Inject replica failures with this mean time between failures across the fleet (seconds).
     #[arg(long, value_name = "SECONDS")]
     pub failure_mtbf: Option<f64>,
@@ -186,9 +190,7 @@ fn reference_run(
         policy: policy_name(),
         source,
     })?;
-    let bound = policy_report("rollfleet", spec, catalog, &opts.hardware, &reference)
-        .bound
-        .step_s;
+    let bound = crate::report::run_bound(spec, catalog, &opts.hardware, &reference).step_s;
     Ok((reference, bound))
 }
 
@@ -246,6 +248,14 @@ pub fn run(
             )));
         }
         spec.rl.steps = steps as i64;
+    }
+    if let Some(staleness) = args.max_staleness {
+        if staleness > 64 {
+            return Err(SimError::Argument(format!(
+                "--max-staleness must be in 0..=64 versions, got {staleness}"
+            )));
+        }
+        spec.rl.max_staleness = staleness as i64;
     }
     if let Some(m) = args.failure_mtbf
         && !(m.is_finite() && m > 0.0)
@@ -377,11 +387,29 @@ pub fn run(
             p.trajectories_per_s
         );
     }
+    // AReaL has no hardware affinity: it generates on one uniform placement, the best such one
+    // by the planner's model (its tensor-parallel degree included), whatever `--placement` says.
+    let uniform = if baselines.contains(&Baseline::ArealLike) {
+        let (uniform, _) =
+            choose(PlacementChoice::Uniform, &spec, &job.catalog).map_err(|source| {
+                SimError::Choice {
+                    choice: PlacementChoice::Uniform.name(),
+                    source,
+                }
+            })?;
+        Some(uniform)
+    } else {
+        None
+    };
     let mut runs = Vec::new();
     for baseline in &baselines {
         let name = baseline.name();
+        let placement = match (baseline, &uniform) {
+            (Baseline::ArealLike, Some(uniform)) => uniform.clone(),
+            _ => chosen.clone(),
+        };
         let (placement, policy) = baseline
-            .setup_with(&spec, &job.catalog, chosen.clone())
+            .setup_with(&spec, &job.catalog, placement)
             .map_err(|source| SimError::Placement {
                 policy: name.into(),
                 source,
@@ -421,9 +449,10 @@ pub fn run(
         );
         runs.push((name.to_owned(), result));
     }
+    let reference = crate::reference::reference(&spec, &job.catalog, &hw, args.seed);
     let mut policies: Vec<_> = runs
         .iter()
-        .map(|(name, r)| policy_report(name, &spec, &job.catalog, &hw, r))
+        .map(|(name, r)| policy_report(name, &spec, &job.catalog, &hw, r, &reference))
         .collect();
     if let Some(sync) = policies
         .iter()
@@ -452,6 +481,7 @@ pub fn run(
         seed: args.seed,
         hardware: hw,
         data_attribution: attribution.clone(),
+        reference,
         policies,
         loss_recovery,
         growth,
