@@ -63,28 +63,14 @@ impl Baseline {
         }
     }
 
-    /// Its policy for a job on a given disaggregated placement (`sync` keeps its own colocated
-    /// one: that is what it models).
+    /// Its policy for a job, on a placement chosen by its rules (`crate::best`).
     pub fn setup_with(
         self,
         spec: &JobSpec,
-        catalog: &Catalog,
+        _catalog: &Catalog,
         placement: Placement,
     ) -> Result<(Placement, Policy), PlacementError> {
-        let (own, policy) = match self {
-            Baseline::Sync => {
-                return self.setup(
-                    spec,
-                    catalog,
-                    &WorkloadMeans {
-                        prefill_tokens: 0.0,
-                        train_tokens: 0.0,
-                    },
-                );
-            }
-            _ => (placement.clone(), self.policy(spec)),
-        };
-        Ok((own, policy))
+        Ok((placement, self.policy(spec)))
     }
 
     fn policy(self, spec: &JobSpec) -> Policy {

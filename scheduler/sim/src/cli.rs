@@ -107,6 +107,14 @@ pub enum SimError {
         /// Why.
         source: rollfleet_core::PlacementError,
     },
+    /// A policy could not choose its placement.
+    #[error("{policy}: choosing its placement: {source}")]
+    Choose {
+        /// The policy.
+        policy: String,
+        /// Why.
+        source: crate::best::ChoiceFailed,
+    },
     /// A run failed.
     #[error("{policy}: {source}")]
     Run {
@@ -387,29 +395,56 @@ pub fn run(
             p.trajectories_per_s
         );
     }
-    // AReaL has no hardware affinity: it generates on one uniform placement, the best such one
-    // by the planner's model (its tensor-parallel degree included), whatever `--placement` says.
-    let uniform = if baselines.contains(&Baseline::ArealLike) {
-        let (uniform, _) =
-            choose(PlacementChoice::Uniform, &spec, &job.catalog).map_err(|source| {
-                SimError::Choice {
-                    choice: PlacementChoice::Uniform.name(),
-                    source,
-                }
-            })?;
-        Some(uniform)
+    // The planner's best uniform placement: AReaL's (it has no placement by work kind), and a
+    // candidate of the batched disaggregated baselines.
+    let uniform = if args.placement == PlacementChoice::Uniform {
+        chosen.clone()
     } else {
-        None
+        choose(PlacementChoice::Uniform, &spec, &job.catalog)
+            .map_err(|source| SimError::Choice {
+                choice: PlacementChoice::Uniform.name(),
+                source,
+            })?
+            .0
     };
     let mut runs = Vec::new();
+    let mut choices = Vec::new();
     for baseline in &baselines {
         let name = baseline.name();
-        let placement = match (baseline, &uniform) {
-            (Baseline::ArealLike, Some(uniform)) => uniform.clone(),
-            _ => chosen.clone(),
-        };
+        let candidates = crate::best::candidates(
+            *baseline,
+            &spec,
+            &job.catalog,
+            (args.placement.name(), &chosen),
+            &uniform,
+        )
+        .map_err(|source| SimError::Placement {
+            policy: name.into(),
+            source,
+        })?;
+        let (candidate, probes) =
+            crate::best::pick(*baseline, &spec, &job.catalog, candidates, &opts).map_err(
+                |source| SimError::Choose {
+                    policy: name.into(),
+                    source,
+                },
+            )?;
+        if !probes.is_empty() {
+            let tried: Vec<String> = probes
+                .iter()
+                .map(|p| format!("{} {:.1} s", p.label, p.step_s))
+                .collect();
+            let _ = writeln!(
+                stderr,
+                "{name}: runs on {} (per step over the first {} steps: {})",
+                candidate.label,
+                crate::best::PROBE_STEPS,
+                tried.join(", ")
+            );
+        }
+        choices.push((candidate.label.clone(), probes));
         let (placement, policy) = baseline
-            .setup_with(&spec, &job.catalog, placement)
+            .setup_with(&spec, &job.catalog, candidate.placement)
             .map_err(|source| SimError::Placement {
                 policy: name.into(),
                 source,
@@ -452,7 +487,13 @@ pub fn run(
     let reference = crate::reference::reference(&spec, &job.catalog, &hw, args.seed);
     let mut policies: Vec<_> = runs
         .iter()
-        .map(|(name, r)| policy_report(name, &spec, &job.catalog, &hw, r, &reference))
+        .zip(choices)
+        .map(|((name, r), (label, probes))| {
+            let mut report = policy_report(name, &spec, &job.catalog, &hw, r, &reference);
+            report.placement = label;
+            report.placement_probes = probes;
+            report
+        })
         .collect();
     if let Some(sync) = policies
         .iter()

@@ -10,6 +10,7 @@
 //! is the entry point the `rollfleet` binary calls.
 
 pub mod baseline;
+pub mod best;
 pub mod bound;
 pub mod cli;
 pub mod drift;

@@ -228,6 +228,12 @@ pub struct PolicyReport {
     pub staleness_histogram: Vec<u64>,
     /// The staleness bound the policy kept (versions).
     pub max_staleness: u64,
+    /// The placement it ran on, as its rules chose it (`crate::best`): `tp N` for `sync`, the
+    /// placement's name for the others.
+    pub placement: String,
+    /// The candidates it chose from, each simulated for the job's first steps (empty when its
+    /// rules allow one placement).
+    pub placement_probes: Vec<crate::best::Probe>,
     /// The lower bound for this run's trained work.
     pub bound: BoundReport,
     /// Bound over achieved step time.
@@ -241,7 +247,7 @@ pub struct PolicyReport {
     /// Indicative cost of a step, USD: the catalogue prices of the GPU pools it used and of
     /// the CPU pools for the step's time, plus the serverless reward calls of its trajectories.
     pub usd_per_step: f64,
-    /// The capacity terms alone over achieved step time (the bound of issue 3's first version).
+    /// The capacity terms alone over achieved step time (a bound blind to latency).
     pub capacity_efficiency: f64,
     /// Serverless cold starts.
     pub serverless_cold_starts: u64,
@@ -372,6 +378,8 @@ pub fn policy_report(
     PolicyReport {
         policy: name.to_owned(),
         max_staleness: run.max_staleness,
+        placement: String::new(),
+        placement_probes: Vec::new(),
         reference_efficiency: if step_time > 0.0 {
             reference.bound.step_s / step_time
         } else {
@@ -504,8 +512,9 @@ fn render_yardstick(report: &SimReport) -> String {
         r.mix.env_cpu_s_per_trajectory
     );
     out.push_str(&format!(
-        "{:<20} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>12}\n",
+        "{:<20} {:<10} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>12}\n",
         "policy",
+        "placement",
         "staleness",
         "step (s)",
         "ref eff",
@@ -521,16 +530,22 @@ fn render_yardstick(report: &SimReport) -> String {
         .find(|p| p.policy == "sync")
         .map(|p| p.usd_per_step);
     for p in &report.policies {
+        let usd = if p.usd_per_step < 10.0 {
+            format!("{:.4}", p.usd_per_step)
+        } else {
+            format!("{:.2}", p.usd_per_step)
+        };
         out.push_str(&format!(
-            "{:<20} {:>9} {:>9.1} {:>8.2} {:>9.1}% {:>9.1}% {:>10.1} {:>10.2} {:>12}\n",
+            "{:<20} {:<10} {:>9} {:>9.1} {:>8.2} {:>9.1}% {:>9.1}% {:>10.1} {:>10} {:>12}\n",
             p.policy,
+            truncate(&p.placement, 10),
             p.max_staleness,
             p.step_time_s,
             p.reference_efficiency,
             p.bias.tokens * 100.0,
             p.bias.env_time * 100.0,
             p.bias.task_share * 100.0,
-            p.usd_per_step,
+            usd,
             sync_usd.map_or("-".to_owned(), |s| format!(
                 "{:.2}x",
                 s / p.usd_per_step.max(1e-12)

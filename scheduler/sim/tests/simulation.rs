@@ -806,3 +806,41 @@ fn quickstart_args() -> SimArgs {
         replan_on_drift: None,
     }
 }
+
+/// `sync` chooses its tensor-parallel degree and the batched disaggregated baselines their
+/// placement by simulating the first steps of each candidate; each runs on the fastest, and
+/// its report lists every probe. With the job cut to the probe's length, the run is the
+/// winning probe itself.
+#[test]
+fn every_baseline_runs_on_the_fastest_placement_its_rules_allow() {
+    let args = SimArgs {
+        job: std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/jobs/rollart-agentic.yaml"),
+        baselines: vec![Baseline::Sync, Baseline::OneStepOff],
+        steps: Some(rollfleet_sim::best::PROBE_STEPS as u64),
+        ..quickstart_args()
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    for policy in report["policies"].as_array().unwrap() {
+        let probes = policy["placement_probes"].as_array().unwrap();
+        assert!(probes.len() >= 2, "{policy}");
+        let fastest = probes
+            .iter()
+            .min_by(|a, b| {
+                a["step_s"]
+                    .as_f64()
+                    .partial_cmp(&b["step_s"].as_f64())
+                    .unwrap()
+            })
+            .unwrap();
+        assert_eq!(policy["placement"], fastest["label"], "{probes:?}");
+        assert_eq!(policy["step_time_s"], fastest["step_s"], "{probes:?}");
+    }
+    let sync = &report["policies"][0];
+    assert!(
+        sync["placement"].as_str().unwrap().starts_with("tp "),
+        "{sync}"
+    );
+}
