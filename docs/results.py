@@ -37,6 +37,7 @@ POLICY_NAMES = {
     "sync": "sync (verl's synchronous colocated loop)",
     "sync-disaggregated": "sync-disaggregated",
     "one-step-off": "one-step-off (verl, slime)",
+    "areal-like": "areal-like (AReaL)",
     "rollfleet": "**rollfleet**",
 }
 
@@ -73,28 +74,83 @@ def simulated_section(rollfleet: str) -> str:
     add(
         f"`rollfleet sim {ROLLART} --seed N -o json`, seeds {', '.join(map(str, SEEDS))}. "
         "Every figure is **simulated** (virtual clock, a roofline of published peaks): the "
-        "same on every machine. `sync` keeps its colocated placement; the others run on the "
-        f"`{first['placement']}` placement. The lower bound is computed from the trajectories "
-        "each run trained ([baselines.md](baselines.md#the-lower-bound))."
+        "same on every machine. Each policy runs on the placement its own rules choose "
+        "([baselines.md](baselines.md)): `tp N` is `sync`'s colocated tensor-parallel degree; "
+        f"rollfleet runs on the `{first['placement']}` placement. **Reference efficiency** is "
+        "the job's fixed "
+        "yardstick (the bound of the episodes as first sampled, the same for every policy) "
+        "over the step; **bias** is how the trained mix differs from those episodes (tokens "
+        "and environment time per trajectory, and the largest gap of a task's share, in "
+        "points). The run's own bound is computed from what it trained "
+        "([baselines.md](baselines.md#the-lower-bound))."
+    )
+    add("")
+    ref = first["reference"]
+    add(
+        f"Fixed yardstick, seed 0: {ref['bound']['step_s']:.1f} s per step "
+        f"({ref['bound']['binding']} binds, staleness {ref['bound']['max_staleness']}), "
+        f"{ref['mix']['tokens_per_trajectory']:.0f} tokens and "
+        f"{ref['mix']['env_cpu_s_per_trajectory']:.1f} environment vCPU-s per trajectory."
     )
     add("")
     add(
-        "| policy | s per RL step (seeds 0 / 1 / 2) | vs sync | trajectories/s | "
-        "lower bound s | efficiency |"
+        "| policy | placement | staleness | s per RL step (seeds 0 / 1 / 2) | vs sync | "
+        "reference efficiency | bias: tokens / env time / task share | USD per step | "
+        "steps per USD vs sync | own bound s | own efficiency |"
     )
-    add("|---|---:|---:|---:|---:|---:|")
+    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    sync_usd = policy(first, "sync")["usd_per_step"]
     for name, shown in POLICY_NAMES.items():
         runs = [policy(by_seed[s], name) for s in SEEDS]
         steps = " / ".join(f"{r['step_time_s']:.1f}" for r in runs)
         speedups = " / ".join(f"{r['speedup_vs_sync']:.2f}x" for r in runs)
+        bias = runs[0]["bias"]
         add(
-            f"| {shown} | {steps} | {speedups} | {runs[0]['trajectories_per_s']:.2f} | "
-            f"{runs[0]['bound']['step_s']:.1f} | "
+            f"| {shown} | {runs[0]['placement']} | {runs[0]['max_staleness']} | {steps} | "
+            f"{speedups} | "
+            + " / ".join(f"{r['reference_efficiency']:.2f}" for r in runs)
+            + f" | {bias['tokens'] * 100:+.1f}% / {bias['env_time'] * 100:+.1f}% / "
+            f"{bias['task_share'] * 100:.1f} | {runs[0]['usd_per_step']:.2f} | "
+            f"{sync_usd / runs[0]['usd_per_step']:.2f}x | {runs[0]['bound']['step_s']:.1f} | "
             + " / ".join(f"{r['efficiency']:.2f}" for r in runs)
             + " |"
         )
     add("")
-    add("Trajectories/s and the lower bound are seed 0's.")
+    add("Placement, bias, cost and the own bound are seed 0's.")
+    add("")
+
+    add("## Simulated: the RollArt-like job at equal staleness")
+    add("")
+    add(
+        f"`rollfleet sim {ROLLART} --max-staleness 1 --baseline one-step-off "
+        "--baseline areal-like --baseline rollfleet --seed 0 -o json`: every asynchronous "
+        "policy at one-step-off's staleness bound of one version."
+    )
+    add("")
+    equal = sim(
+        rollfleet,
+        ROLLART,
+        "--max-staleness",
+        "1",
+        "--baseline",
+        "one-step-off",
+        "--baseline",
+        "areal-like",
+        "--baseline",
+        "rollfleet",
+        "--seed",
+        "0",
+    )
+    base = policy(equal, "one-step-off")["step_time_s"]
+    add("| policy | s per RL step | vs one-step-off | reference efficiency | token bias |")
+    add("|---|---:|---:|---:|---:|")
+    for name in ("one-step-off", "areal-like", "rollfleet"):
+        run = policy(equal, name)
+        add(
+            f"| {POLICY_NAMES[name]} | {run['step_time_s']:.1f} | "
+            f"{base / run['step_time_s']:.2f}x | {run['reference_efficiency']:.2f} | "
+            f"{run['bias']['tokens'] * 100:+.1f}% |"
+        )
     add("")
 
     add("## Simulated: placements of the RollArt-like job")

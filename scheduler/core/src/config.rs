@@ -53,6 +53,10 @@ pub struct Policy {
     /// waiting for them: each resumes from the tokens it had, on new weights (partial rollout,
     /// as AReaL's interruptible generation).
     pub interrupt_generation: bool,
+    /// Whether a group that will most likely miss the staleness bound is restarted on the
+    /// weights just published instead of being found out a chain later (continuous discipline
+    /// with a staleness bound only; see `Core::restart_late_groups`).
+    pub restart_late_groups: bool,
 }
 
 impl Policy {
@@ -67,6 +71,7 @@ impl Policy {
             sticky_sessions: true,
             expiry_aware_publish: false,
             interrupt_generation: spec.rl.interrupt_generation,
+            restart_late_groups: true,
         }
     }
 }

@@ -31,7 +31,7 @@ pub mod time;
 pub use config::{Config, ConfigError, Discipline, Policy, RewardRoute, TaskLimits};
 pub use placement::{
     Placement, PlacementError, ReplicaConfig, ServeRole, TrainerConfig, WorkloadMeans,
-    colocated_placement, default_placement,
+    colocated_degrees, colocated_placement, colocated_placement_at, default_placement,
 };
 pub use protocol::{
     BatchId, Command, GroupId, Input, PoolIndex, ReplicaId, StageCommand, StageId, StageOutcome,

@@ -324,8 +324,18 @@ pub fn default_placement(
 }
 
 /// The monolithic placement of the `sync` baseline: the GPU pool with the most peak FLOP/s
-/// serves (prefill and decode colocated) and trains on the same GPUs, time-sliced.
+/// serves (prefill and decode colocated) and trains on the same GPUs, time-sliced, at the
+/// smallest tensor-parallel degree that fits the model.
 pub fn colocated_placement(spec: &JobSpec, catalog: &Catalog) -> Result<Placement, PlacementError> {
+    let smallest = colocated_degrees(spec, catalog)?
+        .first()
+        .copied()
+        .ok_or(PlacementError::NoServing)?;
+    colocated_placement_at(spec, catalog, smallest)
+}
+
+/// The GPU pool a colocated placement uses: the one with the most peak FLOP/s.
+fn colocated_pool(spec: &JobSpec, catalog: &Catalog) -> Result<usize, PlacementError> {
     let mut best: Option<(usize, f64)> = None;
     for i in 0..spec.pools.len() {
         if spec.pools[i].kind() != Some(PoolKind::Gpu) {
@@ -337,10 +347,17 @@ pub fn colocated_placement(spec: &JobSpec, catalog: &Catalog) -> Result<Placemen
             best = Some((i, flops));
         }
     }
-    let (i, _) = best.ok_or(PlacementError::NoServing)?;
+    Ok(best.ok_or(PlacementError::NoServing)?.0)
+}
+
+/// The tensor-parallel degrees a colocated placement can serve at, smallest first: every power
+/// of two from the smallest that fits the model and its longest context up to a node (or the
+/// pool, if smaller).
+pub fn colocated_degrees(spec: &JobSpec, catalog: &Catalog) -> Result<Vec<u32>, PlacementError> {
+    let i = colocated_pool(spec, catalog)?;
     let (gpu, count, per_node) = pool_gpu(spec, catalog, i)?;
     let context_bytes = spec.model.kv_bytes_per_token() * longest_context(spec);
-    let tp = replica_gpus(
+    let smallest = replica_gpus(
         gpu,
         count,
         per_node,
@@ -351,6 +368,29 @@ pub fn colocated_placement(spec: &JobSpec, catalog: &Catalog) -> Result<Placemen
         pool: spec.pools[i].name.clone(),
         gpu: gpu.name.clone(),
     })?;
+    let limit = count.min(per_node).max(1);
+    Ok((0..6)
+        .map(|s| 1u32 << s)
+        .filter(|&g| g >= smallest && g <= limit)
+        .collect())
+}
+
+/// The colocated placement (see [`colocated_placement`]) at tensor-parallel degree `tp`, one of
+/// [`colocated_degrees`].
+pub fn colocated_placement_at(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    tp: u32,
+) -> Result<Placement, PlacementError> {
+    let i = colocated_pool(spec, catalog)?;
+    let (gpu, count, per_node) = pool_gpu(spec, catalog, i)?;
+    let tp = tp.max(1);
+    if !colocated_degrees(spec, catalog)?.contains(&tp) {
+        return Err(PlacementError::DoesNotFit {
+            pool: spec.pools[i].name.clone(),
+            gpu: gpu.name.clone(),
+        });
+    }
     let replicas = (0..count / tp)
         .map(|_| ReplicaConfig {
             pool: i as PoolIndex,
@@ -418,5 +458,23 @@ mod tests {
         assert_eq!(replica_gpus(h20, 2, 8, 3.1e9, 0.1e9), Some(1));
         // Nothing fits a 2 TB model within one node.
         assert_eq!(replica_gpus(h20, 320, 8, 2e12, 1e9), None);
+    }
+
+    #[test]
+    fn a_colocated_placement_may_serve_at_every_power_of_two_from_the_smallest_fit_to_a_node() {
+        let yaml = include_str!("../../../examples/jobs/rollart-agentic.yaml");
+        let job = rollfleet_spec::parse_job(yaml.as_bytes(), "rollart-agentic.yaml").unwrap();
+        let spec = job.spec();
+        let degrees = colocated_degrees(spec, &job.catalog).unwrap();
+        assert_eq!(degrees, vec![2, 4, 8]);
+        assert_eq!(
+            colocated_placement(spec, &job.catalog).unwrap(),
+            colocated_placement_at(spec, &job.catalog, 2).unwrap()
+        );
+        let at8 = colocated_placement_at(spec, &job.catalog, 8).unwrap();
+        assert!(at8.replicas.iter().all(|r| r.gpus == 8));
+        assert_eq!(at8.replicas.len() as u32 * 8, at8.trainer.gpus);
+        assert!(colocated_placement_at(spec, &job.catalog, 1).is_err());
+        assert!(colocated_placement_at(spec, &job.catalog, 16).is_err());
     }
 }

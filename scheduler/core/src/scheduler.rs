@@ -1505,7 +1505,11 @@ impl Core {
     fn restart_late_groups(&mut self) {
         let v = self.version;
         let s = self.cfg.policy.max_staleness;
-        if self.cfg.policy.discipline != Discipline::Continuous || v == 0 || s == 0 {
+        if !self.cfg.policy.restart_late_groups
+            || self.cfg.policy.discipline != Discipline::Continuous
+            || v == 0
+            || s == 0
+        {
             return;
         }
         // The mean step so far (publication `v` at `now`, version 0 at time zero).

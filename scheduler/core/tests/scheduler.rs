@@ -22,6 +22,7 @@ fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncMode)
         sticky_sessions: true,
         expiry_aware_publish: false,
         interrupt_generation: false,
+        restart_late_groups: true,
     }
 }
 

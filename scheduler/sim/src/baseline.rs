@@ -8,6 +8,11 @@
 //!   global weight broadcast at every step;
 //! - `one-step-off`: verl's / slime's one-step-off-policy pipeline: batch `k + 1` is generated
 //!   while step `k` trains, weights are broadcast between batches;
+//! - `areal-like`: AReaL's fully asynchronous loop: trajectory-level asynchrony under the same
+//!   staleness bound, generation and training on separate GPUs, interruptible generation (every
+//!   rollout replica stops, loads the new weights and resumes its requests on them), on one
+//!   uniform generation placement (no hardware affinity), without over-provisioning or
+//!   late-group restarts;
 //! - `rollfleet`: trajectory-level asynchrony, bounded staleness, over-provisioning with partial
 //!   rollout, streaming training and rolling weight sync.
 
@@ -29,16 +34,21 @@ pub enum Baseline {
     SyncDisaggregated,
     /// Rollout of step k+1 overlaps training of step k (verl/slime one-step-off).
     OneStepOff,
+    /// Fully asynchronous with interruptible generation on a uniform placement (AReaL).
+    #[value(name = "areal-like")]
+    #[serde(rename = "areal-like")]
+    ArealLike,
     /// rollfleet: everything.
     Rollfleet,
 }
 
 impl Baseline {
     /// Every policy, in the order reports list them.
-    pub const ALL: [Baseline; 4] = [
+    pub const ALL: [Baseline; 5] = [
         Baseline::Sync,
         Baseline::SyncDisaggregated,
         Baseline::OneStepOff,
+        Baseline::ArealLike,
         Baseline::Rollfleet,
     ];
 
@@ -48,32 +58,19 @@ impl Baseline {
             Baseline::Sync => "sync",
             Baseline::SyncDisaggregated => "sync-disaggregated",
             Baseline::OneStepOff => "one-step-off",
+            Baseline::ArealLike => "areal-like",
             Baseline::Rollfleet => "rollfleet",
         }
     }
 
-    /// Its policy for a job on a given disaggregated placement (`sync` keeps its own colocated
-    /// one: that is what it models).
+    /// Its policy for a job, on a placement chosen by its rules (`crate::best`).
     pub fn setup_with(
         self,
         spec: &JobSpec,
-        catalog: &Catalog,
+        _catalog: &Catalog,
         placement: Placement,
     ) -> Result<(Placement, Policy), PlacementError> {
-        let (own, policy) = match self {
-            Baseline::Sync => {
-                return self.setup(
-                    spec,
-                    catalog,
-                    &WorkloadMeans {
-                        prefill_tokens: 0.0,
-                        train_tokens: 0.0,
-                    },
-                );
-            }
-            _ => (placement.clone(), self.policy(spec)),
-        };
-        Ok((own, policy))
+        Ok((placement, self.policy(spec)))
     }
 
     fn policy(self, spec: &JobSpec) -> Policy {
@@ -86,11 +83,25 @@ impl Baseline {
             sticky_sessions: true,
             expiry_aware_publish: false,
             interrupt_generation: false,
+            restart_late_groups: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
             Baseline::SyncDisaggregated => batched(0, 0, SyncMode::Broadcast),
             Baseline::OneStepOff => batched(1, 1, SyncMode::Broadcast),
+            Baseline::ArealLike => Policy {
+                discipline: Discipline::Continuous,
+                max_staleness: spec.rl.max_staleness.max(0) as u64,
+                over_provisioning: 0.0,
+                weight_sync: SyncMode::Rolling,
+                // Every replica at once: AReaL pauses all of its rollout servers, loads the new
+                // weights on each and resumes the interrupted requests.
+                max_concurrent_updates: u32::MAX,
+                sticky_sessions: true,
+                expiry_aware_publish: false,
+                interrupt_generation: true,
+                restart_late_groups: false,
+            },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
     }
@@ -111,6 +122,7 @@ impl Baseline {
             sticky_sessions: true,
             expiry_aware_publish: false,
             interrupt_generation: false,
+            restart_late_groups: false,
         };
         Ok(match self {
             Baseline::Sync => (
@@ -125,6 +137,7 @@ impl Baseline {
                 default_placement(spec, catalog, means)?,
                 batched(1, 1, SyncMode::Broadcast),
             ),
+            Baseline::ArealLike => (default_placement(spec, catalog, means)?, self.policy(spec)),
             Baseline::Rollfleet => (
                 default_placement(spec, catalog, means)?,
                 Policy::rollfleet(spec),

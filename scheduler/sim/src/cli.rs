@@ -44,6 +44,10 @@ pub struct SimArgs {
     /// Override the number of RL steps of the job.
     #[arg(long, value_name = "N")]
     pub steps: Option<u64>,
+    /// Override the job's staleness bound (`maxStaleness`), which rollfleet and `areal-like`
+    /// keep: `--max-staleness 1` compares them with `one-step-off` at equal staleness.
+    #[arg(long, value_name = "VERSIONS")]
+    pub max_staleness: Option<u64>,
     /// Inject replica failures with this mean time between failures across the fleet (seconds).
     #[arg(long, value_name = "SECONDS")]
     pub failure_mtbf: Option<f64>,
@@ -102,6 +106,14 @@ pub enum SimError {
         policy: String,
         /// Why.
         source: rollfleet_core::PlacementError,
+    },
+    /// A policy could not choose its placement.
+    #[error("{policy}: choosing its placement: {source}")]
+    Choose {
+        /// The policy.
+        policy: String,
+        /// Why.
+        source: crate::best::ChoiceFailed,
     },
     /// A run failed.
     #[error("{policy}: {source}")]
@@ -186,9 +198,7 @@ fn reference_run(
         policy: policy_name(),
         source,
     })?;
-    let bound = policy_report("rollfleet", spec, catalog, &opts.hardware, &reference)
-        .bound
-        .step_s;
+    let bound = crate::report::run_bound(spec, catalog, &opts.hardware, &reference).step_s;
     Ok((reference, bound))
 }
 
@@ -246,6 +256,14 @@ pub fn run(
             )));
         }
         spec.rl.steps = steps as i64;
+    }
+    if let Some(staleness) = args.max_staleness {
+        if staleness > 64 {
+            return Err(SimError::Argument(format!(
+                "--max-staleness must be in 0..=64 versions, got {staleness}"
+            )));
+        }
+        spec.rl.max_staleness = staleness as i64;
     }
     if let Some(m) = args.failure_mtbf
         && !(m.is_finite() && m > 0.0)
@@ -377,11 +395,56 @@ pub fn run(
             p.trajectories_per_s
         );
     }
+    // The planner's best uniform placement: AReaL's (it has no placement by work kind), and a
+    // candidate of the batched disaggregated baselines.
+    let uniform = if args.placement == PlacementChoice::Uniform {
+        chosen.clone()
+    } else {
+        choose(PlacementChoice::Uniform, &spec, &job.catalog)
+            .map_err(|source| SimError::Choice {
+                choice: PlacementChoice::Uniform.name(),
+                source,
+            })?
+            .0
+    };
     let mut runs = Vec::new();
+    let mut choices = Vec::new();
     for baseline in &baselines {
         let name = baseline.name();
+        let candidates = crate::best::candidates(
+            *baseline,
+            &spec,
+            &job.catalog,
+            (args.placement.name(), &chosen),
+            &uniform,
+        )
+        .map_err(|source| SimError::Placement {
+            policy: name.into(),
+            source,
+        })?;
+        let (candidate, probes) =
+            crate::best::pick(*baseline, &spec, &job.catalog, candidates, &opts).map_err(
+                |source| SimError::Choose {
+                    policy: name.into(),
+                    source,
+                },
+            )?;
+        if !probes.is_empty() {
+            let tried: Vec<String> = probes
+                .iter()
+                .map(|p| format!("{} {:.1} s", p.label, p.step_s))
+                .collect();
+            let _ = writeln!(
+                stderr,
+                "{name}: runs on {} (per step over the first {} steps: {})",
+                candidate.label,
+                crate::best::PROBE_STEPS,
+                tried.join(", ")
+            );
+        }
+        choices.push((candidate.label.clone(), probes));
         let (placement, policy) = baseline
-            .setup_with(&spec, &job.catalog, chosen.clone())
+            .setup_with(&spec, &job.catalog, candidate.placement)
             .map_err(|source| SimError::Placement {
                 policy: name.into(),
                 source,
@@ -421,9 +484,16 @@ pub fn run(
         );
         runs.push((name.to_owned(), result));
     }
+    let reference = crate::reference::reference(&spec, &job.catalog, &hw, args.seed);
     let mut policies: Vec<_> = runs
         .iter()
-        .map(|(name, r)| policy_report(name, &spec, &job.catalog, &hw, r))
+        .zip(choices)
+        .map(|((name, r), (label, probes))| {
+            let mut report = policy_report(name, &spec, &job.catalog, &hw, r, &reference);
+            report.placement = label;
+            report.placement_probes = probes;
+            report
+        })
         .collect();
     if let Some(sync) = policies
         .iter()
@@ -452,6 +522,7 @@ pub fn run(
         seed: args.seed,
         hardware: hw,
         data_attribution: attribution.clone(),
+        reference,
         policies,
         loss_recovery,
         growth,

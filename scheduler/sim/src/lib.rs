@@ -4,11 +4,13 @@
 //! better is rollfleet than the usual ways of running RL?" It drives the very same
 //! [`rollfleet_core::Core`] the server runs, against hardware models of its own
 //! ([`hardware`]), a workload sampled from the job spec and real traces ([`workload`]), and
-//! compares rollfleet with the synchronous and one-step-off baselines ([`baseline`]) and with a
-//! lower bound ([`bound`]). [`report`] turns runs into tables, JSON and an SVG timeline; [`cli`]
+//! compares rollfleet with the synchronous, one-step-off and AReaL-like baselines ([`baseline`]),
+//! with each run's lower bound ([`bound`]) and with one fixed bound per job and seed
+//! ([`reference`]). [`report`] turns runs into tables, JSON and an SVG timeline; [`cli`]
 //! is the entry point the `rollfleet` binary calls.
 
 pub mod baseline;
+pub mod best;
 pub mod bound;
 pub mod cli;
 pub mod drift;
@@ -17,6 +19,7 @@ pub mod hardware;
 pub mod loss;
 pub mod placement;
 mod queue;
+pub mod reference;
 pub mod report;
 pub mod sim;
 pub mod svg;

@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use crate::bound::{LatencyRates, latency_makespan, min_makespan};
 use crate::hardware::HardwareModel;
+use crate::reference::{Bias, Mix, Reference};
 use crate::sim::{RunResult, Work, model_costs};
 
 /// The lower bound on one RL step (see [`crate::bound`]).
@@ -225,11 +226,28 @@ pub struct PolicyReport {
     pub environment_utilisation: f64,
     /// Trajectories trained on, by how many versions their oldest turn was behind.
     pub staleness_histogram: Vec<u64>,
+    /// The staleness bound the policy kept (versions).
+    pub max_staleness: u64,
+    /// The placement it ran on, as its rules chose it (`crate::best`): `tp N` for `sync`, the
+    /// placement's name for the others.
+    pub placement: String,
+    /// The candidates it chose from, each simulated for the job's first steps (empty when its
+    /// rules allow one placement).
+    pub placement_probes: Vec<crate::best::Probe>,
     /// The lower bound for this run's trained work.
     pub bound: BoundReport,
     /// Bound over achieved step time.
     pub efficiency: f64,
-    /// The capacity terms alone over achieved step time (the bound of issue 3's first version).
+    /// The job's fixed reference bound (the same for every policy) over achieved step time.
+    pub reference_efficiency: f64,
+    /// What it trained: tokens and environment time per trajectory, task shares.
+    pub mix: Mix,
+    /// How that mix differs from the episodes as first sampled.
+    pub bias: Bias,
+    /// Indicative cost of a step, USD: the catalogue prices of the GPU pools it used and of
+    /// the CPU pools for the step's time, plus the serverless reward calls of its trajectories.
+    pub usd_per_step: f64,
+    /// The capacity terms alone over achieved step time (a bound blind to latency).
     pub capacity_efficiency: f64,
     /// Serverless cold starts.
     pub serverless_cold_starts: u64,
@@ -260,6 +278,8 @@ pub struct SimReport {
     pub hardware: HardwareModel,
     /// Attribution of real data the workload sampled, if any.
     pub data_attribution: Option<String>,
+    /// The fixed yardstick: one bound per job and seed, on the episodes as first sampled.
+    pub reference: Reference,
     /// One report per policy.
     pub policies: Vec<PolicyReport>,
     /// With `--lose`: how rollfleet's throughput after the loss compares with the smaller
@@ -302,20 +322,32 @@ fn describe_use(spec: &JobSpec, placement: &Placement, pool: u32) -> String {
     }
 }
 
-/// Builds a policy's report from its run.
+/// The lower bound of what `run` trained. Every policy is allowed the job's staleness bound, or
+/// its own when that is looser.
+pub fn run_bound(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    hw: &HardwareModel,
+    run: &RunResult,
+) -> BoundReport {
+    let steps = run.publish_times_s.len() as u64;
+    let max_staleness = run.max_staleness.max(spec.rl.max_staleness.max(0) as u64);
+    lower_bound(spec, catalog, hw, &run.work, steps, max_staleness)
+}
+
+/// Builds a policy's report from its run, measured against the job's fixed `reference` too.
 pub fn policy_report(
     name: &str,
     spec: &JobSpec,
     catalog: &Catalog,
     hw: &HardwareModel,
     run: &RunResult,
+    reference: &Reference,
 ) -> PolicyReport {
     let steps = run.publish_times_s.len() as u64;
     let total = run.makespan_s.max(1e-9);
     let step_time = total / steps.max(1) as f64;
-    // Every policy keeps the job's staleness bound, or its own when it is looser.
-    let max_staleness = run.max_staleness.max(spec.rl.max_staleness.max(0) as u64);
-    let bound = lower_bound(spec, catalog, hw, &run.work, steps, max_staleness);
+    let bound = run_bound(spec, catalog, hw, run);
     let mut pools = Vec::new();
     let mut env_busy = 0.0;
     let mut env_cap = 0.0;
@@ -342,8 +374,20 @@ pub fn policy_report(
             weight_sync_share: run.sync_seconds.get(&i).copied().unwrap_or(0.0) / denom,
         });
     }
+    let mix = Mix::of(&run.work, spec.tasks.len());
     PolicyReport {
         policy: name.to_owned(),
+        max_staleness: run.max_staleness,
+        placement: String::new(),
+        placement_probes: Vec::new(),
+        reference_efficiency: if step_time > 0.0 {
+            reference.bound.step_s / step_time
+        } else {
+            0.0
+        },
+        bias: Bias::between(&mix, &reference.mix),
+        mix,
+        usd_per_step: usd_per_step(spec, catalog, run, step_time),
         steps,
         total_s: total,
         step_time_s: step_time,
@@ -377,6 +421,57 @@ pub fn policy_report(
     }
 }
 
+/// The indicative cost of one step of `run`: GPU pools it placed work on and every CPU pool,
+/// for `step_time` seconds at catalogue prices, plus its serverless rewards' GB-seconds and
+/// requests per step.
+fn usd_per_step(spec: &JobSpec, catalog: &Catalog, run: &RunResult, step_time: f64) -> f64 {
+    let mut per_hour = 0.0;
+    for (i, pool) in spec.pools.iter().enumerate() {
+        let count = pool.count.unwrap_or(0).max(0) as f64;
+        let used = run.placement.replicas.iter().any(|r| r.pool as usize == i)
+            || run.placement.trainer.pool as usize == i;
+        match pool.kind() {
+            Some(PoolKind::Gpu) if used => {
+                if let Some(gpu) = pool.gpu.as_deref().and_then(|g| catalog.gpu(g).ok()) {
+                    per_hour += count * gpu.price_per_hour_usd;
+                }
+            }
+            Some(PoolKind::Cpu) => {
+                if let Some(shape) = pool.cpu.as_deref().and_then(|c| catalog.cpu_shape(c).ok()) {
+                    per_hour += count * shape.price_per_hour_usd;
+                }
+            }
+            _ => {}
+        }
+    }
+    // Serverless: each trained trajectory's reward call, billed by its GB-seconds and request.
+    let steps = run.publish_times_s.len().max(1) as f64;
+    let mut serverless = 0.0;
+    for (task, &calls) in spec.tasks.iter().zip(&run.work.trajectories_per_task) {
+        let Some(reward) = spec.rewards.iter().find(|r| r.name == task.reward) else {
+            continue;
+        };
+        if reward.runs_on != rollfleet_spec::RewardPlacement::Serverless {
+            continue;
+        }
+        let Some(platform) = reward
+            .pool
+            .as_deref()
+            .and_then(|name| spec.pools.iter().find(|p| p.name == name))
+            .and_then(|p| p.serverless.as_deref())
+            .and_then(|name| catalog.serverless(name).ok())
+        else {
+            continue;
+        };
+        let memory_gb = reward.memory_mb.max(0) as f64 / 1024.0;
+        let seconds = crate::workload::mean(&reward.latency_ms) / 1000.0;
+        serverless += calls as f64
+            * (seconds * memory_gb * platform.price_per_gb_second_usd
+                + platform.price_per_million_requests_usd / 1e6);
+    }
+    per_hour * step_time / 3600.0 + serverless / steps
+}
+
 /// "rollfleet ran ... before, ... after; the CLUSTER cluster on its own plan ...": a run
 /// against the changed cluster's own run, ending with how soon it kept up.
 fn versus_text(v: &crate::loss::Versus, cluster: &str, change: &str) -> String {
@@ -401,6 +496,63 @@ fn versus_text(v: &crate::loss::Versus, cluster: &str, change: &str) -> String {
         v.share_of_reference * 100.0,
         v.share_of_bound * 100.0
     )
+}
+
+/// The fixed yardstick and, per policy, its efficiency against it, its training bias and cost.
+fn render_yardstick(report: &SimReport) -> String {
+    let r = &report.reference;
+    let mut out = format!(
+        "\nfixed yardstick (the same for every policy): the episodes as first sampled bound a \
+         step at {:.1} s ({} binds; staleness {}), {:.0} tokens and {:.1} environment vCPU-s \
+         per trajectory\n",
+        r.bound.step_s,
+        r.bound.binding,
+        r.bound.max_staleness,
+        r.mix.tokens_per_trajectory,
+        r.mix.env_cpu_s_per_trajectory
+    );
+    out.push_str(&format!(
+        "{:<20} {:<10} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>12}\n",
+        "policy",
+        "placement",
+        "staleness",
+        "step (s)",
+        "ref eff",
+        "tok bias",
+        "env bias",
+        "task pts",
+        "$ / step",
+        "per $ vs sync"
+    ));
+    let sync_usd = report
+        .policies
+        .iter()
+        .find(|p| p.policy == "sync")
+        .map(|p| p.usd_per_step);
+    for p in &report.policies {
+        let usd = if p.usd_per_step < 10.0 {
+            format!("{:.4}", p.usd_per_step)
+        } else {
+            format!("{:.2}", p.usd_per_step)
+        };
+        out.push_str(&format!(
+            "{:<20} {:<10} {:>9} {:>9.1} {:>8.2} {:>9.1}% {:>9.1}% {:>10.1} {:>10} {:>12}\n",
+            p.policy,
+            truncate(&p.placement, 10),
+            p.max_staleness,
+            p.step_time_s,
+            p.reference_efficiency,
+            p.bias.tokens * 100.0,
+            p.bias.env_time * 100.0,
+            p.bias.task_share * 100.0,
+            usd,
+            sync_usd.map_or("-".to_owned(), |s| format!(
+                "{:.2}x",
+                s / p.usd_per_step.max(1e-12)
+            )),
+        ));
+    }
+    out
 }
 
 /// Renders the report as a plain-text table.
@@ -474,6 +626,7 @@ pub fn render_table(report: &SimReport) -> String {
         out.push_str(&line);
         out.push('\n');
     }
+    out.push_str(&render_yardstick(report));
     if let Some(r) = &report.loss_recovery {
         out.push_str(&format!(
             "\npool loss (simulated): {} lost {} replicas ({} GPUs, asked {:.1}%) after step {} at \

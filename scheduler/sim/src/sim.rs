@@ -177,25 +177,106 @@ pub struct Work {
     pub serverless_seconds: BTreeMap<u32, f64>,
     /// Per RL step, what the latency term of the bound needs (see [`crate::bound`]).
     pub steps: Vec<StepChain>,
+    /// Trajectories trained on.
+    pub trajectories: u64,
+    /// Trajectories trained on, per task (the job's order).
+    pub trajectories_per_task: Vec<u64>,
 }
 
-#[derive(Debug, Clone, Default)]
-struct TurnWork {
-    version: u64,
-    context_before: u64,
-    input: u64,
-    action: u64,
-    env_cpu_s: f64,
-    env_s: f64,
+impl Work {
+    /// Adds one trained trajectory, trained at step `step`: its prefill, decode and training
+    /// work, its environment and reward time, and its chain for the latency term.
+    pub(crate) fn add_trajectory(
+        &mut self,
+        spec: &JobSpec,
+        costs: &ModelCosts,
+        rates: &LatencyRates,
+        step: usize,
+        l: &TrajLedger,
+        traces: &mut Vec<TurnTrace>,
+    ) {
+        self.trajectories += 1;
+        let task = l.task as usize;
+        if self.trajectories_per_task.len() <= task {
+            self.trajectories_per_task.resize(task + 1, 0);
+        }
+        self.trajectories_per_task[task] += 1;
+        self.env_cpu_seconds += l.reset_cpu_s;
+        let mut context = 0.0;
+        for turn in &l.turns {
+            let before = turn.context_before as f64;
+            let input = turn.input as f64;
+            let action = turn.action as f64;
+            self.prefill_flops += costs.flops_per_token * input
+                + costs.attention_flops_per_context * input * (before + input / 2.0);
+            let ctx = before + input;
+            self.decode_flops += costs.flops_per_token * action
+                + costs.attention_flops_per_context * action * (ctx + action / 2.0);
+            self.decode_kv_bytes += costs.kv_bytes_per_token * action * (ctx + action / 2.0);
+            self.decode_tokens += action;
+            self.env_cpu_seconds += turn.env_cpu_s;
+            context = ctx + action;
+        }
+        self.train_tokens += context;
+        self.train_flops += 3.0 * costs.flops_per_token * context;
+        traces.clear();
+        traces.extend(l.turns.iter().map(|turn| TurnTrace {
+            context_before: turn.context_before,
+            input: turn.input,
+            action: turn.action,
+            env_s: turn.env_s,
+        }));
+        if self.steps.len() <= step {
+            self.steps.resize(step + 1, StepChain::default());
+        }
+        let train_s = 3.0 * costs.flops_per_token * context / rates.train_flops.max(1.0);
+        let chain = &mut self.steps[step];
+        chain.train_s += train_s;
+        // A trajectory with no turns has no version to wait for (and is a violation anyway).
+        if !l.turns.is_empty() {
+            let latency = trajectory_latency(rates, traces, l.reward_s);
+            chain.longest_s = chain.longest_s.max(latency + train_s);
+        }
+        if let Some(task) = spec.tasks.get(task)
+            && let Some(reward) = spec.rewards.iter().find(|r| r.name == task.reward)
+        {
+            match reward.runs_on {
+                rollfleet_spec::RewardPlacement::Serverless => {
+                    let pool = reward
+                        .pool
+                        .as_deref()
+                        .and_then(|n| spec.pools.iter().position(|p| p.name == n))
+                        .unwrap_or(0) as u32;
+                    *self.serverless_seconds.entry(pool).or_default() += l.reward_s;
+                }
+                rollfleet_spec::RewardPlacement::Local => {
+                    self.local_reward_cpu_seconds += l.reward_s
+                }
+                rollfleet_spec::RewardPlacement::Environment => {}
+            }
+        }
+    }
 }
 
+/// One generated turn of a trajectory, as the books of useful work keep it.
 #[derive(Debug, Clone, Default)]
-struct TrajLedger {
-    group: u64,
-    task: u32,
-    reset_cpu_s: f64,
-    turns: Vec<TurnWork>,
-    reward_s: f64,
+pub(crate) struct TurnWork {
+    pub(crate) version: u64,
+    pub(crate) context_before: u64,
+    pub(crate) input: u64,
+    pub(crate) action: u64,
+    pub(crate) env_cpu_s: f64,
+    pub(crate) env_s: f64,
+}
+
+/// What the simulator knows of one trajectory: its group, task, turns and times.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TrajLedger {
+    pub(crate) group: u64,
+    pub(crate) task: u32,
+    pub(crate) reset_cpu_s: f64,
+    pub(crate) turns: Vec<TurnWork>,
+    pub(crate) reward_s: f64,
     inputs: Vec<u64>,
     consumed: bool,
     /// Turns the episode lasts (drawn on its first environment stage, the reset).
@@ -1261,64 +1342,14 @@ impl<'a> Sim<'a> {
             }
             self.staleness[staleness] += 1;
             // Useful work, for the bound.
-            let w = &mut self.work;
-            w.env_cpu_seconds += l.reset_cpu_s;
-            let mut context = 0.0;
-            for turn in &l.turns {
-                let before = turn.context_before as f64;
-                let input = turn.input as f64;
-                let action = turn.action as f64;
-                w.prefill_flops += costs.flops_per_token * input
-                    + costs.attention_flops_per_context * input * (before + input / 2.0);
-                let ctx = before + input;
-                w.decode_flops += costs.flops_per_token * action
-                    + costs.attention_flops_per_context * action * (ctx + action / 2.0);
-                w.decode_kv_bytes += costs.kv_bytes_per_token * action * (ctx + action / 2.0);
-                w.decode_tokens += action;
-                w.env_cpu_seconds += turn.env_cpu_s;
-                context = ctx + action;
-            }
-            w.train_tokens += context;
-            w.train_flops += 3.0 * costs.flops_per_token * context;
-            let reward_s = l.reward_s;
-            let has_turns = !l.turns.is_empty();
-            self.traces.clear();
-            self.traces.extend(l.turns.iter().map(|turn| TurnTrace {
-                context_before: turn.context_before,
-                input: turn.input,
-                action: turn.action,
-                env_s: turn.env_s,
-            }));
-            let step = self.version as usize;
-            if w.steps.len() <= step {
-                w.steps.resize(step + 1, StepChain::default());
-            }
-            let train_s = 3.0 * costs.flops_per_token * context / self.rates.train_flops.max(1.0);
-            let chain = &mut w.steps[step];
-            chain.train_s += train_s;
-            // A trajectory with no turns has no version to wait for (and is a violation anyway).
-            if has_turns {
-                let latency = trajectory_latency(&self.rates, &self.traces, reward_s);
-                chain.longest_s = chain.longest_s.max(latency + train_s);
-            }
-            if let Some(task) = self.spec.tasks.get(l.task as usize)
-                && let Some(reward) = self.spec.rewards.iter().find(|r| r.name == task.reward)
-            {
-                match reward.runs_on {
-                    rollfleet_spec::RewardPlacement::Serverless => {
-                        let pool = reward
-                            .pool
-                            .as_deref()
-                            .and_then(|n| self.spec.pools.iter().position(|p| p.name == n))
-                            .unwrap_or(0) as u32;
-                        *w.serverless_seconds.entry(pool).or_default() += l.reward_s;
-                    }
-                    rollfleet_spec::RewardPlacement::Local => {
-                        w.local_reward_cpu_seconds += l.reward_s
-                    }
-                    rollfleet_spec::RewardPlacement::Environment => {}
-                }
-            }
+            self.work.add_trajectory(
+                self.spec,
+                &costs,
+                &self.rates,
+                self.version as usize,
+                l,
+                &mut self.traces,
+            );
         }
         let n = self.core.config().group_size;
         for (g, count) in groups {

@@ -5,7 +5,7 @@
 
 use rollfleet_sim::Baseline;
 use rollfleet_sim::loss::{self, RECOVERED};
-use rollfleet_sim::report::policy_report;
+use rollfleet_sim::report::run_bound;
 use rollfleet_sim::sim::{SimOptions, simulate, workload_means};
 
 /// Eight one-GPU generation replicas on a made-up GPU, a separate trainer, several turns per
@@ -75,15 +75,7 @@ fn losing_half_a_pool_mid_run_keeps_every_trajectory_and_is_compared_with_the_sm
     let smaller = loss::smaller_spec(&spec, &pool_loss, lost.gpus);
     assert_eq!(smaller.pools[0].count, Some(4));
     let reference = run_on(&smaller, None);
-    let bound = policy_report(
-        "rollfleet",
-        &smaller,
-        &job.catalog,
-        &Default::default(),
-        &reference,
-    )
-    .bound
-    .step_s;
+    let bound = run_bound(&smaller, &job.catalog, &Default::default(), &reference).step_s;
     let r = loss::recovery(&spec, &pool_loss, &run, &reference, bound, None).unwrap();
     assert!(r.versus.step_s_after > r.versus.step_s_before, "{r:?}");
     assert!(r.versus.share_of_bound <= 1.0 + 1e-9, "{r:?}");

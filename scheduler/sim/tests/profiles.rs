@@ -127,7 +127,16 @@ fn before_and_after(job: &str, hardware: HardwareModel) -> (f64, f64, f64) {
     )
     .unwrap();
     assert!(run.violations.is_empty(), "{:?}", run.violations);
-    let simulated = policy_report("rollfleet", &spec, &job.catalog, &hardware, &run).step_time_s;
+    let reference = rollfleet_sim::reference::reference(&spec, &job.catalog, &hardware, 0);
+    let simulated = policy_report(
+        "rollfleet",
+        &spec,
+        &job.catalog,
+        &hardware,
+        &run,
+        &reference,
+    )
+    .step_time_s;
     let measured = plan::problem_profiled(
         &spec,
         &job.catalog,

@@ -198,6 +198,7 @@ fn json(seed: u64) -> Vec<u8> {
         seed,
         timeline: None,
         steps: Some(3),
+        max_staleness: None,
         failure_mtbf: None,
         placement: rollfleet_sim::PlacementChoice::Plan,
         profiles_out: None,
@@ -229,6 +230,7 @@ fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
         seed: 1,
         timeline: Some(svg.clone()),
         steps: Some(2),
+        max_staleness: None,
         failure_mtbf: None,
         placement: rollfleet_sim::PlacementChoice::Plan,
         profiles_out: None,
@@ -260,6 +262,7 @@ fn a_missing_job_file_is_an_error_not_a_panic() {
         seed: 0,
         timeline: None,
         steps: None,
+        max_staleness: None,
         failure_mtbf: None,
         placement: rollfleet_sim::PlacementChoice::Plan,
         profiles_out: None,
@@ -283,7 +286,7 @@ proptest! {
     #[test]
     fn every_policy_keeps_every_invariant_over_many_seeds(
         seed in any::<u64>(),
-        policy in 0usize..4,
+        policy in 0usize..Baseline::ALL.len(),
         failures in any::<bool>(),
         max_staleness in 0i64..4,
     ) {
@@ -310,6 +313,12 @@ proptest! {
             &job.catalog,
             &rollfleet_sim::hardware::HardwareModel::default(),
             &run,
+            &rollfleet_sim::reference::reference(
+                &spec,
+                &job.catalog,
+                &rollfleet_sim::hardware::HardwareModel::default(),
+                seed,
+            ),
         );
         // The full bound (capacity and latency terms) is a bound too, and never below the
         // capacity terms alone.
@@ -358,7 +367,7 @@ proptest! {
     #[test]
     fn no_policy_beats_the_latency_term_on_a_latency_bound_job(
         seed in any::<u64>(),
-        policy in 0usize..4,
+        policy in 0usize..Baseline::ALL.len(),
         max_staleness in 0i64..4,
     ) {
         let job = rollfleet_spec::parse_job(LATENCY_JOB.as_bytes(), "latency.yaml").unwrap();
@@ -375,6 +384,12 @@ proptest! {
             &job.catalog,
             &rollfleet_sim::hardware::HardwareModel::default(),
             &run,
+            &rollfleet_sim::reference::reference(
+                &spec,
+                &job.catalog,
+                &rollfleet_sim::hardware::HardwareModel::default(),
+                seed,
+            ),
         );
         prop_assert_eq!(report.bound.binding.as_str(), "latency");
         prop_assert!(report.efficiency > 0.0 && report.efficiency <= 1.0, "{}", report.efficiency);
@@ -677,5 +692,155 @@ fn a_wave_that_shrinks_the_trainer_makes_the_batches_after_it_train_on_fewer_gpu
         shrunk.makespan_s,
         gpus / 2,
         kept.makespan_s
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 8, ..ProptestConfig::default() })]
+
+    /// The fixed yardstick replays the episodes exactly as the simulator first samples them: a
+    /// batched baseline trains precisely those (nothing restarted, nothing dropped), so its
+    /// trained mix shows no bias and its own bound is the reference bound, whatever the seed.
+    #[test]
+    fn a_batched_baseline_trains_exactly_the_episodes_of_the_fixed_yardstick(
+        seed in any::<u64>(),
+        one_step_off in any::<bool>(),
+    ) {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/jobs/quickstart.yaml");
+        let job = rollfleet_spec::load_job_file(std::path::Path::new(path)).unwrap();
+        let mut spec = job.spec().clone();
+        spec.rl.steps = 3;
+        let hw = rollfleet_sim::hardware::HardwareModel::default();
+        let baseline = if one_step_off { Baseline::OneStepOff } else { Baseline::SyncDisaggregated };
+        let (placement, policy) =
+            baseline.setup(&spec, &job.catalog, &workload_means(&spec)).unwrap();
+        let opts = SimOptions { seed, ..SimOptions::default() };
+        let run = simulate(&spec, &job.catalog, placement, policy, &opts, &mut |_, _| {}).unwrap();
+        prop_assert!(run.violations.is_empty(), "{:?}", run.violations);
+        let reference = rollfleet_sim::reference::reference(&spec, &job.catalog, &hw, seed);
+        let report = rollfleet_sim::report::policy_report(
+            baseline.name(), &spec, &job.catalog, &hw, &run, &reference,
+        );
+        prop_assert_eq!(report.mix.trajectories, reference.mix.trajectories);
+        prop_assert!(report.bias.worst() < 1e-9, "{:?}", report.bias);
+        let gap = (report.bound.step_s - reference.bound.step_s).abs();
+        prop_assert!(gap <= 1e-9 * reference.bound.step_s, "{} vs {}", report.bound.step_s, reference.bound.step_s);
+    }
+}
+
+/// The AReaL-like baseline generates on the uniform placement (no prefill or decode roles) with
+/// interruptible generation and the job's staleness bound, and says so in its report.
+#[test]
+fn the_areal_like_baseline_runs_on_a_uniform_placement_with_interrupts() {
+    let args = SimArgs {
+        baselines: vec![Baseline::ArealLike],
+        ..quickstart_args()
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let policy = &report["policies"][0];
+    assert_eq!(policy["policy"], "areal-like");
+    assert_eq!(policy["max_staleness"], 1);
+    let uses: Vec<&str> = policy["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["use_"].as_str())
+        .collect();
+    assert!(
+        uses.iter()
+            .all(|u| !u.contains("prefill") && !u.contains("decode")),
+        "{uses:?}"
+    );
+    assert!(uses.iter().any(|u| u.contains("generate")), "{uses:?}");
+    assert!(
+        policy["core"]["interrupted_generations"].as_u64().unwrap() > 0,
+        "{policy}"
+    );
+}
+
+/// `--max-staleness` changes the bound rollfleet keeps, and refuses a bound no job needs.
+#[test]
+fn max_staleness_overrides_the_job_and_refuses_absurd_bounds() {
+    let args = SimArgs {
+        baselines: vec![Baseline::Rollfleet],
+        max_staleness: Some(0),
+        ..quickstart_args()
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(report["policies"][0]["max_staleness"], 0);
+    assert_eq!(report["reference"]["bound"]["max_staleness"], 0);
+    let args = SimArgs {
+        max_staleness: Some(65),
+        ..quickstart_args()
+    };
+    let err = rollfleet_sim::run(
+        &args,
+        OutputFormat::Json,
+        &mut Vec::new(),
+        &mut std::io::sink(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("--max-staleness"), "{err}");
+}
+
+fn quickstart_args() -> SimArgs {
+    SimArgs {
+        job: quickstart(),
+        baselines: Vec::new(),
+        seed: 0,
+        timeline: None,
+        steps: Some(3),
+        max_staleness: None,
+        failure_mtbf: None,
+        placement: rollfleet_sim::PlacementChoice::Plan,
+        profiles_out: None,
+        sim_compute_efficiency: None,
+        sim_bandwidth_efficiency: None,
+        lose: None,
+        grow: None,
+        slow: None,
+        replan_on_drift: None,
+    }
+}
+
+/// `sync` chooses its tensor-parallel degree and the batched disaggregated baselines their
+/// placement by simulating the first steps of each candidate; each runs on the fastest, and
+/// its report lists every probe. With the job cut to the probe's length, the run is the
+/// winning probe itself.
+#[test]
+fn every_baseline_runs_on_the_fastest_placement_its_rules_allow() {
+    let args = SimArgs {
+        job: std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/jobs/rollart-agentic.yaml"),
+        baselines: vec![Baseline::Sync, Baseline::OneStepOff],
+        steps: Some(rollfleet_sim::best::PROBE_STEPS as u64),
+        ..quickstart_args()
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    for policy in report["policies"].as_array().unwrap() {
+        let probes = policy["placement_probes"].as_array().unwrap();
+        assert!(probes.len() >= 2, "{policy}");
+        let fastest = probes
+            .iter()
+            .min_by(|a, b| {
+                a["step_s"]
+                    .as_f64()
+                    .partial_cmp(&b["step_s"].as_f64())
+                    .unwrap()
+            })
+            .unwrap();
+        assert_eq!(policy["placement"], fastest["label"], "{probes:?}");
+        assert_eq!(policy["step_time_s"], fastest["step_s"], "{probes:?}");
+    }
+    let sync = &report["policies"][0];
+    assert!(
+        sync["placement"].as_str().unwrap().starts_with("tp "),
+        "{sync}"
     );
 }
