@@ -1248,6 +1248,96 @@ mod tests {
     }
 
     #[test]
+    fn the_specs_kubernetes_block_sets_engine_gpus_secrets_and_claim_and_wins_over_annotations() {
+        let plain = example("quickstart.yaml");
+        let mut job = plain.clone();
+        job.spec["kubernetes"] = serde_json::json!({
+            "engineUrl": "http://vllm:8000",
+            "emulatedGpus": true,
+            "tokenSecret": "rl-token",
+            "tlsSecret": "rl-tls",
+            "journalClaim": "rl-journals",
+        });
+        // The deprecated annotations are read only where the block says nothing.
+        job.metadata.annotations = Some(BTreeMap::from([
+            (TOKEN_SECRET_ANNOTATION.to_owned(), "old-token".to_owned()),
+            (ENGINE_URL_ANNOTATION.to_owned(), "http://old:1".to_owned()),
+        ]));
+        let d = desired(&job, &settings()).expect("valid");
+        let decode = named(&d, "quickstart-decode");
+        assert!(args(decode).ends_with(&["--engine-url".into(), "http://vllm:8000".into()]));
+        assert_eq!(gpu_limit(decode), None, "emulated GPUs ask for none");
+        let pod = |deployment: &Deployment| {
+            deployment
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.clone())
+                .expect("a pod")
+        };
+        let scheduler = pod(&d.deployments[0]);
+        assert_eq!(
+            token_source(&scheduler.containers[0]),
+            Some(("rl-token".to_owned(), TOKEN_SECRET_KEY.to_owned()))
+        );
+        let volume = |name: &str| {
+            scheduler
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == name)
+                .cloned()
+                .expect("a volume")
+        };
+        assert_eq!(
+            volume("tls").secret.and_then(|s| s.secret_name).as_deref(),
+            Some("rl-tls")
+        );
+        assert_eq!(
+            volume("journal")
+                .persistent_volume_claim
+                .map(|c| c.claim_name)
+                .as_deref(),
+            Some("rl-journals")
+        );
+        assert!(args(&d.deployments[0]).contains(&"--journal-sync".to_owned()));
+        assert_eq!(token_secret(&job).as_deref(), Some("rl-token"));
+        assert_eq!(tls_secret(&job).as_deref(), Some("rl-tls"));
+        // The block is the object's, not the job's: the job file, so its hash and journal, stay.
+        assert_eq!(
+            job_file(&job).expect("a job file"),
+            job_file(&plain).expect("a job file")
+        );
+    }
+
+    #[test]
+    fn an_invalid_kubernetes_block_is_refused_with_its_field_path() {
+        for (block, path) in [
+            (
+                serde_json::json!({"tokenSecret": "Not_A_Name"}),
+                "spec.kubernetes.tokenSecret",
+            ),
+            (
+                serde_json::json!({"engineUrl": "vllm:8000"}),
+                "spec.kubernetes.engineUrl",
+            ),
+            (
+                serde_json::json!({"tlsSecrets": "rl-tls"}),
+                "spec.kubernetes",
+            ),
+            (
+                serde_json::json!({"emulatedGpus": "yes"}),
+                "spec.kubernetes.emulatedGpus",
+            ),
+        ] {
+            let mut job = example("quickstart.yaml");
+            job.spec["kubernetes"] = block.clone();
+            let err = desired(&job, &settings()).map(|_| ()).unwrap_err();
+            let text = err.to_string();
+            assert!(text.starts_with(path), "{block}: {text}");
+        }
+    }
+
+    #[test]
     fn an_invalid_spec_is_refused_with_its_field_path() {
         let mut job = example("quickstart.yaml");
         job.spec["pools"][0]["gpu"] = "NoSuchGpu".into();

@@ -196,8 +196,8 @@ fn schema_at<'a>(schema: &'a Value, path: &str) -> Option<&'a Value> {
     let mut rest = path;
     while !rest.is_empty() {
         if let Some(after) = rest.strip_prefix('[') {
-            let end = if after.starts_with('"') {
-                after[1..].find('"').map(|i| i + 2)?
+            let end = if let Some(quoted) = after.strip_prefix('"') {
+                quoted.find('"').map(|i| i + 2)?
             } else {
                 after.find(']')?
             };
@@ -288,9 +288,9 @@ fn every_field_has_a_description_for_kubectl_explain() {
     fn undocumented(node: &Value, path: &str, out: &mut Vec<String>) {
         for (name, property) in node["properties"].as_object().into_iter().flatten() {
             let at = format!("{path}.{name}");
-            if !property["description"]
+            if property["description"]
                 .as_str()
-                .is_some_and(|d| !d.trim().is_empty())
+                .is_none_or(|d| d.trim().is_empty())
             {
                 out.push(at.clone());
             }
