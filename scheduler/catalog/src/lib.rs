@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 /// One GPU product: the figures a roofline cost model needs, plus a price.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GpuProduct {
     /// Canonical product name, e.g. `H800`.
@@ -65,6 +66,7 @@ impl GpuProduct {
 
 /// One CPU node shape for environment workers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CpuShape {
     /// Shape name, e.g. `c7i.8xlarge`.

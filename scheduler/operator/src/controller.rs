@@ -15,11 +15,11 @@
 //!    workers, run `--until-stopped`, wait at the end for that) and the status is left as it
 //!    is, until the spec changes.
 //!
-//! An RLJob annotated `rollfleet.dev/tls-secret: NAME` has its scheduler serve TLS with that
+//! An RLJob with `spec.kubernetes.tlsSecret: NAME` has its scheduler serve TLS with that
 //! `kubernetes.io/tls` Secret; the operator calls it at `https://`, trusting the Secret's
 //! `ca.crt` (a Secret without one makes `SchedulerReachable` false, naming it).
 //!
-//! An RLJob annotated `rollfleet.dev/token-secret: NAME` has its scheduler require the token in
+//! An RLJob with `spec.kubernetes.tokenSecret: NAME` has its scheduler require the token in
 //! that Secret (key `token`); its pods read it as `ROLLFLEET_TOKEN`, and the operator reads the
 //! Secret to send it with its own calls. A Secret it cannot use makes `SchedulerReachable` false,
 //! naming the Secret.

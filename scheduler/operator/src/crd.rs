@@ -1,11 +1,16 @@
 //! The `RLJob` custom resource: a rollfleet job spec as a Kubernetes object.
 //!
 //! The object is the job file itself (`apiVersion: rollfleet.dev/v1alpha1`, `kind: RLJob`), so
-//! `kubectl apply -f examples/jobs/quickstart.yaml` submits the same job `rollfleet run` runs. Its
-//! `spec` is validated by `rollfleet-spec`, the one validator every rollfleet entry point uses,
-//! which reports every problem with its field path; the CRD's schema therefore keeps the spec
-//! open (`x-kubernetes-preserve-unknown-fields`) instead of repeating the rules in OpenAPI, and
-//! the operator writes the problems into the object's status.
+//! `kubectl apply -f examples/jobs/quickstart.yaml` submits the same job `rollfleet run` runs.
+//!
+//! The CRD's schema is generated from the job spec's own Rust types (`rollfleet-spec` with its
+//! `schema` feature, through schemars and `kube::core::schema`'s structural-schema transforms),
+//! so the API server refuses a field the spec does not have or a value of the wrong type at
+//! `kubectl apply`, and `kubectl explain rljob.spec.pools` shows the spec's own documentation.
+//! What a schema cannot say (a GPU the catalogue lacks, shares that do not sum to 1) is checked
+//! by `rollfleet-spec`, the one validator every rollfleet entry point uses, which reports every
+//! problem with its field path; the operator writes them into the object's status.
+//! `manifests/operator/crd.yaml` is `rollfleet-operator crd`'s output, and a test keeps it so.
 
 use std::borrow::Cow;
 
@@ -16,6 +21,9 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     CustomResourceSubresources, CustomResourceValidation, JSONSchemaProps,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
+use kube_core::schema::{OptionalEnum, OptionalIntOrString, StructuralSchemaRewriter};
+use schemars::transform::{Transform, transform_subschemas};
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
 use serde::{Deserialize, Serialize};
 
 /// The API group.
@@ -48,9 +56,27 @@ pub struct RLJob {
     pub status: Option<RLJobStatus>,
 }
 
-/// The status the operator writes.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// The spec of an RLJob as its schema describes it: the job spec, and `suspend`.
+///
+/// The operator reads the spec as JSON ([`RLJob::spec`]), so that an object the schema let
+/// through but the spec's validation refuses still gets a status naming every problem; this type
+/// only describes it.
+#[derive(Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+pub struct RLJobSpec {
+    /// The job, as `rollfleet validate` reads it.
+    #[serde(flatten)]
+    pub job: rollfleet_spec::JobSpec,
+    /// `true` scales every Deployment of the job to zero (as Kueue and other queueing
+    /// controllers set it); `false` or unset runs it. The object's, not the job's: the job file
+    /// leaves it out, so suspending and resuming keep its journal.
+    #[serde(default)]
+    pub suspend: bool,
+}
+
+/// The status the operator writes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
 pub struct RLJobStatus {
     /// `Invalid`, `Suspended`, `Starting` (objects applied, the scheduler not answering yet), or
     /// the scheduler's own phase: `Pending`, `Running`, `Succeeded`, `Failed`, `Cancelled`.
@@ -72,13 +98,16 @@ pub struct RLJobStatus {
     /// `kubectl wait --for=condition=Complete` waits for), and `Suspended` once `spec.suspend`
     /// was set.
     #[serde(default)]
+    #[schemars(schema_with = "conditions_schema")]
     pub conditions: Vec<Condition>,
     /// When the job started for the spec it has (reset by a changed spec and by a resume, as a
     /// Kubernetes Job's is).
     #[serde(default)]
+    #[schemars(schema_with = "time_schema")]
     pub start_time: Option<Time>,
     /// When the job ended (succeeded, failed or was cancelled).
     #[serde(default)]
+    #[schemars(schema_with = "time_schema")]
     pub completion_time: Option<Time>,
 }
 
@@ -123,13 +152,117 @@ impl kube::Resource for RLJob {
     }
 }
 
-fn open_object(description: &str) -> JSONSchemaProps {
-    JSONSchemaProps {
-        type_: Some("object".into()),
-        description: Some(description.into()),
-        x_kubernetes_preserve_unknown_fields: Some(true),
-        ..Default::default()
+/// A time, as Kubernetes writes it (RFC 3339), or null.
+fn time_schema(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({ "type": "string", "format": "date-time", "nullable": true })
+}
+
+/// Kubernetes' `Condition`s, as `status.conditions` holds them.
+fn conditions_schema(_: &mut SchemaGenerator) -> Schema {
+    let text = |description: &str| json_schema!({ "type": "string", "description": description });
+    json_schema!({
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["type", "status"],
+            "properties": {
+                "type": text("`Valid`, `SchedulerReachable`, `Ready`, `Complete`, `Failed` or \
+                    `Suspended`."),
+                "status": text("`True`, `False` or `Unknown`."),
+                "reason": text("Why, in one CamelCase word."),
+                "message": text("Why, in words."),
+                "lastTransitionTime": {
+                    "type": "string",
+                    "format": "date-time",
+                    "description": "When the condition's status last changed.",
+                },
+                "observedGeneration": {
+                    "type": "integer",
+                    "format": "int64",
+                    "description": "The generation of the spec the condition describes.",
+                },
+            },
+        },
+    })
+}
+
+/// Drops every `default` from a schema: the API server would write defaults into the stored
+/// object, and so into the job file and its hash; the spec's own defaults apply when the job file
+/// is read. And joins the lines of each description's paragraphs (doc comments are wrapped at
+/// 100 columns; `kubectl explain` wraps them again).
+#[derive(Debug, Clone)]
+struct NoDefaults;
+
+impl Transform for NoDefaults {
+    fn transform(&mut self, schema: &mut Schema) {
+        transform_subschemas(self, schema);
+        if let Some(object) = schema.as_object_mut() {
+            object.remove("default");
+            if let Some(serde_json::Value::String(text)) = object.get_mut("description") {
+                *text = text
+                    .split("\n\n")
+                    .map(|paragraph| paragraph.split('\n').collect::<Vec<_>>().join(" "))
+                    .collect::<Vec<_>>()
+                    .join("\n\n");
+            }
+        }
     }
+}
+
+/// Why the CRD could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum CrdError {
+    /// A generated schema is not an OpenAPI schema Kubernetes reads.
+    #[error("the schema of {what} is not a Kubernetes schema: {source}")]
+    Schema {
+        /// `spec` or `status`.
+        what: &'static str,
+        /// Why.
+        source: serde_json::Error,
+    },
+    /// The CRD could not be written as YAML.
+    #[error("the CRD cannot be written as YAML: {0}")]
+    Yaml(#[from] serde_yaml_ng::Error),
+}
+
+/// The structural OpenAPI schema of `T`, as kube's `CustomResource` derive makes it: every
+/// subschema inlined (no `$ref`), enums and tagged unions made objects and lists of values
+/// (`kube::core::schema`), and no defaults ([`NoDefaults`]).
+fn structural_schema<T: JsonSchema>(what: &'static str) -> Result<JSONSchemaProps, CrdError> {
+    let generator = schemars::generate::SchemaSettings::openapi3()
+        .with(|settings| {
+            settings.inline_subschemas = true;
+            settings.meta_schema = None;
+        })
+        .with_transform(StructuralSchemaRewriter)
+        .with_transform(OptionalEnum)
+        .with_transform(OptionalIntOrString)
+        .with_transform(NoDefaults)
+        .into_generator();
+    let mut schema = generator.into_root_schema_for::<T>();
+    if let Some(object) = schema.as_object_mut() {
+        object.remove("title");
+    }
+    serde_json::from_value(schema.to_value()).map_err(|source| CrdError::Schema { what, source })
+}
+
+/// The schema of the RLJob object: its `spec` and `status`.
+pub fn object_schema() -> Result<JSONSchemaProps, CrdError> {
+    let mut spec = structural_schema::<RLJobSpec>("spec")?;
+    spec.description = Some(
+        "The rollfleet job spec (docs/job-spec.md), and `suspend`. The API server checks its \
+         fields and their types; the operator validates the rest and writes every problem, with \
+         its field path, into status.message."
+            .into(),
+    );
+    let mut status = structural_schema::<RLJobStatus>("status")?;
+    status.description = Some("What the operator last saw; written by the operator.".into());
+    Ok(JSONSchemaProps {
+        type_: Some("object".into()),
+        required: Some(vec!["spec".into()]),
+        properties: Some([("spec".to_owned(), spec), ("status".to_owned(), status)].into()),
+        ..Default::default()
+    })
 }
 
 fn column(name: &str, type_: &str, path: &str) -> CustomResourceColumnDefinition {
@@ -142,26 +275,9 @@ fn column(name: &str, type_: &str, path: &str) -> CustomResourceColumnDefinition
 }
 
 /// The CustomResourceDefinition (`rollfleet-operator crd`; `manifests/operator/crd.yaml`).
-pub fn crd() -> CustomResourceDefinition {
-    let schema = JSONSchemaProps {
-        type_: Some("object".into()),
-        required: Some(vec!["spec".into()]),
-        properties: Some(
-            [
-                (
-                    "spec".to_owned(),
-                    open_object(
-                        "The rollfleet job spec (docs/job-spec.md); the operator validates it and \
-                         writes its problems, with their field paths, into status.message.",
-                    ),
-                ),
-                ("status".to_owned(), open_object("Written by the operator.")),
-            ]
-            .into(),
-        ),
-        ..Default::default()
-    };
-    CustomResourceDefinition {
+pub fn crd() -> Result<CustomResourceDefinition, CrdError> {
+    let schema = object_schema()?;
+    Ok(CustomResourceDefinition {
         metadata: ObjectMeta {
             name: Some(format!("{PLURAL}.{GROUP}")),
             ..Default::default()
@@ -203,14 +319,18 @@ pub fn crd() -> CustomResourceDefinition {
             ..Default::default()
         },
         status: None,
-    }
+    })
 }
 
+/// The command that writes `manifests/operator/crd.yaml`.
+pub const REGENERATE: &str = "cargo run -p rollfleet-operator -- crd > manifests/operator/crd.yaml";
+
 /// The CRD as YAML, as `manifests/operator/crd.yaml` holds it.
-pub fn crd_yaml() -> Result<String, serde_yaml_ng::Error> {
+pub fn crd_yaml() -> Result<String, CrdError> {
     Ok(format!(
-        "# Generated by `rollfleet-operator crd`; a test checks that it matches.\n{}",
-        serde_yaml_ng::to_string(&crd())?
+        "# Generated from the job spec's types by `rollfleet-operator crd` ({REGENERATE});\n\
+         # a test checks that it matches.\n{}",
+        serde_yaml_ng::to_string(&crd()?)?
     ))
 }
 
@@ -228,7 +348,12 @@ mod tests {
 
     #[test]
     fn the_shipped_crd_is_the_one_the_operator_generates() {
-        assert_eq!(manifest("crd.yaml"), crd_yaml().unwrap_or_default());
+        let generated = crd_yaml().expect("the CRD");
+        assert!(
+            manifest("crd.yaml") == generated,
+            "manifests/operator/crd.yaml is not the CRD the operator generates from the job \
+             spec's types; regenerate it with `{REGENERATE}`"
+        );
         let parsed: CustomResourceDefinition =
             serde_yaml_ng::from_str(&manifest("crd.yaml")).expect("a CustomResourceDefinition");
         assert_eq!(

@@ -45,32 +45,18 @@ pub const JOB_LABEL: &str = "rollfleet.dev/job";
 pub const COMPONENT_LABEL: &str = "rollfleet.dev/component";
 /// Label: a worker's pool.
 pub const POOL_LABEL: &str = "rollfleet.dev/pool";
-/// Annotation on an RLJob: the URL of an OpenAI-compatible engine (vLLM, SGLang) its GPU
-/// workers generate with, instead of the emulated engine.
+/// Annotation on an RLJob, read when `spec.kubernetes.engineUrl` is unset (deprecated: the
+/// field replaces it, and the annotation is read for this release only).
 pub const ENGINE_URL_ANNOTATION: &str = "rollfleet.dev/engine-url";
-/// Annotation on an RLJob: `"true"` runs its GPU workers on the emulated engine without asking
-/// the cluster for GPUs, to try a job on a cluster that has none (every GPU figure is then
-/// emulated, as in `rollfleet run`).
+/// Annotation on an RLJob, read when `spec.kubernetes.emulatedGpus` is unset (deprecated).
 pub const EMULATED_GPUS_ANNOTATION: &str = "rollfleet.dev/emulated-gpus";
-/// Annotation on an RLJob: the name of a Secret of its namespace whose key [`TOKEN_SECRET_KEY`]
-/// holds the bearer token its scheduler requires; the scheduler and every worker get it as
-/// `ROLLFLEET_TOKEN`, and the operator sends it when it asks the scheduler for the job's status
-/// or cancels the job.
+/// Annotation on an RLJob, read when `spec.kubernetes.tokenSecret` is unset (deprecated).
 pub const TOKEN_SECRET_ANNOTATION: &str = "rollfleet.dev/token-secret";
 /// The key of the token in that Secret.
 pub const TOKEN_SECRET_KEY: &str = "token";
-/// Annotation on an RLJob: the name of a PersistentVolumeClaim of its namespace to keep the
-/// scheduler's journal on, instead of the pod's `emptyDir`: then a scheduler pod that is
-/// replaced (evicted, its node lost) resumes the job too, not only a restarted container. On a
-/// claim the journal is also synced to the disk before the scheduler acts on it
-/// (`--journal-sync`): a node that loses power must not take acted-on records with it. (On the
-/// `emptyDir` that would buy nothing: the directory goes with the node.)
+/// Annotation on an RLJob, read when `spec.kubernetes.journalClaim` is unset (deprecated).
 pub const JOURNAL_CLAIM_ANNOTATION: &str = "rollfleet.dev/journal-claim";
-/// Annotation on an RLJob: the name of a TLS Secret of its namespace (`kubernetes.io/tls`, with
-/// `ca.crt`, as cert-manager writes them) for its scheduler to serve gRPC with: the scheduler
-/// mounts `tls.crt` and `tls.key`, the workers only `ca.crt` and reach it at `https://`, and the
-/// operator reads `ca.crt` to call it. The certificate must name `<job>-scheduler` (the workers'
-/// URL) and `<job>-scheduler.<namespace>.svc` (the operator's).
+/// Annotation on an RLJob, read when `spec.kubernetes.tlsSecret` is unset (deprecated).
 pub const TLS_SECRET_ANNOTATION: &str = "rollfleet.dev/tls-secret";
 /// The keys of that Secret.
 pub const TLS_CERT_KEY: &str = "tls.crt";
@@ -87,7 +73,7 @@ pub const JOB_HASH_ANNOTATION: &str = "rollfleet.dev/job-hash";
 const JOB_DIR: &str = "/etc/rollfleet";
 /// Where the scheduler keeps its journal: the pod's `emptyDir`, which outlives the scheduler's
 /// container (a crash, an OOM kill: the kubelet restarts the container in the same pod, and it
-/// resumes the job) but not its pod; or the claim [`JOURNAL_CLAIM_ANNOTATION`] names, which
+/// resumes the job) but not its pod; or the claim `spec.kubernetes.journalClaim` names, which
 /// outlives the pod.
 pub const JOURNAL_DIR: &str = "/var/lib/rollfleet";
 
@@ -110,6 +96,9 @@ pub enum InvalidJob {
     /// A pool's placement cannot be made into a pod's (its field path, what is wrong).
     #[error("{0}")]
     Placement(String),
+    /// The spec's `kubernetes` block is invalid (every problem, with its field path).
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
+    Kubernetes(Vec<rollfleet_spec::Problem>),
 }
 
 /// Everything an RLJob should run.
@@ -138,13 +127,56 @@ pub fn suspended(job: &RLJob) -> bool {
         == Some(true)
 }
 
+/// The field of an RLJob's spec that says how the operator runs it
+/// (`rollfleet_spec::KubernetesJob`): the object's, not the job's, as [`SUSPEND_FIELD`] is.
+pub const KUBERNETES_FIELD: &str = "kubernetes";
+
+/// `job`'s `spec.kubernetes` block, as written (none when unset); one that is not such a block
+/// is an error naming its fields.
+pub fn kubernetes_block(job: &RLJob) -> Result<rollfleet_spec::KubernetesJob, InvalidJob> {
+    let Some(value) = job.spec.get(KUBERNETES_FIELD) else {
+        return Ok(Default::default());
+    };
+    let origin = format!("rljob/{}", job.name());
+    let problem = |path: String, message: String| {
+        InvalidJob::Kubernetes(vec![rollfleet_spec::Problem { path, message }])
+    };
+    let text = serde_json::to_string(value)
+        .map_err(|e| problem(format!("spec.{KUBERNETES_FIELD}"), e.to_string()))?;
+    // Parsed as the job file's other fields are, so the error names the field.
+    let block: rollfleet_spec::KubernetesJob =
+        rollfleet_spec::parse_yaml(&text, &origin).map_err(|e| match e {
+            rollfleet_spec::SpecError::Syntax { path, message, .. } => {
+                let path = match path.as_str() {
+                    "." => format!("spec.{KUBERNETES_FIELD}"),
+                    _ => format!("spec.{KUBERNETES_FIELD}.{path}"),
+                };
+                problem(path, message)
+            }
+            other => problem(format!("spec.{KUBERNETES_FIELD}"), other.to_string()),
+        })?;
+    let problems = rollfleet_spec::kubernetes_job_problems(&block);
+    if problems.is_empty() {
+        Ok(block)
+    } else {
+        Err(InvalidJob::Kubernetes(problems))
+    }
+}
+
+/// `job`'s `spec.kubernetes` block, or the default when it has none or an invalid one (which
+/// [`desired`] refuses, naming its problems).
+fn settings_of(job: &RLJob) -> rollfleet_spec::KubernetesJob {
+    kubernetes_block(job).unwrap_or_default()
+}
+
 /// The job file the scheduler runs: the object's kind, name and spec (none of the cluster's
-/// bookkeeping, and not `suspend`, so that suspending and resuming keep the job file, its hash
-/// and so its journal), as YAML.
+/// bookkeeping, and neither `suspend` nor `kubernetes`, so that suspending, resuming and changing
+/// how the operator runs it keep the job file, its hash and so its journal), as YAML.
 pub fn job_file(job: &RLJob) -> Result<String, serde_yaml_ng::Error> {
     let mut spec = job.spec.clone();
     if let Some(fields) = spec.as_object_mut() {
         fields.remove(SUSPEND_FIELD);
+        fields.remove(KUBERNETES_FIELD);
     }
     serde_yaml_ng::to_string(&serde_json::json!({
         "apiVersion": format!("{}/{}", crate::crd::GROUP, crate::crd::VERSION),
@@ -296,7 +328,10 @@ fn worker_container(
     let annotation = |key: &str| annotation(job, key);
     if gpus > 0 {
         args.extend(["--gpus".to_owned(), gpus.to_string()]);
-        if let Some(url) = annotation(ENGINE_URL_ANNOTATION) {
+        if let Some(url) = settings_of(job)
+            .engine_url
+            .or_else(|| annotation(ENGINE_URL_ANNOTATION))
+        {
             args.extend([
                 "--engine".to_owned(),
                 "openai".to_owned(),
@@ -324,7 +359,8 @@ fn worker_container(
 
 /// Whether `job`'s GPU workers emulate their GPUs (and ask the cluster for none).
 fn emulated_gpus(job: &RLJob) -> bool {
-    annotation(job, EMULATED_GPUS_ANNOTATION).as_deref() == Some("true")
+    settings_of(job).emulated_gpus
+        || annotation(job, EMULATED_GPUS_ANNOTATION).as_deref() == Some("true")
 }
 
 /// The writable `emptyDir` every pod has at [`placement::TMP_DIR`] (its root filesystem is
@@ -356,7 +392,10 @@ fn annotation(job: &RLJob, key: &str) -> Option<String> {
 
 /// The name of the Secret holding `job`'s token, when it names one.
 pub fn token_secret(job: &RLJob) -> Option<String> {
-    annotation(job, TOKEN_SECRET_ANNOTATION).filter(|s| !s.trim().is_empty())
+    settings_of(job)
+        .token_secret
+        .or_else(|| annotation(job, TOKEN_SECRET_ANNOTATION))
+        .filter(|s| !s.trim().is_empty())
 }
 
 /// Whether `job`'s status says its job ended (succeeded, failed or was cancelled) for the spec it
@@ -370,12 +409,18 @@ pub fn finished(job: &RLJob) -> bool {
 
 /// The claim the job names for its scheduler's journal, if any.
 fn journal_claim(job: &RLJob) -> Option<String> {
-    annotation(job, JOURNAL_CLAIM_ANNOTATION).filter(|c| !c.trim().is_empty())
+    settings_of(job)
+        .journal_claim
+        .or_else(|| annotation(job, JOURNAL_CLAIM_ANNOTATION))
+        .filter(|c| !c.trim().is_empty())
 }
 
 /// The name of the TLS Secret `job` names for its scheduler, if any.
 pub fn tls_secret(job: &RLJob) -> Option<String> {
-    annotation(job, TLS_SECRET_ANNOTATION).filter(|s| !s.trim().is_empty())
+    settings_of(job)
+        .tls_secret
+        .or_else(|| annotation(job, TLS_SECRET_ANNOTATION))
+        .filter(|s| !s.trim().is_empty())
 }
 
 /// The volume and mount of the TLS Secret's files `keys` (the scheduler: its certificate and
@@ -498,6 +543,7 @@ pub fn desired_with(
 ) -> Result<Desired, InvalidJob> {
     let yaml = job_file(job)?;
     let plan = plans.plan(job, &yaml)?;
+    kubernetes_block(job)?;
     let name = job.name();
 
     let mut deployments = Vec::new();
@@ -1199,6 +1245,96 @@ mod tests {
         let d = desired(&job, &settings()).expect("valid");
         assert_eq!(gpu_limit(named(&d, "quickstart-decode")), None);
         assert!(args(named(&d, "quickstart-decode")).ends_with(&["--gpus".into(), "2".into()]));
+    }
+
+    #[test]
+    fn the_specs_kubernetes_block_sets_engine_gpus_secrets_and_claim_and_wins_over_annotations() {
+        let plain = example("quickstart.yaml");
+        let mut job = plain.clone();
+        job.spec["kubernetes"] = serde_json::json!({
+            "engineUrl": "http://vllm:8000",
+            "emulatedGpus": true,
+            "tokenSecret": "rl-token",
+            "tlsSecret": "rl-tls",
+            "journalClaim": "rl-journals",
+        });
+        // The deprecated annotations are read only where the block says nothing.
+        job.metadata.annotations = Some(BTreeMap::from([
+            (TOKEN_SECRET_ANNOTATION.to_owned(), "old-token".to_owned()),
+            (ENGINE_URL_ANNOTATION.to_owned(), "http://old:1".to_owned()),
+        ]));
+        let d = desired(&job, &settings()).expect("valid");
+        let decode = named(&d, "quickstart-decode");
+        assert!(args(decode).ends_with(&["--engine-url".into(), "http://vllm:8000".into()]));
+        assert_eq!(gpu_limit(decode), None, "emulated GPUs ask for none");
+        let pod = |deployment: &Deployment| {
+            deployment
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.clone())
+                .expect("a pod")
+        };
+        let scheduler = pod(&d.deployments[0]);
+        assert_eq!(
+            token_source(&scheduler.containers[0]),
+            Some(("rl-token".to_owned(), TOKEN_SECRET_KEY.to_owned()))
+        );
+        let volume = |name: &str| {
+            scheduler
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == name)
+                .cloned()
+                .expect("a volume")
+        };
+        assert_eq!(
+            volume("tls").secret.and_then(|s| s.secret_name).as_deref(),
+            Some("rl-tls")
+        );
+        assert_eq!(
+            volume("journal")
+                .persistent_volume_claim
+                .map(|c| c.claim_name)
+                .as_deref(),
+            Some("rl-journals")
+        );
+        assert!(args(&d.deployments[0]).contains(&"--journal-sync".to_owned()));
+        assert_eq!(token_secret(&job).as_deref(), Some("rl-token"));
+        assert_eq!(tls_secret(&job).as_deref(), Some("rl-tls"));
+        // The block is the object's, not the job's: the job file, so its hash and journal, stay.
+        assert_eq!(
+            job_file(&job).expect("a job file"),
+            job_file(&plain).expect("a job file")
+        );
+    }
+
+    #[test]
+    fn an_invalid_kubernetes_block_is_refused_with_its_field_path() {
+        for (block, path) in [
+            (
+                serde_json::json!({"tokenSecret": "Not_A_Name"}),
+                "spec.kubernetes.tokenSecret",
+            ),
+            (
+                serde_json::json!({"engineUrl": "vllm:8000"}),
+                "spec.kubernetes.engineUrl",
+            ),
+            (
+                serde_json::json!({"tlsSecrets": "rl-tls"}),
+                "spec.kubernetes",
+            ),
+            (
+                serde_json::json!({"emulatedGpus": "yes"}),
+                "spec.kubernetes.emulatedGpus",
+            ),
+        ] {
+            let mut job = example("quickstart.yaml");
+            job.spec["kubernetes"] = block.clone();
+            let err = desired(&job, &settings()).map(|_| ()).unwrap_err();
+            let text = err.to_string();
+            assert!(text.starts_with(path), "{block}: {text}");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! `nodeSelector` replaces the default one, `tolerations` are added to the default ones,
 //! `resources` replace the default request or limit of each resource they name (a GPU pool keeps
 //! its `nvidia.com/gpu`), and `affinity` and `priorityClassName` are set as given. With
-//! `rollfleet.dev/emulated-gpus` a GPU pool gets none of the GPU defaults: the point is to run on
+//! `spec.kubernetes.emulatedGpus` a GPU pool gets none of the GPU defaults: the point is to run on
 //! nodes without GPUs.
 
 use std::collections::BTreeMap;

@@ -168,6 +168,21 @@ impl std::ops::Deref for Dist {
     }
 }
 
+#[cfg(feature = "schema")]
+impl schemars::JsonSchema for Dist {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Dist".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        crate::schema::distribution()
+    }
+}
+
 impl<'de> Deserialize<'de> for Dist {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct DistVisitor;

@@ -1,9 +1,10 @@
-//! Where a pool's pods go on Kubernetes, and what they ask the cluster for:
-//! `spec.pools[i].kubernetes`.
+//! What the Kubernetes operator needs beyond the job: how it runs the job on a cluster
+//! (`spec.kubernetes`: an inference engine, Secrets, a claim for the journal), and where a pool's
+//! pods go and what they ask the cluster for (`spec.pools[i].kubernetes`).
 //!
-//! Only the Kubernetes operator reads it (every other entry point ignores it), but it is part of
-//! the job spec so that one file says where each pool runs, and it is validated here with the
-//! rest of the spec, every problem with its field path. The types are plain serde types: this
+//! Only the Kubernetes operator reads them (every other entry point ignores them), but they are
+//! part of the job spec so that one file says how and where the job runs, and they are validated
+//! here with the rest of the spec, every problem with its field path. The types are plain serde types: this
 //! crate is a core crate and never depends on the Kubernetes API crates; the operator converts
 //! them to the Kubernetes API's own.
 
@@ -17,9 +18,45 @@ use crate::validate::Problem;
 /// sets it from the pool's `gpusPerNode`; a pool's `resources` may not.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 
+/// How the Kubernetes operator runs the job: `spec.kubernetes`. Each field left out keeps the
+/// operator's default (`docs/operator.md`). It is the RLJob object's, not the job's: the job file
+/// the scheduler reads leaves it out, so changing it keeps the job file, its hash and its
+/// journal's name.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KubernetesJob {
+    /// The URL of an OpenAI-compatible engine (vLLM, SGLang) the GPU workers generate with
+    /// (`rollfleet worker --engine openai --engine-url URL`), instead of the emulated engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_url: Option<String>,
+    /// `true` runs the GPU workers on the emulated engine without asking the cluster for GPUs
+    /// (no GPU node selector, toleration or `nvidia.com/gpu` limit), to try a job on a cluster
+    /// that has none; every GPU figure is then emulated.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub emulated_gpus: bool,
+    /// A Secret of the job's namespace whose key `token` holds the bearer token the job's
+    /// scheduler requires; the scheduler and every worker get it as `ROLLFLEET_TOKEN`, and the
+    /// operator sends it with its own calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_secret: Option<String>,
+    /// A `kubernetes.io/tls` Secret of the job's namespace (`tls.crt`, `tls.key`, `ca.crt`, as
+    /// cert-manager writes them) the job's scheduler serves gRPC with; the workers and the
+    /// operator call it at `https://`, trusting `ca.crt`. The certificate must name
+    /// `<job>-scheduler` and `<job>-scheduler.<namespace>.svc`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_secret: Option<String>,
+    /// A PersistentVolumeClaim of the job's namespace to keep the scheduler's journal on
+    /// (synced to its disk before the scheduler acts on it), instead of the pod's `emptyDir`:
+    /// then a replaced scheduler pod resumes the job too, not only a restarted container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal_claim: Option<String>,
+}
+
 /// A pool's placement on Kubernetes. Each field left out keeps the operator's default for the
 /// pool (`docs/operator.md`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KubernetesPlacement {
     /// Node labels the pods require. Set, it replaces the default (a GPU pool's
@@ -32,6 +69,7 @@ pub struct KubernetesPlacement {
     /// A Kubernetes `Affinity` object (`nodeAffinity`, `podAffinity`, `podAntiAffinity`), as
     /// the Kubernetes API spells it; the operator checks its fields when it converts it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schema", schemars(schema_with = "crate::schema::affinity"))]
     pub affinity: Option<serde_yaml_ng::Value>,
     /// Requests and limits, each replacing the default of the same resource.
     #[serde(default, skip_serializing_if = "Resources::is_empty")]
@@ -43,6 +81,7 @@ pub struct KubernetesPlacement {
 
 /// A toleration, as Kubernetes spells it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Toleration {
     /// The taint's key; empty (with `Exists`) tolerates every taint.
@@ -64,6 +103,7 @@ pub struct Toleration {
 
 /// How a toleration matches a taint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum TolerationOperator {
     /// Key and value equal.
     Equal,
@@ -73,6 +113,7 @@ pub enum TolerationOperator {
 
 /// A taint's effect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum TaintEffect {
     /// New pods are not scheduled on the node.
     NoSchedule,
@@ -85,6 +126,7 @@ pub enum TaintEffect {
 /// Requests and limits by resource name (`cpu`, `memory`, `ephemeral-storage`, extended
 /// resources).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Resources {
     /// What the scheduler reserves for the pod on its node.
@@ -122,6 +164,21 @@ impl<'de> Deserialize<'de> for Quantity {
             Written::Whole(n) => n.to_string(),
             Written::Real(x) => x.to_string(),
         }))
+    }
+}
+
+#[cfg(feature = "schema")]
+impl schemars::JsonSchema for Quantity {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "Quantity".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        crate::schema::quantity()
     }
 }
 
@@ -194,6 +251,49 @@ fn is_label_key(key: &str) -> bool {
         Some((prefix, name)) => is_dns_subdomain(prefix) && is_label_part(name, false),
         None => is_label_part(key, false),
     }
+}
+
+/// Whether `url` is an `http://` or `https://` URL with a host.
+fn is_http_url(url: &str) -> bool {
+    let rest = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"));
+    rest.and_then(|r| r.split(['/', '?', '#']).next())
+        .is_some_and(|host| !host.is_empty() && !host.contains(char::is_whitespace))
+}
+
+/// The problems of the job's `spec.kubernetes` block, each with its field path.
+pub(crate) fn job_problems(job: Option<&KubernetesJob>) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let Some(job) = job else {
+        return out;
+    };
+    let path = "spec.kubernetes";
+    if let Some(url) = &job.engine_url
+        && !is_http_url(url)
+    {
+        out.push(Problem {
+            path: format!("{path}.engineUrl"),
+            message: format!("{url:?} is not an http:// or https:// URL"),
+        });
+    }
+    for (field, name, what) in [
+        ("tokenSecret", &job.token_secret, "Secret"),
+        ("tlsSecret", &job.tls_secret, "Secret"),
+        ("journalClaim", &job.journal_claim, "PersistentVolumeClaim"),
+    ] {
+        if let Some(name) = name
+            && !is_dns_subdomain(name)
+        {
+            out.push(Problem {
+                path: format!("{path}.{field}"),
+                message: format!(
+                    "{name:?} is not a {what} name (lowercase letters, digits, `-` and `.`)"
+                ),
+            });
+        }
+    }
+    out
 }
 
 /// The problems of pool `path`'s placement (`path` is `spec.pools[i]`), each with its field
@@ -384,6 +484,37 @@ priorityClassName: High
                 "spec.pools[1].kubernetes.priorityClassName",
             ]
         );
+    }
+
+    #[test]
+    fn the_jobs_kubernetes_block_names_each_wrong_field_by_its_path() {
+        let good: KubernetesJob = serde_yaml_ng::from_str(
+            "{engineUrl: 'http://vllm.rl.svc:8000/v1', emulatedGpus: true, tokenSecret: rl-token, \
+             tlsSecret: rl.tls, journalClaim: rl-journals}",
+        )
+        .expect("a block");
+        assert_eq!(job_problems(Some(&good)), []);
+        assert!(good.emulated_gpus);
+        let bad: KubernetesJob = serde_yaml_ng::from_str(
+            "{engineUrl: 'vllm:8000', tokenSecret: Rl_Token, tlsSecret: '', journalClaim: -x}",
+        )
+        .expect("a block");
+        let paths: Vec<String> = job_problems(Some(&bad))
+            .into_iter()
+            .map(|p| p.path)
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                "spec.kubernetes.engineUrl",
+                "spec.kubernetes.tokenSecret",
+                "spec.kubernetes.tlsSecret",
+                "spec.kubernetes.journalClaim",
+            ]
+        );
+        assert!(serde_yaml_ng::from_str::<KubernetesJob>("{tokenSecrets: a}").is_err());
+        assert!(!is_http_url("https://"));
+        assert!(!is_http_url("http://a b"));
     }
 
     #[test]

@@ -15,13 +15,15 @@ mod manifest;
 mod model;
 mod names;
 mod nesting;
+#[cfg(feature = "schema")]
+mod schema;
 mod validate;
 
 use std::path::Path;
 
 pub use distribution::{Dist, Distribution, TraceColumn, TraceName, lognormal_sigma};
 pub use kubernetes::{
-    GPU_RESOURCE, KubernetesPlacement, Quantity, Resources, TaintEffect, Toleration,
+    GPU_RESOURCE, KubernetesJob, KubernetesPlacement, Quantity, Resources, TaintEffect, Toleration,
     TolerationOperator,
 };
 pub use manifest::{
@@ -181,6 +183,13 @@ impl ValidatedJob {
             warnings: outcome.warnings,
         })
     }
+}
+
+/// The problems of a job's `spec.kubernetes` block, each with its field path
+/// (`spec.kubernetes.tokenSecret`), as [`parse_job`] reports them; for the operator, which reads
+/// the block apart from the job file.
+pub fn kubernetes_job_problems(block: &KubernetesJob) -> Vec<Problem> {
+    kubernetes::job_problems(Some(block))
 }
 
 /// Reads, parses and validates a job file.

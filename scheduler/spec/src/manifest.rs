@@ -51,6 +51,7 @@ pub struct Metadata {
 
 /// The job itself: model, RL settings, task mix, rewards and hardware.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct JobSpec {
     /// The policy model.
@@ -73,10 +74,15 @@ pub struct JobSpec {
     /// Catalogue entries added or overridden for this job.
     #[serde(default, skip_serializing_if = "CatalogAdditions::is_empty")]
     pub catalog: CatalogAdditions,
+    /// How the Kubernetes operator runs the job (an inference engine, Secrets, a claim for the
+    /// journal); every other entry point ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<crate::kubernetes::KubernetesJob>,
 }
 
 /// RL settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RlSpec {
     /// Trajectories sampled per task instance (GRPO group size, `n`).
@@ -111,6 +117,7 @@ pub struct RlSpec {
 
 /// Who trains the policy and publishes its versions.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum TrainerMode {
     /// The emulated trainer: a batch takes the modelled training time on the train pool, and the
@@ -140,6 +147,7 @@ fn default_train_mfu() -> f64 {
 
 /// One kind of task in the mix.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct TaskSpec {
     /// Task name, unique in the job.
@@ -181,6 +189,7 @@ fn one_f64() -> f64 {
 /// An environment kind the job declares, so that its tasks may name it: one no worker runs
 /// built in, served by a program of its own.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct EnvironmentSpec {
     /// The kind, as tasks name it in `environment` and as the server knows it.
@@ -191,6 +200,7 @@ pub struct EnvironmentSpec {
 
 /// What serves a declared environment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub enum EnvironmentServer {
     /// A remote environment server over rollfleet's HTTP protocol
@@ -201,6 +211,7 @@ pub enum EnvironmentServer {
 
 /// Where a reward function runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub enum RewardPlacement {
     /// A serverless function (AWS Lambda API), in a `serverless` pool.
@@ -213,6 +224,7 @@ pub enum RewardPlacement {
 
 /// A reward function.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RewardSpec {
     /// Reward name, unique in the job.
@@ -238,6 +250,7 @@ fn default_function_memory_mb() -> i64 {
 
 /// What a pool may be used for. Left empty, the planner decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub enum Role {
     /// Prefill (prompt and new observations): compute-bound.
@@ -267,6 +280,7 @@ impl Role {
 /// A pool of identical devices: GPUs of one product, CPU nodes of one shape, or a serverless
 /// platform. Exactly one of `gpu`, `cpu` and `serverless` is set.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolSpec {
     /// Pool name, unique in the job.
@@ -329,6 +343,7 @@ impl PoolSpec {
 
 /// Network figures between pools.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NetworkSpec {
     /// Bandwidth between nodes of different pools, GB/s per node (e.g. 8 x 400 Gb/s RDMA NICs
@@ -351,6 +366,7 @@ impl Default for NetworkSpec {
 
 /// Catalogue entries a job adds or overrides.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CatalogAdditions {
     /// GPU products.

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 /// The policy model, as the job spec describes it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ModelSpec {
     /// A label, e.g. `Qwen3-32B`.

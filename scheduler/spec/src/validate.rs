@@ -303,6 +303,9 @@ pub(crate) fn validate(manifest: &JobManifest) -> Outcome {
     check_tasks(spec, &mut problems);
     check_rewards(spec, &mut problems);
     check_pools(spec, &catalog, &mut problems);
+    problems
+        .errors
+        .extend(crate::kubernetes::job_problems(spec.kubernetes.as_ref()));
     if problems.errors.is_empty() {
         // The fit check needs valid numbers everywhere; with other errors it would only add noise.
         check_model_fits(spec, &catalog, &mut problems);
