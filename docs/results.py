@@ -94,11 +94,12 @@ def simulated_section(rollfleet: str) -> str:
     )
     add("")
     add(
-        "| policy | placement | staleness | s per RL step (seeds 0 / 1 / 2) | vs sync | "
+        "| policy | placement | staleness | s per RL step (seeds 0 / 1 / 2) | steady state s | "
+        "vs sync | "
         "reference efficiency | bias: tokens / env time / task share | USD per step | "
         "steps per USD vs sync | own bound s | own efficiency |"
     )
-    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    add("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     sync_usd = policy(first, "sync")["usd_per_step"]
     for name, shown in POLICY_NAMES.items():
         runs = [policy(by_seed[s], name) for s in SEEDS]
@@ -107,7 +108,7 @@ def simulated_section(rollfleet: str) -> str:
         bias = runs[0]["bias"]
         add(
             f"| {shown} | {runs[0]['placement']} | {runs[0]['max_staleness']} | {steps} | "
-            f"{speedups} | "
+            f"{runs[0]['steady_step_time_s']:.1f} | {speedups} | "
             + " / ".join(f"{r['reference_efficiency']:.2f}" for r in runs)
             + f" | {bias['tokens'] * 100:+.1f}% / {bias['env_time'] * 100:+.1f}% / "
             f"{bias['task_share'] * 100:.1f} | {runs[0]['usd_per_step']:.2f} | "
@@ -116,7 +117,10 @@ def simulated_section(rollfleet: str) -> str:
             + " |"
         )
     add("")
-    add("Placement, bias, cost and the own bound are seed 0's.")
+    add(
+        "Placement, steady state (steps after the first tenth and before the last tenth), "
+        "bias, cost and the own bound are seed 0's."
+    )
     add("")
 
     add("## Simulated: the RollArt-like job at equal staleness")
