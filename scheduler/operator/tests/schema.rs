@@ -366,14 +366,17 @@ fn every_field_path_validate_reports_for_a_pool_is_a_field_of_the_schema() {
 
 #[test]
 fn every_example_rljob_in_the_repository_fits_the_schema() {
-    let files = [
-        "examples/jobs/quickstart.yaml",
-        "examples/jobs/quickstart-external.yaml",
-        "examples/jobs/rollart-agentic.yaml",
-        "examples/real-cpu/job.yaml",
-        "scheduler/sim/benches/scale-3000.yaml",
-    ];
-    for file in files {
+    let mut files: Vec<String> = std::fs::read_dir(repo().join("examples/jobs"))
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with(".yaml"))
+        .map(|name| format!("examples/jobs/{name}"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3, "{files:?}");
+    files.push("examples/real-cpu/job.yaml".into());
+    files.push("scheduler/sim/benches/scale-3000.yaml".into());
+    for file in &files {
         let object = yaml_file(&repo().join(file));
         assert_eq!(object["kind"], "RLJob", "{file}");
         assert_eq!(object_problems(&object), Vec::<String>::new(), "{file}");

@@ -212,6 +212,9 @@ pub struct PolicyReport {
     pub total_s: f64,
     /// Seconds per RL step (total over steps).
     pub step_time_s: f64,
+    /// Seconds per RL step in steady state: between the end of the warm-up and the start of
+    /// the drain, each a tenth of the steps (at least one), when the job has five steps or more.
+    pub steady_step_time_s: Option<f64>,
     /// `sync`'s step time over this one's, when `sync` was run too.
     pub speedup_vs_sync: Option<f64>,
     /// Trajectories trained on per second.
@@ -391,6 +394,7 @@ pub fn policy_report(
         steps,
         total_s: total,
         step_time_s: step_time,
+        steady_step_time_s: steady_step_time(&run.publish_times_s),
         speedup_vs_sync: None,
         trajectories_per_s: run.trajectories as f64 / total,
         trained_tokens_per_s: run.trained_tokens as f64 / total,
@@ -419,6 +423,20 @@ pub fn policy_report(
         scheduler_events: run.scheduler_events,
         sim_events: run.sim_events,
     }
+}
+
+/// Seconds per step between the warm-up and the drain (see
+/// [`PolicyReport::steady_step_time_s`]), from the times each version was published.
+pub fn steady_step_time(publish_times_s: &[f64]) -> Option<f64> {
+    let steps = publish_times_s.len();
+    if steps < 5 {
+        return None;
+    }
+    let edge = (steps / 10).max(1);
+    // Step `k` ends at `publish_times_s[k]`: the steady steps are `edge..steps - edge`.
+    let from = publish_times_s[edge - 1];
+    let to = publish_times_s[steps - edge - 1];
+    Some((to - from) / (steps - 2 * edge) as f64)
 }
 
 /// The indicative cost of one step of `run`: GPU pools it placed work on and every CPU pool,
@@ -512,11 +530,12 @@ fn render_yardstick(report: &SimReport) -> String {
         r.mix.env_cpu_s_per_trajectory
     );
     out.push_str(&format!(
-        "{:<20} {:<10} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>12}\n",
+        "{:<20} {:<10} {:>9} {:>9} {:>10} {:>8} {:>10} {:>10} {:>10} {:>10} {:>12}\n",
         "policy",
         "placement",
         "staleness",
         "step (s)",
+        "steady (s)",
         "ref eff",
         "tok bias",
         "env bias",
@@ -536,11 +555,13 @@ fn render_yardstick(report: &SimReport) -> String {
             format!("{:.2}", p.usd_per_step)
         };
         out.push_str(&format!(
-            "{:<20} {:<10} {:>9} {:>9.1} {:>8.2} {:>9.1}% {:>9.1}% {:>10.1} {:>10} {:>12}\n",
+            "{:<20} {:<10} {:>9} {:>9.1} {:>10} {:>8.2} {:>9.1}% {:>9.1}% {:>10.1} {:>10} {:>12}\n",
             p.policy,
             truncate(&p.placement, 10),
             p.max_staleness,
             p.step_time_s,
+            p.steady_step_time_s
+                .map_or("-".to_owned(), |s| format!("{s:.1}")),
             p.reference_efficiency,
             p.bias.tokens * 100.0,
             p.bias.env_time * 100.0,
@@ -759,4 +780,22 @@ pub fn render_table(report: &SimReport) -> String {
 
 fn truncate(s: &str, n: usize) -> String {
     s.chars().take(n).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::steady_step_time;
+
+    #[test]
+    fn the_steady_state_leaves_out_a_tenth_of_the_steps_at_each_end() {
+        // Twenty steps: a slow first one and a slow last one; steps 2..18 take 10 s each.
+        let mut times = vec![50.0, 70.0];
+        for _ in 2..19 {
+            times.push(times[times.len() - 1] + 10.0);
+        }
+        times.push(times[times.len() - 1] + 40.0);
+        assert_eq!(times.len(), 20);
+        assert_eq!(steady_step_time(&times), Some(10.0));
+        assert_eq!(steady_step_time(&times[..4]), None);
+    }
 }
