@@ -30,7 +30,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use rollfleet_server::{JobPlan, PlanError, PoolRole};
+use rollfleet_fleet::{JobPlan, PlanError, PoolRole};
 
 use crate::crd::{KIND, RLJob};
 use crate::placement;
@@ -92,7 +92,7 @@ pub enum InvalidJob {
     Encode(#[from] serde_yaml_ng::Error),
     /// The spec is invalid or cannot be planned (every problem, with its field path).
     #[error("{0}")]
-    Plan(#[from] rollfleet_server::PlanError),
+    Plan(#[from] rollfleet_fleet::PlanError),
     /// A pool's placement cannot be made into a pod's (its field path, what is wrong).
     #[error("{0}")]
     Placement(String),

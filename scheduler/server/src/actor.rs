@@ -35,6 +35,8 @@ use rollfleet_core::{
     BatchId, Command, Core, Input, ReplicaConfig, ReplicaId, ServeRole, StageCommand, StageId,
     StageOutcome, StageWork, Time, TrajId,
 };
+use rollfleet_fleet::hardware::Meter;
+use rollfleet_fleet::migration::MigrationWave;
 use rollfleet_proto::v1::{
     CompletedTrajectory, EnvStepWork, GenerationWork, GpuTelemetryInfo, HardwareInventory,
     HeartbeatResponse, JobPhase, JobStatus, JournalDetach, JournalHeartbeat, JournalMessage,
@@ -44,7 +46,6 @@ use rollfleet_proto::v1::{
     WorkerMessage, hardware_inventory::Device, journal_record, scheduler_message, work_assignment,
     work_result, worker_message,
 };
-use rollfleet_sim::hardware::Meter;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
@@ -615,7 +616,7 @@ impl ReplanRecord {
 
 /// A move to a new plan under way.
 struct Migration {
-    waves: Vec<rollfleet_sim::sim::MigrationWave>,
+    waves: Vec<MigrationWave>,
     /// The next wave to start.
     next: usize,
     /// Replicas of the wave under way still loading their weights or draining.
@@ -2076,7 +2077,7 @@ impl Actor {
     }
 
     /// Records a re-plan and starts moving to it in `waves` (superseding a move under way).
-    fn begin_move(&mut self, record: ReplanRecord, waves: Vec<rollfleet_sim::sim::MigrationWave>) {
+    fn begin_move(&mut self, record: ReplanRecord, waves: Vec<MigrationWave>) {
         let running = record.running_step_s.map_or_else(
             || "none as it runs (it no longer fits the GPUs or cannot decode)".to_owned(),
             |s| format!("{s:.1} s as it runs"),

@@ -1,7 +1,7 @@
 //! The rollfleet scheduler server: the sans-IO core driven on the wall clock, behind gRPC.
 //!
 //! - [`plan`]: the job as the scheduler and the workers both see it (placement, core config,
-//!   modelled hardware figures);
+//!   modelled hardware figures), from `rollfleet-fleet`, which the workers build it with too;
 //! - [`job`]: the one job a scheduler serves, given at start or by the first valid `Submit`;
 //! - [`actor`]: the single task that owns the core, the workers' leases and every assignment;
 //! - [`grpc`]: `WorkerService` (register, heartbeat, the bidirectional work stream) and
@@ -22,9 +22,10 @@ pub mod journal;
 pub mod listener;
 pub mod logs;
 pub mod metrics;
-pub mod plan;
 pub mod replan;
 mod tokens;
+
+pub use rollfleet_fleet::plan;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -18,18 +18,18 @@ use std::collections::BTreeMap;
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::{ReplicaConfig, ServeRole, TrainerConfig};
+use rollfleet_fleet::migration::{self, MigrationWave};
+use rollfleet_fleet::workload::mean;
 use rollfleet_planner::plan;
 use rollfleet_planner::predict::{self, Candidate, Group, Problem, Role};
 use rollfleet_planner::profile::ProfileStore;
 use rollfleet_planner::replan::{self, Drift};
 use rollfleet_planner::roofline::Efficiency;
 use rollfleet_planner::search;
-use rollfleet_sim::sim::MigrationWave;
-use rollfleet_sim::workload::mean;
 use rollfleet_spec::JobSpec;
 
-/// Serving replicas changed per wave, at most: the simulator's figure.
-pub use rollfleet_sim::loss::PER_WAVE;
+/// Serving replicas changed per wave, at most: the figure the simulator uses too.
+pub use rollfleet_fleet::migration::PER_WAVE;
 
 /// What the planner decided for the GPUs present.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,9 +43,9 @@ pub struct Decision {
     pub planned_step_s: f64,
 }
 
-/// Share of the predicted step a new plan must save for a drift to move replicas (the
-/// simulator's figure): on drift the search often finds another placement of the same step.
-pub use rollfleet_sim::drift::MIN_GAIN;
+/// Share of the predicted step a new plan must save for a drift to move replicas (the figure the
+/// simulator uses too): on drift the search often finds another placement of the same step.
+pub use rollfleet_fleet::migration::MIN_GAIN;
 
 /// The planning problem of a job, kept for re-planning while it runs.
 #[derive(Debug, Clone)]
@@ -128,7 +128,7 @@ impl Replanner {
             Some(now) if planned_step_s >= now * (1.0 - min_gain) => Vec::new(),
             _ => {
                 let waves = replan::migration(&present, &running, &target, PER_WAVE);
-                rollfleet_sim::growth::sim_waves(&present, &running, &target, &waves)
+                migration::sim_waves(&present, &running, &target, &waves)
             }
         };
         Some(Decision {

@@ -24,10 +24,7 @@ use crate::loss::PER_WAVE;
 use crate::sim::{MigrationReport, MigrationWave};
 use crate::workload::mean;
 
-/// Share of the predicted step a new plan must save to be worth moving to: a plan that only
-/// ties (the search often finds another placement of the same predicted step) moves replicas
-/// for nothing.
-pub const MIN_GAIN: f64 = 0.05;
+pub use rollfleet_fleet::migration::MIN_GAIN;
 
 /// A pool whose GPUs slow down mid-run.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

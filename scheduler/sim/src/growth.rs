@@ -11,9 +11,8 @@
 //! after the wave run on the new size.
 
 use rollfleet_catalog::Catalog;
-use rollfleet_core::ServeRole;
 use rollfleet_planner::plan;
-use rollfleet_planner::predict::{Candidate, Problem, Role};
+use rollfleet_planner::predict::{Candidate, Problem};
 use rollfleet_planner::replan;
 use rollfleet_planner::roofline::Efficiency;
 use rollfleet_planner::search;
@@ -21,8 +20,12 @@ use rollfleet_spec::JobSpec;
 use serde::Serialize;
 
 use crate::loss::{PER_WAVE, Versus, versus};
-use crate::sim::{Migration, MigrationReport, MigrationWave, RetireGroup, RunResult};
+use crate::sim::{Migration, MigrationReport, MigrationWave, RunResult};
 use crate::workload::mean;
+
+/// The planner's waves in the core's terms (moved to the crate both the scheduler and the
+/// simulator build on).
+pub use rollfleet_fleet::migration::sim_waves;
 
 /// GPUs that arrive in a pool mid-run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -128,64 +131,6 @@ pub fn loss_waves(
 /// first-order objective; reports quote this one).
 pub(crate) fn full_prediction(p: &Problem, c: &Candidate) -> Option<f64> {
     rollfleet_planner::predict::predict(p, c).map(|x| x.step_s)
-}
-
-/// The core's role for a planner role, as [`plan::placement`] maps it for a candidate.
-fn serve_role(c: &Candidate, role: Role) -> ServeRole {
-    let disaggregated = c
-        .groups
-        .iter()
-        .any(|g| g.role == Role::Prefill && g.replicas > 0);
-    match role {
-        Role::Prefill => ServeRole::Prefill,
-        Role::Decode if disaggregated => ServeRole::Decode,
-        Role::Decode | Role::Generate => ServeRole::Generate,
-    }
-}
-
-/// The planner's waves in the simulator's terms: started replicas with their configuration as
-/// the target placement has it, stopped ones by pool, role and size as the running one has them.
-pub fn sim_waves(
-    p: &Problem,
-    from: &Candidate,
-    to: &Candidate,
-    waves: &[replan::Wave],
-) -> Vec<MigrationWave> {
-    let target = plan::placement(p, to);
-    let spec_index = |pool: usize| p.gpu_pools.get(pool).map_or(0, |g| g.spec_index as u32);
-    let mut trainer = from.trainer_gpus;
-    waves
-        .iter()
-        .map(|w| MigrationWave {
-            trainer_gpus: (w.trainer_gpus != trainer).then(|| {
-                trainer = w.trainer_gpus;
-                trainer
-            }),
-            start: w
-                .start
-                .iter()
-                .flat_map(|g| {
-                    let (pool, role) = (spec_index(g.pool), serve_role(to, g.role));
-                    let config = target
-                        .replicas
-                        .iter()
-                        .find(|r| r.pool == pool && r.role == role && r.gpus == g.tp)
-                        .cloned();
-                    std::iter::repeat_n(config, g.replicas as usize).flatten()
-                })
-                .collect(),
-            stop: w
-                .stop
-                .iter()
-                .map(|g| RetireGroup {
-                    pool: spec_index(g.pool),
-                    role: serve_role(from, g.role),
-                    gpus: g.tp,
-                    replicas: g.replicas,
-                })
-                .collect(),
-        })
-        .collect()
 }
 
 /// How the run that grew compares with the bigger cluster's own run.

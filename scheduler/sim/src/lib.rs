@@ -15,15 +15,17 @@ pub mod bound;
 pub mod cli;
 pub mod drift;
 pub mod growth;
-pub mod hardware;
 pub mod loss;
-pub mod placement;
 mod queue;
 pub mod reference;
 pub mod report;
 pub mod sim;
 pub mod svg;
-pub mod workload;
+
+// The hardware model, the placement choice and the workload model are shared with the scheduler
+// and the workers (`rollfleet-fleet`); re-exported here for the simulator's own
+// callers.
+pub use rollfleet_fleet::{hardware, placement, workload};
 
 pub use baseline::Baseline;
 pub use cli::{OutputFormat, SimArgs, SimError, run};

@@ -26,8 +26,7 @@ pub const RECOVERED: f64 = 0.9;
 /// Steps over which throughput is compared to call it recovered.
 pub const WINDOW: usize = 3;
 
-/// Serving replicas the re-plan changes per wave.
-pub const PER_WAVE: u32 = 4;
+pub use rollfleet_fleet::migration::PER_WAVE;
 
 /// Splits `POOL:AMOUNT@STEP` (the argument of `flag`) against a job: the index of a GPU pool
 /// named so, the amount as written, and a step in 1..steps; errors name the flag, the argument

@@ -18,7 +18,7 @@ use rollfleet_core::rng::SplitMix64;
 use rollfleet_core::slab::IdSlab;
 use rollfleet_core::{
     BatchId, Command, Config, Core, Input, Placement, Policy, ReplicaConfig, ReplicaId, ServeRole,
-    Span, StageCommand, StageId, StageOutcome, StageWork, SyncMode, Time, TrajId, WorkloadMeans,
+    Span, StageCommand, StageId, StageOutcome, StageWork, SyncMode, Time, TrajId,
 };
 use rollfleet_planner::profile::{Estimate, Origin, ProfileStore};
 use rollfleet_planner::roofline::WorkKind;
@@ -28,7 +28,11 @@ use crate::bound::{LatencyRates, StepChain, TurnTrace, trajectory_latency};
 use crate::hardware::{Engine, EngineDone, HardwareModel, IdHasher, Meter, ModelCosts, PrefillJob};
 use crate::queue::EventQueue;
 use crate::report::latency_rates;
-use crate::workload::{Sampler, mean, sample, stream};
+use crate::workload::{Sampler, sample, stream};
+
+pub use rollfleet_fleet::hardware::model_costs;
+pub use rollfleet_fleet::migration::{MigrationWave, RetireGroup};
+pub use rollfleet_fleet::workload::workload_means;
 
 /// Turns of an episode its books make room for when it starts (the longest tasks measured run
 /// 30); longer episodes grow them as they go.
@@ -70,32 +74,6 @@ pub struct Migration {
     pub added_gpus: Vec<(u32, u32)>,
     /// The waves.
     pub waves: Vec<MigrationWave>,
-}
-
-/// One wave of a [`Migration`].
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct MigrationWave {
-    /// Replicas to start.
-    pub start: Vec<ReplicaConfig>,
-    /// Replicas to retire: so many of the given pool, role and size (highest-numbered first).
-    pub stop: Vec<RetireGroup>,
-    /// The trainer's GPUs once the wave is done, when the wave resizes it (on its own pool):
-    /// training batches dispatched from then on run on that many.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub trainer_gpus: Option<u32>,
-}
-
-/// Replicas of one kind to retire.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct RetireGroup {
-    /// Spec pool index.
-    pub pool: u32,
-    /// Role.
-    pub role: ServeRole,
-    /// GPUs per replica.
-    pub gpus: u32,
-    /// How many.
-    pub replicas: u32,
 }
 
 /// What a [`Migration`] did.
@@ -461,45 +439,6 @@ pub struct RunResult {
     pub migration: Option<MigrationReport>,
     /// The re-plans on drift, in order.
     pub drift_replans: Vec<crate::drift::DriftReplan>,
-}
-
-/// Average tokens per trajectory of a job, for the placement.
-pub fn workload_means(spec: &JobSpec) -> WorkloadMeans {
-    let mut prefill = 0.0;
-    let mut train = 0.0;
-    let total_share: f64 = spec
-        .tasks
-        .iter()
-        .map(|t| t.share.max(0.0))
-        .sum::<f64>()
-        .max(1e-9);
-    for task in &spec.tasks {
-        let turns = task
-            .turns
-            .as_ref()
-            .map_or(task.max_turns as f64, |d| mean(d))
-            .clamp(1.0, task.max_turns.max(1) as f64);
-        let p = mean(&task.prompt_tokens);
-        let a = mean(&task.action_tokens);
-        let o = mean(&task.observation_tokens);
-        let w = task.share.max(0.0) / total_share;
-        prefill += w * (p + (turns - 1.0) * o);
-        train += w * (p + turns * a + (turns - 1.0) * o);
-    }
-    WorkloadMeans {
-        prefill_tokens: prefill,
-        train_tokens: train,
-    }
-}
-
-/// Model costs from the spec.
-pub fn model_costs(spec: &JobSpec) -> ModelCosts {
-    ModelCosts {
-        flops_per_token: spec.model.forward_flops_per_token(),
-        attention_flops_per_context: spec.model.attention_flops_per_token(1.0),
-        active_weight_bytes: spec.model.active_weight_bytes(),
-        kv_bytes_per_token: spec.model.kv_bytes_per_token(),
-    }
 }
 
 struct Sim<'a> {

@@ -1,6 +1,6 @@
 //! The emulated engine: an inference replica for machines without GPUs.
 //!
-//! It runs the simulator's roofline model ([`rollfleet_sim::hardware::Engine`], the very same
+//! It runs the simulator's roofline model ([`rollfleet_fleet::hardware::Engine`], the very same
 //! code `rollfleet sim` uses, not a copy) against the real clock: continuous batching of decode,
 //! prefill batches mixed in as chunked prefill does, a KV-cache capacity that limits admission,
 //! aborts that free a sequence's KV at once, and weight updates that take the modelled transfer
@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 
 use futures_util::StreamExt;
 use rollfleet_core::{StageId, Time, TrajId};
-use rollfleet_sim::hardware::{
+use rollfleet_fleet::hardware::{
     Engine as Roofline, EngineDone, HardwareModel, Measured, ModelCosts, PrefillJob,
 };
 use tokio::sync::{mpsc, oneshot};

@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use rollfleet_engine::emulated::{EmulatedConfig, EmulatedEngine};
 use rollfleet_engine::{Engine, EngineError, GenerateEvent, GenerateRequest, Prompt};
-use rollfleet_sim::hardware::{HardwareModel, ModelCosts};
+use rollfleet_fleet::hardware::{HardwareModel, ModelCosts};
 use tokio::time::Instant;
 
 /// 2 GB of weights at 1 TB/s: a lone decode takes 2 ms a token; 1 PFLOP/s of compute.
@@ -254,7 +254,7 @@ async fn a_report_hands_over_the_load_and_each_sample_once() {
     // A lone decode at 2 ms a token: every decode sample is that iteration, timed by the model.
     let decode: Vec<_> = samples
         .iter()
-        .filter(|m| m.kind == rollfleet_sim::hardware::WorkKind::Decode)
+        .filter(|m| m.kind == rollfleet_fleet::hardware::WorkKind::Decode)
         .collect();
     assert!(!decode.is_empty(), "{samples:?}");
     assert!(

@@ -46,6 +46,8 @@ use rollfleet_engine::emulated::{EmulatedConfig, EmulatedEngine};
 use rollfleet_engine::openai::{OpenAiConfig, OpenAiEngine, WeightUpdate};
 use rollfleet_engine::{Engine, EngineError, GenerateEvent, GenerateRequest, Prompt};
 use rollfleet_envhost::{EnvHost, EpisodeId, Factory, HostConfig};
+use rollfleet_fleet::hardware::{ModelCosts, WorkKind};
+use rollfleet_fleet::plan::{JobPlan, PoolRole};
 use rollfleet_proto::auth::{AuthChannel, ClientAuth, Token};
 use rollfleet_proto::v1::{
     GenerationWork, GpuDevice, GpuInventory, GpuReading, GpuTelemetryInfo, HardwareInventory,
@@ -54,8 +56,6 @@ use rollfleet_proto::v1::{
     hardware_inventory, scheduler_message, stage_failure::Cause, work_assignment::Work,
     work_result, worker_message, worker_service_client::WorkerServiceClient,
 };
-use rollfleet_server::plan::{JobPlan, PoolRole};
-use rollfleet_sim::hardware::{ModelCosts, WorkKind};
 use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 use tokio_stream::StreamExt;
@@ -77,7 +77,7 @@ pub enum NodeError {
     Refused(String),
     /// The job the scheduler sent could not be planned.
     #[error("the scheduler's job: {0}")]
-    Plan(#[from] rollfleet_server::PlanError),
+    Plan(#[from] rollfleet_fleet::PlanError),
     /// The LLM engine could not be set up.
     #[error("engine: {0}")]
     Engine(String),
@@ -1461,7 +1461,7 @@ impl Node {
                     ],
                 );
                 let drawn = task.map_or(64.0, |t| {
-                    rollfleet_sim::workload::sample(&t.action_tokens, &mut rng)
+                    rollfleet_fleet::workload::sample(&t.action_tokens, &mut rng)
                 });
                 // The turn's length is drawn whole; a resumed turn generates what is left of it.
                 let n = (drawn.round().max(1.0) as u64)
@@ -1635,7 +1635,7 @@ impl Node {
     /// An environment step or reward drawn from the job spec's distributions (what the
     /// simulator does), taking the drawn time on the scaled clock; `None` for other work.
     async fn modelled(&self, a: &WorkAssignment) -> Option<StageOutput> {
-        use rollfleet_sim::workload::sample;
+        use rollfleet_fleet::workload::sample;
         let traj = a.trajectory.clone().unwrap_or_default();
         let task = self.plan.spec().tasks.get(a.task as usize)?;
         let seed = self.plan.config.seed;

@@ -9,11 +9,10 @@
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::{Config, Placement, Policy, ReplicaConfig};
-use rollfleet_sim::Baseline;
-use rollfleet_sim::hardware::{HardwareModel, ModelCosts};
-use rollfleet_sim::placement::{ChoiceError, PlacementChoice, choose};
-use rollfleet_sim::sim::model_costs;
 use rollfleet_spec::{JobSpec, PoolKind, ValidatedJob};
+
+use crate::hardware::{HardwareModel, ModelCosts, model_costs};
+use crate::placement::{ChoiceError, PlacementChoice, choose};
 
 /// Why a job could not be planned.
 #[derive(Debug, thiserror::Error)]
@@ -66,7 +65,9 @@ impl JobPlan {
         let job = rollfleet_spec::parse_job(yaml.as_bytes(), origin)?;
         let spec = job.spec();
         let (planned, _) = choose(PlacementChoice::Plan, spec, &job.catalog)?;
-        let (placement, policy) = Baseline::Rollfleet.setup_with(spec, &job.catalog, planned)?;
+        // rollfleet's own policy on the planner's placement: what `rollfleet sim` runs as its
+        // `rollfleet` policy, so that a run and its simulation decide alike.
+        let (placement, policy) = (planned, Policy::rollfleet(spec));
         let config = Config::new(spec, &job.catalog, &placement, policy, seed)?;
         let costs = model_costs(spec);
         Ok(JobPlan {
@@ -201,4 +202,64 @@ impl JobPlan {
 /// the actions before it. (The trailing 0 is where earlier versions keyed the attempt.)
 pub fn episode_seed(job_seed: u64, traj: u64) -> u64 {
     rollfleet_core::rng::SplitMix64::keyed(job_seed, &[0x656e_7673, traj, 0]).next_u64()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const QUICKSTART: &str = include_str!("../../../examples/jobs/quickstart.yaml");
+
+    #[test]
+    fn a_job_runs_rollfleets_policy_on_the_placement_the_planner_chooses() {
+        let plan = JobPlan::from_yaml(QUICKSTART, "quickstart.yaml", 7).unwrap();
+        let (planned, _) = choose(PlacementChoice::Plan, plan.spec(), plan.catalog()).unwrap();
+        assert_eq!(plan.placement, planned);
+        assert_eq!(*plan.policy(), Policy::rollfleet(plan.spec()));
+        assert_eq!(plan.config.seed, 7);
+        assert_eq!(plan.costs, model_costs(plan.spec()));
+        assert_eq!(plan.yaml, QUICKSTART);
+    }
+
+    #[test]
+    fn a_text_that_is_not_a_job_is_refused_as_a_spec_error() {
+        let refused = JobPlan::from_yaml("kind: NotAJob\n", "broken.yaml", 0).unwrap_err();
+        assert!(matches!(refused, PlanError::Spec(_)), "{refused:?}");
+    }
+
+    #[test]
+    fn every_pool_with_a_replica_or_the_trainer_is_needed_and_named_by_its_index() {
+        let plan = JobPlan::from_yaml(QUICKSTART, "quickstart.yaml", 0).unwrap();
+        let needed = plan.pools_needed();
+        assert!(needed.contains(&plan.placement.trainer.pool));
+        for replica in &plan.placement.replicas {
+            assert!(needed.contains(&replica.pool));
+            assert_eq!(plan.pool_role(replica.pool), Some(PoolRole::Gpu));
+            let name = plan.pool_name(replica.pool);
+            assert_eq!(plan.pool_index(name), Some(replica.pool));
+        }
+        assert!(
+            needed.windows(2).all(|w| w[0] < w[1]),
+            "sorted, no repeats: {needed:?}"
+        );
+        assert_eq!(plan.pool_role(u32::MAX), None);
+    }
+
+    #[test]
+    fn training_on_twice_the_gpus_takes_half_the_time() {
+        let plan = JobPlan::from_yaml(QUICKSTART, "quickstart.yaml", 0).unwrap();
+        let planned = plan.placement.trainer.gpus;
+        let on_planned = plan.train_seconds(1_000_000, 0);
+        assert_eq!(on_planned, plan.train_seconds(1_000_000, planned));
+        let doubled = plan.train_seconds(1_000_000, 2 * planned);
+        assert!((doubled * 2.0 - on_planned).abs() <= 1e-9 * on_planned);
+    }
+
+    #[test]
+    fn an_episode_seed_depends_on_the_job_seed_and_the_trajectory_alone() {
+        assert_eq!(episode_seed(1, 2), episode_seed(1, 2));
+        assert_ne!(episode_seed(1, 2), episode_seed(1, 3));
+        assert_ne!(episode_seed(1, 2), episode_seed(2, 2));
+    }
 }

@@ -1,8 +1,8 @@
-//! Which placement a simulated run uses: the planner's (the default), or a fixed one to compare
-//! with it (`--placement default|uniform|best-gpu|plan`).
+//! Which placement a job runs on: the planner's (the default, and the one a real run takes), or,
+//! in a simulated run, a fixed one to compare with it (`--placement default|uniform|best-gpu|plan`).
 //!
-//! The `sync` baseline always keeps its own colocated placement (that is what it models); every
-//! other policy runs on the chosen one.
+//! In the simulator, the `sync` baseline always keeps its own colocated placement (that is what
+//! it models); every other policy runs on the chosen one.
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::{Placement, default_placement};
@@ -11,13 +11,11 @@ use rollfleet_planner::roofline::Efficiency;
 use rollfleet_planner::{Prediction, compare, search};
 use rollfleet_spec::JobSpec;
 
-use crate::sim::workload_means;
-use crate::workload::mean;
+use crate::workload::{mean, workload_means};
 
 /// A placement to simulate.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, serde::Serialize, clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, serde::Serialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "kebab-case")]
 pub enum PlacementChoice {
     /// The planner's choice: the exact optimum of its search's objective, or RollArt's affinity
@@ -76,4 +74,55 @@ pub fn choose(
     .ok_or_else(|| PlanError::Infeasible(format!("no {} placement can run it", choice.name())))?;
     let described = plan::describe(spec, &p, &found.candidate, found.nodes)?;
     Ok((described.placement, Some(described.prediction)))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn job() -> rollfleet_spec::ValidatedJob {
+        let text = include_str!("../../../examples/jobs/rollart-agentic.yaml");
+        rollfleet_spec::parse_job(text.as_bytes(), "rollart-agentic.yaml").unwrap()
+    }
+
+    #[test]
+    fn the_planners_placement_comes_with_its_prediction_and_the_default_rules_without() {
+        let job = job();
+        let (planned, prediction) =
+            choose(PlacementChoice::Plan, job.spec(), &job.catalog).unwrap();
+        assert!(!planned.replicas.is_empty());
+        assert!(prediction.is_some_and(|p| p.step_s > 0.0));
+        let (default, prediction) =
+            choose(PlacementChoice::Default, job.spec(), &job.catalog).unwrap();
+        assert!(!default.replicas.is_empty());
+        assert!(prediction.is_none());
+    }
+
+    #[test]
+    fn best_gpu_puts_every_replica_and_the_trainer_on_the_most_powerful_gpus() {
+        let job = job();
+        let (placement, _) = choose(PlacementChoice::BestGpu, job.spec(), &job.catalog).unwrap();
+        // The job's first pool is its H800s, the most powerful GPUs it has.
+        assert_eq!(job.spec().pools[0].gpu.as_deref(), Some("H800"));
+        assert!(
+            placement.replicas.iter().all(|r| r.pool == 0),
+            "{placement:?}"
+        );
+        assert_eq!(placement.trainer.pool, 0);
+    }
+
+    #[test]
+    fn a_choice_is_named_as_the_command_line_spells_it() {
+        let names: Vec<&str> = [
+            PlacementChoice::Plan,
+            PlacementChoice::Default,
+            PlacementChoice::Uniform,
+            PlacementChoice::BestGpu,
+        ]
+        .map(PlacementChoice::name)
+        .to_vec();
+        assert_eq!(names, ["plan", "default", "uniform", "best-gpu"]);
+        assert_eq!(PlacementChoice::default(), PlacementChoice::Plan);
+    }
 }

@@ -1,6 +1,6 @@
 //! The workload model: what the agents and environments of a job produce, sampled.
 //!
-//! The simulator, not the core, decides how long a prompt, an action or an observation is, how
+//! The simulator (and an emulated agent of the node worker), not the core, decides how long a prompt, an action or an observation is, how
 //! many turns an episode lasts and how long an environment step or a reward takes; the core only
 //! learns these as facts. Samples come from the distributions in the job spec, including the
 //! Azure LLM inference trace 2023 (conversation service; Patel et al., "Splitwise", ISCA 2024;
@@ -12,8 +12,9 @@
 
 use std::sync::OnceLock;
 
+use rollfleet_core::WorkloadMeans;
 use rollfleet_core::rng::SplitMix64;
-use rollfleet_spec::{Distribution, TraceColumn, TraceName, lognormal_sigma};
+use rollfleet_spec::{Distribution, JobSpec, TraceColumn, TraceName, lognormal_sigma};
 
 /// The vendored trace.
 const AZURE_CONV_2023: &str = include_str!("../data/azure_llm_conv_2023.csv");
@@ -209,6 +210,35 @@ pub mod stream {
     pub const FAILURES: u64 = 18;
 }
 
+/// Average tokens per trajectory of a job, for the placement.
+pub fn workload_means(spec: &JobSpec) -> WorkloadMeans {
+    let mut prefill = 0.0;
+    let mut train = 0.0;
+    let total_share: f64 = spec
+        .tasks
+        .iter()
+        .map(|t| t.share.max(0.0))
+        .sum::<f64>()
+        .max(1e-9);
+    for task in &spec.tasks {
+        let turns = task
+            .turns
+            .as_ref()
+            .map_or(task.max_turns as f64, |d| mean(d))
+            .clamp(1.0, task.max_turns.max(1) as f64);
+        let p = mean(&task.prompt_tokens);
+        let a = mean(&task.action_tokens);
+        let o = mean(&task.observation_tokens);
+        let w = task.share.max(0.0) / total_share;
+        prefill += w * (p + (turns - 1.0) * o);
+        train += w * (p + turns * a + (turns - 1.0) * o);
+    }
+    WorkloadMeans {
+        prefill_tokens: prefill,
+        train_tokens: train,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,5 +299,56 @@ mod tests {
         let mut v: Vec<f64> = (0..20_001).map(|_| sample(&dist, &mut rng)).collect();
         v.sort_by(f64::total_cmp);
         assert!((90.0..110.0).contains(&v[10_000]), "{}", v[10_000]);
+    }
+
+    fn quickstart() -> JobSpec {
+        let text = include_str!("../../../examples/jobs/quickstart.yaml");
+        rollfleet_spec::parse_job(text.as_bytes(), "quickstart.yaml")
+            .unwrap()
+            .spec()
+            .clone()
+    }
+
+    fn fixed(value: f64) -> rollfleet_spec::Dist {
+        rollfleet_spec::Dist(Distribution::Fixed { value })
+    }
+
+    #[test]
+    fn workload_means_count_the_first_prompt_once_and_every_later_observation_in_prefill() {
+        let mut spec = quickstart();
+        spec.tasks.truncate(1);
+        let task = &mut spec.tasks[0];
+        task.share = 1.0;
+        task.max_turns = 8;
+        task.turns = Some(fixed(3.0));
+        task.prompt_tokens = fixed(100.0);
+        task.action_tokens = fixed(10.0);
+        task.observation_tokens = fixed(20.0);
+        let means = workload_means(&spec);
+        // 100 prompt tokens, then 2 observations of 20 prefilled; training sees all 3 actions.
+        assert_eq!(means.prefill_tokens, 100.0 + 2.0 * 20.0);
+        assert_eq!(means.train_tokens, 100.0 + 3.0 * 10.0 + 2.0 * 20.0);
+    }
+
+    #[test]
+    fn workload_means_weigh_tasks_by_share_and_cap_turns_at_the_tasks_maximum() {
+        let mut spec = quickstart();
+        spec.tasks.truncate(1);
+        let mut task = spec.tasks[0].clone();
+        task.max_turns = 2;
+        task.turns = Some(fixed(5.0));
+        task.prompt_tokens = fixed(100.0);
+        task.action_tokens = fixed(10.0);
+        task.observation_tokens = fixed(0.0);
+        task.share = 3.0;
+        let mut single_turn = task.clone();
+        single_turn.turns = None;
+        single_turn.max_turns = 1;
+        single_turn.share = 1.0;
+        spec.tasks = vec![task, single_turn];
+        let means = workload_means(&spec);
+        // Five turns asked, two allowed: 100 + 2 x 10 trained, weighted 3:1 against 100 + 10.
+        assert_eq!(means.train_tokens, 0.75 * 120.0 + 0.25 * 110.0);
+        assert_eq!(means.prefill_tokens, 100.0);
     }
 }

@@ -1,8 +1,9 @@
-//! Hardware models: how long work takes on the simulated machines.
+//! Hardware models: how long work takes on the simulated and emulated machines.
 //!
-//! These are the simulator's own models, deliberately separate from the estimates the core uses
-//! for its decisions, so that a wrong estimate shows up as a worse result rather than being
-//! assumed away.
+//! The simulator runs these models, and so do emulated engines (`workers/engine`), so an emulated
+//! run takes the time its simulation does. They are deliberately separate from the estimates the
+//! core uses for its decisions, so that a wrong estimate shows up as a worse result rather than
+//! being assumed away.
 //!
 //! - **Inference replica** ([`Engine`]): a roofline of the model's FLOPs and bytes against the
 //!   replica's GPUs (peak BF16 FLOP/s and HBM bandwidth from the catalogue, times
@@ -15,7 +16,9 @@
 //!   Prefill runs in batches of up to [`PREFILL_BATCH_TOKENS`] tokens, mixed with decode as
 //!   chunked prefill does: decode keeps its pace and prefill gets the compute decode leaves.
 //! - **KV-cache transfer**: tokens x KV bytes per token over the cross-pool link.
-//! - **Training** and **weight transfer**: in `sim.rs`, from the formulas of the issue.
+//! - **Model costs** ([`model_costs`]): FLOPs, weight and KV-cache bytes per token of the job's
+//!   model, which every replica model above is charged with.
+//! - **Training** and **weight transfer**: in the simulator's `sim.rs` (`rollfleet-sim`).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -24,6 +27,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use rollfleet_core::slab::IdSlab;
 use rollfleet_core::{StageId, Time, TrajId};
 pub use rollfleet_planner::roofline::{Work as RooflineWork, WorkKind};
+use rollfleet_spec::JobSpec;
 
 /// Hashes a trajectory id with one multiplication (Fibonacci hashing) for [`Engine::kv_held`],
 /// which every stage start and end looks up: a tree walk there was a few percent of a run.
@@ -551,6 +555,16 @@ impl Meter {
     }
 }
 
+/// Model costs from the spec.
+pub fn model_costs(spec: &JobSpec) -> ModelCosts {
+    ModelCosts {
+        flops_per_token: spec.model.forward_flops_per_token(),
+        attention_flops_per_context: spec.model.attention_flops_per_token(1.0),
+        active_weight_bytes: spec.model.active_weight_bytes(),
+        kv_bytes_per_token: spec.model.kv_bytes_per_token(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -623,5 +637,22 @@ mod tests {
         m.flush(Time::from_secs_f64(2000.0));
         assert!((m.buckets.iter().sum::<f64>() - 8.0).abs() < 1e-9);
         assert!(m.buckets.len() <= MAX_BUCKETS);
+    }
+
+    #[test]
+    fn model_costs_charge_two_flops_per_active_parameter_and_every_active_weight_byte() {
+        let text = include_str!("../../../examples/jobs/rollart-agentic.yaml");
+        let job = rollfleet_spec::parse_job(text.as_bytes(), "rollart-agentic.yaml").unwrap();
+        let model = &job.spec().model;
+        let costs = model_costs(job.spec());
+        assert_eq!(costs.flops_per_token, 2.0 * model.active());
+        assert_eq!(costs.active_weight_bytes, model.active_weight_bytes());
+        assert_eq!(costs.kv_bytes_per_token, model.kv_bytes_per_token());
+        // Attention is charged per token of context: twice the context, twice the FLOPs.
+        assert_eq!(
+            costs.attention_flops_per_context * 2.0,
+            model.attention_flops_per_token(2.0)
+        );
+        assert!(costs.kv_bytes_per_token > 0.0 && costs.attention_flops_per_context > 0.0);
     }
 }
