@@ -14,7 +14,7 @@ use rollfleet_server::Report;
 use tonic::transport::Endpoint;
 
 use super::summary::write_summary;
-use super::*;
+use super::{EngineKind, RunArgs, bad_drift_margin, runtime};
 use crate::output::{OutputFormat, counted, exit, write_structured};
 
 /// A token for one run's processes: 192 bits from the OS, as 48 hex digits.
