@@ -3,7 +3,7 @@
 //! tests say, every alert links to its runbook; and the Grafana dashboard is well formed, with
 //! every query filtered by the dashboard's job. That a real Prometheus scrapes a running
 //! scheduler with them, that the scrape passes `promtool check metrics`, that every dashboard
-//! query returns data, and that a normal end raises no alert, is tested in `runtime.rs`.
+//! query returns data, and that a normal end raises no alert, is tested in `runtime_metrics.rs`.
 
 #![allow(clippy::unwrap_used)] // test helpers may fail loudly
 

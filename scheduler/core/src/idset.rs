@@ -18,21 +18,19 @@ pub struct IdSet {
 
 impl IdSet {
     /// An empty set.
+    #[cfg(test)]
     pub fn new() -> Self {
         Self::default()
     }
 
     /// Ids in the set.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether the set is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Whether `id` is in the set.
+    #[cfg(test)]
     pub fn contains(&self, id: u64) -> bool {
         self.words
             .get((id / 64) as usize)
@@ -104,6 +102,7 @@ impl IdSet {
     }
 
     /// The ids, smallest first.
+    #[cfg(test)]
     pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
         std::iter::successors(self.first(), |&id| self.after(id))
     }

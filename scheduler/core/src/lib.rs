@@ -13,17 +13,19 @@
 //!   rollfleet or into one of the baselines;
 //! - [`placement`]: the default placement of roles on GPU pools (a pure function a planner can
 //!   replace);
-//! - [`router`]: the pure routing function;
-//! - [`scheduler`]: the state machine itself.
+//! - `router`: the pure routing function (crate-private);
+//! - [`scheduler`]: the state machine itself;
+//! - [`slab`]: the id-keyed slab the core keeps its stages in, public because the simulator
+//!   keeps its own records in one too; the other utilities (`idset`, `lru`) are crate-private.
 
 pub mod config;
-pub mod idset;
-pub mod lru;
+pub(crate) mod idset;
+pub(crate) mod lru;
 pub mod placement;
 pub mod protocol;
 /// The seeded generator, re-exported so the simulator draws from the same implementation.
 pub use rollfleet_rng as rng;
-pub mod router;
+pub(crate) mod router;
 pub mod scheduler;
 pub mod slab;
 pub mod time;

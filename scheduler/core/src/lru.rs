@@ -56,13 +56,9 @@ impl<K: Ord + Copy, V> LruList<K, V> {
     }
 
     /// Entries in the list.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
-    }
-
-    /// Whether the list is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Inserts an entry in key order and returns its slot. Keys must be distinct (as in a set);

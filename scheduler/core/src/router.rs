@@ -107,16 +107,6 @@ impl LoadOrder {
         self.entries.iter()
     }
 
-    /// Entries filed.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// Whether none is filed.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// Files an entry; `false` if it was already there.
     pub fn insert(&mut self, entry: (u64, ReplicaId)) -> bool {
         match self.entries.binary_search(&entry) {
@@ -126,17 +116,6 @@ impl LoadOrder {
                 self.hint(entry.1, i);
                 true
             }
-        }
-    }
-
-    /// Removes an entry; `false` if it was not there.
-    pub fn remove(&mut self, entry: &(u64, ReplicaId)) -> bool {
-        match self.find(entry) {
-            Some(i) => {
-                self.entries.remove(i);
-                true
-            }
-            None => false,
         }
     }
 

@@ -1,0 +1,778 @@
+//! Dispatch: booking queued work on a resource (environment steps on CPU pools, generation
+//! routed to serving replicas, prefill then decode, rewards, training batches) and taking the
+//! results of finished stages back, which moves a trajectory to its next queue or completes it.
+
+use crate::config::{Discipline, RewardRoute};
+use crate::protocol::{
+    BatchId, Command, GroupId, ReplicaId, StageId, StageOutcome, StageWork, TrajId, Version,
+};
+use crate::router::{Route, RouteRequest, RouterView};
+
+use super::Core;
+use super::books::{
+    Kv, PartialTurn, Phase, Queue, Replicas, StageKind, StageRec, TrainBatch, TurnRec, Visit,
+};
+
+/// How far past a blocked head the admission pass looks for work of another kind.
+const LOOKAHEAD: usize = 16;
+
+impl Core {
+    /// The queued trajectory after `after` (the first one for `None`).
+    pub(super) fn queue_next(&self, q: Queue, after: Option<TrajId>) -> Option<TrajId> {
+        let set = &self.queues[q as usize];
+        match after {
+            None => set.first(),
+            Some(t) => set.after(t.0),
+        }
+        .map(TrajId)
+    }
+
+    /// Runs `f` with a read-only view of the replicas for the router (selection has no side
+    /// effects; the caller books what it picks).
+    pub(super) fn with_router<R>(
+        &mut self,
+        f: impl FnOnce(&RouterView<'_, Replicas<'_>>) -> R,
+    ) -> R {
+        self.refile();
+        f(&RouterView {
+            lookup: &Replicas {
+                replicas: &self.replicas,
+                latest: self.version,
+            },
+            prefill: &self.prefill_set,
+            decode: &self.decode_set,
+        })
+    }
+
+    /// Offers the queued trajectories of `queue`, oldest group first, to `visit`, until the
+    /// queue is exhausted, `visit` says to stop, or `LOOKAHEAD` of them in a row could not be
+    /// placed (the rest would not fit either, and looking at them all would make a pass cost
+    /// as much as the queue is long).
+    pub(super) fn scan(&mut self, queue: Queue, mut visit: impl FnMut(&mut Self, TrajId) -> Visit) {
+        let mut cursor = None;
+        let mut misses = 0;
+        while misses < LOOKAHEAD {
+            let Some(t) = self.queue_next(queue, cursor) else {
+                return;
+            };
+            cursor = Some(t);
+            match visit(self, t) {
+                Visit::Progressed => {}
+                Visit::Missed => misses += 1,
+                Visit::Stop => return,
+            }
+        }
+    }
+
+    pub(super) fn gpu_gate_closed(&self) -> bool {
+        self.cfg.colocated && self.trainer.is_some()
+    }
+
+    pub(super) fn dispatch_env(&mut self) {
+        self.scan(Queue::Env, |core, t| {
+            let traj = &core.trajs[t.0 as usize];
+            let need = core.cfg.tasks[traj.task as usize].env_millicpus;
+            let pool = match traj.env_pool {
+                Some(p) => Some(p),
+                None => (0..core.cfg.cpu_pools.len())
+                    .filter(|&i| core.cfg.cpu_pools[i].environments)
+                    .max_by_key(|&i| (core.cpu_free[i], std::cmp::Reverse(i)))
+                    .map(|i| i as u32),
+            };
+            let Some(pool) = pool else { return Visit::Stop };
+            // An environment needing more than a whole pool is clamped to the pool.
+            let need = need.min(core.cfg.cpu_pools[pool as usize].millicpus).max(1);
+            if core.cpu_free[pool as usize] < need {
+                return Visit::Missed;
+            }
+            core.cpu_free[pool as usize] -= need;
+            let stage = core.stage_id();
+            let traj = &mut core.trajs[t.0 as usize];
+            traj.env_pool = Some(pool);
+            let spec_pool = core.cfg.cpu_pools[pool as usize].pool;
+            let (kind, work) = if traj.reset_done {
+                (
+                    StageKind::EnvStep,
+                    StageWork::EnvStep {
+                        pool: spec_pool,
+                        millicpus: need,
+                        action_tokens: traj.pending_action,
+                    },
+                )
+            } else {
+                (
+                    StageKind::EnvReset,
+                    StageWork::EnvReset {
+                        pool: spec_pool,
+                        millicpus: need,
+                    },
+                )
+            };
+            core.dequeue(t);
+            core.trajs[t.0 as usize].phase = Phase::Env;
+            let cmd = core.stage_command(stage, t, core.version, work);
+            let rec = StageRec {
+                traj: t,
+                kind,
+                replica: None,
+                kv_tokens: 0,
+                kv_from: None,
+                cpu: Some((pool, need)),
+                serverless: None,
+                deadline: core.now.plus(core.cfg.stage_timeout),
+                interrupted: false,
+            };
+            core.new_stage(rec, cmd);
+            Visit::Progressed
+        });
+    }
+
+    pub(super) fn dispatch_gen(&mut self) {
+        if self.gpu_gate_closed() {
+            return;
+        }
+        let mut prefill_blocked = !self.disaggregated;
+        let mut decode_blocked = false;
+        self.scan(Queue::Gen, |core, t| {
+            if prefill_blocked && decode_blocked {
+                return Visit::Stop;
+            }
+            if core.check_admission(t) {
+                // Rewound (and re-queued, maybe elsewhere): look again in another pass.
+                core.repump = true;
+                return Visit::Progressed;
+            }
+            let traj = &core.trajs[t.0 as usize];
+            let task = &core.cfg.tasks[traj.task as usize];
+            if traj.context + traj.input >= task.context_limit {
+                core.finish_rollout(t);
+                return Visit::Progressed;
+            }
+            let resumed = traj.partial.map_or(0, |p| p.tokens);
+            let max_new = task
+                .max_action_tokens
+                .saturating_sub(resumed)
+                .min(task.context_limit - traj.context - traj.input)
+                .max(1);
+            let sticky = match traj.kv {
+                Kv::Retained(r, _, _) => Some(r),
+                _ => None,
+            };
+            let req = RouteRequest {
+                context: traj.context,
+                input: traj.input,
+                max_new,
+                sticky,
+                floor: core.start_floor(t),
+                pd_min_prefill_tokens: core.cfg.pd_min_prefill_tokens,
+                sticky_sessions: core.cfg.policy.sticky_sessions,
+                disaggregated: core.disaggregated,
+            };
+            let wants_prefill =
+                core.disaggregated && req.context + req.input >= req.pd_min_prefill_tokens;
+            if (wants_prefill && prefill_blocked) || (!wants_prefill && decode_blocked) {
+                // Still worth trying the sticky replica.
+                if sticky.is_none() {
+                    return Visit::Missed;
+                }
+            }
+            let route = core.with_router(|router| router.route(&req, true));
+            match route {
+                Some(route) => {
+                    core.book_gen(t, route, &req);
+                    Visit::Progressed
+                }
+                None => {
+                    if wants_prefill {
+                        prefill_blocked = true;
+                    } else {
+                        decode_blocked = true;
+                    }
+                    // The next look would stop before doing anything: stop now, without looking
+                    // the next trajectory up in the queue.
+                    if prefill_blocked && decode_blocked {
+                        Visit::Stop
+                    } else {
+                        Visit::Missed
+                    }
+                }
+            }
+        });
+    }
+
+    pub(super) fn book_gen(&mut self, t: TrajId, route: Route, req: &RouteRequest) {
+        let group = &mut self.groups[self.trajs[t.0 as usize].group.0 as usize];
+        if group.first_turn.is_none() {
+            group.first_turn = Some(self.now);
+        }
+        let stage = self.stage_id();
+        let deadline = self.now.plus(self.cfg.stage_timeout);
+        let (replica, kind, work, kv_tokens) = match route {
+            Route::Sticky(r) => {
+                // The retained cache becomes part of this stage's reservation.
+                let (kept, slot) = match self.trajs[t.0 as usize].kv {
+                    Kv::Retained(_, n, slot) => (n, Some(slot)),
+                    _ => (0, None),
+                };
+                if let Some(rep) = self.replicas.get_mut(r.0 as usize)
+                    && let Some(slot) = slot
+                    && rep
+                        .retained
+                        .get(slot)
+                        .is_some_and(|((_, kept), _)| kept == t)
+                {
+                    rep.retained.remove(slot);
+                    rep.retained_tokens = rep.retained_tokens.saturating_sub(kept);
+                    rep.kv_reserved = rep.kv_reserved.saturating_sub(kept);
+                }
+                self.trajs[t.0 as usize].kv = Kv::None;
+                self.stats.sticky_hits += 1;
+                let version = self.replicas[r.0 as usize].version.unwrap_or(0);
+                (
+                    r,
+                    StageKind::Gen { version },
+                    StageWork::Generate {
+                        replica: r,
+                        cached_tokens: req.context,
+                        prefill_tokens: req.input,
+                        max_new_tokens: req.max_new,
+                        kv_from: None,
+                        kv_tokens: 0,
+                    },
+                    req.context + req.input + req.max_new,
+                )
+            }
+            Route::Prefill(p) => {
+                self.drop_kv(t, true);
+                self.stats.disaggregated_prefills += 1;
+                let tokens = req.context + req.input;
+                (
+                    p,
+                    StageKind::Prefill,
+                    StageWork::Prefill { replica: p, tokens },
+                    tokens,
+                )
+            }
+            Route::Generate(r, evict) => {
+                self.drop_kv(t, true);
+                let full = req.context + req.input + req.max_new;
+                if evict {
+                    self.evict(r, full);
+                }
+                let version = self.replicas[r.0 as usize].version.unwrap_or(0);
+                (
+                    r,
+                    StageKind::Gen { version },
+                    StageWork::Generate {
+                        replica: r,
+                        cached_tokens: 0,
+                        prefill_tokens: req.context + req.input,
+                        max_new_tokens: req.max_new,
+                        kv_from: None,
+                        kv_tokens: 0,
+                    },
+                    full,
+                )
+            }
+        };
+        let version = match kind {
+            StageKind::Gen { version } => version,
+            _ => self.replicas[replica.0 as usize].version.unwrap_or(0),
+        };
+        if let Some(rep) = self.replicas.get_mut(replica.0 as usize) {
+            rep.in_flight += 1;
+            rep.kv_reserved += kv_tokens;
+        }
+        self.touch(replica);
+        self.dequeue(t);
+        self.trajs[t.0 as usize].phase = match kind {
+            StageKind::Prefill => Phase::Prefill,
+            _ => Phase::Gen,
+        };
+        let cmd = self.stage_command(stage, t, version, work);
+        let rec = StageRec {
+            traj: t,
+            kind,
+            replica: Some(replica),
+            kv_tokens,
+            kv_from: None,
+            cpu: None,
+            serverless: None,
+            deadline,
+            interrupted: false,
+        };
+        self.new_stage(rec, cmd);
+    }
+
+    pub(super) fn dispatch_decode(&mut self) {
+        if self.gpu_gate_closed() {
+            return;
+        }
+        self.scan(Queue::Decode, |core, t| {
+            if core.check_admission(t) {
+                // Rewound (and re-queued, maybe elsewhere): look again in another pass.
+                core.repump = true;
+                return Visit::Progressed;
+            }
+            let traj = &core.trajs[t.0 as usize];
+            let Kv::Held(p, held_tokens, p_version) = traj.kv else {
+                // Not held any more (lost replica): start the turn over.
+                core.enqueue(t, Queue::Gen, Phase::QueuedGen);
+                core.repump = true;
+                return Visit::Progressed;
+            };
+            let task = &core.cfg.tasks[traj.task as usize];
+            let context = traj.context + traj.input;
+            let max_new = task
+                .max_action_tokens
+                .min(task.context_limit.saturating_sub(context))
+                .max(1);
+            let need = context + max_new;
+            // The hard bound only, not `start_floor`: this context is already prefilled and its
+            // KV cache pins a prefill replica, which a rolling update may be draining; holding
+            // the decode back for newer weights could then wait on that very update forever.
+            let floor = core.floor();
+            let pick =
+                core.with_router(|router| router.least_loaded(router.decode, need, floor, true));
+            let Some((d, evict)) = pick else {
+                return Visit::Stop;
+            };
+            if evict {
+                core.evict(d, need);
+            }
+            let d_version = core.replicas[d.0 as usize].version.unwrap_or(0);
+            let version = d_version.min(p_version);
+            let stage = core.stage_id();
+            if let Some(rep) = core.replicas.get_mut(d.0 as usize) {
+                rep.in_flight += 1;
+                rep.kv_reserved += need;
+            }
+            core.touch(d);
+            core.dequeue(t);
+            // The held cache is released when the pull is done (the stage ends).
+            core.trajs[t.0 as usize].kv = Kv::None;
+            core.trajs[t.0 as usize].phase = Phase::Gen;
+            let cmd = core.stage_command(
+                stage,
+                t,
+                version,
+                StageWork::Generate {
+                    replica: d,
+                    cached_tokens: context,
+                    prefill_tokens: 0,
+                    max_new_tokens: max_new,
+                    kv_from: Some(p),
+                    kv_tokens: held_tokens,
+                },
+            );
+            let rec = StageRec {
+                traj: t,
+                kind: StageKind::Gen { version },
+                replica: Some(d),
+                kv_tokens: need,
+                kv_from: Some((p, held_tokens)),
+                cpu: None,
+                serverless: None,
+                deadline: core.now.plus(core.cfg.stage_timeout),
+                interrupted: false,
+            };
+            core.new_stage(rec, cmd);
+            Visit::Progressed
+        });
+    }
+
+    pub(super) fn dispatch_reward(&mut self) {
+        self.scan(Queue::Reward, |core, t| {
+            let task = &core.cfg.tasks[core.trajs[t.0 as usize].task as usize];
+            let (work, cpu, serverless) = match task.reward {
+                RewardRoute::Environment => {
+                    core.complete(t);
+                    return Visit::Progressed;
+                }
+                RewardRoute::Serverless(s) => {
+                    if core.serverless_free[s as usize] == 0 {
+                        return Visit::Missed;
+                    }
+                    core.serverless_free[s as usize] -= 1;
+                    let pool = core.cfg.serverless_pools[s as usize].pool;
+                    (
+                        StageWork::Reward {
+                            pool,
+                            serverless: true,
+                            millicpus: 0,
+                        },
+                        None,
+                        Some(s),
+                    )
+                }
+                RewardRoute::Local(c) => {
+                    let need = 1000u64.min(core.cfg.cpu_pools[c as usize].millicpus).max(1);
+                    if core.cpu_free[c as usize] < need {
+                        return Visit::Missed;
+                    }
+                    core.cpu_free[c as usize] -= need;
+                    let pool = core.cfg.cpu_pools[c as usize].pool;
+                    (
+                        StageWork::Reward {
+                            pool,
+                            serverless: false,
+                            millicpus: need,
+                        },
+                        Some((c, need)),
+                        None,
+                    )
+                }
+            };
+            let stage = core.stage_id();
+            core.dequeue(t);
+            core.trajs[t.0 as usize].phase = Phase::Reward;
+            let cmd = core.stage_command(stage, t, core.version, work);
+            let rec = StageRec {
+                traj: t,
+                kind: StageKind::Reward,
+                replica: None,
+                kv_tokens: 0,
+                kv_from: None,
+                cpu,
+                serverless,
+                deadline: core.now.plus(core.cfg.stage_timeout),
+                interrupted: false,
+            };
+            core.new_stage(rec, cmd);
+            Visit::Progressed
+        });
+    }
+
+    pub(super) fn dispatch_train(&mut self) {
+        if self.trainer.is_some() || self.finished() || (self.updating > 0 && self.cfg.colocated) {
+            return;
+        }
+        if self.cfg.colocated && self.gpu_stages > 0 {
+            return;
+        }
+        let n = self.cfg.group_size as u64;
+        let per_batch = (self.cfg.train_batch_size as u64 / n).max(1) as usize;
+        let groups_per_step = (self.cfg.rollout_batch_size as u64 / n).max(1);
+        let floor = self.floor();
+        let any_stale = self.ready.first().is_some_and(|(v, _)| *v < floor);
+        if !any_stale && self.ready.len() < per_batch {
+            return;
+        }
+        // Consumption check: groups with a turn older than the bound are regenerated.
+        let stale: Vec<(Version, GroupId)> = self
+            .ready
+            .iter()
+            .take_while(|(v, _)| *v < floor)
+            .copied()
+            .collect();
+        for (_, g) in stale {
+            let members = self.groups[g.0 as usize].members.clone();
+            for t in members {
+                let first_bad = self.trajs[t.0 as usize]
+                    .turns
+                    .iter()
+                    .position(|turn| turn.version < floor);
+                if let Some(k) = first_bad {
+                    self.regenerate(t, k);
+                    self.stats.regenerated_at_consumption += 1;
+                    self.repump = true;
+                }
+            }
+        }
+        let per_step = (self.cfg.rollout_batch_size / self.cfg.train_batch_size).max(1);
+        if self.cfg.policy.expiry_aware_publish
+            && self.cfg.policy.discipline == Discipline::Continuous
+            && self.minibatches_in_step + 1 >= per_step
+            && self.ready.len() >= per_batch
+            && self.hold_publish()
+        {
+            return;
+        }
+        let chosen: Vec<GroupId> = match self.cfg.policy.discipline {
+            Discipline::Continuous => self.ready.iter().take(per_batch).map(|&(_, g)| g).collect(),
+            Discipline::Batched { .. } => {
+                let step = self.version;
+                let complete = self.batch_complete.get(&step).copied().unwrap_or(0) as u64;
+                let consumed = self.minibatches_in_step as u64 * per_batch as u64;
+                if complete + consumed < groups_per_step {
+                    return;
+                }
+                self.ready
+                    .iter()
+                    .filter(|(_, g)| self.groups[g.0 as usize].batch == step)
+                    .take(per_batch)
+                    .map(|&(_, g)| g)
+                    .collect()
+            }
+        };
+        if chosen.len() < per_batch {
+            return;
+        }
+        let mut trajectories = Vec::new();
+        let mut tokens = 0;
+        for g in &chosen {
+            let group = &mut self.groups[g.0 as usize];
+            if let Some(key) = group.ready_key.take() {
+                self.ready.remove(&key);
+                if let Some(c) = self.batch_complete.get_mut(&group.batch) {
+                    *c = c.saturating_sub(1);
+                }
+            }
+            for &t in &group.members {
+                let traj = &mut self.trajs[t.0 as usize];
+                traj.phase = Phase::Consumed;
+                tokens += traj.context;
+                let staleness =
+                    traj.oldest().map_or(0, |v| self.version.saturating_sub(v)) as usize;
+                // Nothing reads a consumed trajectory's turns again: freed now, their memory
+                // goes to the turns of trajectories started later instead of the heap growing
+                // (and page-faulting) through the whole run.
+                traj.turns = Vec::new();
+                if self.stats.staleness_histogram.len() <= staleness {
+                    self.stats.staleness_histogram.resize(staleness + 1, 0);
+                }
+                self.stats.staleness_histogram[staleness] += 1;
+                self.stats.trajectories_consumed += 1;
+                trajectories.push(t);
+            }
+        }
+        self.minibatches_in_step += 1;
+        let publishes = self.minibatches_in_step >= per_step;
+        if publishes {
+            self.hold_until = None;
+            self.hold_checked = u64::MAX;
+        }
+        let id = BatchId(self.next_batch);
+        self.next_batch += 1;
+        self.trainer = Some(TrainBatch { id, publishes });
+        // Consumption opens the admission budget (an earlier step of the pass).
+        self.repump = true;
+        self.stats.train_batches += 1;
+        self.commands.push_back(Command::Train {
+            batch: id,
+            step: self.version,
+            publishes,
+            trajectories,
+            tokens,
+        });
+    }
+
+    pub(super) fn stage_finished(&mut self, stage: StageId, outcome: StageOutcome) {
+        let Some(rec) = self.stages.get(stage.0) else {
+            self.stats.ignored_reports += 1;
+            return;
+        };
+        let matches = matches!(
+            (&rec.kind, &outcome),
+            (
+                StageKind::EnvReset | StageKind::EnvStep,
+                StageOutcome::Observed { .. }
+            ) | (StageKind::Prefill, StageOutcome::Prefilled)
+                | (StageKind::Gen { .. }, StageOutcome::Generated { .. })
+                | (StageKind::Gen { .. }, StageOutcome::Interrupted { .. })
+                | (StageKind::Reward, StageOutcome::Rewarded { .. })
+        );
+        if !matches {
+            // A report that does not fit the stage is treated as a failure of the stage.
+            self.stats.ignored_reports += 1;
+            self.fail_stage(stage, true);
+            return;
+        }
+        let Some(rec) = self.take_stage(stage) else {
+            return;
+        };
+        let t = rec.traj;
+        let ti = t.0 as usize;
+        // A prefill is not progress of its own: a generation that fails after every prefill
+        // must still run into the failure limit, not loop.
+        if !matches!(
+            outcome,
+            StageOutcome::Prefilled | StageOutcome::Interrupted { tokens: 0 }
+        ) {
+            self.trajs[ti].failures_in_a_row = 0;
+        }
+        let task = self.cfg.tasks[self.trajs[ti].task as usize].clone();
+        match (rec.kind, outcome) {
+            // Reported lengths are clamped to the context limit, so no sum can overflow.
+            (StageKind::EnvReset, StageOutcome::Observed { tokens, .. }) => {
+                let tokens = tokens.min(task.context_limit);
+                let traj = &mut self.trajs[ti];
+                traj.reset_done = true;
+                traj.context = 0;
+                traj.input = tokens.max(1);
+                traj.turn_start = Some(self.now);
+                self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+            }
+            (StageKind::EnvStep, StageOutcome::Observed { tokens, done }) => {
+                let tokens = tokens.min(task.context_limit);
+                let traj = &mut self.trajs[ti];
+                let turns = traj.turns.len() as u32;
+                let over = traj.context + tokens >= task.context_limit;
+                if done || turns >= task.max_turns || over {
+                    self.finish_rollout(t);
+                } else {
+                    traj.input = tokens;
+                    if let Some(start) = traj.turn_start.replace(self.now) {
+                        self.turn_time[traj.task as usize].add(self.now.since(start).0);
+                    }
+                    self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+                }
+            }
+            (StageKind::Prefill, StageOutcome::Prefilled) => {
+                let replica = rec.replica.unwrap_or(ReplicaId(0));
+                let version = self.replicas[replica.0 as usize].version.unwrap_or(0);
+                // The stage's reservation becomes the held cache.
+                if let Some(rep) = self.replicas.get_mut(replica.0 as usize) {
+                    rep.kv_reserved += rec.kv_tokens;
+                    rep.held.insert(t);
+                }
+                self.touch(replica);
+                self.trajs[ti].kv = Kv::Held(replica, rec.kv_tokens, version);
+                if version < self.floor() {
+                    // Weights published while it ran put it out of the bound: held, it would
+                    // pin a replica that a rolling update may be draining (see
+                    // `release_expired_held_kv`).
+                    self.drop_kv(t, true);
+                    self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+                } else {
+                    self.enqueue(t, Queue::Decode, Phase::QueuedDecode);
+                }
+            }
+            (StageKind::Gen { version }, StageOutcome::Interrupted { tokens })
+                if self.trajs[ti]
+                    .partial
+                    .map_or(0, |p| p.tokens)
+                    .saturating_add(tokens)
+                    < task.max_action_tokens =>
+            {
+                self.stats.interrupted_generations += 1;
+                let traj = &mut self.trajs[ti];
+                if tokens > 0 {
+                    let partial = traj.partial.get_or_insert(PartialTurn {
+                        oldest: version,
+                        tokens: 0,
+                    });
+                    partial.oldest = partial.oldest.min(version);
+                    partial.tokens += tokens;
+                    traj.input += tokens;
+                    traj.min_version = traj.min_version.min(version);
+                    let g = traj.group.0 as usize;
+                    self.groups[g].oldest = self.groups[g].oldest.min(version);
+                }
+                // The replica is loading new weights: nothing of this turn stays cached there.
+                if let Some(replica) = rec.replica {
+                    self.commands
+                        .push_back(Command::ReleaseKv { replica, traj: t });
+                }
+                self.enqueue(t, Queue::Gen, Phase::QueuedGen);
+            }
+            (
+                StageKind::Gen { version },
+                StageOutcome::Generated { tokens } | StageOutcome::Interrupted { tokens },
+            ) => {
+                let replica = rec.replica.unwrap_or(ReplicaId(0));
+                let traj = &mut self.trajs[ti];
+                let before = traj.context;
+                // A resumed turn: its first part counts in its tokens and its version, not in
+                // its input.
+                let (version, input, tokens) = match traj.partial.take() {
+                    Some(p) => (
+                        version.min(p.oldest),
+                        traj.input.saturating_sub(p.tokens),
+                        p.tokens.saturating_add(tokens),
+                    ),
+                    None => (version, traj.input, tokens),
+                };
+                let tokens = tokens.min(task.max_action_tokens);
+                if traj.turns.capacity() == 0 {
+                    // A trajectory never has more turns than its task allows: room for them all
+                    // at once (up to a sane cap), instead of the vector moving as it doubles.
+                    traj.turns
+                        .reserve_exact((task.max_turns as usize).clamp(1, 64));
+                }
+                traj.turns.push(TurnRec {
+                    version,
+                    context_before: before,
+                    input,
+                });
+                traj.min_version = traj.min_version.min(version);
+                let g = traj.group.0 as usize;
+                self.groups[g].oldest = self.groups[g].oldest.min(version);
+                traj.context = before + input + tokens;
+                traj.input = 0;
+                traj.pending_action = tokens;
+                let keep = traj.context;
+                if self.cfg.policy.sticky_sessions
+                    && let Some(rep) = self.replicas.get_mut(replica.0 as usize)
+                    && rep.healthy
+                    && !rep.updating
+                    && !rep.draining
+                    && !rep.retiring
+                    && rep.kv_reserved + keep <= rep.kv_capacity
+                {
+                    rep.kv_reserved += keep;
+                    let slot = rep.retained.insert((self.now, t), keep);
+                    rep.retained_tokens += keep;
+                    self.trajs[ti].kv = Kv::Retained(replica, keep, slot);
+                    self.touch(replica);
+                } else {
+                    self.commands
+                        .push_back(Command::ReleaseKv { replica, traj: t });
+                }
+                self.enqueue(t, Queue::Env, Phase::QueuedEnv);
+            }
+            (StageKind::Reward, StageOutcome::Rewarded { .. }) => self.complete(t),
+            _ => {}
+        }
+    }
+
+    pub(super) fn finish_rollout(&mut self, t: TrajId) {
+        self.drop_kv(t, true);
+        let task = &self.cfg.tasks[self.trajs[t.0 as usize].task as usize];
+        if task.reward == RewardRoute::Environment {
+            self.complete(t);
+        } else {
+            self.enqueue(t, Queue::Reward, Phase::QueuedReward);
+        }
+    }
+
+    pub(super) fn complete(&mut self, t: TrajId) {
+        // A member of a restarted group that finished on the old weights starts over too.
+        let restart_floor = self.groups[self.trajs[t.0 as usize].group.0 as usize].restart_floor;
+        if self.trajs[t.0 as usize].min_version < restart_floor
+            && let Some(k) = self.trajs[t.0 as usize]
+                .turns
+                .iter()
+                .position(|turn| turn.version < restart_floor)
+        {
+            self.regenerate(t, k);
+            self.repump = true;
+            return;
+        }
+        self.dequeue(t);
+        self.trajs[t.0 as usize].phase = Phase::Complete;
+        self.active = self.active.saturating_sub(1);
+        self.stats.trajectories_completed += 1;
+        // A finished batch can open the next one (an earlier step of the pass).
+        self.repump = true;
+        let g = self.trajs[t.0 as usize].group;
+        let group = &mut self.groups[g.0 as usize];
+        group.complete += 1;
+        if group.complete as usize == group.members.len() {
+            let batch = group.batch;
+            let oldest = group
+                .members
+                .iter()
+                .filter_map(|m| self.trajs[m.0 as usize].oldest())
+                .min()
+                .unwrap_or(0);
+            let key = (oldest, g);
+            self.open_groups.remove(&g);
+            self.groups_closed += 1;
+            self.groups[g.0 as usize].ready_key = Some(key);
+            self.ready.insert(key);
+            *self.batch_complete.entry(batch).or_default() += 1;
+            *self.batch_done.entry(batch).or_default() += 1;
+        }
+    }
+}

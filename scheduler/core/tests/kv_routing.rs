@@ -1,0 +1,175 @@
+//! Where the core routes a turn and how it books KV caches: sticky sessions back to the replica
+//! that keeps a trajectory's cache, prefill/decode disaggregation of long contexts, and no
+//! replica given more cache than it holds.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use rollfleet_core::{
+    Command, Core, Discipline, Input, ReplicaId, ServeRole, StageCommand, StageOutcome, StageWork,
+    SyncMode, Time,
+};
+
+use common::*;
+
+#[test]
+fn a_later_turn_returns_to_the_replica_holding_its_kv_cache_and_prefills_only_the_new_tokens() {
+    let cfg = config(
+        vec![
+            replica(ServeRole::Decode, 10_000),
+            replica(ServeRole::Decode, 10_000),
+        ],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        2,
+        2,
+        1,
+    );
+    let (mut core, resets) = started(cfg);
+    let g0 = runs(&finish(&mut core, resets[0].stage, observed(300, false)));
+    let g1 = runs(&finish(&mut core, resets[1].stage, observed(300, false)));
+    let replica_of = |s: &StageCommand| match s.work {
+        StageWork::Generate { replica, .. } => replica,
+        _ => panic!(),
+    };
+    // Load-aware: the second trajectory goes to the idle replica.
+    assert_ne!(replica_of(&g0[0]), replica_of(&g1[0]));
+    let step = runs(&finish(
+        &mut core,
+        g0[0].stage,
+        StageOutcome::Generated { tokens: 50 },
+    ));
+    let turn2 = runs(&finish(&mut core, step[0].stage, observed(25, false)));
+    let StageWork::Generate {
+        replica,
+        cached_tokens,
+        prefill_tokens,
+        ..
+    } = turn2[0].work
+    else {
+        panic!("{turn2:?}")
+    };
+    assert_eq!(replica, replica_of(&g0[0]));
+    assert_eq!((cached_tokens, prefill_tokens), (350, 25));
+    assert_eq!(core.stats().sticky_hits, 1);
+}
+
+#[test]
+fn a_long_context_is_prefilled_on_the_prefill_pool_and_its_kv_cache_pulled_by_a_decode_replica() {
+    let cfg = config(
+        vec![
+            replica(ServeRole::Prefill, 10_000),
+            replica(ServeRole::Decode, 10_000),
+        ],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        1,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let reset = runs(&drain(&mut core));
+    let prefill = runs(&finish(&mut core, reset[0].stage, observed(2_000, false)));
+    assert!(matches!(
+        prefill[0].work,
+        StageWork::Prefill {
+            replica: ReplicaId(0),
+            tokens: 2_000
+        }
+    ));
+    let decode = runs(&finish(
+        &mut core,
+        prefill[0].stage,
+        StageOutcome::Prefilled,
+    ));
+    assert!(
+        matches!(
+            decode[0].work,
+            StageWork::Generate {
+                replica: ReplicaId(1),
+                kv_from: Some(ReplicaId(0)),
+                kv_tokens: 2_000,
+                prefill_tokens: 0,
+                ..
+            }
+        ),
+        "{decode:?}"
+    );
+}
+
+#[test]
+fn with_its_last_prefill_replica_retired_a_long_input_is_prefilled_where_it_decodes() {
+    let cfg = config(
+        vec![
+            replica(ServeRole::Prefill, 10_000),
+            replica(ServeRole::Decode, 10_000),
+        ],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        1,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let reset = runs(&drain(&mut core));
+    core.handle_input(
+        Time(1),
+        Input::RetireReplica {
+            replica: ReplicaId(0),
+        },
+    );
+    let retired = drain(&mut core);
+    assert!(
+        retired.iter().any(|c| matches!(
+            c,
+            Command::ReplicaRetired {
+                replica: ReplicaId(0)
+            }
+        )),
+        "{retired:?}"
+    );
+    // 2,000 tokens is over `pd_min_prefill_tokens`: with a prefill replica it would go there.
+    let generate = runs(&finish(&mut core, reset[0].stage, observed(2_000, false)));
+    assert!(
+        matches!(
+            generate[0].work,
+            StageWork::Generate {
+                replica: ReplicaId(1),
+                cached_tokens: 0,
+                prefill_tokens: 2_000,
+                ..
+            }
+        ),
+        "{generate:?}"
+    );
+}
+
+#[test]
+fn no_replica_is_given_more_kv_cache_than_it_holds() {
+    // 300 tokens of KV: one 100-token prompt plus a 100-token action fits, two do not.
+    let cfg = config(
+        vec![replica(ServeRole::Generate, 300)],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        2,
+        2,
+        1,
+    );
+    let (mut core, resets) = started(cfg);
+    let first = runs(&finish(&mut core, resets[0].stage, observed(100, false)));
+    let second = runs(&finish(&mut core, resets[1].stage, observed(100, false)));
+    assert_eq!(first.len(), 1);
+    assert!(second.is_empty(), "{second:?}");
+    core.check_invariants().unwrap();
+    // When the first turn ends without keeping room, the second gets the replica.
+    let after = runs(&finish(
+        &mut core,
+        first[0].stage,
+        StageOutcome::Generated { tokens: 100 },
+    ));
+    assert!(
+        after
+            .iter()
+            .any(|s| matches!(s.work, StageWork::Generate { .. })),
+        "{after:?}"
+    );
+    assert!(core.stats().kv_evictions <= 1);
+}

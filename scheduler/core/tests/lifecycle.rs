@@ -1,0 +1,220 @@
+//! A trajectory's life in the core, from its reset to the batch it is trained in, and how the
+//! core hands batches to the trainer: the continuous discipline's admission window, the
+//! synchronous discipline's step-by-step batches, and an external trainer's publications.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use rollfleet_core::{
+    Command, Core, Discipline, Input, ReplicaId, ServeRole, StageOutcome, StageWork, SyncMode,
+    Time, TrajId,
+};
+
+use common::*;
+
+#[test]
+fn a_trajectory_goes_from_reset_through_its_turns_to_its_reward_and_is_trained_once() {
+    let cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        1,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    let reset = runs(&drain(&mut core));
+    assert_eq!(reset.len(), 1);
+    assert!(matches!(reset[0].work, StageWork::EnvReset { .. }));
+
+    let generate = runs(&finish(&mut core, reset[0].stage, observed(300, false)));
+    let StageWork::Generate {
+        prefill_tokens,
+        cached_tokens,
+        max_new_tokens,
+        ..
+    } = generate[0].work
+    else {
+        panic!("{generate:?}")
+    };
+    assert_eq!(
+        (prefill_tokens, cached_tokens, max_new_tokens),
+        (300, 0, 100)
+    );
+    assert_eq!(generate[0].version, 0);
+
+    let step = runs(&finish(
+        &mut core,
+        generate[0].stage,
+        StageOutcome::Generated { tokens: 40 },
+    ));
+    assert!(matches!(
+        step[0].work,
+        StageWork::EnvStep {
+            action_tokens: 40,
+            ..
+        }
+    ));
+
+    let reward = finish(&mut core, step[0].stage, observed(20, true));
+    assert!(
+        reward
+            .iter()
+            .any(|c| matches!(c, Command::ReleaseKv { .. })),
+        "{reward:?}"
+    );
+    let reward = runs(&reward);
+    assert!(matches!(
+        reward[0].work,
+        StageWork::Reward {
+            serverless: true,
+            ..
+        }
+    ));
+
+    let train = finish(
+        &mut core,
+        reward[0].stage,
+        StageOutcome::Rewarded { score: 1.0 },
+    );
+    let Some(Command::Train {
+        batch,
+        trajectories,
+        tokens,
+        publishes,
+        ..
+    }) = train.last().cloned()
+    else {
+        panic!("{train:?}")
+    };
+    assert_eq!(trajectories, vec![TrajId(0)]);
+    assert_eq!(tokens, 340);
+    assert!(publishes);
+    core.handle_input(Time(2), Input::TrainFinished { batch });
+    assert!(core.finished());
+    assert_eq!(core.trajectory_counts(), (0, 0, 1));
+}
+
+#[test]
+fn a_loose_staleness_bound_keeps_at_most_two_batches_started_and_untrained() {
+    let started = |max_staleness: u64| {
+        let cfg = config(
+            vec![replica(ServeRole::Generate, 10_000)],
+            policy(
+                Discipline::Continuous,
+                max_staleness,
+                0.0,
+                SyncMode::Rolling,
+            ),
+            1,
+            4,
+            10,
+        );
+        let mut core = Core::new(cfg);
+        core.handle_timeout(Time::ZERO);
+        drain(&mut core);
+        core.stats().groups_started
+    };
+    // `S x B / 2` while that is under two batches ...
+    assert_eq!(started(2), 4);
+    assert_eq!(started(3), 6);
+    // ... and two batches however loose the bound: more would only wait for the trainer,
+    // losing their KV caches at every weight update.
+    assert_eq!(started(4), 8);
+    assert_eq!(started(8), 8);
+    assert_eq!(started(100), 8);
+}
+
+#[test]
+fn the_synchronous_discipline_starts_a_batch_only_after_training_and_a_global_sync() {
+    let cfg = config(
+        vec![
+            replica(ServeRole::Generate, 10_000),
+            replica(ServeRole::Generate, 10_000),
+        ],
+        policy(Discipline::Batched { lag: 0 }, 0, 0.0, SyncMode::Broadcast),
+        1,
+        1,
+        2,
+    );
+    let (mut core, resets) = started(cfg);
+    assert_eq!(resets.len(), 1);
+    let out = complete_one(&mut core, &resets[0]);
+    let batch = trained_batch(&out);
+    assert!(runs(&out).is_empty(), "no rollout while training: {out:?}");
+    core.handle_input(Time(5), Input::TrainFinished { batch });
+    let out = drain(&mut core);
+    let updates = out
+        .iter()
+        .filter(|c| {
+            matches!(
+                c,
+                Command::UpdateWeights {
+                    mode: SyncMode::Broadcast,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(updates, 2);
+    assert!(runs(&out).is_empty(), "no rollout during the sync: {out:?}");
+    core.handle_input(
+        Time(6),
+        Input::WeightsUpdated {
+            replica: ReplicaId(0),
+            version: 1,
+        },
+    );
+    assert!(runs(&drain(&mut core)).is_empty());
+    core.handle_input(
+        Time(7),
+        Input::WeightsUpdated {
+            replica: ReplicaId(1),
+            version: 1,
+        },
+    );
+    assert_eq!(runs(&drain(&mut core)).len(), 1);
+}
+
+#[test]
+fn an_external_trainers_publication_moves_the_version_only_after_its_steps_batch_was_handed_out() {
+    let cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        2,
+    );
+    let (mut core, resets) = started(cfg);
+    let refusal = core.publication_refusal(1).unwrap();
+    assert!(refusal.contains("has not been handed"), "{refusal}");
+    // Refused facts change nothing.
+    core.handle_input(Time(1), Input::Published { version: 1 });
+    assert_eq!(core.version(), 0);
+
+    let out = run_until_trained(&mut core, resets);
+    let Some(Command::Train { publishes, .. }) =
+        out.iter().find(|c| matches!(c, Command::Train { .. }))
+    else {
+        unreachable!()
+    };
+    assert!(publishes);
+    let skip = core.publication_refusal(2).unwrap();
+    assert!(
+        skip.contains("skips a version: the next one is 1"),
+        "{skip}"
+    );
+    core.handle_input(Time(100), Input::Published { version: 2 });
+    assert_eq!(core.version(), 0);
+
+    assert_eq!(core.publication_refusal(1), None);
+    core.handle_input(Time(101), Input::Published { version: 1 });
+    assert_eq!(core.version(), 1);
+    // The same path as the emulated trainer's: the replica is updated to the new version.
+    let (_, version) = weight_update(&drain(&mut core));
+    assert_eq!(version, 1);
+    let again = core.publication_refusal(1).unwrap();
+    assert!(again.contains("already published"), "{again}");
+    core.handle_input(Time(102), Input::Published { version: 1 });
+    assert_eq!(core.version(), 1);
+}

@@ -1,0 +1,174 @@
+//! Weight sync: replicas take new weights one at a time while the others keep serving, and a
+//! generation interrupted for new weights resumes from its tokens on them.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use rollfleet_core::{
+    Command, Discipline, Input, ReplicaId, ServeRole, StageOutcome, StageWork, SyncMode, Time,
+};
+
+use common::*;
+
+#[test]
+fn weights_are_updated_one_replica_at_a_time_while_the_others_keep_serving() {
+    // Bound 2: at version 1 a new trajectory may still start on a version-0 replica (it has two
+    // more steps to finish in); with bound 1 it would wait for new weights (next test).
+    let cfg = config(
+        vec![
+            replica(ServeRole::Generate, 10_000),
+            replica(ServeRole::Generate, 10_000),
+            replica(ServeRole::Generate, 10_000),
+        ],
+        policy(Discipline::Continuous, 2, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        2,
+    );
+    let (mut core, resets) = started(cfg);
+    let before = complete_one(&mut core, &resets[0]);
+    let batch = trained_batch(&before);
+    core.handle_input(Time(5), Input::TrainFinished { batch });
+    let mut out = drain(&mut core);
+    let updates: Vec<_> = out
+        .iter()
+        .filter(|c| matches!(c, Command::UpdateWeights { .. }))
+        .collect();
+    assert_eq!(updates.len(), 1, "{out:?}");
+    let Command::UpdateWeights {
+        replica: first,
+        version: 1,
+        mode: SyncMode::Rolling,
+        ..
+    } = updates[0].clone()
+    else {
+        panic!()
+    };
+    // The rollout goes on meanwhile: a new trajectory starts and is served by another replica.
+    out.extend(before);
+    let reset = runs(&out);
+    let reset = reset
+        .iter()
+        .find(|s| matches!(s.work, StageWork::EnvReset { .. }))
+        .unwrap()
+        .clone();
+    let generate = runs(&finish(&mut core, reset.stage, observed(100, false)));
+    let StageWork::Generate { replica, .. } = generate[0].work else {
+        panic!()
+    };
+    assert_ne!(replica, first);
+    core.handle_input(
+        Time(6),
+        Input::WeightsUpdated {
+            replica: first,
+            version: 1,
+        },
+    );
+    let next = drain(&mut core);
+    assert_eq!(
+        next.iter()
+            .filter(|c| matches!(c, Command::UpdateWeights { .. }))
+            .count(),
+        1,
+        "{next:?}"
+    );
+}
+
+#[test]
+fn with_interrupts_a_replica_due_for_new_weights_cuts_its_generation_which_resumes_from_its_tokens_on_them()
+ {
+    // Over-provisioned, so that a second trajectory runs beside the one trained first.
+    let mut policy = policy(Discipline::Continuous, 1, 1.0, SyncMode::Rolling);
+    policy.interrupt_generation = true;
+    let cfg = config(vec![replica(ServeRole::Generate, 10_000)], policy, 1, 1, 3);
+    let (mut core, resets) = started(cfg);
+    assert_eq!(resets.len(), 2, "{resets:?}");
+    // The second trajectory's first turn is generating when the first one's step publishes.
+    let running = runs(&finish(&mut core, resets[1].stage, observed(100, false)));
+    let StageWork::Generate { .. } = running[0].work else {
+        panic!("{running:?}")
+    };
+    let trained = complete_one(&mut core, &resets[0]);
+    core.handle_input(
+        Time(5),
+        Input::TrainFinished {
+            batch: trained_batch(&trained),
+        },
+    );
+    let out = drain(&mut core);
+    assert!(
+        out.contains(&Command::Interrupt {
+            stage: running[0].stage
+        }),
+        "{out:?}"
+    );
+    assert!(
+        !out.iter()
+            .any(|c| matches!(c, Command::UpdateWeights { .. })),
+        "the replica updated before its generation stopped: {out:?}"
+    );
+    // It stops after 30 tokens: the replica drains and loads version 1.
+    let out = finish(
+        &mut core,
+        running[0].stage,
+        StageOutcome::Interrupted { tokens: 30 },
+    );
+    assert_eq!(weight_update(&out), (ReplicaId(0), 1));
+    assert!(runs(&out).is_empty(), "{out:?}");
+    core.handle_input(
+        Time(6),
+        Input::WeightsUpdated {
+            replica: ReplicaId(0),
+            version: 1,
+        },
+    );
+    // The turn resumes on version 1: it prefills its input and the 30 tokens again (the cache
+    // went with the old weights) and may generate what is left of the action's 100.
+    let resumed = runs(&drain(&mut core));
+    let resume = resumed
+        .iter()
+        .find(|s| s.traj == running[0].traj)
+        .unwrap_or_else(|| panic!("{resumed:?}"));
+    assert_eq!(resume.turn, 0);
+    assert_eq!(resume.attempt, running[0].attempt);
+    assert_eq!(resume.version, 1);
+    let StageWork::Generate {
+        cached_tokens,
+        prefill_tokens,
+        max_new_tokens,
+        ..
+    } = resume.work
+    else {
+        panic!("{resume:?}")
+    };
+    assert_eq!(
+        (cached_tokens, prefill_tokens, max_new_tokens),
+        (0, 130, 70)
+    );
+    assert_eq!(core.stats().interrupted_generations, 1);
+    // Its turn is as old as its oldest part: version 0, trained one version behind.
+    let step = runs(&finish(
+        &mut core,
+        resume.stage,
+        StageOutcome::Generated { tokens: 20 },
+    ));
+    let reward = runs(&finish(&mut core, step[0].stage, observed(5, true)));
+    let out = finish(
+        &mut core,
+        reward[0].stage,
+        StageOutcome::Rewarded { score: 1.0 },
+    );
+    let Some(Command::Train {
+        trajectories,
+        tokens,
+        ..
+    }) = out.iter().find(|c| matches!(c, Command::Train { .. }))
+    else {
+        panic!("{out:?}")
+    };
+    assert_eq!(trajectories, &vec![running[0].traj]);
+    // The prompt and one action of 30 + 20 tokens (the observation that ends the episode is
+    // not part of what is trained).
+    assert_eq!(*tokens, 100 + 50);
+    assert_eq!(core.stats().staleness_histogram, vec![1, 1]);
+}

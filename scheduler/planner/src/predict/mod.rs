@@ -1,0 +1,780 @@
+//! The step-time predictor: how long one RL step takes under a candidate placement.
+//!
+//! rollfleet runs rollout and training concurrently, so a step takes as long as the slowest of:
+//!
+//! - each resource's work over its capacity (training on the trainer's GPUs; prefill on the
+//!   prefill and on the decode replicas, counting the refills below; decode tokens against the
+//!   decode replicas' bandwidth, KV memory and batch slots; environment vCPU-seconds; serverless
+//!   concurrency-seconds);
+//! - the latency term: the core keeps at most `N` trajectories started and not yet trained on
+//!   (its admission window, [`Workload::window`]), and a trajectory holds its slot until its whole
+//!   group is taken by the trainer. The window's groups circulate between generation and the
+//!   trainer, a closed network solved by mean value analysis: at least Little's law, `B x L /
+//!   N` for a mean slot lifetime `L`, and at least the trainer's capacity.
+//!
+//! The slot lifetime `L` is built from the job's distributions:
+//!
+//! - a group is done when its slowest member is (mean lifetime plus `E[max of n normals]`
+//!   standard deviations), then waits for a training batch to fill;
+//! - each turn decodes at the per-token time of the replica it is on: replicas batch every
+//!   running sequence, so each token takes `max((W + b x KV x c) / bandwidth, b x FLOPs /
+//!   FLOP/s)` for a batch of `b`. The core's router fills replicas by their room (batch slots
+//!   and KV memory), not their speed, and keeps a trajectory on its replica until a weight
+//!   update drops its KV cache ([`model::routed`]): each kind of replica holds its share of the
+//!   trajectories alive, decodes them at its own per-token time, and the load level is the one
+//!   that decodes the tokens asked for. A trajectory's decode time is the token-weighted mean
+//!   of those times, and varies by their spread (a group's slowest member is often the one on
+//!   the slowest replica); a sequence sees one more KV cache than the mean batch (Poisson
+//!   occupancy);
+//! - once a step each replica is drained and loads new weights, dropping its KV caches: every
+//!   trajectory alive then prefills its whole context again (a refill). A turn arriving during
+//!   the drain goes to another replica, unless every replica updates at once (no more decode
+//!   replicas than trainer nodes) or it is a first turn that must start on the newest weights
+//!   (`maxStaleness: 1`): then it waits. Prefills queue (M/G/1) where they run;
+//! - the staleness bound: a group must be taken by the trainer within `maxStaleness + 1`
+//!   versions of its start, less the share of a step it started into; an attempt that misses is
+//!   thrown away and the group starts again (regeneration), so by Wald's identity it holds its
+//!   slot for its expected attempts times its mean attempt.
+//!
+//! The step time is the smallest `T` at least every term evaluated at the throughput `B / T`
+//! (bisection). The job's average ([`model::job_average`]) is that step over every step of a job of
+//! several (the core keeps its window full through the last step, so the last batch takes the
+//! first groups to finish, as every other does), the slowest groups of its one batch for a job of
+//! one step, and at least the trainer's work after the first groups are done.
+//!
+//! The staleness term does not model the core's regeneration of a lone expired finished member
+//! at a publication (`Core::regenerate_lone_expired`): in the simulator a miss regenerates
+//! members that had finished too (their first turns expire with the slowest's), and the rule acts
+//! on groups already regenerated, whose members the retries left at different versions. The
+//! whole-group restart modelled here predicts the simulated steady step of the RollArt-like job
+//! within 3% at its bound of 2; modelled as a one-member retry, the rule put it 6-9% low and
+//! moved the trainer scan to placements that simulate up to 4% slower (docs/planner.md).
+//!
+//! The search does not compare placements by this prediction but by [`step_time`], the
+//! first-order model without regeneration, drains or the closed loop (it counts refills as load
+//! on the prefill queues, and the burst they arrive in as a wait), whose decode is
+//! still split by water-filling (every busy replica at one per-token time, a replica too slow
+//! to beat it alone getting nothing): the full model ranks a single decode replica too well,
+//! and a router-faithful objective chose a placement that simulates worse for the same reason
+//! (docs/planner.md). Every term of [`step_time`] only shrinks as capacity is added (a faster
+//! or an extra replica never slows it), which is what lets the search bound partial placements
+//! by relaxing the rest. A move the search proposes is judged by this prediction
+//! (`rollfleet sim --replan-on-drift`).
+
+use serde::Serialize;
+
+use crate::roofline::{self, GpuRates};
+use crate::workload::Workload;
+
+mod model;
+mod solve;
+
+use model::{DecodeKind, StepWork, router_weight, step_work};
+use solve::{objective_caps, predict_caps};
+
+/// What a group of serving replicas does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    /// Prefill only (first turns), handing KV caches to decode replicas.
+    Prefill,
+    /// Decode, prefilling later turns' observations locally (their KV cache is already there).
+    Decode,
+    /// Prefill and decode colocated.
+    Generate,
+}
+
+impl Role {
+    /// Its name in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Generate => "generate",
+        }
+    }
+}
+
+/// Identical replicas on one pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Group {
+    /// Index into [`Problem::gpu_pools`].
+    pub pool: usize,
+    /// What they do.
+    pub role: Role,
+    /// GPUs per replica (tensor-parallel degree).
+    pub tp: u32,
+    /// How many.
+    pub replicas: u32,
+}
+
+/// A placement as the predictor sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Candidate {
+    /// Serving replicas.
+    pub groups: Vec<Group>,
+    /// The pool that trains (index into [`Problem::gpu_pools`]).
+    pub trainer_pool: usize,
+    /// GPUs it trains on.
+    pub trainer_gpus: u32,
+}
+
+impl Candidate {
+    /// Its serving replicas of `role`, over every pool.
+    pub fn replicas(&self, role: Role) -> u32 {
+        self.groups
+            .iter()
+            .filter(|g| g.role == role)
+            .map(|g| g.replicas)
+            .sum()
+    }
+}
+
+/// A GPU pool the planner may use.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuPool {
+    /// Pool name.
+    pub name: String,
+    /// Index of the pool in the job spec (or inventory).
+    pub spec_index: usize,
+    /// Achieved rates per GPU.
+    pub rates: GpuRates,
+    /// Peak dense FLOP/s per GPU (training runs at `trainMfu` of it).
+    pub peak_flops: f64,
+    /// Peak memory bytes/s per GPU.
+    pub peak_bandwidth: f64,
+    /// GPUs.
+    pub count: u32,
+    /// GPUs per node.
+    pub per_node: u32,
+    /// Tensor-parallel degrees whose replica holds the weights and one longest context.
+    pub tps: Vec<u32>,
+    /// Roles it may serve (all of them unless the spec pins roles).
+    pub serve_roles: Vec<Role>,
+    /// Whether it may train.
+    pub may_train: bool,
+    /// The shares of peak behind `rates` for prefill (compute) and decode (bandwidth), and
+    /// where each comes from (model, measured or probed).
+    pub profile: [crate::profile::Effective; 2],
+}
+
+/// A serverless pool.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServerlessPool {
+    /// Index in the spec.
+    pub spec_index: usize,
+    /// Concurrent executions.
+    pub concurrency: f64,
+    /// USD per GB-second.
+    pub price_per_gb_s: f64,
+}
+
+/// Everything fixed about a planning problem.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Problem {
+    /// GPU pools.
+    pub gpu_pools: Vec<GpuPool>,
+    /// vCPUs for environments (all CPU pools).
+    pub vcpus: f64,
+    /// USD per hour of every CPU node.
+    pub cpu_price_per_hour: f64,
+    /// Serverless pools.
+    pub serverless: Vec<ServerlessPool>,
+    /// The workload.
+    pub workload: Workload,
+    /// Bytes of active weights read per forward pass.
+    pub active_weight_bytes: f64,
+    /// Bytes of one copy of the weights.
+    pub weight_bytes: f64,
+    /// KV bytes per token.
+    pub kv_bytes_per_token: f64,
+    /// Forward FLOPs per token (dense part).
+    pub flops_per_token: f64,
+    /// Attention FLOPs per token per token of context.
+    pub attention_flops: f64,
+    /// Training FLOPs per token.
+    pub train_flops_per_token: f64,
+    /// Bytes of device memory training needs in all (weights, gradients, optimizer state).
+    pub train_memory_bytes: f64,
+    /// Achieved cross-pool bytes/s (KV transfers, weight sync).
+    pub link_bytes_per_s: f64,
+    /// Sequences a replica batches at most.
+    pub max_seqs: f64,
+    /// Prefills shorter than this many tokens (context plus new) stay on the decode replica
+    /// even when there are prefill replicas (the core's rule).
+    pub pd_min_prefill_tokens: f64,
+    /// Share of device memory usable for weights and KV cache.
+    pub usable_memory: f64,
+    /// Mean longest context a decoding sequence reserves (context plus its longest action).
+    pub reserved_context: f64,
+    /// Memory bytes each serverless task's reward uses, per spec pool, times its seconds: the
+    /// GB-seconds a step is billed for.
+    pub serverless_gb_s_per_step: f64,
+    /// A trainer every placement must keep, as `(index in gpu_pools, GPUs)`, with its GPUs not
+    /// free for serving replicas: re-planning a running job whose trainer is not to change (no
+    /// trainer moves between pools mid-run, and the server cannot resize one). `None`: the
+    /// search chooses the trainer too.
+    pub pinned_trainer: Option<(usize, u32)>,
+}
+
+impl Problem {
+    /// The same problem with its trainer pinned to `(pool, gpus)` ([`Problem::pinned_trainer`]).
+    pub fn with_trainer(mut self, pool: usize, gpus: u32) -> Problem {
+        self.pinned_trainer = Some((pool, gpus));
+        self
+    }
+}
+
+/// Which term sets the step time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Binding {
+    /// Training on the trainer's GPUs.
+    Train,
+    /// Prefill capacity.
+    Prefill,
+    /// Decode capacity (bandwidth, KV memory or batch slots).
+    Decode,
+    /// Environment vCPUs.
+    Environment,
+    /// Serverless concurrency.
+    Serverless,
+    /// Trajectory latency through the admission window (Little's law).
+    Latency,
+    /// The staleness bound on a group's lifetime (the search objective's term; the prediction
+    /// counts what the bound costs inside the latency term, as regeneration).
+    Staleness,
+}
+
+/// What the predictor says about a candidate.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Seconds per RL step, in steady state.
+    pub step_s: f64,
+    /// Seconds per RL step averaged over the job's steps, what a finite run measures
+    /// (`job_average`): the steady step, the slowest groups of the batch for a job of one
+    /// step, and at least the trainer's work after the first groups are done.
+    pub job_step_s: f64,
+    /// Trajectories per second.
+    pub trajectories_per_s: f64,
+    /// The term that sets it.
+    pub binding: Binding,
+    /// Each term at the solution, seconds.
+    pub terms: Terms,
+    /// Seconds per decoded token at the operating point (the mean over the tokens: each kind of
+    /// replica decodes its share at its own pace).
+    pub token_s: f64,
+    /// Mean sequences one replica of each serving group decodes at once, as the router fills
+    /// them (parallel to the candidate's groups; 0 for prefill groups and empty ones).
+    pub decode_batch: Vec<f64>,
+    /// Mean lifetime of a group's slot (all its attempts, slowest member plus waiting for a
+    /// training batch), seconds.
+    pub slot_lifetime_s: f64,
+    /// Predicted busy share per GPU pool (parallel to [`Problem::gpu_pools`]).
+    pub gpu_utilisation: Vec<f64>,
+    /// Predicted busy share of the environment vCPUs.
+    pub env_utilisation: f64,
+    /// USD per step (every pool's GPUs and nodes for the step, plus serverless billing).
+    pub cost_per_step_usd: f64,
+}
+
+/// The terms of the step time.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Terms {
+    /// Training.
+    pub train_s: f64,
+    /// Prefill capacity (first turns on prefill replicas).
+    pub prefill_s: f64,
+    /// Local prefill on decode/generate replicas.
+    pub local_prefill_s: f64,
+    /// Decode capacity.
+    pub decode_s: f64,
+    /// Environments.
+    pub env_s: f64,
+    /// Serverless.
+    pub serverless_s: f64,
+    /// Latency through the window (the closed loop with the trainer).
+    pub latency_s: f64,
+    /// The part of the latency term owed to regeneration (attempts thrown away because they
+    /// missed the staleness bound).
+    pub staleness_s: f64,
+}
+
+/// Predicts a candidate's step time; `None` if it cannot run the job at any speed (no replica
+/// to decode, no trainer, or the decode replicas cannot hold a single sequence).
+pub fn predict(p: &Problem, c: &Candidate) -> Option<Prediction> {
+    predict_caps(p, &capacities(p, c)?, c, RefillArrivals::Burst)
+}
+
+/// How the prediction lets the refills after a weight update arrive at the prefill queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefillArrivals {
+    /// As the Poisson stream of M/G/1 alone.
+    Poisson,
+    /// In a burst as the rolling update reaches every replica ([`predict`]'s).
+    Burst,
+}
+
+/// [`predict`] with the refills arriving as `arrivals` says. `search::choose` compares the
+/// colocated and the affinity families with [`RefillArrivals::Poisson`]: the burst is right
+/// for the few prefill replicas that take every replica's refills, but on colocated replicas
+/// the model still misses the decode stalls the refills cause (docs/planner.md), and with the
+/// burst on both a colocated placement came out ahead where it simulates 10% slower.
+pub fn predict_with(p: &Problem, c: &Candidate, arrivals: RefillArrivals) -> Option<Prediction> {
+    predict_caps(p, &capacities(p, c)?, c, arrivals)
+}
+
+/// What the search compares: [`solve::objective_caps`]'s step time, not [`predict`]'s.
+pub fn step_time(p: &Problem, c: &Candidate) -> Option<f64> {
+    objective_caps(p, &capacities(p, c)?)
+}
+
+/// What a placement offers, summed: all the predictor needs besides the problem.
+#[derive(Debug, Clone)]
+pub(crate) struct Caps {
+    disaggregated: bool,
+    prefill_flops: f64,
+    prefill_fastest: f64,
+    local_flops: f64,
+    local_fastest: f64,
+    kinds: Vec<DecodeKind>,
+    trainer_flops: f64,
+    /// Nodes the trainer spans: the core updates that many replicas' weights at once (its
+    /// default `max_concurrent_updates`), each node feeding one.
+    trainer_nodes: f64,
+}
+
+/// KV tokens a replica of `tp` GPUs of a pool holds besides the weights (the core's rule).
+fn kv_tokens(p: &Problem, pool: &GpuPool, tp: f64) -> f64 {
+    ((tp * pool.rates.memory * p.usable_memory - p.weight_bytes) / p.kv_bytes_per_token).max(0.0)
+}
+
+fn kv_cap(p: &Problem, pool: &GpuPool, tp: f64) -> f64 {
+    (kv_tokens(p, pool, tp) / p.reserved_context.max(1.0))
+        .floor()
+        .min(p.max_seqs)
+}
+
+/// One replica of `tp` GPUs of a pool, as the decode model sees it.
+fn decode_kind(p: &Problem, pool: &GpuPool, tp: f64, replicas: f64) -> DecodeKind {
+    DecodeKind {
+        replicas,
+        bandwidth: pool.rates.bandwidth * tp,
+        flops: pool.rates.flops * tp,
+        cap: kv_cap(p, pool, tp),
+        weight: router_weight(p.max_seqs, p.reserved_context, kv_tokens(p, pool, tp)),
+    }
+}
+
+fn capacities(p: &Problem, c: &Candidate) -> Option<Caps> {
+    let trainer = p.gpu_pools.get(c.trainer_pool)?;
+    let mut caps = Caps {
+        disaggregated: c
+            .groups
+            .iter()
+            .any(|g| g.role == Role::Prefill && g.replicas > 0),
+        prefill_flops: 0.0,
+        prefill_fastest: 0.0,
+        local_flops: 0.0,
+        local_fastest: 0.0,
+        kinds: Vec::new(),
+        trainer_flops: c.trainer_gpus as f64 * trainer.peak_flops,
+        trainer_nodes: c.trainer_gpus.div_ceil(trainer.per_node.max(1)).max(1) as f64,
+    };
+    for g in c.groups.iter().filter(|g| g.replicas > 0) {
+        let pool = p.gpu_pools.get(g.pool)?;
+        let tp = g.tp as f64;
+        let n = g.replicas as f64;
+        let f = pool.rates.flops * tp;
+        match g.role {
+            Role::Prefill => {
+                caps.prefill_flops += n * f;
+                caps.prefill_fastest = caps.prefill_fastest.max(f);
+            }
+            Role::Decode | Role::Generate => {
+                caps.local_flops += n * f;
+                caps.local_fastest = caps.local_fastest.max(f);
+                caps.kinds.push(decode_kind(p, pool, tp, n));
+            }
+        }
+    }
+    Some(caps)
+}
+
+/// The token-weighted mean per-token time, and each decode kind's mean batch.
+type TokenTimes = (f64, Vec<f64>);
+
+/// The step's environment time over every vCPU, and its rewards' time over the busiest serverless
+/// pool's concurrency, seconds: the terms no GPU placement changes.
+fn cpu_terms(p: &Problem, s: &StepWork) -> (f64, f64) {
+    let w = &p.workload;
+    let env_s = if s.env_cpu_s > 0.0 {
+        s.env_cpu_s / p.vcpus.max(1e-30)
+    } else {
+        0.0
+    };
+    let mut serverless_s: f64 = 0.0;
+    for pool in &p.serverless {
+        let secs: f64 = w
+            .tasks
+            .iter()
+            .filter(|t| t.serverless_pool == Some(pool.spec_index))
+            .map(|t| w.batch * t.share * t.reward_s)
+            .sum();
+        serverless_s = serverless_s.max(secs / pool.concurrency.max(1e-30));
+    }
+    (env_s, serverless_s)
+}
+
+/// A lower bound on the search objective of every completion of a partial candidate. Each
+/// pool not yet decided (`free`, with the GPUs it may still use) is counted as prefill and as
+/// decode capacity at once, with all its GPUs' FLOP/s, and as many decode replicas as its
+/// smallest tensor-parallel degree gives, each as fast and as roomy as its largest degree makes
+/// one: any completion's replicas are no more, no faster and no roomier, and the predictor never
+/// gets slower when capacity is added, so no completion is faster than this.
+pub fn relaxed(
+    p: &Problem,
+    partial: &Candidate,
+    free: &[(usize, u32)],
+    disaggregated: bool,
+) -> Option<f64> {
+    let mut caps = capacities(p, partial)?;
+    caps.disaggregated = disaggregated;
+    for &(pool, gpus) in free {
+        let Some(gp) = p.gpu_pools.get(pool) else {
+            continue;
+        };
+        let mut fitting = gp.tps.iter().copied().filter(|&t| t <= gpus);
+        let Some(smallest) = fitting.next() else {
+            continue;
+        };
+        let largest = fitting.next_back().unwrap_or(smallest);
+        let all = gpus as f64 * gp.rates.flops;
+        let fastest = largest as f64 * gp.rates.flops;
+        let prefills = disaggregated && gp.serve_roles.contains(&Role::Prefill);
+        let decodes = if disaggregated {
+            gp.serve_roles.contains(&Role::Decode)
+        } else {
+            gp.serve_roles.contains(&Role::Generate)
+        };
+        if prefills {
+            caps.prefill_flops += all;
+            caps.prefill_fastest = caps.prefill_fastest.max(fastest);
+        }
+        if decodes {
+            caps.local_flops += all;
+            caps.local_fastest = caps.local_fastest.max(fastest);
+            caps.kinds
+                .push(decode_kind(p, gp, largest as f64, (gpus / smallest) as f64));
+        }
+    }
+    objective_caps(p, &caps)
+}
+
+/// The training term alone for a trainer, seconds per step: no placement with this trainer can
+/// be faster.
+pub fn train_time(p: &Problem, pool: usize, gpus: u32) -> f64 {
+    let s = step_work(p);
+    let flops = p.gpu_pools.get(pool).map_or(0.0, |g| g.peak_flops) * gpus as f64;
+    s.train_flops / (flops * p.workload.train_mfu).max(1e-30)
+}
+
+/// Training GPUs needed to hold the model's training state in a pool's memory.
+pub fn min_train_gpus(p: &Problem, pool: &GpuPool) -> u32 {
+    let per_gpu = pool.rates.memory * p.usable_memory;
+    if per_gpu <= 0.0 {
+        return u32::MAX;
+    }
+    (p.train_memory_bytes / per_gpu).ceil().max(1.0) as u32
+}
+
+/// The roofline of a decode iteration at the operating point, for explanations.
+pub fn decode_work_at(p: &Problem, batch: f64, context: f64) -> roofline::Work {
+    roofline::Work {
+        flops: batch * (p.flops_per_token + p.attention_flops * context),
+        bytes: p.active_weight_bytes + batch * p.kv_bytes_per_token * context,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::model::{
+        action_spread, closed_loop_step, job_average, mean_survival, prefill_queue, queue,
+        regeneration, replica_token_time, routed, token_time,
+    };
+    use super::*;
+
+    fn kind(replicas: f64, bandwidth: f64) -> DecodeKind {
+        DecodeKind {
+            replicas,
+            bandwidth,
+            flops: 1e18,
+            cap: 1e9,
+            weight: 1.0,
+        }
+    }
+
+    #[test]
+    fn token_time_solves_littles_law_on_decoding_sequences() {
+        // One replica, 1 TB/s, 1 GB of weights, 1 MB of KV per sequence. At tau, a batch of
+        // (1e12 tau - 1e9) / 1e6 sequences; asked for 1e5 tokens/s, b = 1e5 tau:
+        // 1e6 tau - 1e3 = 1e5 tau  =>  tau = 1e3 / 9e5 = 1.111 ms.
+        let tau = token_time(&[kind(1.0, 1e12)], 1e5, 1e9, 1e6, 1.0).unwrap();
+        assert!((tau - 1e3 / 9e5).abs() < 1e-12, "{tau}");
+    }
+
+    #[test]
+    fn the_router_fills_replicas_by_room_so_a_slow_one_decodes_its_share_at_its_own_pace() {
+        // Equal room, 1 GB of weights, 1 MB of KV per sequence, nothing but decoding. At 100
+        // sequences each, the 1 TB/s replica takes (1e9 + 1e8) / 1e12 = 1.1 ms a token and the
+        // 0.1 TB/s one 11 ms: 100 / 1.1e-3 + 100 / 1.1e-2 = 100,000 tokens/s, 10/11 of them
+        // fast. Token-weighted: 10/11 x 1.1 + 1/11 x 11 = 2 ms (= 200 sequences / 1e5 tokens/s),
+        // where water-filling gave the slow replica nothing and 1.11 ms.
+        let served = routed(&[kind(1.0, 1e12), kind(1.0, 1e11)], 1e5, 0.0, 1e9, 1e6, 1.0).unwrap();
+        assert!((served.tau - 2e-3).abs() < 1e-9, "{served:?}");
+        assert!(
+            (served.token_share[0] - 10.0 / 11.0).abs() < 1e-6,
+            "{served:?}"
+        );
+        assert!((served.kinds[1].2 - 1.1e-2).abs() < 1e-8, "{served:?}");
+        let filled = token_time(&[kind(1.0, 1e12), kind(1.0, 1e11)], 1e5, 1e9, 1e6, 1.0).unwrap();
+        assert!((filled - 1e3 / 9e5).abs() < 1e-12, "{filled}");
+    }
+
+    #[test]
+    fn one_gpu_replicas_that_the_router_still_fills_decode_their_share_far_slower_than_tp8() {
+        // 1 GB of weights, 1 MB of KV per sequence. A fast replica (8 TB/s, room for 100 per
+        // unit of load) beside a slow pool's eight GPUs at 0.25 TB/s each, either as one TP8
+        // replica (2 TB/s, room 100) or as eight TP1 ones (room 5 each: the weights fill their
+        // memory). TP8 at load 1: the fast one takes (1e9 + 1e8) / 8e12 = 0.1375 ms a token,
+        // the slow one 1.1e9 / 2e12 = 0.55 ms; 100 / 0.1375e-3 + 100 / 0.55e-3 = 909,090.9
+        // tokens/s, 200 sequences: 0.22 ms a token on average, 0.8 of the tokens fast.
+        let fast = DecodeKind {
+            weight: 100.0,
+            ..kind(1.0, 8e12)
+        };
+        let tp8 = DecodeKind {
+            weight: 100.0,
+            ..kind(1.0, 2e12)
+        };
+        let rate = 100.0 / 0.1375e-3 + 100.0 / 0.55e-3;
+        let a = routed(&[fast, tp8], rate, 0.0, 1e9, 1e6, 1.0).unwrap();
+        assert!((a.tau - 0.22e-3).abs() < 1e-12, "{a:?}");
+        assert!((a.token_share[0] - 0.8).abs() < 1e-9, "{a:?}");
+        // A sequence also reads its own KV cache (1e6 / 8e12 and 1e6 / 2e12 s): it sees
+        // 0.8 x 0.1375 + 0.2 x 0.55 + 0.8 x 0.000125 + 0.2 x 0.0005 = 0.2202 ms, with a
+        // variance of 0.8 x 0.137625^2 + 0.2 x 0.5505^2 - 0.2202^2 = 0.027270 ms^2.
+        let (seen_a, var_a) = a.seen(&[fast, tp8], 1e6, 1.0);
+        assert!((seen_a - 0.2202e-3).abs() < 1e-12, "{seen_a}");
+        let hand =
+            0.8 * 0.137625e-3_f64.powi(2) + 0.2 * 0.5505e-3_f64.powi(2) - 0.2202e-3_f64.powi(2);
+        assert!((var_a - hand).abs() < 1e-18, "{var_a} {hand}");
+        // TP1: each replica reads the whole weights at a quarter of that bandwidth, more than
+        // 4 ms a token (7.3 times the TP8 replica's pace), and the router still gives them
+        // 40 / 140 of the trajectories: the per-token times a group's members see spread out.
+        let tp1 = DecodeKind {
+            weight: 5.0,
+            ..kind(8.0, 0.25e12)
+        };
+        let b = routed(&[fast, tp1], rate, 0.0, 1e9, 1e6, 1.0).unwrap();
+        assert!(b.kinds[1].2 > 4e-3, "{b:?}");
+        assert!(b.token_share[1] > 0.0, "{b:?}");
+        let (_, var_b) = b.seen(&[fast, tp1], 1e6, 1.0);
+        // 1.4% of the tokens at 4.0 ms: a standard deviation of 0.45 ms against 0.165.
+        assert!(var_b.sqrt() > 2.5 * var_a.sqrt(), "{b:?}");
+        // Water-filling gave the slow replicas nothing either way.
+        let wa = token_time(&[fast, tp8], rate, 1e9, 1e6, 1.0).unwrap();
+        let wb = token_time(&[fast, tp1], rate, 1e9, 1e6, 1.0).unwrap();
+        assert!(wb <= a.tau && wa <= a.tau, "{wa} {wb}");
+    }
+
+    #[test]
+    fn a_trajectory_that_is_not_always_decoding_batches_only_while_it_decodes() {
+        // 100 trajectories alive, each 1 ms of other work per token: the batch is 100 tau /
+        // (tau + 1e-3), and (1e9 + 1e6 b) / 1e12 = tau gives tau^2 - 1e-4 tau - 1e-6 = 0:
+        // tau = (1e-4 + sqrt(4.01e-6)) / 2 = 1.051249 ms, a batch of 51.25.
+        let tau = replica_token_time(&kind(1.0, 1e12), 100.0, 1e-3, 1e9, 1e6, 1.0);
+        assert!(
+            (tau - (1e-4 + 4.01e-6_f64.sqrt()) / 2.0).abs() < 1e-12,
+            "{tau}"
+        );
+        let batch = 100.0 * tau / (tau + 1e-3);
+        assert!(((1e9 + 1e6 * batch) / 1e12 - tau).abs() < 1e-12);
+        // Always decoding, it is the plain roofline of the whole batch.
+        let plain = replica_token_time(&kind(1.0, 1e12), 100.0, 0.0, 1e9, 1e6, 1.0);
+        assert!((plain - 1.1e-3).abs() < 1e-12, "{plain}");
+    }
+
+    #[test]
+    fn the_router_gives_a_replica_trajectories_in_proportion_to_its_room() {
+        // 256 batch slots; 10,000 tokens reserved per trajectory. 2.56 M KV tokens: load
+        // 1/256 + 1/256 per trajectory, weight 128; 100,000 KV tokens: 1/256 + 1/10, 9.624.
+        assert!((router_weight(256.0, 10_000.0, 2.56e6) - 128.0).abs() < 1e-9);
+        let small = router_weight(256.0, 10_000.0, 1e5);
+        assert!((small - 1.0 / (1.0 / 256.0 + 0.1)).abs() < 1e-12, "{small}");
+        assert_eq!(router_weight(256.0, 10_000.0, 0.0), 0.0);
+    }
+
+    #[test]
+    fn a_replica_too_slow_to_help_gets_no_sequences() {
+        // The fast replica alone: (1e12 tau - 1e9)/1e6 = 1e3 tau => tau = 1e3/(1e6 - 1e3).
+        // A 1 GB/s replica needs tau >= 1 s to read its weights once: it stays empty.
+        let alone = token_time(&[kind(1.0, 1e12)], 1e3, 1e9, 1e6, 1.0).unwrap();
+        let both = token_time(&[kind(1.0, 1e12), kind(1.0, 1e9)], 1e3, 1e9, 1e6, 1.0).unwrap();
+        assert!((alone - both).abs() < 1e-15);
+    }
+
+    #[test]
+    fn asking_for_more_tokens_than_bandwidth_allows_has_no_token_time() {
+        // The limit is 1e12 / 1e6 = 1e6 tokens/s (the weights' share vanishes as the batch grows).
+        assert!(token_time(&[kind(1.0, 1e12)], 1.01e6, 1e9, 1e6, 1.0).is_none());
+        assert!(token_time(&[kind(1.0, 1e12)], 0.99e6, 1e9, 1e6, 1.0).is_some());
+    }
+
+    #[test]
+    fn the_mdl_queue_factor_is_one_when_idle_and_grows_with_load() {
+        assert_eq!(queue(0.0), 1.0);
+        assert!((queue(0.5) - 1.5).abs() < 1e-12);
+        assert!(queue(0.9) > queue(0.5));
+    }
+
+    #[test]
+    fn a_group_whose_attempt_fits_the_earliest_deadline_is_never_regenerated() {
+        // S = 2, T = 100 s: deadlines fall in [200, 300] s; a fixed 150 s attempt makes all.
+        let r = regeneration(150.0, 0.0, 0.0, 2.0, 100.0, 1e9);
+        assert_eq!(r.attempts, 1.0);
+        assert_eq!(r.slot_s, 150.0);
+    }
+
+    #[test]
+    fn a_fixed_attempt_misses_the_share_of_deadlines_it_outlives_and_retries_by_wald() {
+        // A 250 s attempt outlives deadlines in [200, 250): half of them. Expected attempts
+        // 1 / (1 - 0.5) = 2, each holding the slot 250 s: 500 s.
+        let r = regeneration(250.0, 0.0, 0.0, 2.0, 100.0, 1e9);
+        assert!((r.attempts - 2.0).abs() < 1e-12, "{r:?}");
+        assert!((r.slot_s - 500.0).abs() < 1e-9, "{r:?}");
+    }
+
+    #[test]
+    fn a_group_that_never_makes_its_deadline_holds_its_slot_until_the_limit() {
+        // S = 0, T = 100: every deadline is under 100 s; a 1,000 s attempt always misses.
+        let r = regeneration(1000.0, 0.0, 0.0, 0.0, 100.0, 5000.0);
+        assert!((r.slot_s - 5000.0).abs() < 1e-9, "{r:?}");
+        assert!((r.attempts - 5.0).abs() < 1e-9, "{r:?}");
+    }
+
+    #[test]
+    fn a_fresh_spread_misses_by_the_mean_normal_survival_over_the_deadlines() {
+        // Attempt Normal(250, 50) against deadlines uniform on [200, 300]: the mean of Q(x) for
+        // x in [-1, 1] is 1/2 by symmetry, so 2 attempts of 250 s on average.
+        let r = regeneration(250.0, 0.0, 50.0, 2.0, 100.0, 1e9);
+        assert!((r.attempts - 2.0).abs() < 1e-6, "{r:?}");
+        assert!((r.slot_s - 500.0).abs() < 1e-4, "{r:?}");
+    }
+
+    #[test]
+    fn a_job_of_several_steps_averages_its_steady_step_because_the_window_stays_full_to_the_end() {
+        // 20 steps of 110 s: the slowest groups of a batch started at once (260 s) do not set
+        // the last step, whose batch takes the first groups to finish (charging them made it
+        // (19 x 110 + 260) / 20 = 117.5 s). The trainer's floor, 20 + 20 x 70 = 1,420 s, is
+        // under 20 x 110 = 2,200 s.
+        assert_eq!(job_average(110.0, 20.0, 260.0, 20.0, 70.0), 110.0);
+    }
+
+    #[test]
+    fn a_job_of_one_step_waits_for_the_slowest_groups_of_its_batch() {
+        // Its one batch is started at once: 260 s, not the steady 110 s.
+        assert_eq!(job_average(110.0, 1.0, 260.0, 20.0, 70.0), 260.0);
+        // A batch quicker than the steady step still takes a steady step.
+        assert_eq!(job_average(110.0, 1.0, 90.0, 20.0, 70.0), 110.0);
+    }
+
+    #[test]
+    fn a_trainer_idle_until_the_first_groups_are_done_can_set_the_jobs_average() {
+        // 5 steps of 0.9 s, training 0.8 s a step: with the first groups done at 0.5 s the
+        // trainer's 5 x 0.8 s after them end at 4.5 s, 0.9 s a step; done at 0.6 s, they end at
+        // 4.6 s, 0.92 s a step, above the steady 0.9 s.
+        assert!((job_average(0.9, 5.0, 1.2, 0.5, 0.8) - 0.9).abs() < 1e-12);
+        assert!((job_average(0.9, 5.0, 1.2, 0.6, 0.8) - 0.92).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_mean_survival_function_matches_its_antiderivative_by_hand() {
+        // Over [0, 1]: (1 x Q(1) - phi(1)) - (0 - phi(0)) = 0.158655 - 0.241971 + 0.398942.
+        assert!((mean_survival(0.0, 1.0) - 0.315_626).abs() < 1e-5);
+        assert!((mean_survival(-1.0, 1.0) - 0.5).abs() < 1e-7);
+        assert!((mean_survival(0.0, 0.0) - 0.5).abs() < 1e-7);
+    }
+
+    #[test]
+    fn one_group_in_the_closed_loop_takes_its_generation_plus_its_training() {
+        // One customer: never queues, cycle = 3 s + 1 s; 2 groups a step take two cycles.
+        assert!((closed_loop_step(1.0, 3.0, 1.0, 2.0) - 8.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn two_groups_in_the_closed_loop_follow_mean_value_analysis_by_hand() {
+        // k = 1: R = 1, X = 1/4, Q = 1/4. k = 2: R = 1 x (1 + 1/4) = 1.25, X = 2 / 4.25.
+        // One group a step: 4.25 / 2 = 2.125 s.
+        assert!((closed_loop_step(2.0, 3.0, 1.0, 1.0) - 2.125).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_crowded_closed_loop_runs_at_the_trainers_pace_and_a_sparse_one_at_littles_law() {
+        // 1,000 groups, 3 s each in generation, 1 s each at the trainer: the trainer binds.
+        assert!((closed_loop_step(1000.0, 3.0, 1.0, 1.0) - 1.0).abs() < 1e-6);
+        // A trainer far faster than generation: Little's law, 100 groups per 50 s cycle.
+        let sparse = closed_loop_step(100.0, 50.0, 1e-6, 100.0);
+        assert!((sparse - 50.0).abs() < 1e-3, "{sparse}");
+    }
+
+    #[test]
+    fn a_prefill_waits_as_in_an_mg1_queue_by_hand() {
+        // One replica of 1 PFLOP/s; per 100 s step, 10 prefills of 1 PFLOP and 10 of 3 PFLOP.
+        // Load 40 s, rho 0.4; E[S^2] / (2 E[S]) = (10 + 90) / (2 x 40) = 1.25 s;
+        // wait = 0.4 / 0.6 x 1.25 = 0.8333 s.
+        let q = prefill_queue(&[(1.0, 1e15, 1.0)], &[(10.0, 1e15), (10.0, 3e15)], 100.0);
+        assert!((q.load_s - 40.0).abs() < 1e-9, "{q:?}");
+        assert!((q.wait_s - 0.4 / 0.6 * 1.25).abs() < 1e-9, "{q:?}");
+        assert!((q.s_per_flop - 1e-15).abs() < 1e-27, "{q:?}");
+    }
+
+    #[test]
+    fn the_action_spread_pools_the_tasks_by_their_turns() {
+        // Task a: 1 turn of 100 +- 0 tokens; task b: 3 turns of 200 +- 10. Weights 1 and 3:
+        // mean 175; second moment (1 x 10,000 + 3 x 40,100) / 4 = 32,575; sd sqrt(1,950).
+        let task = |turns: f64, action: f64, action_var: f64| crate::workload::TaskLoad {
+            name: String::new(),
+            share: 0.5,
+            turns,
+            group_turns: turns,
+            turns_var: 0.0,
+            env_step_var: 0.0,
+            action_var,
+            prompt: 0.0,
+            action,
+            observation: 0.0,
+            decode_context: 0.0,
+            env_step_s: 0.0,
+            env_cpus: 1.0,
+            reward_s: 0.0,
+            serverless_pool: None,
+            local_reward: false,
+        };
+        let w = Workload {
+            tasks: vec![task(1.0, 100.0, 0.0), task(3.0, 200.0, 100.0)],
+            batch: 8.0,
+            group_size: 1.0,
+            train_batch: 8.0,
+            max_staleness: 1.0,
+            over_provisioning: 0.0,
+            train_mfu: 0.5,
+            steps: 1.0,
+            group_max_z: 0.0,
+            group_max_sd: 1.0,
+        };
+        let (mean, sd) = action_spread(&w);
+        assert!((mean - 175.0).abs() < 1e-9);
+        assert!((sd - 1950.0_f64.sqrt()).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,559 @@
+//! The predictor's queueing model, piece by piece: the step's work, the routed decode replicas
+//! and the per-token time they serve at, the spread of action lengths, the prefill queues, the
+//! regeneration a staleness bound causes, and the closed-loop step of a job's trajectories.
+
+use crate::workload::{Workload, normal_cdf, normal_pdf, normal_quantile};
+
+use super::Problem;
+
+/// Per-step work of the job, independent of the placement.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StepWork {
+    pub(super) first_prefill_flops: f64,
+    pub(super) later_prefill_flops: f64,
+    pub(super) decode_tokens: f64,
+    pub(super) decode_context: f64,
+    pub(super) train_flops: f64,
+    pub(super) env_cpu_s: f64,
+}
+
+pub(super) fn step_work(p: &Problem) -> StepWork {
+    let w = &p.workload;
+    let model = |tokens: f64, cached: f64| {
+        tokens * p.flops_per_token + tokens * p.attention_flops * (cached + tokens / 2.0)
+    };
+    let mut s = StepWork {
+        first_prefill_flops: 0.0,
+        later_prefill_flops: 0.0,
+        decode_tokens: 0.0,
+        decode_context: 0.0,
+        train_flops: 0.0,
+        env_cpu_s: 0.0,
+    };
+    let mut weighted_context = 0.0;
+    for t in &w.tasks {
+        let n = w.batch * t.share;
+        s.first_prefill_flops += n * model(t.prompt, 0.0);
+        s.later_prefill_flops += n * (t.turns - 1.0) * model(t.observation, t.decode_context);
+        let tokens = n * t.turns * t.action;
+        s.decode_tokens += tokens;
+        weighted_context += tokens * t.decode_context;
+        s.env_cpu_s += n * (t.turns + 1.0) * t.env_step_s * t.env_cpus;
+        if t.local_reward {
+            s.env_cpu_s += n * t.reward_s;
+        }
+    }
+    s.decode_context = weighted_context / s.decode_tokens.max(1e-12);
+    s.train_flops = p.train_flops_per_token * w.batch * w.train_tokens();
+    s
+}
+
+/// One kind of decode-capable replica, as the water-filling sees it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct DecodeKind {
+    pub(super) replicas: f64,
+    pub(super) bandwidth: f64,
+    pub(super) flops: f64,
+    pub(super) cap: f64,
+    /// Trajectories the core's router puts on one replica of this kind per unit of load (see
+    /// [`router_weight`]).
+    pub(super) weight: f64,
+}
+
+/// How many trajectories the core's router puts on a replica, relative to the others. It
+/// sends a trajectory that has no KV cache anywhere to the replica with the least load key,
+/// `running / max_seqs + KV reserved / KV capacity` (`rollfleet_core::router::load_key`), and
+/// later turns back to the same replica: so it fills replicas in proportion to their room, not
+/// their speed, and `n` trajectories load a replica by `n (1 / max_seqs + reserved / kv)`.
+/// A replica's share is the inverse of that (counting every held trajectory as running: the
+/// batch-slot half weighs little beside the KV half on small replicas, where it matters).
+pub(super) fn router_weight(max_seqs: f64, reserved_context: f64, kv_tokens: f64) -> f64 {
+    if kv_tokens <= 0.0 || max_seqs <= 0.0 {
+        return 0.0;
+    }
+    1.0 / (1.0 / max_seqs + reserved_context.max(1.0) / kv_tokens)
+}
+
+/// Per-token time of one replica holding `alive` trajectories, each decoding a share `tau / (tau
+/// + other)` of the time it is alive (`other`: seconds it spends on anything but decoding, per
+/// token it decodes). An iteration takes `max((W + b kv) / bandwidth, b flops / FLOP/s)` for a
+/// batch of `b = alive tau / (tau + other)`: the fixed point of each roof is a root of a
+/// quadratic (bandwidth) or linear (compute) equation in `tau`, and the time is the larger.
+pub(super) fn replica_token_time(
+    k: &DecodeKind,
+    alive: f64,
+    other: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> f64 {
+    let bw = k.bandwidth.max(1e-30);
+    // bw tau^2 + (bw o - W - kv n) tau - W o = 0; the positive root, computed without the
+    // cancellation of its textbook form when `b` is positive.
+    let b = bw * other - weights - kv_per_seq * alive;
+    let disc = (b * b + 4.0 * bw * weights * other).sqrt();
+    let by_bandwidth = if b >= 0.0 {
+        if b + disc > 0.0 {
+            2.0 * weights * other / (b + disc)
+        } else {
+            0.0
+        }
+    } else {
+        (disc - b) / (2.0 * bw)
+    };
+    let by_compute = alive * flops_per_seq / k.flops.max(1e-30) - other;
+    by_bandwidth.max(by_compute)
+}
+
+/// Where the router puts the decoding sequences, and what each kind of replica then runs at.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Served {
+    /// Per kind: trajectories alive on one replica, its decoding batch, its per-token time.
+    pub(super) kinds: Vec<(f64, f64, f64)>,
+    /// Per kind: its share of the tokens decoded (and so of the trajectories, which all decode
+    /// alike wherever they are).
+    pub(super) token_share: Vec<f64>,
+    /// Token-weighted mean per-token time (`decoding sequences / tokens per second`).
+    pub(super) tau: f64,
+}
+
+/// The router's split of a decode load over the replicas (in proportion to [`router_weight`],
+/// every kind capped by its batch), at the load level that decodes `rate` tokens a second;
+/// `None` if even full replicas cannot. `other` is the seconds a trajectory is alive without
+/// decoding, per token it decodes: each trajectory alive on a replica makes a token every
+/// `tau + other` seconds, so `sum_i replicas_i n_i / (tau_i + other) = rate`, which is
+/// increasing in the load level; bisection on it.
+pub(super) fn routed(
+    kinds: &[DecodeKind],
+    rate: f64,
+    other: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> Option<Served> {
+    let other = other.max(0.0);
+    let at = |level: f64| -> (Vec<(f64, f64, f64)>, f64) {
+        let mut made = 0.0;
+        let per: Vec<(f64, f64, f64)> = kinds
+            .iter()
+            .map(|k| {
+                if k.replicas <= 0.0 || k.weight <= 0.0 || k.bandwidth <= 0.0 {
+                    return (0.0, 0.0, 0.0);
+                }
+                let alive = (level * k.weight).min(k.cap.max(0.0));
+                let tau = replica_token_time(k, alive, other, weights, kv_per_seq, flops_per_seq);
+                let batch = if tau + other > 0.0 {
+                    alive * tau / (tau + other)
+                } else {
+                    alive
+                };
+                if tau > 0.0 {
+                    made += k.replicas * alive / (tau + other);
+                }
+                (alive, batch, tau)
+            })
+            .collect();
+        (per, made)
+    };
+    // The level at which every kind is full: no higher level adds a sequence.
+    let full = kinds
+        .iter()
+        .filter(|k| k.weight > 0.0 && k.replicas > 0.0)
+        .map(|k| k.cap / k.weight)
+        .fold(0.0_f64, f64::max);
+    if full <= 0.0 {
+        return None;
+    }
+    let (mut lo, mut hi) = (0.0, full);
+    if rate > 0.0 {
+        if at(hi).1 < rate * (1.0 - 1e-9) {
+            return None;
+        }
+        for _ in 0..100 {
+            let mid = 0.5 * (lo + hi);
+            if at(mid).1 >= rate {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+            if hi - lo <= 1e-12 * hi {
+                break;
+            }
+        }
+    } else {
+        // Nothing to decode: one lone sequence, wherever the router would put it.
+        hi = 1e-9 * full;
+    }
+    let (per, made) = at(hi);
+    let token_share: Vec<f64> = kinds
+        .iter()
+        .zip(&per)
+        .map(|(k, &(alive, _, tau))| {
+            if made > 0.0 && tau > 0.0 {
+                k.replicas * alive / (tau + other) / made
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let tau = per
+        .iter()
+        .zip(&token_share)
+        .map(|(&(_, _, t), q)| q * t)
+        .sum();
+    Some(Served {
+        kinds: per,
+        token_share,
+        tau,
+    })
+}
+
+impl Served {
+    /// The token-weighted mean and variance of the per-token time a sequence sees: its replica's
+    /// at the mean batch, plus its own KV cache read (Poisson occupancy: an arriving sequence
+    /// sees one more than the mean batch).
+    pub(super) fn seen(
+        &self,
+        kinds: &[DecodeKind],
+        kv_per_seq: f64,
+        flops_per_seq: f64,
+    ) -> (f64, f64) {
+        let (mut mean, mut second) = (0.0, 0.0);
+        for ((k, &(_, _, tau)), q) in kinds.iter().zip(&self.kinds).zip(&self.token_share) {
+            let own = (kv_per_seq / k.bandwidth.max(1e-30)).max(flops_per_seq / k.flops.max(1e-30));
+            let seen = tau + own;
+            mean += q * seen;
+            second += q * seen * seen;
+        }
+        (mean, (second - mean * mean).max(0.0))
+    }
+
+    /// Mean sequences decoding on a replica that holds any.
+    pub(super) fn batch_per_replica(&self, kinds: &[DecodeKind]) -> f64 {
+        let (mut held, mut replicas) = (0.0, 0.0);
+        for (k, &(_, b, _)) in kinds.iter().zip(&self.kinds) {
+            if b > 0.0 {
+                held += k.replicas * b;
+                replicas += k.replicas;
+            }
+        }
+        held / replicas.max(1e-12)
+    }
+}
+
+/// Sequences one replica batches at per-token time `tau`.
+pub(super) fn batch_at(
+    k: &DecodeKind,
+    tau: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> f64 {
+    let by_bandwidth = (k.bandwidth * tau - weights) / kv_per_seq.max(1e-30);
+    let by_compute = tau * k.flops / flops_per_seq.max(1e-30);
+    by_bandwidth.min(by_compute).clamp(0.0, k.cap)
+}
+
+/// The smallest per-token time at which the replicas decode `rate` tokens a second, if any.
+pub(super) fn token_time(
+    kinds: &[DecodeKind],
+    rate: f64,
+    weights: f64,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> Option<f64> {
+    let g = |tau: f64| {
+        kinds
+            .iter()
+            .map(|k| k.replicas * batch_at(k, tau, weights, kv_per_seq, flops_per_seq))
+            .sum::<f64>()
+            - rate * tau
+    };
+    // The batch of each kind is piecewise linear in tau; its corners are where it starts, where
+    // compute takes over from bandwidth, and where it hits its cap. Between corners g is linear.
+    let mut corners = Vec::with_capacity(kinds.len() * 4);
+    for k in kinds
+        .iter()
+        .filter(|k| k.replicas > 0.0 && k.bandwidth > 0.0)
+    {
+        let start = weights / k.bandwidth;
+        corners.push(start);
+        let slope_b = k.bandwidth / kv_per_seq.max(1e-30);
+        let slope_c = k.flops / flops_per_seq.max(1e-30);
+        if slope_b > slope_c {
+            corners.push(weights / kv_per_seq.max(1e-30) / (slope_b - slope_c));
+        }
+        corners.push((k.cap * kv_per_seq + weights) / k.bandwidth);
+        corners.push(k.cap / slope_c.max(1e-30));
+    }
+    corners.retain(|c| c.is_finite() && *c > 0.0);
+    corners.sort_by(f64::total_cmp);
+    corners.dedup();
+    let mut prev = (0.0, 0.0);
+    for &c in &corners {
+        let v = g(c);
+        if v >= 0.0 && c > prev.0 {
+            if rate <= 0.0 {
+                // Nothing to decode: a lone sequence's time on the fastest replica.
+                return Some(corners.first().copied().unwrap_or(c));
+            }
+            // g is linear on [prev, c], negative at prev: interpolate the root.
+            let (x0, y0) = prev;
+            return Some(if v > y0 {
+                x0 + (c - x0) * (-y0) / (v - y0)
+            } else {
+                c
+            });
+        }
+        prev = (c, v);
+    }
+    None
+}
+
+/// The token-weighted mean and standard deviation of one turn's action, over the tasks.
+pub(super) fn action_spread(w: &Workload) -> (f64, f64) {
+    let weight: f64 = w.tasks.iter().map(|k| k.share * k.turns).sum();
+    if weight <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let mean = w
+        .tasks
+        .iter()
+        .map(|k| k.share * k.turns * k.action)
+        .sum::<f64>()
+        / weight;
+    let second = w
+        .tasks
+        .iter()
+        .map(|k| k.share * k.turns * (k.action_var + k.action * k.action))
+        .sum::<f64>()
+        / weight;
+    (mean, (second - mean * mean).max(0.0).sqrt())
+}
+
+/// How many standard deviations the largest of `n` normal draws lies above their mean (Blom's
+/// plotting position; 0 for one draw or fewer).
+pub(super) fn expected_max_z(n: f64) -> f64 {
+    if n <= 1.0 {
+        0.0
+    } else {
+        normal_quantile((n - 0.375) / (n + 0.25))
+    }
+}
+
+/// FLOPs of prefilling a whole context of `c` tokens from nothing.
+pub(super) fn context_prefill_flops(p: &Problem, c: f64) -> f64 {
+    p.flops_per_token * c + p.attention_flops * c * c / 2.0
+}
+
+/// What a set of replicas' prefill queues do to a prefill.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct PrefillQueue {
+    /// Seconds of all their compute a step's prefill takes (the capacity term).
+    pub(super) load_s: f64,
+    /// Mean seconds per FLOP of prefill on the replica a prefill runs on.
+    pub(super) s_per_flop: f64,
+    /// Mean wait behind the prefills ahead, seconds.
+    pub(super) wait_s: f64,
+}
+
+/// How long prefills wait on a set of replicas, given a step's prefills (`jobs`: how many, FLOPs
+/// each) and, per kind of replica, `(replicas, FLOP/s each, share of the prefills it gets)`.
+/// Prefills are served one batch at a time, so a kind's wait is M/G/1's: `rho / (1 - rho) x
+/// E[S^2] / (2 E[S])`, `S` the time one prefill takes there; long prefills dominate it.
+pub(super) fn prefill_queue(
+    kinds: &[(f64, f64, f64)],
+    jobs: &[(f64, f64)],
+    t: f64,
+) -> PrefillQueue {
+    // Folded from +0.0: an empty `sum` of floats is -0.0, which tables print as "-0.0".
+    let flops = jobs.iter().fold(0.0, |acc, &(n, f)| acc + n * f);
+    let flops_sq = jobs.iter().fold(0.0, |acc, &(n, f)| acc + n * f * f);
+    let capacity: f64 = kinds.iter().map(|&(r, f, _)| r * f).sum();
+    let (mut s_per_flop, mut wait_s) = (0.0, 0.0);
+    for &(replicas, replica_flops, share) in kinds.iter().filter(|k| k.0 > 0.0 && k.1 > 0.0) {
+        if share <= 0.0 {
+            continue;
+        }
+        let rho = (flops * share / (replicas * replica_flops) / t).clamp(0.0, 0.999);
+        let residual = if flops > 0.0 {
+            flops_sq / (2.0 * flops) / replica_flops
+        } else {
+            0.0
+        };
+        s_per_flop += share / replica_flops;
+        wait_s += share * rho / (1.0 - rho) * residual;
+    }
+    PrefillQueue {
+        load_s: flops / capacity.max(1e-30),
+        s_per_flop,
+        wait_s,
+    }
+}
+
+/// A step's prefills of one kind: how many, and the FLOPs of each.
+pub(super) type Prefills = Vec<(f64, f64)>;
+
+/// Whether a prefill of `tokens` (context plus new) without a KV cache runs on a prefill
+/// replica: when there are any and it is long enough to be worth a KV transfer.
+pub(super) fn remote_prefill(p: &Problem, disaggregated: bool, tokens: f64) -> bool {
+    disaggregated && tokens >= p.pd_min_prefill_tokens
+}
+
+/// The prefills of a step, by where they run: `(local, remote)`, each a list of `(how many, FLOPs
+/// each)`.
+///
+/// Each later turn's observation is prefilled where its KV cache is (locally, on top of the
+/// cached context). Each first turn's prompt is prefilled on the prefill replicas when there are
+/// any, locally otherwise. And every trajectory alive when its replica takes new weights (once
+/// a step) loses its KV cache, so its next turn prefills its whole context again, routed as a
+/// turn without a cache is: to the prefill replicas when there are any. `alive_s[k]` is how long
+/// a trajectory of task `k` is alive, so by Little's law `B / T x share x alive` are.
+pub(super) fn step_prefills(
+    p: &Problem,
+    disaggregated: bool,
+    alive_s: &[f64],
+    t: f64,
+) -> (Prefills, Prefills) {
+    let w = &p.workload;
+    let (mut local, mut remote) = (Vec::new(), Vec::new());
+    for (task, alive) in w.tasks.iter().zip(alive_s) {
+        let n = w.batch * task.share;
+        let obs = task.observation;
+        local.push((
+            n * (task.turns - 1.0).max(0.0),
+            p.flops_per_token * obs + p.attention_flops * obs * task.decode_context,
+        ));
+        let first = (n, context_prefill_flops(p, task.prompt));
+        if remote_prefill(p, disaggregated, task.prompt) {
+            remote.push(first);
+        } else {
+            local.push(first);
+        }
+        let refill = (n / t * alive, context_prefill_flops(p, task.decode_context));
+        if remote_prefill(p, disaggregated, task.decode_context) {
+            remote.push(refill);
+        } else {
+            local.push(refill);
+        }
+    }
+    (local, remote)
+}
+
+/// What the staleness bound costs a group of a task, averaged over its groups.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Regeneration {
+    /// Mean seconds a group holds its slot, over all its attempts.
+    pub(super) slot_s: f64,
+    /// Mean attempts a group makes (1 if none is ever thrown away).
+    pub(super) attempts: f64,
+}
+
+/// Equal-probability points of a group's lasting lag (its members' turn counts, which a
+/// regeneration does not redraw), for averaging over groups.
+pub(super) const LAG_POINTS: usize = 16;
+
+/// The mean of the standard normal survival function `Q(x) = 1 - Phi(x)` over `[a, b]`:
+/// `x Q(x) - phi(x)` is its antiderivative.
+pub(super) fn mean_survival(a: f64, b: f64) -> f64 {
+    let antiderivative = |x: f64| x * (1.0 - normal_cdf(x)) - normal_pdf(x);
+    if b - a < 1e-12 {
+        return 1.0 - normal_cdf(a);
+    }
+    ((antiderivative(b) - antiderivative(a)) / (b - a)).clamp(0.0, 1.0)
+}
+
+/// The cost of the staleness bound to a task's groups. An attempt (first turn to being taken by
+/// the trainer) lasts `mean + lasting x Zg + fresh x Za`: `Zg` is the group's own lag (the turn
+/// counts of its members, the same on every attempt), `Za` is drawn afresh on each attempt
+/// (environment steps, actions), both standard normal. A group started a share `phi` into a
+/// version's step (uniform) must be taken by the trainer before `maxStaleness + 1` more versions
+/// are published, `(S + 1 - phi) T` after it started; an attempt that misses is thrown away
+/// whole (every member's first turn is then too old) and the group starts again. Each attempt
+/// holds the slot for its own length, so by Wald's identity a group holds it for its expected
+/// attempts `1 / (1 - miss)` times its mean attempt; a group that almost never makes it holds
+/// its slot until the job ends, on average half of the job (`hold_limit_s`). The core's
+/// regeneration of a lone expired finished member at a publication is left out on purpose (the
+/// module doc says why).
+pub(super) fn regeneration(
+    mean: f64,
+    lasting: f64,
+    fresh: f64,
+    max_staleness: f64,
+    t: f64,
+    hold_limit_s: f64,
+) -> Regeneration {
+    let (mut slot_s, mut attempts) = (0.0, 0.0);
+    for j in 0..LAG_POINTS {
+        let lag = if lasting > 0.0 {
+            lasting * normal_quantile((j as f64 + 0.5) / LAG_POINTS as f64)
+        } else {
+            0.0
+        };
+        let attempt = (mean + lag).max(0.0);
+        let (earliest, latest) = (max_staleness * t, (max_staleness + 1.0) * t);
+        let miss = if fresh > 0.0 {
+            mean_survival((earliest - attempt) / fresh, (latest - attempt) / fresh)
+        } else {
+            ((attempt - earliest) / (latest - earliest).max(1e-12)).clamp(0.0, 1.0)
+        };
+        let expected = if miss < 1.0 {
+            1.0 / (1.0 - miss)
+        } else {
+            f64::INFINITY
+        };
+        let held = (attempt * expected).min(hold_limit_s.max(attempt));
+        slot_s += held;
+        attempts += held / attempt.max(1e-12);
+    }
+    Regeneration {
+        slot_s: slot_s / LAG_POINTS as f64,
+        attempts: attempts / LAG_POINTS as f64,
+    }
+}
+
+/// Seconds per step averaged over a job of `steps` steps, what a finite run measures, from the
+/// steady step `t`. The core keeps its window full through the last step (`Core::admit_groups`),
+/// so the last batch takes the first groups to finish, as every earlier one does: the last step
+/// of a job of several steps is a steady one (simulated on the RollArt-like job at
+/// `maxStaleness` 2 to 8 and on its uniform placement, seeds 0 and 1: last steps of 56-143 s
+/// against steady steps of 67-130 s). Charging it as the wait for the slowest groups admitted,
+/// `one_batch` (the core's rule before that change: 258 s against about 120 s simulated), put
+/// the prediction 6-10% high there (docs/planner.md). A job of one step is all start: its batch
+/// is started at once, so it waits for `one_batch`. The first step is taken as a steady one
+/// (not quite: with a window of two batches or more, at `maxStaleness` 4 and 8, it simulates
+/// twice as long, the whole window starting at once; not modelled); but the trainer, idle until
+/// the first groups are done (`first_ready`), must still train every step after.
+pub(super) fn job_average(
+    t: f64,
+    steps: f64,
+    one_batch: f64,
+    first_ready: f64,
+    train_s: f64,
+) -> f64 {
+    let steps = steps.max(1.0);
+    let last = if steps > 1.0 { t } else { one_batch.max(t) };
+    ((steps - 1.0) * t + last).max(first_ready + steps * train_s) / steps
+}
+
+/// Seconds per step of a closed network of `customers` groups, each spending `think_s` in
+/// generation (an infinite server: every group generates at once) and `service_s` at a single
+/// FIFO server, by exact mean value analysis (Reiser and Lavenberg): the response time at the
+/// server with `k` customers is `service x (1 + queue with k - 1)`, the throughput `k / (think +
+/// response)`, the queue `throughput x response`.
+pub(super) fn closed_loop_step(customers: f64, think_s: f64, service_s: f64, per_step: f64) -> f64 {
+    let n = customers.floor().max(1.0) as usize;
+    let (mut queued, mut throughput) = (0.0, 0.0);
+    for k in 1..=n {
+        let response = service_s * (1.0 + queued);
+        throughput = k as f64 / (think_s + response).max(1e-12);
+        queued = throughput * response;
+    }
+    per_step / throughput.max(1e-12)
+}
+
+/// M/D/1 sojourn factor: service time times `1 + rho / (2 (1 - rho))`.
+pub(super) fn queue(rho: f64) -> f64 {
+    let rho = rho.clamp(0.0, 0.999);
+    1.0 + rho / (2.0 * (1.0 - rho))
+}
