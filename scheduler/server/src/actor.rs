@@ -170,6 +170,90 @@ const FEED_GRACE: Duration = Duration::from_secs(30);
 /// Events taken (and journaled) together, at most.
 const MAX_BATCH: usize = 64;
 
+/// Events the server's gRPC handlers may have waiting for the actor ([`Inbox`]): a handler that
+/// finds it full waits for room (its peer's stream stops being read, and HTTP/2 flow control
+/// holds the peer back) rather than dropping what it accepted. Four batches: the actor takes
+/// [`MAX_BATCH`] at a time.
+pub const INBOX_CAPACITY: usize = 4 * MAX_BATCH;
+
+/// Load reports a worker may have taken per second on average, at least ([`LoadLimit`]).
+const LOAD_REPORTS_PER_SECOND: f64 = 2.0;
+/// Load reports a worker may send in a row before [`LOAD_REPORTS_PER_SECOND`] applies.
+const LOAD_REPORT_BURST: f64 = 8.0;
+
+/// The actor's inbox: bounded, as the server makes it ([`INBOX_CAPACITY`]), or unbounded, for a
+/// test that drives the actor with events of its own.
+pub enum Inbox {
+    /// What the server's handlers send to.
+    Bounded(mpsc::Receiver<Event>),
+    /// For tests.
+    Unbounded(mpsc::UnboundedReceiver<Event>),
+}
+
+impl From<mpsc::Receiver<Event>> for Inbox {
+    fn from(r: mpsc::Receiver<Event>) -> Inbox {
+        Inbox::Bounded(r)
+    }
+}
+
+impl From<mpsc::UnboundedReceiver<Event>> for Inbox {
+    fn from(r: mpsc::UnboundedReceiver<Event>) -> Inbox {
+        Inbox::Unbounded(r)
+    }
+}
+
+impl Inbox {
+    async fn recv(&mut self) -> Option<Event> {
+        match self {
+            Inbox::Bounded(r) => r.recv().await,
+            Inbox::Unbounded(r) => r.recv().await,
+        }
+    }
+
+    fn try_recv(&mut self) -> Option<Event> {
+        match self {
+            Inbox::Bounded(r) => r.try_recv().ok(),
+            Inbox::Unbounded(r) => r.try_recv().ok(),
+        }
+    }
+}
+
+/// A worker's load reports, limited by a token bucket: [`LOAD_REPORT_BURST`] in a row, then one
+/// per half heartbeat interval (at least [`LOAD_REPORTS_PER_SECOND`] a second). An honest worker
+/// reports once per heartbeat and never meets it.
+///
+/// A report over the limit is dropped before it is journaled (a heartbeat that carried it still
+/// renews the lease), not refused: only the latest load matters to the gauges, the profile
+/// samples are a statistical estimate that a peer reporting slower would not have sent either,
+/// and refusing would cut off a worker whose reports merely bunched up behind a slow network.
+struct LoadLimit {
+    tokens: f64,
+    /// On the job's clock (wall time, live).
+    refilled: Duration,
+}
+
+impl LoadLimit {
+    fn new(now: Duration) -> LoadLimit {
+        LoadLimit {
+            tokens: LOAD_REPORT_BURST,
+            refilled: now,
+        }
+    }
+
+    /// Whether a report at `now` is within the limit (taking its token when it is).
+    fn take(&mut self, now: Duration, per_second: f64) -> bool {
+        let elapsed = now.saturating_sub(self.refilled).as_secs_f64();
+        self.refilled = self.refilled.max(now);
+        self.tokens = (self.tokens + elapsed * per_second).min(LOAD_REPORT_BURST);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// Dispatch latencies kept for the report, at most.
 const MAX_LATENCY_SAMPLES: usize = 4_000_000;
 
@@ -723,6 +807,8 @@ struct Worker {
     gpus: u32,
     /// It said it is leaving: it gets nothing new, and is released once it holds nothing.
     leaving: bool,
+    /// Its load reports' rate ([`LoadLimit`]); live only, before the journal.
+    load_limit: LoadLimit,
 }
 
 #[derive(Default)]
@@ -1094,7 +1180,8 @@ impl Actor {
 
     /// Runs until the job ends and its end has been announced; returns the report written at
     /// the end.
-    pub async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Event>) -> Report {
+    pub async fn run(mut self, inbox: impl Into<Inbox>) -> Report {
+        let mut inbox = inbox.into();
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         self.publish();
@@ -1117,8 +1204,8 @@ impl Actor {
             let mut steps = vec![step];
             while steps.len() < MAX_BATCH {
                 match inbox.try_recv() {
-                    Ok(event) => steps.push(Step::Event(event)),
-                    Err(_) => break,
+                    Some(event) => steps.push(Step::Event(event)),
+                    None => break,
                 }
             }
             self.take(steps);
@@ -1234,7 +1321,7 @@ impl Actor {
             .any(|step| matches!(step, Step::Event(Event::Cancel)));
         let steps: Vec<Step> = steps
             .into_iter()
-            .map(|step| self.journal_step(step))
+            .filter_map(|step| self.admit(step).map(|step| self.journal_step(step)))
             .collect();
         if let Some(journal) = &mut self.journal {
             let flushed = journal.flush();
@@ -1250,14 +1337,103 @@ impl Actor {
         }
     }
 
+    /// A live step as it is to be journaled and handled: a load report over its worker's rate
+    /// ([`LoadLimit`]) is dropped here, before the journal, so that a replay sees what was
+    /// handled (a heartbeat keeps its lease renewal, without the load; a load message on the
+    /// work stream goes whole).
+    fn admit(&mut self, step: Step) -> Option<Step> {
+        let worker = match &step {
+            Step::Event(Event::Heartbeat {
+                worker_id,
+                load: Some(_),
+                ..
+            }) => self.worker_number(worker_id),
+            Step::Event(Event::Message {
+                worker,
+                message:
+                    WorkerMessage {
+                        message: Some(worker_message::Message::Load(_)),
+                    },
+                ..
+            }) => Some(*worker),
+            _ => None,
+        };
+        let Some(worker) = worker else {
+            return Some(step);
+        };
+        let now = self.at;
+        // Twice an honest worker's pace (one report per heartbeat, a quarter lease apart).
+        let per_second =
+            (8.0 / self.opts.lease_ttl.as_secs_f64().max(1e-3)).max(LOAD_REPORTS_PER_SECOND);
+        let within = self
+            .workers
+            .get_mut(&worker)
+            .is_none_or(|w| w.load_limit.take(now, per_second));
+        if within {
+            return Some(step);
+        }
+        self.metrics.load_reports_dropped.inc();
+        match step {
+            Step::Event(Event::Heartbeat {
+                worker_id,
+                epoch,
+                reply,
+                ..
+            }) => Some(Step::Event(Event::Heartbeat {
+                worker_id,
+                epoch,
+                load: None,
+                reply,
+            })),
+            _ => None,
+        }
+    }
+
+    /// What of a load report the journal keeps: all of it, except GPU readings the actor will
+    /// take (they only feed the metrics, which a replay does not serve); readings it will refuse
+    /// are kept, so that a replay refuses them too.
+    fn journaled_load(&self, worker: Option<u64>, load: &mut WorkerLoad) {
+        let taken = worker.is_none_or(|w| self.gpu_readings_problem(w, load).is_none());
+        if taken {
+            load.gpus.clear();
+            load.gpu_utilization = None;
+            load.gpu_memory_used_bytes = None;
+        }
+    }
+
     /// Writes `step` to the journal, if there is one (a worker's message is moved into the
     /// record and back rather than copied).
     fn journal_step(&mut self, step: Step) -> Step {
-        let Some(journal) = &mut self.journal else {
+        if self.journal.is_none() {
             return step;
-        };
+        }
         let at_ns = self.at.as_nanos().min(u128::from(u64::MAX)) as u64;
         let (event, step) = match step {
+            Step::Event(Event::Message {
+                worker,
+                message:
+                    WorkerMessage {
+                        message: Some(worker_message::Message::Load(load)),
+                    },
+                received,
+            }) => {
+                let mut journaled = load.clone();
+                self.journaled_load(Some(worker), &mut journaled);
+                let message = |load| WorkerMessage {
+                    message: Some(worker_message::Message::Load(load)),
+                };
+                (
+                    journal_record::Event::Message(JournalMessage {
+                        worker,
+                        message: Some(message(journaled)),
+                    }),
+                    Step::Event(Event::Message {
+                        worker,
+                        message: message(load),
+                        received,
+                    }),
+                )
+            }
             Step::Event(Event::Message {
                 worker,
                 message,
@@ -1270,7 +1446,7 @@ impl Actor {
                         message: Some(message),
                     })),
                 };
-                let written = journal.write(&record);
+                let written = self.journal.as_mut().map_or(Ok(()), |j| j.write(&record));
                 let message = match record.event {
                     Some(journal_record::Event::Message(JournalMessage {
                         message: Some(message),
@@ -1303,7 +1479,10 @@ impl Actor {
                     } => journal_record::Event::Heartbeat(JournalHeartbeat {
                         worker_id: worker_id.clone(),
                         epoch: *epoch,
-                        load: load.clone(),
+                        load: load.clone().map(|mut load| {
+                            self.journaled_load(self.worker_number(worker_id), &mut load);
+                            load
+                        }),
                     }),
                     Event::Attach {
                         worker_id, epoch, ..
@@ -1336,10 +1515,11 @@ impl Actor {
             Step::Tick => (journal_record::Event::Tick(true), Step::Tick),
             Step::Recovered => (journal_record::Event::Recovered(true), Step::Recovered),
         };
-        let written = journal.write(&JournalRecord {
+        let record = JournalRecord {
             at_ns,
             event: Some(event),
-        });
+        };
+        let written = self.journal.as_mut().map_or(Ok(()), |j| j.write(&record));
         self.journal_written(written);
         step
     }
@@ -1618,6 +1798,7 @@ impl Actor {
                     _ => 0,
                 },
                 leaving: false,
+                load_limit: LoadLimit::new(self.at),
             },
         );
         self.metrics.workers_registered.inc();
@@ -3873,46 +4054,18 @@ impl Actor {
     /// telemetry (they could only be made up), for a GPU it did not declare, or with a
     /// utilisation outside 0..1 are a protocol violation: the reason is returned.
     fn gpu_readings(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
+        if let Some(problem) = self.gpu_readings_problem(worker, load) {
+            return Err(problem);
+        }
         // A reading still in flight from a worker already gone adds nothing back.
         let Some(w) = self.workers.get(&worker).filter(|w| w.alive) else {
             return Ok(());
         };
-        if load.gpus.len() > crate::inventory::MAX_GPUS_PER_NODE {
-            return Err(format!(
-                "load.gpus: {} readings (a node has at most {} GPUs)",
-                load.gpus.len(),
-                crate::inventory::MAX_GPUS_PER_NODE
-            ));
-        }
         let any = !load.gpus.is_empty()
             || load.gpu_utilization.is_some()
             || load.gpu_memory_used_bytes.is_some();
         if !any && w.gpu_series.is_empty() {
             return Ok(());
-        }
-        let declared: Option<BTreeSet<u32>> = match &w.telemetry {
-            Some(t) if !t.available && any => {
-                return Err(format!(
-                    "load.gpus: sent GPU readings after registering without GPU telemetry ({})",
-                    t.unavailable_reason
-                ));
-            }
-            Some(t) => Some(t.devices.iter().map(|d| d.index).collect()),
-            None => None,
-        };
-        for (i, r) in load.gpus.iter().enumerate() {
-            if !(r.utilization.is_finite() && (0.0..=1.0).contains(&r.utilization)) {
-                return Err(format!(
-                    "load.gpus[{i}].utilization: {} is not a share between 0 and 1",
-                    r.utilization
-                ));
-            }
-            if declared.as_ref().is_some_and(|d| !d.contains(&r.index)) {
-                return Err(format!(
-                    "load.gpus[{i}].index: GPU {} was not declared at registration",
-                    r.index
-                ));
-            }
         }
         let pool = self.plan.pool_name(w.pool).to_owned();
         let id = format!("w{worker}");
@@ -3941,6 +4094,55 @@ impl Actor {
             w.gpu_series = now;
         }
         Ok(())
+    }
+
+    /// Why a live worker's GPU readings are refused, if they are: more readings than the GPUs it
+    /// registered (at most [`crate::inventory::MAX_GPUS_PER_NODE`]), readings after registering
+    /// without telemetry, for a GPU it did not declare, or with a utilisation outside 0..1.
+    /// `None` for a worker already gone (its readings are ignored).
+    fn gpu_readings_problem(&self, worker: u64, load: &WorkerLoad) -> Option<String> {
+        let w = self.workers.get(&worker).filter(|w| w.alive)?;
+        let any = !load.gpus.is_empty()
+            || load.gpu_utilization.is_some()
+            || load.gpu_memory_used_bytes.is_some();
+        let declared: Option<BTreeSet<u32>> = match &w.telemetry {
+            Some(t) if !t.available && any => {
+                return Some(format!(
+                    "load.gpus: sent GPU readings after registering without GPU telemetry ({})",
+                    t.unavailable_reason
+                ));
+            }
+            Some(t) => Some(t.devices.iter().map(|d| d.index).collect()),
+            None => None,
+        };
+        let registered = match &declared {
+            Some(d) => d.len(),
+            None if w.gpus > 0 => w.gpus as usize,
+            None => crate::inventory::MAX_GPUS_PER_NODE,
+        }
+        .min(crate::inventory::MAX_GPUS_PER_NODE);
+        if load.gpus.len() > registered {
+            return Some(format!(
+                "load.gpus: {} readings in one report; at most one per GPU the worker \
+                 registered ({registered})",
+                load.gpus.len()
+            ));
+        }
+        for (i, r) in load.gpus.iter().enumerate() {
+            if !(r.utilization.is_finite() && (0.0..=1.0).contains(&r.utilization)) {
+                return Some(format!(
+                    "load.gpus[{i}].utilization: {} is not a share between 0 and 1",
+                    r.utilization
+                ));
+            }
+            if declared.as_ref().is_some_and(|d| !d.contains(&r.index)) {
+                return Some(format!(
+                    "load.gpus[{i}].index: GPU {} was not declared at registration",
+                    r.index
+                ));
+            }
+        }
+        None
     }
 
     /// Takes a gone worker's GPU series out of the exposition.

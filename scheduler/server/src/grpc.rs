@@ -26,7 +26,7 @@ use crate::job::{JobSlot, SubmitError};
 /// The WorkerService.
 pub struct Workers {
     /// The actor's inbox.
-    pub inbox: mpsc::UnboundedSender<Event>,
+    pub inbox: mpsc::Sender<Event>,
 }
 
 /// How much of a rejected job's problems a `Submit` error quotes.
@@ -37,11 +37,11 @@ fn actor_gone() -> Status {
 }
 
 async fn ask<T>(
-    inbox: &mpsc::UnboundedSender<Event>,
+    inbox: &mpsc::Sender<Event>,
     make: impl FnOnce(oneshot::Sender<Result<T, Status>>) -> Event,
 ) -> Result<T, Status> {
     let (tx, rx) = oneshot::channel();
-    inbox.send(make(tx)).map_err(|_| actor_gone())?;
+    inbox.send(make(tx)).await.map_err(|_| actor_gone())?;
     rx.await.map_err(|_| actor_gone())?
 }
 
@@ -131,7 +131,9 @@ impl WorkerService for Workers {
                             message,
                             received,
                         };
-                        if inbox.send(event).is_err() {
+                        // Waits for room in the actor's inbox: meanwhile this stream is not
+                        // read, and HTTP/2 flow control holds its peer back.
+                        if inbox.send(event).await.is_err() {
                             return;
                         }
                     }
@@ -141,7 +143,7 @@ impl WorkerService for Workers {
                     None => break "it closed its work stream".to_owned(),
                 }
             };
-            let _ = inbox.send(Event::Detach { worker, reason });
+            let _ = inbox.send(Event::Detach { worker, reason }).await;
         });
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }
@@ -177,7 +179,7 @@ fn oversized_load(load: &rollfleet_proto::v1::WorkerLoad) -> Option<String> {
 /// The JobService of a scheduler that runs one job, given when it started or submitted.
 pub struct Jobs {
     /// The actor's inbox.
-    pub inbox: mpsc::UnboundedSender<Event>,
+    pub inbox: mpsc::Sender<Event>,
     /// The job's status, as the actor last published it.
     pub status: Arc<watch::Sender<JobStatus>>,
     /// The job.
@@ -245,7 +247,10 @@ impl JobService for Jobs {
     ) -> Result<Response<CancelJobResponse>, Status> {
         self.check(&request.into_inner().job)?;
         let mut status = self.status.subscribe();
-        self.inbox.send(Event::Cancel).map_err(|_| actor_gone())?;
+        self.inbox
+            .send(Event::Cancel)
+            .await
+            .map_err(|_| actor_gone())?;
         // The answer says the cancel took: the status once the actor has ended the job (it
         // does at once), not the one before it.
         let _ = tokio::time::timeout(

@@ -259,14 +259,16 @@ pub async fn serve_until(
         })
         .0,
     );
-    let (inbox, events) = mpsc::unbounded_channel();
+    // Bounded: a handler that finds the actor's inbox full waits for room (backpressure on its
+    // peer), and the actor never falls behind by more than a few batches.
+    let (inbox, events) = mpsc::channel(actor::INBOX_CAPACITY);
     let feed_log = Arc::new(feed::FeedLog::default());
     let (cancelled_tx, mut cancelled) = watch::channel(false);
     let canceller = inbox.clone();
     tokio::spawn(async move {
         cancel.await;
         let _ = cancelled_tx.send(true);
-        let _ = canceller.send(actor::Event::Cancel);
+        let _ = canceller.send(actor::Event::Cancel).await;
     });
     let auth = ServerAuth::new(opts.token.as_ref());
     if let Ok(addr) = listener.local_addr()
