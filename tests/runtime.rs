@@ -580,6 +580,72 @@ fn a_scheduler_requiring_client_certificates_serves_only_the_clients_that_presen
     check_report(&report, 1, 0);
 }
 
+#[test]
+fn under_mutual_tls_a_lease_is_refused_to_a_client_presenting_another_certificate() {
+    let dir = temp_dir("mtls-lease");
+    let job = job_file(&dir, 1);
+    let report = dir.join("report.json");
+    let (ca, cert, key) = tls_files(&dir, "good");
+    let (made_cert, made_key) = tls::client_files(&dir, "good");
+    let (a_cert, a_key) = (dir.join("a.pem"), dir.join("a.key"));
+    std::fs::rename(&made_cert, &a_cert).unwrap();
+    std::fs::rename(&made_key, &a_key).unwrap();
+    // Another certificate the same CA signed: a client the scheduler trusts, but another node.
+    let (b_cert, b_key) = tls::client_files(&dir, "good");
+    // The job never starts (it waits for 100 workers): only the leases are tested.
+    let (sched, plain) = scheduler(
+        &job,
+        &report,
+        100,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--tls-client-ca",
+            ca.to_str().unwrap(),
+        ],
+    );
+    let _procs = Procs(vec![sched]);
+    let url = plain.replace("http://", "https://");
+    rt().block_on(async {
+        let connect = |cert: PathBuf, key: PathBuf| {
+            let endpoint =
+                rollfleet_proto::tls::endpoint(&url, Some(&ca), Some((&cert, &key))).unwrap();
+            async move { WorkerServiceClient::new(endpoint.connect().await.unwrap()) }
+        };
+        let mut a = connect(a_cert.clone(), a_key.clone()).await;
+        let lease = register_peer(
+            &mut a,
+            HardwareInventory {
+                hostname: "node-a".into(),
+                pool: "envs".into(),
+                ..Default::default()
+            },
+        )
+        .await;
+        let beat = || HeartbeatRequest {
+            worker_id: lease.worker_id.clone(),
+            epoch: lease.epoch,
+            load: None,
+        };
+        let mut b = connect(b_cert.clone(), b_key.clone()).await;
+        let refused = b.heartbeat(beat()).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+        let number = lease.worker_id.split_once('-').unwrap().0;
+        assert!(
+            refused.message().contains(&format!(
+                "lease {number} is bound to the client certificate"
+            )),
+            "{refused:?}"
+        );
+        // Node A, on a new connection with its own certificate (as after a network blip), keeps
+        // its lease.
+        let mut again = connect(a_cert.clone(), a_key.clone()).await;
+        again.heartbeat(beat()).await.unwrap();
+    });
+}
+
 /// The quick-start job cut to `steps` RL steps, with its decode pool as two nodes of two H20s
 /// (one TP2 decode replica on each).
 fn two_node_decode_job(dir: &Path, steps: u32) -> PathBuf {
@@ -1205,6 +1271,61 @@ fn an_environment_answering_with_megabytes_of_text_fails_its_stages_and_no_worke
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The quick-start job with 200 more GPU pools of assorted sizes: valid, and a minute or more
+/// of planning (the search grows with every pool).
+fn slow_to_plan_job(dir: &Path) -> PathBuf {
+    let path = job_file(dir, 1);
+    let yaml = std::fs::read_to_string(&path).unwrap();
+    let pools: String = (0..200)
+        .map(|i| {
+            let gpu = ["H800", "H20"][i % 2];
+            format!(
+                "    - name: g{i}\n      gpu: {gpu}\n      count: {}\n",
+                8 * (i % 5 + 1)
+            )
+        })
+        .collect();
+    assert!(yaml.contains("    - name: envs\n"));
+    let yaml = yaml.replace("    - name: envs\n", &format!("{pools}    - name: envs\n"));
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+#[test]
+fn a_scheduler_told_to_stop_while_it_plans_a_big_job_exits_within_seconds_with_its_normal_code() {
+    let dir = temp_dir("stop-planning");
+    let job = slow_to_plan_job(&dir);
+    let child = Command::new(BIN)
+        .arg("scheduler")
+        .arg(&job)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut procs = Procs(vec![child]);
+    // Well into the planning (a plan of this job takes minutes).
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        procs.0[0].try_wait().unwrap().is_none(),
+        "the scheduler ended before it was told to stop"
+    );
+    let pid = procs.0[0].id().to_string();
+    let signalled = Instant::now();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success());
+    let status = wait_exit(&mut procs.0[0], Duration::from_secs(20));
+    let took = signalled.elapsed();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut procs.0[0].stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(0), "{status:?}: {stderr}");
+    assert!(
+        took < Duration::from_secs(5),
+        "it took {took:?} to stop: {stderr}"
+    );
+    assert!(stderr.contains("stopped while planning"), "{stderr}");
+}
+
 #[test]
 fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
     let dir = temp_dir("silent");
@@ -1305,7 +1426,8 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
         )
         .await;
         assert_eq!(lease.ttl_ms, 2000);
-        // A lease id is a capability: its number alone, or with another secret, names no lease.
+        // A lease id is a capability: its number alone, or with another secret, is refused as
+        // another worker's lease, named by its number only.
         let (number, secret) = lease.worker_id.split_once('-').unwrap();
         assert_eq!(secret.len(), 32, "128 random bits: {}", lease.worker_id);
         for guess in [number.to_owned(), format!("{number}-{}", "0".repeat(32))] {
@@ -1319,7 +1441,12 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
                 .unwrap_err();
             assert_eq!(
                 refused.code(),
-                tonic::Code::NotFound,
+                tonic::Code::PermissionDenied,
+                "{guess}: {refused:?}"
+            );
+            assert!(
+                refused.message().contains(&format!("lease {number} "))
+                    && !refused.message().contains(secret),
                 "{guess}: {refused:?}"
             );
         }

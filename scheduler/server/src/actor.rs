@@ -110,6 +110,9 @@ pub enum Event {
         /// The random part of the lease id to give it (drawn outside the actor, journaled, so
         /// that a replay gives the same lease).
         secret: String,
+        /// The SHA-256 of the client certificate it presented (mutual TLS), if any: its lease
+        /// is then bound to that certificate.
+        identity: Option<[u8; 32]>,
         /// The answer.
         reply: oneshot::Sender<Result<RegisterResponse, Status>>,
     },
@@ -121,6 +124,8 @@ pub enum Event {
         epoch: u64,
         /// Its load, with GPU telemetry where it has any.
         load: Option<WorkerLoad>,
+        /// The SHA-256 of the client certificate of the call, if any.
+        identity: Option<[u8; 32]>,
         /// The answer.
         reply: oneshot::Sender<Result<HeartbeatResponse, Status>>,
     },
@@ -132,6 +137,8 @@ pub enum Event {
         epoch: u64,
         /// Where its assignments go.
         outbox: Outbox,
+        /// The SHA-256 of the client certificate of the stream, if any.
+        identity: Option<[u8; 32]>,
         /// The worker's number, for the reader task's later events.
         reply: oneshot::Sender<Result<u64, Status>>,
     },
@@ -252,6 +259,27 @@ impl LoadLimit {
             false
         }
     }
+}
+
+/// Lost or released workers the report names, at most; the rest are counted.
+const MAX_WORKERS_LISTED: usize = 1000;
+
+/// Adds `entry` to a report's list of workers, unless it holds [`MAX_WORKERS_LISTED`] already
+/// (`total` counts it either way).
+fn listed(list: &mut Vec<String>, total: &mut usize, entry: String) {
+    *total += 1;
+    if list.len() < MAX_WORKERS_LISTED {
+        list.push(entry);
+    }
+}
+
+/// A report's list of workers, with a last line counting those it does not name.
+fn unlisted(list: &[String], total: usize) -> Vec<String> {
+    let mut all = list.to_vec();
+    if total > list.len() {
+        all.push(format!("{} more not listed", total - list.len()));
+    }
+    all
 }
 
 /// Dispatch latencies kept for the report, at most.
@@ -809,6 +837,10 @@ struct Worker {
     leaving: bool,
     /// Its load reports' rate ([`LoadLimit`]); live only, before the journal.
     load_limit: LoadLimit,
+    /// The client certificate it registered with (its SHA-256), under mutual TLS: its
+    /// heartbeats and its stream must come with the same one. Live only (checked before the
+    /// journal); a replayed worker has none.
+    identity: Option<[u8; 32]>,
 }
 
 #[derive(Default)]
@@ -959,9 +991,16 @@ pub struct Actor {
     replicas_moved: u64,
     weight_update_failures: u64,
     latencies_us: Vec<u32>,
+    /// Workers lost, with why: the first [`MAX_WORKERS_LISTED`] (`lost_total` counts them all).
     lost: Vec<String>,
-    /// Workers released after they said they were leaving.
+    lost_total: usize,
+    /// Workers released after they said they were leaving (the first [`MAX_WORKERS_LISTED`];
+    /// `left_total` counts them all).
     left: Vec<String>,
+    left_total: usize,
+    /// What each GPU pool's workers took as a prompt, for the report ([`Actor::pool_kind`]):
+    /// kept apart from the workers, which are forgotten once gone.
+    pool_inputs: Vec<(u32, PolicyInput)>,
     /// Workers leaving: given nothing new, released once they hold nothing.
     leaving: BTreeSet<u64>,
     status: Arc<watch::Sender<JobStatus>>,
@@ -1070,7 +1109,10 @@ impl Actor {
             weight_update_failures: 0,
             latencies_us: Vec::new(),
             lost: Vec::new(),
+            lost_total: 0,
             left: Vec::new(),
+            left_total: 0,
+            pool_inputs: Vec::new(),
             leaving: BTreeSet::new(),
             status,
             metrics,
@@ -1106,10 +1148,10 @@ impl Actor {
     /// What a pool is, for the report: what runs its work, and whether it is emulated.
     fn pool_kind(&self, pool: u32) -> &'static str {
         let inputs = || {
-            self.workers
-                .values()
-                .filter(move |w| w.pool == pool)
-                .map(|w| w.policy_input)
+            self.pool_inputs
+                .iter()
+                .filter(move |(p, _)| *p == pool)
+                .map(|(_, input)| *input)
         };
         match self.plan.pool_role(pool) {
             Some(PoolRole::Gpu) if inputs().any(|p| p == PolicyInput::Text) => {
@@ -1342,6 +1384,7 @@ impl Actor {
     /// handled (a heartbeat keeps its lease renewal, without the load; a load message on the
     /// work stream goes whole).
     fn admit(&mut self, step: Step) -> Option<Step> {
+        let step = self.admit_identity(step)?;
         let worker = match &step {
             Step::Event(Event::Heartbeat {
                 worker_id,
@@ -1377,16 +1420,65 @@ impl Actor {
             Step::Event(Event::Heartbeat {
                 worker_id,
                 epoch,
+                identity,
                 reply,
                 ..
             }) => Some(Step::Event(Event::Heartbeat {
                 worker_id,
                 epoch,
                 load: None,
+                identity,
                 reply,
             })),
             _ => None,
         }
+    }
+
+    /// A heartbeat or a stream for a lease bound to a client certificate ([`Worker::identity`])
+    /// that comes with another certificate, or none, is refused `PERMISSION_DENIED` here,
+    /// before the journal (a replay has no certificates to compare).
+    fn admit_identity(&mut self, step: Step) -> Option<Step> {
+        let (worker_id, identity) = match &step {
+            Step::Event(Event::Heartbeat {
+                worker_id,
+                identity,
+                ..
+            })
+            | Step::Event(Event::Attach {
+                worker_id,
+                identity,
+                ..
+            }) => (worker_id, identity),
+            _ => return Some(step),
+        };
+        let Some(id) = self.worker_number(worker_id) else {
+            return Some(step);
+        };
+        let bound = self.workers.get(&id).and_then(|w| w.identity);
+        if bound.is_none() || bound == *identity {
+            return Some(step);
+        }
+        let presented = if identity.is_some() {
+            "another"
+        } else {
+            "none"
+        };
+        let refusal = |field: &str| {
+            Status::permission_denied(format!(
+                "{field}: lease w{id} is bound to the client certificate it registered with; \
+                 this call presented {presented}"
+            ))
+        };
+        match step {
+            Step::Event(Event::Heartbeat { reply, .. }) => {
+                let _ = reply.send(Err(refusal("worker_id")));
+            }
+            Step::Event(Event::Attach { reply, .. }) => {
+                let _ = reply.send(Err(refusal("hello.worker_id")));
+            }
+            _ => {}
+        }
+        None
     }
 
     /// What of a load report the journal keeps: all of it, except GPU readings the actor will
@@ -1578,15 +1670,23 @@ impl Actor {
             Event::Register {
                 inventory,
                 secret,
+                identity,
                 reply,
             } => {
-                let _ = reply.send(self.register(inventory, secret));
+                let registered = self.register(inventory, secret);
+                if registered.is_ok()
+                    && let Some(w) = self.workers.get_mut(&(self.next_worker - 1))
+                {
+                    w.identity = identity;
+                }
+                let _ = reply.send(registered);
             }
             Event::Heartbeat {
                 worker_id,
                 epoch,
                 load,
                 reply,
+                ..
             } => {
                 let _ = reply.send(self.heartbeat(&worker_id, epoch, load));
             }
@@ -1595,6 +1695,7 @@ impl Actor {
                 epoch,
                 outbox,
                 reply,
+                ..
             } => {
                 let _ = reply.send(self.attach_stream(&worker_id, epoch, Sink::Stream(outbox)));
             }
@@ -1640,6 +1741,7 @@ impl Actor {
                 w.outbox = None;
             }
             self.forget_gpus(worker);
+            self.forget(worker);
             self.update_worker_gauges();
         } else {
             self.cut_off(worker, reason);
@@ -1705,6 +1807,19 @@ impl Actor {
                 .fold(0u8, |acc, (a, b)| acc | (a ^ b))
                 == 0;
         same.then_some(id)
+    }
+
+    /// The refusal of a lease id that names a live lease (`w<N>`) without its secret: another
+    /// node's lease, or a guess. It names the lease by its number only (never a secret).
+    fn not_yours(&self, field: &str, worker_id: &str) -> Option<Status> {
+        let number = worker_id.strip_prefix('w')?;
+        let number = number.split_once('-').map_or(number, |(n, _)| n);
+        let id: u64 = number.parse().ok()?;
+        self.workers.get(&id).filter(|w| w.alive)?;
+        Some(Status::permission_denied(format!(
+            "{field}: lease w{id} is another worker's: the id does not carry its secret (a lease \
+             is used only by the worker that registered for it; register for a lease of your own)"
+        )))
     }
 
     fn register(
@@ -1799,9 +1914,14 @@ impl Actor {
                 },
                 leaving: false,
                 load_limit: LoadLimit::new(self.at),
+                identity: None,
             },
         );
         self.metrics.workers_registered.inc();
+        let input = (pool, PolicyInput::of_backend(&inventory.backend));
+        if !self.pool_inputs.contains(&input) {
+            self.pool_inputs.push(input);
+        }
         match &inventory.gpu_telemetry {
             Some(t) if t.available => {
                 for d in &t.devices {
@@ -1886,11 +2006,17 @@ impl Actor {
                     drain: self.ended.is_some(),
                 })
             }
-            _ => Err(Status::not_found(format!(
-                "worker_id: {} (epoch {epoch}) holds no lease (expired, cut off, or never \
-                 registered); register again",
-                crate::quoted(worker_id)
-            ))),
+            _ => Err(id
+                .is_none()
+                .then(|| self.not_yours("worker_id", worker_id))
+                .flatten()
+                .unwrap_or_else(|| {
+                    Status::not_found(format!(
+                        "worker_id: {} (epoch {epoch}) holds no lease (expired, cut off, or \
+                         never registered); register again",
+                        crate::quoted(worker_id)
+                    ))
+                })),
         }
     }
 
@@ -1899,10 +2025,13 @@ impl Actor {
             .worker_number(worker_id)
             .filter(|id| self.workers.get(id).is_some_and(|w| w.alive))
             .ok_or_else(|| {
-                Status::not_found(format!(
-                    "hello.worker_id: {} holds no lease; register first",
-                    crate::quoted(worker_id)
-                ))
+                self.not_yours("hello.worker_id", worker_id)
+                    .unwrap_or_else(|| {
+                        Status::not_found(format!(
+                            "hello.worker_id: {} holds no lease; register first",
+                            crate::quoted(worker_id)
+                        ))
+                    })
             })?;
         if epoch != 1 {
             return Err(Status::failed_precondition(format!(
@@ -2670,7 +2799,8 @@ impl Actor {
             }
             self.forget_gpus(id);
             self.update_worker_gauges();
-            self.left.push(name.clone());
+            self.forget(id);
+            listed(&mut self.left, &mut self.left_total, name.clone());
             self.metrics.workers_left.inc();
             log!(
                 self,
@@ -4189,7 +4319,11 @@ impl Actor {
         w.alive = false;
         let name = w.name.clone();
         log!(self, "scheduler: worker {name} is cut off: {reason}");
-        self.lost.push(format!("{name}: {reason}"));
+        listed(
+            &mut self.lost,
+            &mut self.lost_total,
+            format!("{name}: {reason}"),
+        );
         self.metrics.workers_lost.inc();
         if let Some(outbox) = w.outbox.take() {
             outbox.send(Err(Status::aborted(format!("cut off: {reason}"))));
@@ -4230,8 +4364,19 @@ impl Actor {
                 });
             }
         }
+        self.forget(worker);
         if self.started.is_some() && replan {
             self.pool_changed(pool, &format!("worker {name} was lost ({reason})"));
+        }
+    }
+
+    /// Forgets a worker that is gone (lost, released, or drained at the end): its hostname, its
+    /// GPUs and its lease go with it, so that workers coming and going (or a peer registering
+    /// again and again) do not grow the scheduler. Its metric series went already
+    /// ([`Actor::forget_gpus`]); its lease id names no lease from now on.
+    fn forget(&mut self, worker: u64) {
+        if self.workers.get(&worker).is_some_and(|w| !w.alive) {
+            self.workers.remove(&worker);
         }
     }
 
@@ -4443,14 +4588,14 @@ impl Actor {
                 "{} completed, {} lost; {} by an OpenAI-compatible engine, other GPU figures \
                  emulated (time scale {})",
                 crate::counted(self.stages_completed, "stage", "stages"),
-                crate::counted(self.lost.len(), "worker", "workers"),
+                crate::counted(self.lost_total, "worker", "workers"),
                 crate::counted(self.engine_generations, "generation", "generations"),
                 self.opts.time_scale
             ),
             _ => format!(
                 "{} completed, {} lost; GPU figures are emulated (time scale {})",
                 crate::counted(self.stages_completed, "stage", "stages"),
-                crate::counted(self.lost.len(), "worker", "workers"),
+                crate::counted(self.lost_total, "worker", "workers"),
                 self.opts.time_scale
             ),
         };
@@ -4627,8 +4772,8 @@ impl Actor {
             failure: self.failure.clone(),
             profiles: self.profiles.clone(),
             profile_samples: self.profile_samples,
-            workers_lost: self.lost.clone(),
-            workers_left: self.left.clone(),
+            workers_lost: unlisted(&self.lost, self.lost_total),
+            workers_left: unlisted(&self.left, self.left_total),
             replicas_moved: self.replicas_moved,
             weight_update_failures: self.weight_update_failures,
             replans: self.replans.clone(),
@@ -4758,6 +4903,76 @@ mod tests {
             action_tokens: 10 * turns,
             staleness,
         }
+    }
+
+    /// An actor of the quick-start job that waits for 100 workers (the job never starts).
+    fn waiting_actor() -> Actor {
+        let yaml = include_str!("../../../examples/jobs/quickstart.yaml");
+        let plan = crate::job::JobSlot::new(7, Duration::from_secs(60))
+            .plan(yaml, "quickstart.yaml")
+            .expect("the quick-start job plans");
+        let options = ActorOptions {
+            time_scale: 1.0,
+            lease_ttl: Duration::from_secs(2),
+            expect_workers: 100,
+            report: None,
+            replan_on_drift: None,
+            until_stopped: false,
+        };
+        Actor::new(
+            Arc::new(plan),
+            options,
+            Arc::new(watch::channel(JobStatus::default()).0),
+            Arc::new(Metrics::new().expect("metrics")),
+            Arc::new(FeedLog::default()),
+        )
+    }
+
+    #[test]
+    fn a_worker_whose_lease_expired_or_that_left_is_forgotten_with_its_hostname_and_gpu_series() {
+        let mut actor = waiting_actor();
+        let host = |i: usize| format!("node-{i}-{}", "x".repeat(200));
+        let device = |index: u32| rollfleet_proto::v1::GpuDevice {
+            index,
+            name: "NVIDIA H20".into(),
+            uuid: format!("GPU-{index}"),
+            memory_bytes: 96 << 30,
+        };
+        for i in 0..100 {
+            let inventory = HardwareInventory {
+                hostname: host(i),
+                pool: "decode".into(),
+                gpu_telemetry: Some(GpuTelemetryInfo {
+                    available: true,
+                    unavailable_reason: String::new(),
+                    devices: vec![device(0), device(1)],
+                }),
+                ..Default::default()
+            };
+            actor
+                .register(inventory, format!("{i:032x}"))
+                .expect("registered");
+        }
+        assert_eq!(actor.workers.len(), 100);
+        assert!(actor.metrics.render().contains(&host(99)));
+        // One says it is leaving (it holds nothing, so it is released at once)...
+        actor.worker_leaving(1, "node drain");
+        // ... and the others' leases run out.
+        actor.at += Duration::from_secs(3);
+        actor.on_tick();
+        assert!(
+            actor.workers.is_empty(),
+            "{} gone workers still kept",
+            actor.workers.len()
+        );
+        assert!(!actor.metrics.render().contains("node-"));
+        // Worker w6 was the sixth to register (secret 5).
+        let lease = format!("w6-{:032x}", 5);
+        let refused = actor.heartbeat(&lease, 1, None).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
+        let report = actor.report();
+        assert_eq!(report.workers_left.len(), 1, "{:?}", report.workers_left);
+        assert_eq!(report.workers_lost.len(), 99);
     }
 
     #[test]

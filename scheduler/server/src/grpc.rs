@@ -53,6 +53,7 @@ impl WorkerService for Workers {
         &self,
         request: Request<RegisterRequest>,
     ) -> Result<Response<RegisterResponse>, Status> {
+        let identity = identity(&request);
         let inventory = request
             .into_inner()
             .inventory
@@ -61,6 +62,7 @@ impl WorkerService for Workers {
         ask(&self.inbox, |reply| Event::Register {
             inventory,
             secret,
+            identity,
             reply,
         })
         .await
@@ -71,6 +73,7 @@ impl WorkerService for Workers {
         &self,
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
+        let identity = identity(&request);
         let r = request.into_inner();
         if let Some(problem) = r.load.as_ref().and_then(oversized_load) {
             return Err(Status::invalid_argument(problem));
@@ -79,6 +82,7 @@ impl WorkerService for Workers {
             worker_id: r.worker_id,
             epoch: r.epoch,
             load: r.load,
+            identity,
             reply,
         })
         .await
@@ -91,6 +95,7 @@ impl WorkerService for Workers {
         &self,
         request: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::WorkStream>, Status> {
+        let identity = identity(&request);
         let mut incoming = request.into_inner();
         let first = tokio::time::timeout(std::time::Duration::from_secs(10), incoming.next())
             .await
@@ -112,6 +117,7 @@ impl WorkerService for Workers {
             worker_id: hello.worker_id,
             epoch: hello.epoch,
             outbox,
+            identity,
             reply,
         })
         .await?;
@@ -149,6 +155,15 @@ impl WorkerService for Workers {
     }
 }
 
+/// The SHA-256 of the client certificate a call came with (mutual TLS), if any: a lease is
+/// bound to the one its worker registered with.
+fn identity<T>(request: &Request<T>) -> Option<[u8; 32]> {
+    use sha2::Digest;
+    let certs = request.peer_certs()?;
+    let leaf = certs.first()?;
+    Some(sha2::Sha256::digest(leaf.as_ref()).into())
+}
+
 /// The random part of a lease id: 128 bits from the operating system, in hex.
 fn lease_secret() -> Result<String, Status> {
     let mut bytes = [0u8; 16];
@@ -184,6 +199,8 @@ pub struct Jobs {
     pub status: Arc<watch::Sender<JobStatus>>,
     /// The job.
     pub slot: Arc<JobSlot>,
+    /// Set when the scheduler is told to stop: a submitted job still planning stops planning.
+    pub stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Jobs {
@@ -206,10 +223,17 @@ impl JobService for Jobs {
     ) -> Result<Response<SubmitJobResponse>, Status> {
         let yaml = request.into_inner().job_yaml;
         let slot = self.slot.clone();
-        // Planning a job takes up to a few hundred milliseconds of CPU.
-        let accepted = tokio::task::spawn_blocking(move || slot.accept(&yaml, "job_yaml"))
-            .await
-            .map_err(|_| Status::internal("planning the submitted job failed"))?;
+        let stopping = self.stopping.clone();
+        // Planning a job takes up to a few hundred milliseconds of CPU (a big one, more), and
+        // stops when the scheduler does.
+        let accepted = tokio::task::spawn_blocking(move || {
+            rollfleet_planner::cancel::within(&stopping, || slot.accept(&yaml, "job_yaml"))
+        })
+        .await
+        .map_err(|_| Status::internal("planning the submitted job failed"))?;
+        if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(actor_gone());
+        }
         match accepted {
             Ok(job) => Ok(Response::new(SubmitJobResponse {
                 job: job.plan.name().to_owned(),

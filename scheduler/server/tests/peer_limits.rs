@@ -10,7 +10,8 @@ use std::time::Duration;
 use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
 use rollfleet_proto::v1::{
     GpuDevice, GpuReading, GpuTelemetryInfo, HardwareInventory, HeartbeatRequest, Lease,
-    ProfileKind, ProfileSample, RegisterRequest, WorkerLoad,
+    ProfileKind, ProfileSample, RegisterRequest, WorkerHello, WorkerLoad, WorkerMessage,
+    worker_message,
 };
 use rollfleet_server::ServerOptions;
 use tonic::transport::Channel;
@@ -102,7 +103,10 @@ fn gpu_node(hostname: &str) -> HardwareInventory {
     }
 }
 
-async fn register(client: &mut WorkerServiceClient<Channel>, inventory: HardwareInventory) -> Lease {
+async fn register(
+    client: &mut WorkerServiceClient<Channel>,
+    inventory: HardwareInventory,
+) -> Lease {
     client
         .register(RegisterRequest {
             inventory: Some(inventory),
@@ -190,4 +194,61 @@ async fn a_load_report_with_more_gpu_readings_than_the_worker_registered_is_refu
             && refused.message().contains("registered (2)"),
         "{refused:?}"
     );
+}
+
+/// Opens a work stream with a hello for `worker_id`; the scheduler's answer to it.
+async fn open_stream(
+    client: &mut WorkerServiceClient<Channel>,
+    worker_id: &str,
+) -> Result<tonic::Streaming<rollfleet_proto::v1::SchedulerMessage>, tonic::Status> {
+    let hello = WorkerMessage {
+        message: Some(worker_message::Message::Hello(WorkerHello {
+            worker_id: worker_id.to_owned(),
+            epoch: 1,
+        })),
+    };
+    // The stream stays open after the hello (a worker's does): the sender is leaked.
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tx.send(hello).unwrap();
+    std::mem::forget(tx);
+    client
+        .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_peer_using_a_lease_without_its_secret_is_refused_permission_denied_naming_the_lease()
+ {
+    let s = scheduler("identity", Duration::from_secs(4)).await;
+    let mut owner = client(&s.url).await;
+    let lease = register(&mut owner, gpu_node("owner")).await;
+    let (number, secret) = lease.worker_id.split_once('-').unwrap();
+    let mut other = client(&s.url).await;
+    let forged = format!("{number}-{}", "f".repeat(32));
+    let refused = other
+        .heartbeat(HeartbeatRequest {
+            worker_id: forged.clone(),
+            epoch: 1,
+            load: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(
+        refused.message().contains(&format!("lease {number} "))
+            && !refused.message().contains(secret),
+        "{refused:?}"
+    );
+    let refused = open_stream(&mut other, &forged).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(
+        refused.message().starts_with("hello.worker_id: lease "),
+        "{refused:?}"
+    );
+    // The owner, on a new connection (as after a network blip), proves the lease is its own by
+    // its id, and attaches.
+    let mut again = client(&s.url).await;
+    again.heartbeat(beat(&lease, None)).await.unwrap();
+    open_stream(&mut again, &lease.worker_id).await.unwrap();
 }
