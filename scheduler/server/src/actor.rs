@@ -1001,6 +1001,9 @@ pub struct Actor {
     /// What each GPU pool's workers took as a prompt, for the report ([`Actor::pool_kind`]):
     /// kept apart from the workers, which are forgotten once gone.
     pool_inputs: Vec<(u32, PolicyInput)>,
+    /// What the first [`MAX_WORKERS_LISTED`] workers gone said about GPU telemetry, by number,
+    /// for the report (the workers themselves are forgotten).
+    gone_telemetry: BTreeMap<u64, WorkerTelemetry>,
     /// Workers leaving: given nothing new, released once they hold nothing.
     leaving: BTreeSet<u64>,
     status: Arc<watch::Sender<JobStatus>>,
@@ -1113,6 +1116,7 @@ impl Actor {
             left: Vec::new(),
             left_total: 0,
             pool_inputs: Vec::new(),
+            gone_telemetry: BTreeMap::new(),
             leaving: BTreeSet::new(),
             status,
             metrics,
@@ -4375,8 +4379,38 @@ impl Actor {
     /// again and again) do not grow the scheduler. Its metric series went already
     /// ([`Actor::forget_gpus`]); its lease id names no lease from now on.
     fn forget(&mut self, worker: u64) {
-        if self.workers.get(&worker).is_some_and(|w| !w.alive) {
-            self.workers.remove(&worker);
+        if self.workers.get(&worker).is_none_or(|w| w.alive) {
+            return;
+        }
+        if let Some(w) = self.workers.remove(&worker)
+            && self.gone_telemetry.len() < MAX_WORKERS_LISTED
+        {
+            let said = self.telemetry_of(&w);
+            self.gone_telemetry.insert(worker, said);
+        }
+    }
+
+    /// What `w` said at registration about GPU telemetry, for the report.
+    fn telemetry_of(&self, w: &Worker) -> WorkerTelemetry {
+        WorkerTelemetry {
+            worker: w.name.clone(),
+            pool: self.plan.pool_name(w.pool).to_owned(),
+            gpu_telemetry: match &w.telemetry {
+                Some(t) if t.available => "available",
+                Some(_) => "unavailable",
+                None => "not said",
+            }
+            .into(),
+            reason: w
+                .telemetry
+                .as_ref()
+                .map(|t| t.unavailable_reason.clone())
+                .unwrap_or_default(),
+            gpus: w
+                .telemetry
+                .as_ref()
+                .map(|t| t.devices.iter().map(|d| d.name.clone()).collect())
+                .unwrap_or_default(),
         }
     }
 
@@ -4777,30 +4811,14 @@ impl Actor {
             replicas_moved: self.replicas_moved,
             weight_update_failures: self.weight_update_failures,
             replans: self.replans.clone(),
-            gpu_telemetry: self
-                .workers
-                .values()
-                .map(|w| WorkerTelemetry {
-                    worker: w.name.clone(),
-                    pool: self.plan.pool_name(w.pool).to_owned(),
-                    gpu_telemetry: match &w.telemetry {
-                        Some(t) if t.available => "available",
-                        Some(_) => "unavailable",
-                        None => "not said",
-                    }
-                    .into(),
-                    reason: w
-                        .telemetry
-                        .as_ref()
-                        .map(|t| t.unavailable_reason.clone())
-                        .unwrap_or_default(),
-                    gpus: w
-                        .telemetry
-                        .as_ref()
-                        .map(|t| t.devices.iter().map(|d| d.name.clone()).collect())
-                        .unwrap_or_default(),
-                })
-                .collect(),
+            gpu_telemetry: {
+                // The workers gone (those kept) and those here, in the order they registered.
+                let mut said = self.gone_telemetry.clone();
+                for (&id, w) in &self.workers {
+                    said.insert(id, self.telemetry_of(w));
+                }
+                said.into_values().collect()
+            },
             pools,
         }
     }

@@ -231,7 +231,8 @@ impl JobService for Jobs {
         })
         .await
         .map_err(|_| Status::internal("planning the submitted job failed"))?;
-        if self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
+        // A plan given up because the scheduler is stopping is no verdict on the job.
+        if accepted.is_err() && self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
             return Err(actor_gone());
         }
         match accepted {
