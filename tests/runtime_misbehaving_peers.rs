@@ -1,6 +1,6 @@
 //! Peers that misbehave across real processes: a worker reporting a stage it was never given,
 //! an environment answering with megabytes of text, a silent worker and garbage on the port;
-//! none wedges a job or another worker.
+//! none wedges a job or another worker. A scheduler told to stop while it plans a big job stops.
 //!
 //! Every wait is bounded by a generous deadline and polls a real condition (a status over gRPC,
 //! a process exit), so the tests hold on a loaded two-core machine. The shared harness is
@@ -8,6 +8,8 @@
 
 #![allow(clippy::unwrap_used)] // test helpers may fail loudly
 
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
@@ -322,6 +324,61 @@ fn an_environment_answering_with_megabytes_of_text_fails_its_stages_and_no_worke
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The quick-start job with 200 more GPU pools of assorted sizes: valid, and a minute or more
+/// of planning (the search grows with every pool).
+fn slow_to_plan_job(dir: &Path) -> PathBuf {
+    let path = job_file(dir, 1);
+    let yaml = std::fs::read_to_string(&path).unwrap();
+    let pools: String = (0..200)
+        .map(|i| {
+            let gpu = ["H800", "H20"][i % 2];
+            format!(
+                "    - name: g{i}\n      gpu: {gpu}\n      count: {}\n",
+                8 * (i % 5 + 1)
+            )
+        })
+        .collect();
+    assert!(yaml.contains("    - name: envs\n"));
+    let yaml = yaml.replace("    - name: envs\n", &format!("{pools}    - name: envs\n"));
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+#[test]
+fn a_scheduler_told_to_stop_while_it_plans_a_big_job_exits_within_seconds_with_its_normal_code() {
+    let dir = temp_dir("stop-planning");
+    let job = slow_to_plan_job(&dir);
+    let child = Command::new(BIN)
+        .arg("scheduler")
+        .arg(&job)
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut procs = Procs(vec![child]);
+    // Well into the planning (a plan of this job takes minutes).
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        procs.0[0].try_wait().unwrap().is_none(),
+        "the scheduler ended before it was told to stop"
+    );
+    let pid = procs.0[0].id().to_string();
+    let signalled = Instant::now();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success());
+    let status = wait_exit(&mut procs.0[0], Duration::from_secs(20));
+    let took = signalled.elapsed();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut procs.0[0].stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(0), "{status:?}: {stderr}");
+    assert!(
+        took < Duration::from_secs(5),
+        "it took {took:?} to stop: {stderr}"
+    );
+    assert!(stderr.contains("stopped while planning"), "{stderr}");
+}
+
 #[test]
 fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
     let dir = temp_dir("silent");
@@ -422,7 +479,8 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
         )
         .await;
         assert_eq!(lease.ttl_ms, 2000);
-        // A lease id is a capability: its number alone, or with another secret, names no lease.
+        // A lease id is a capability: its number alone, or with another secret, is refused as
+        // another worker's lease, named by its number only.
         let (number, secret) = lease.worker_id.split_once('-').unwrap();
         assert_eq!(secret.len(), 32, "128 random bits: {}", lease.worker_id);
         for guess in [number.to_owned(), format!("{number}-{}", "0".repeat(32))] {
@@ -436,7 +494,12 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
                 .unwrap_err();
             assert_eq!(
                 refused.code(),
-                tonic::Code::NotFound,
+                tonic::Code::PermissionDenied,
+                "{guess}: {refused:?}"
+            );
+            assert!(
+                refused.message().contains(&format!("lease {number} "))
+                    && !refused.message().contains(secret),
                 "{guess}: {refused:?}"
             );
         }

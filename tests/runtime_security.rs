@@ -7,12 +7,13 @@
 
 #![allow(clippy::unwrap_used)] // test helpers may fail loudly
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use rollfleet_proto::v1::JobRef;
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
+use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
+use rollfleet_proto::v1::{HardwareInventory, HeartbeatRequest, JobRef};
 use serde_json::Value;
 
 #[path = "common/runtime.rs"]
@@ -317,4 +318,70 @@ fn a_scheduler_with_a_token_serves_only_the_peers_that_carry_it() {
         registered.iter().all(|w| !w.contains("intruder")),
         "a refused worker was registered: {registered:?}"
     );
+}
+
+#[test]
+fn under_mutual_tls_a_lease_is_refused_to_a_client_presenting_another_certificate() {
+    let dir = temp_dir("mtls-lease");
+    let job = job_file(&dir, 1);
+    let report = dir.join("report.json");
+    let (ca, cert, key) = tls_files(&dir, "good");
+    let (made_cert, made_key) = tls::client_files(&dir, "good");
+    let (a_cert, a_key) = (dir.join("a.pem"), dir.join("a.key"));
+    std::fs::rename(&made_cert, &a_cert).unwrap();
+    std::fs::rename(&made_key, &a_key).unwrap();
+    // Another certificate the same CA signed: a client the scheduler trusts, but another node.
+    let (b_cert, b_key) = tls::client_files(&dir, "good");
+    // The job never starts (it waits for 100 workers): only the leases are tested.
+    let (sched, plain) = scheduler(
+        &job,
+        &report,
+        100,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--tls-client-ca",
+            ca.to_str().unwrap(),
+        ],
+    );
+    let _procs = Procs(vec![sched]);
+    let url = plain.replace("http://", "https://");
+    rt().block_on(async {
+        let connect = |cert: PathBuf, key: PathBuf| {
+            let endpoint =
+                rollfleet_proto::tls::endpoint(&url, Some(&ca), Some((&cert, &key))).unwrap();
+            async move { WorkerServiceClient::new(endpoint.connect().await.unwrap()) }
+        };
+        let mut a = connect(a_cert.clone(), a_key.clone()).await;
+        let lease = register_peer(
+            &mut a,
+            HardwareInventory {
+                hostname: "node-a".into(),
+                pool: "envs".into(),
+                ..Default::default()
+            },
+        )
+        .await;
+        let beat = || HeartbeatRequest {
+            worker_id: lease.worker_id.clone(),
+            epoch: lease.epoch,
+            load: None,
+        };
+        let mut b = connect(b_cert.clone(), b_key.clone()).await;
+        let refused = b.heartbeat(beat()).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+        let number = lease.worker_id.split_once('-').unwrap().0;
+        assert!(
+            refused.message().contains(&format!(
+                "lease {number} is bound to the client certificate"
+            )),
+            "{refused:?}"
+        );
+        // Node A, on a new connection with its own certificate (as after a network blip), keeps
+        // its lease.
+        let mut again = connect(a_cert.clone(), a_key.clone()).await;
+        again.heartbeat(beat()).await.unwrap();
+    });
 }

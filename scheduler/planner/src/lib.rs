@@ -14,12 +14,14 @@
 //! - [`compare`]: the `uniform` and `best-gpu` placements the plan is measured against;
 //! - [`profile`]: measured and probed profiles, their precedence over the model, and the store
 //!   `rollfleet profile` saves and loads;
+//! - [`cancel`]: giving up on a plan midway, when its caller has to stop;
 //! - [`replan`]: drift detection, the placement that survives a pool's loss, the new plan, and
 //!   the gradual migration between them.
 //!
 //! The crate is pure and deterministic (no clock, no randomness, no hash-order iteration): the
 //! same job gives the same plan, byte for byte.
 
+pub mod cancel;
 pub mod compare;
 pub mod plan;
 pub mod predict;

@@ -32,6 +32,9 @@ pub struct Inventory {
 /// Why no plan was made.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlanError {
+    /// The planning was asked to stop ([`crate::cancel`]).
+    #[error("planning was stopped before it found a placement")]
+    Cancelled,
     /// The job has no GPU pool.
     #[error("no GPU pool: the policy needs GPUs to serve and train")]
     NoGpuPool,
@@ -542,7 +545,11 @@ pub fn plan(
     mean: &dyn Fn(&Distribution) -> f64,
 ) -> Result<Plan, PlanError> {
     let p = problem(spec, catalog, mean, &Efficiency::default())?;
-    let found = search::choose(&p).ok_or_else(|| {
+    let found = search::choose(&p);
+    if crate::cancel::requested() {
+        return Err(PlanError::Cancelled);
+    }
+    let found = found.ok_or_else(|| {
         PlanError::Infeasible(
             "no combination of trainer and serving replicas leaves room to decode".into(),
         )

@@ -145,6 +145,10 @@ impl Search<'_> {
     }
 
     fn dfs(&mut self, depth: usize, avail: &[u32], partial: &mut Candidate, disaggregated: bool) {
+        // A search told to stop gives up: its caller throws away what it found.
+        if crate::cancel::requested() {
+            return;
+        }
         let free: Vec<(usize, u32)> = self.order[depth..].iter().map(|&i| (i, avail[i])).collect();
         self.nodes += 1;
         if depth == self.order.len() {
@@ -224,6 +228,9 @@ fn search_roles(p: &Problem, prune: bool, gap: f64, pinned: Option<Vec<Role>>) -
     for &disaggregated in modes {
         for trainer_pool in 0..p.gpu_pools.len() {
             for g in trainer_sizes(p, trainer_pool) {
+                if crate::cancel::requested() {
+                    break;
+                }
                 let bound = if prune {
                     let free: Vec<(usize, u32)> = (0..p.gpu_pools.len())
                         .map(|i| {
@@ -251,7 +258,7 @@ fn search_roles(p: &Problem, prune: bool, gap: f64, pinned: Option<Vec<Role>>) -
     // A stable sort on the bound keeps the enumeration order among equals: deterministic.
     runs.sort_by(|a, b| a.0.total_cmp(&b.0));
     for (bound, disaggregated, trainer_pool, g) in runs {
-        if prune && !s.worth(bound) {
+        if crate::cancel::requested() || (prune && !s.worth(bound)) {
             break;
         }
         s.run(disaggregated, trainer_pool, g);
@@ -423,6 +430,9 @@ fn within_tie<T>(options: Vec<(T, f64, f64)>) -> Option<(T, f64)> {
 fn refine_degrees(p: &Problem, start: Found) -> Found {
     let mut best = start;
     for i in 0..best.candidate.groups.len() {
+        if crate::cancel::requested() {
+            break;
+        }
         let group = best.candidate.groups[i].clone();
         let Some(pool) = p.gpu_pools.get(group.pool) else {
             continue;
@@ -493,6 +503,9 @@ fn refine_trainer(p: &Problem, start: Found) -> Found {
     let window =
         at.saturating_sub(TRAINER_SCAN_NODES)..(at + TRAINER_SCAN_NODES + 1).min(sizes.len());
     for &gpus in &sizes[window] {
+        if crate::cancel::requested() {
+            break;
+        }
         let found = if gpus == start.candidate.trainer_gpus {
             start.clone()
         } else {

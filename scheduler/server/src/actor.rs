@@ -111,6 +111,9 @@ pub enum Event {
         /// The random part of the lease id to give it (drawn outside the actor, journaled, so
         /// that a replay gives the same lease).
         secret: String,
+        /// The SHA-256 of the client certificate it presented (mutual TLS), if any: its lease
+        /// is then bound to that certificate.
+        identity: Option<[u8; 32]>,
         /// The answer.
         reply: oneshot::Sender<Result<RegisterResponse, Status>>,
     },
@@ -122,6 +125,8 @@ pub enum Event {
         epoch: u64,
         /// Its load, with GPU telemetry where it has any.
         load: Option<WorkerLoad>,
+        /// The SHA-256 of the client certificate of the call, if any.
+        identity: Option<[u8; 32]>,
         /// The answer.
         reply: oneshot::Sender<Result<HeartbeatResponse, Status>>,
     },
@@ -133,6 +138,8 @@ pub enum Event {
         epoch: u64,
         /// Where its assignments go.
         outbox: Outbox,
+        /// The SHA-256 of the client certificate of the stream, if any.
+        identity: Option<[u8; 32]>,
         /// The worker's number, for the reader task's later events.
         reply: oneshot::Sender<Result<u64, Status>>,
     },
@@ -170,6 +177,111 @@ const FEED_GRACE: Duration = Duration::from_secs(30);
 
 /// Events taken (and journaled) together, at most.
 const MAX_BATCH: usize = 64;
+
+/// Events the server's gRPC handlers may have waiting for the actor ([`Inbox`]): a handler that
+/// finds it full waits for room (its peer's stream stops being read, and HTTP/2 flow control
+/// holds the peer back) rather than dropping what it accepted. Four batches: the actor takes
+/// [`MAX_BATCH`] at a time.
+pub const INBOX_CAPACITY: usize = 4 * MAX_BATCH;
+
+/// Load reports a worker may have taken per second on average, at least ([`LoadLimit`]).
+const LOAD_REPORTS_PER_SECOND: f64 = 2.0;
+/// Load reports a worker may send in a row before [`LOAD_REPORTS_PER_SECOND`] applies.
+const LOAD_REPORT_BURST: f64 = 8.0;
+
+/// The actor's inbox: bounded, as the server makes it ([`INBOX_CAPACITY`]), or unbounded, for a
+/// test that drives the actor with events of its own.
+pub enum Inbox {
+    /// What the server's handlers send to.
+    Bounded(mpsc::Receiver<Event>),
+    /// For tests.
+    Unbounded(mpsc::UnboundedReceiver<Event>),
+}
+
+impl From<mpsc::Receiver<Event>> for Inbox {
+    fn from(r: mpsc::Receiver<Event>) -> Inbox {
+        Inbox::Bounded(r)
+    }
+}
+
+impl From<mpsc::UnboundedReceiver<Event>> for Inbox {
+    fn from(r: mpsc::UnboundedReceiver<Event>) -> Inbox {
+        Inbox::Unbounded(r)
+    }
+}
+
+impl Inbox {
+    async fn recv(&mut self) -> Option<Event> {
+        match self {
+            Inbox::Bounded(r) => r.recv().await,
+            Inbox::Unbounded(r) => r.recv().await,
+        }
+    }
+
+    fn try_recv(&mut self) -> Option<Event> {
+        match self {
+            Inbox::Bounded(r) => r.try_recv().ok(),
+            Inbox::Unbounded(r) => r.try_recv().ok(),
+        }
+    }
+}
+
+/// A worker's load reports, limited by a token bucket: [`LOAD_REPORT_BURST`] in a row, then one
+/// per half heartbeat interval (at least [`LOAD_REPORTS_PER_SECOND`] a second). An honest worker
+/// reports once per heartbeat and never meets it.
+///
+/// A report over the limit is dropped before it is journaled (a heartbeat that carried it still
+/// renews the lease), not refused: only the latest load matters to the gauges, the profile
+/// samples are a statistical estimate that a peer reporting slower would not have sent either,
+/// and refusing would cut off a worker whose reports merely bunched up behind a slow network.
+struct LoadLimit {
+    tokens: f64,
+    /// On the job's clock (wall time, live).
+    refilled: Duration,
+}
+
+impl LoadLimit {
+    fn new(now: Duration) -> LoadLimit {
+        LoadLimit {
+            tokens: LOAD_REPORT_BURST,
+            refilled: now,
+        }
+    }
+
+    /// Whether a report at `now` is within the limit (taking its token when it is).
+    fn take(&mut self, now: Duration, per_second: f64) -> bool {
+        let elapsed = now.saturating_sub(self.refilled).as_secs_f64();
+        self.refilled = self.refilled.max(now);
+        self.tokens = (self.tokens + elapsed * per_second).min(LOAD_REPORT_BURST);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Lost or released workers the report names, at most; the rest are counted.
+const MAX_WORKERS_LISTED: usize = 1000;
+
+/// Adds `entry` to a report's list of workers, unless it holds [`MAX_WORKERS_LISTED`] already
+/// (`total` counts it either way).
+fn listed(list: &mut Vec<String>, total: &mut usize, entry: String) {
+    *total += 1;
+    if list.len() < MAX_WORKERS_LISTED {
+        list.push(entry);
+    }
+}
+
+/// A report's list of workers, with a last line counting those it does not name.
+fn unlisted(list: &[String], total: usize) -> Vec<String> {
+    let mut all = list.to_vec();
+    if total > list.len() {
+        all.push(format!("{} more not listed", total - list.len()));
+    }
+    all
+}
 
 /// Dispatch latencies kept for the report, at most.
 const MAX_LATENCY_SAMPLES: usize = 4_000_000;
@@ -724,6 +836,12 @@ struct Worker {
     gpus: u32,
     /// It said it is leaving: it gets nothing new, and is released once it holds nothing.
     leaving: bool,
+    /// Its load reports' rate ([`LoadLimit`]); live only, before the journal.
+    load_limit: LoadLimit,
+    /// The client certificate it registered with (its SHA-256), under mutual TLS: its
+    /// heartbeats and its stream must come with the same one. Live only (checked before the
+    /// journal); a replayed worker has none.
+    identity: Option<[u8; 32]>,
 }
 
 #[derive(Default)]
@@ -874,9 +992,19 @@ pub struct Actor {
     replicas_moved: u64,
     weight_update_failures: u64,
     latencies_us: Vec<u32>,
+    /// Workers lost, with why: the first [`MAX_WORKERS_LISTED`] (`lost_total` counts them all).
     lost: Vec<String>,
-    /// Workers released after they said they were leaving.
+    lost_total: usize,
+    /// Workers released after they said they were leaving (the first [`MAX_WORKERS_LISTED`];
+    /// `left_total` counts them all).
     left: Vec<String>,
+    left_total: usize,
+    /// What each GPU pool's workers took as a prompt, for the report ([`Actor::pool_kind`]):
+    /// kept apart from the workers, which are forgotten once gone.
+    pool_inputs: Vec<(u32, PolicyInput)>,
+    /// What the first [`MAX_WORKERS_LISTED`] workers gone said about GPU telemetry, by number,
+    /// for the report (the workers themselves are forgotten).
+    gone_telemetry: BTreeMap<u64, WorkerTelemetry>,
     /// Workers leaving: given nothing new, released once they hold nothing.
     leaving: BTreeSet<u64>,
     status: Arc<watch::Sender<JobStatus>>,
@@ -985,7 +1113,11 @@ impl Actor {
             weight_update_failures: 0,
             latencies_us: Vec::new(),
             lost: Vec::new(),
+            lost_total: 0,
             left: Vec::new(),
+            left_total: 0,
+            pool_inputs: Vec::new(),
+            gone_telemetry: BTreeMap::new(),
             leaving: BTreeSet::new(),
             status,
             metrics,
@@ -1021,10 +1153,10 @@ impl Actor {
     /// What a pool is, for the report: what runs its work, and whether it is emulated.
     fn pool_kind(&self, pool: u32) -> &'static str {
         let inputs = || {
-            self.workers
-                .values()
-                .filter(move |w| w.pool == pool)
-                .map(|w| w.policy_input)
+            self.pool_inputs
+                .iter()
+                .filter(move |(p, _)| *p == pool)
+                .map(|(_, input)| *input)
         };
         match self.plan.pool_role(pool) {
             Some(PoolRole::Gpu) if inputs().any(|p| p == PolicyInput::Text) => {
@@ -1095,7 +1227,8 @@ impl Actor {
 
     /// Runs until the job ends and its end has been announced; returns the report written at
     /// the end.
-    pub async fn run(mut self, mut inbox: mpsc::UnboundedReceiver<Event>) -> Report {
+    pub async fn run(mut self, inbox: impl Into<Inbox>) -> Report {
+        let mut inbox = inbox.into();
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         self.publish();
@@ -1118,8 +1251,8 @@ impl Actor {
             let mut steps = vec![step];
             while steps.len() < MAX_BATCH {
                 match inbox.try_recv() {
-                    Ok(event) => steps.push(Step::Event(event)),
-                    Err(_) => break,
+                    Some(event) => steps.push(Step::Event(event)),
+                    None => break,
                 }
             }
             self.take(steps);
@@ -1235,7 +1368,7 @@ impl Actor {
             .any(|step| matches!(step, Step::Event(Event::Cancel)));
         let steps: Vec<Step> = steps
             .into_iter()
-            .map(|step| self.journal_step(step))
+            .filter_map(|step| self.admit(step).map(|step| self.journal_step(step)))
             .collect();
         if let Some(journal) = &mut self.journal {
             let flushed = journal.flush();
@@ -1251,14 +1384,153 @@ impl Actor {
         }
     }
 
+    /// A live step as it is to be journaled and handled: a load report over its worker's rate
+    /// ([`LoadLimit`]) is dropped here, before the journal, so that a replay sees what was
+    /// handled (a heartbeat keeps its lease renewal, without the load; a load message on the
+    /// work stream goes whole).
+    fn admit(&mut self, step: Step) -> Option<Step> {
+        let step = self.admit_identity(step)?;
+        let worker = match &step {
+            Step::Event(Event::Heartbeat {
+                worker_id,
+                load: Some(_),
+                ..
+            }) => self.worker_number(worker_id),
+            Step::Event(Event::Message {
+                worker,
+                message:
+                    WorkerMessage {
+                        message: Some(worker_message::Message::Load(_)),
+                    },
+                ..
+            }) => Some(*worker),
+            _ => None,
+        };
+        let Some(worker) = worker else {
+            return Some(step);
+        };
+        let now = self.at;
+        // Twice an honest worker's pace (one report per heartbeat, a quarter lease apart).
+        let per_second =
+            (8.0 / self.opts.lease_ttl.as_secs_f64().max(1e-3)).max(LOAD_REPORTS_PER_SECOND);
+        let within = self
+            .workers
+            .get_mut(&worker)
+            .is_none_or(|w| w.load_limit.take(now, per_second));
+        if within {
+            return Some(step);
+        }
+        self.metrics.load_reports_dropped.inc();
+        match step {
+            Step::Event(Event::Heartbeat {
+                worker_id,
+                epoch,
+                identity,
+                reply,
+                ..
+            }) => Some(Step::Event(Event::Heartbeat {
+                worker_id,
+                epoch,
+                load: None,
+                identity,
+                reply,
+            })),
+            _ => None,
+        }
+    }
+
+    /// A heartbeat or a stream for a lease bound to a client certificate ([`Worker::identity`])
+    /// that comes with another certificate, or none, is refused `PERMISSION_DENIED` here,
+    /// before the journal (a replay has no certificates to compare).
+    fn admit_identity(&mut self, step: Step) -> Option<Step> {
+        let (worker_id, identity) = match &step {
+            Step::Event(Event::Heartbeat {
+                worker_id,
+                identity,
+                ..
+            })
+            | Step::Event(Event::Attach {
+                worker_id,
+                identity,
+                ..
+            }) => (worker_id, identity),
+            _ => return Some(step),
+        };
+        let Some(id) = self.worker_number(worker_id) else {
+            return Some(step);
+        };
+        let bound = self.workers.get(&id).and_then(|w| w.identity);
+        if bound.is_none() || bound == *identity {
+            return Some(step);
+        }
+        let presented = if identity.is_some() {
+            "another"
+        } else {
+            "none"
+        };
+        let refusal = |field: &str| {
+            Status::permission_denied(format!(
+                "{field}: lease w{id} is bound to the client certificate it registered with; \
+                 this call presented {presented}"
+            ))
+        };
+        match step {
+            Step::Event(Event::Heartbeat { reply, .. }) => {
+                let _ = reply.send(Err(refusal("worker_id")));
+            }
+            Step::Event(Event::Attach { reply, .. }) => {
+                let _ = reply.send(Err(refusal("hello.worker_id")));
+            }
+            _ => {}
+        }
+        None
+    }
+
+    /// What of a load report the journal keeps: all of it, except GPU readings the actor will
+    /// take (they only feed the metrics, which a replay does not serve); readings it will refuse
+    /// are kept, so that a replay refuses them too.
+    fn journaled_load(&self, worker: Option<u64>, load: &mut WorkerLoad) {
+        let taken = worker.is_none_or(|w| self.gpu_readings_problem(w, load).is_none());
+        if taken {
+            load.gpus.clear();
+            load.gpu_utilization = None;
+            load.gpu_memory_used_bytes = None;
+        }
+    }
+
     /// Writes `step` to the journal, if there is one (a worker's message is moved into the
     /// record and back rather than copied).
     fn journal_step(&mut self, step: Step) -> Step {
-        let Some(journal) = &mut self.journal else {
+        if self.journal.is_none() {
             return step;
-        };
+        }
         let at_ns = self.at.as_nanos().min(u128::from(u64::MAX)) as u64;
         let (event, step) = match step {
+            Step::Event(Event::Message {
+                worker,
+                message:
+                    WorkerMessage {
+                        message: Some(worker_message::Message::Load(load)),
+                    },
+                received,
+            }) => {
+                let mut journaled = load.clone();
+                self.journaled_load(Some(worker), &mut journaled);
+                let message = |load| WorkerMessage {
+                    message: Some(worker_message::Message::Load(load)),
+                };
+                (
+                    journal_record::Event::Message(JournalMessage {
+                        worker,
+                        message: Some(message(journaled)),
+                    }),
+                    Step::Event(Event::Message {
+                        worker,
+                        message: message(load),
+                        received,
+                    }),
+                )
+            }
             Step::Event(Event::Message {
                 worker,
                 message,
@@ -1271,7 +1543,7 @@ impl Actor {
                         message: Some(message),
                     })),
                 };
-                let written = journal.write(&record);
+                let written = self.journal.as_mut().map_or(Ok(()), |j| j.write(&record));
                 let message = match record.event {
                     Some(journal_record::Event::Message(JournalMessage {
                         message: Some(message),
@@ -1304,7 +1576,10 @@ impl Actor {
                     } => journal_record::Event::Heartbeat(JournalHeartbeat {
                         worker_id: worker_id.clone(),
                         epoch: *epoch,
-                        load: load.clone(),
+                        load: load.clone().map(|mut load| {
+                            self.journaled_load(self.worker_number(worker_id), &mut load);
+                            load
+                        }),
                     }),
                     Event::Attach {
                         worker_id, epoch, ..
@@ -1337,10 +1612,11 @@ impl Actor {
             Step::Tick => (journal_record::Event::Tick(true), Step::Tick),
             Step::Recovered => (journal_record::Event::Recovered(true), Step::Recovered),
         };
-        let written = journal.write(&JournalRecord {
+        let record = JournalRecord {
             at_ns,
             event: Some(event),
-        });
+        };
+        let written = self.journal.as_mut().map_or(Ok(()), |j| j.write(&record));
         self.journal_written(written);
         step
     }
@@ -1399,15 +1675,23 @@ impl Actor {
             Event::Register {
                 inventory,
                 secret,
+                identity,
                 reply,
             } => {
-                let _ = reply.send(self.register(inventory, secret));
+                let registered = self.register(inventory, secret);
+                if registered.is_ok()
+                    && let Some(w) = self.workers.get_mut(&(self.next_worker - 1))
+                {
+                    w.identity = identity;
+                }
+                let _ = reply.send(registered);
             }
             Event::Heartbeat {
                 worker_id,
                 epoch,
                 load,
                 reply,
+                ..
             } => {
                 let _ = reply.send(self.heartbeat(&worker_id, epoch, load));
             }
@@ -1416,6 +1700,7 @@ impl Actor {
                 epoch,
                 outbox,
                 reply,
+                ..
             } => {
                 let _ = reply.send(self.attach_stream(&worker_id, epoch, Sink::Stream(outbox)));
             }
@@ -1461,6 +1746,7 @@ impl Actor {
                 w.outbox = None;
             }
             self.forget_gpus(worker);
+            self.forget(worker);
             self.update_worker_gauges();
         } else {
             self.cut_off(worker, reason);
@@ -1526,6 +1812,19 @@ impl Actor {
                 .fold(0u8, |acc, (a, b)| acc | (a ^ b))
                 == 0;
         same.then_some(id)
+    }
+
+    /// The refusal of a lease id that names a live lease (`w<N>`) without its secret: another
+    /// node's lease, or a guess. It names the lease by its number only (never a secret).
+    fn not_yours(&self, field: &str, worker_id: &str) -> Option<Status> {
+        let number = worker_id.strip_prefix('w')?;
+        let number = number.split_once('-').map_or(number, |(n, _)| n);
+        let id: u64 = number.parse().ok()?;
+        self.workers.get(&id).filter(|w| w.alive)?;
+        Some(Status::permission_denied(format!(
+            "{field}: lease w{id} is another worker's: the id does not carry its secret (a lease \
+             is used only by the worker that registered for it; register for a lease of your own)"
+        )))
     }
 
     fn register(
@@ -1619,9 +1918,15 @@ impl Actor {
                     _ => 0,
                 },
                 leaving: false,
+                load_limit: LoadLimit::new(self.at),
+                identity: None,
             },
         );
         self.metrics.workers_registered.inc();
+        let input = (pool, PolicyInput::of_backend(&inventory.backend));
+        if !self.pool_inputs.contains(&input) {
+            self.pool_inputs.push(input);
+        }
         match &inventory.gpu_telemetry {
             Some(t) if t.available => {
                 for d in &t.devices {
@@ -1706,11 +2011,17 @@ impl Actor {
                     drain: self.ended.is_some(),
                 })
             }
-            _ => Err(Status::not_found(format!(
-                "worker_id: {} (epoch {epoch}) holds no lease (expired, cut off, or never \
-                 registered); register again",
-                crate::quoted(worker_id)
-            ))),
+            _ => Err(id
+                .is_none()
+                .then(|| self.not_yours("worker_id", worker_id))
+                .flatten()
+                .unwrap_or_else(|| {
+                    Status::not_found(format!(
+                        "worker_id: {} (epoch {epoch}) holds no lease (expired, cut off, or \
+                         never registered); register again",
+                        crate::quoted(worker_id)
+                    ))
+                })),
         }
     }
 
@@ -1719,10 +2030,13 @@ impl Actor {
             .worker_number(worker_id)
             .filter(|id| self.workers.get(id).is_some_and(|w| w.alive))
             .ok_or_else(|| {
-                Status::not_found(format!(
-                    "hello.worker_id: {} holds no lease; register first",
-                    crate::quoted(worker_id)
-                ))
+                self.not_yours("hello.worker_id", worker_id)
+                    .unwrap_or_else(|| {
+                        Status::not_found(format!(
+                            "hello.worker_id: {} holds no lease; register first",
+                            crate::quoted(worker_id)
+                        ))
+                    })
             })?;
         if epoch != 1 {
             return Err(Status::failed_precondition(format!(
@@ -2490,7 +2804,8 @@ impl Actor {
             }
             self.forget_gpus(id);
             self.update_worker_gauges();
-            self.left.push(name.clone());
+            self.forget(id);
+            listed(&mut self.left, &mut self.left_total, name.clone());
             self.metrics.workers_left.inc();
             log!(
                 self,
@@ -3874,46 +4189,18 @@ impl Actor {
     /// telemetry (they could only be made up), for a GPU it did not declare, or with a
     /// utilisation outside 0..1 are a protocol violation: the reason is returned.
     fn gpu_readings(&mut self, worker: u64, load: &WorkerLoad) -> Result<(), String> {
+        if let Some(problem) = self.gpu_readings_problem(worker, load) {
+            return Err(problem);
+        }
         // A reading still in flight from a worker already gone adds nothing back.
         let Some(w) = self.workers.get(&worker).filter(|w| w.alive) else {
             return Ok(());
         };
-        if load.gpus.len() > crate::inventory::MAX_GPUS_PER_NODE {
-            return Err(format!(
-                "load.gpus: {} readings (a node has at most {} GPUs)",
-                load.gpus.len(),
-                crate::inventory::MAX_GPUS_PER_NODE
-            ));
-        }
         let any = !load.gpus.is_empty()
             || load.gpu_utilization.is_some()
             || load.gpu_memory_used_bytes.is_some();
         if !any && w.gpu_series.is_empty() {
             return Ok(());
-        }
-        let declared: Option<BTreeSet<u32>> = match &w.telemetry {
-            Some(t) if !t.available && any => {
-                return Err(format!(
-                    "load.gpus: sent GPU readings after registering without GPU telemetry ({})",
-                    t.unavailable_reason
-                ));
-            }
-            Some(t) => Some(t.devices.iter().map(|d| d.index).collect()),
-            None => None,
-        };
-        for (i, r) in load.gpus.iter().enumerate() {
-            if !(r.utilization.is_finite() && (0.0..=1.0).contains(&r.utilization)) {
-                return Err(format!(
-                    "load.gpus[{i}].utilization: {} is not a share between 0 and 1",
-                    r.utilization
-                ));
-            }
-            if declared.as_ref().is_some_and(|d| !d.contains(&r.index)) {
-                return Err(format!(
-                    "load.gpus[{i}].index: GPU {} was not declared at registration",
-                    r.index
-                ));
-            }
         }
         let pool = self.plan.pool_name(w.pool).to_owned();
         let id = format!("w{worker}");
@@ -3942,6 +4229,55 @@ impl Actor {
             w.gpu_series = now;
         }
         Ok(())
+    }
+
+    /// Why a live worker's GPU readings are refused, if they are: more readings than the GPUs it
+    /// registered (at most [`crate::inventory::MAX_GPUS_PER_NODE`]), readings after registering
+    /// without telemetry, for a GPU it did not declare, or with a utilisation outside 0..1.
+    /// `None` for a worker already gone (its readings are ignored).
+    fn gpu_readings_problem(&self, worker: u64, load: &WorkerLoad) -> Option<String> {
+        let w = self.workers.get(&worker).filter(|w| w.alive)?;
+        let any = !load.gpus.is_empty()
+            || load.gpu_utilization.is_some()
+            || load.gpu_memory_used_bytes.is_some();
+        let declared: Option<BTreeSet<u32>> = match &w.telemetry {
+            Some(t) if !t.available && any => {
+                return Some(format!(
+                    "load.gpus: sent GPU readings after registering without GPU telemetry ({})",
+                    t.unavailable_reason
+                ));
+            }
+            Some(t) => Some(t.devices.iter().map(|d| d.index).collect()),
+            None => None,
+        };
+        let registered = match &declared {
+            Some(d) => d.len(),
+            None if w.gpus > 0 => w.gpus as usize,
+            None => crate::inventory::MAX_GPUS_PER_NODE,
+        }
+        .min(crate::inventory::MAX_GPUS_PER_NODE);
+        if load.gpus.len() > registered {
+            return Some(format!(
+                "load.gpus: {} readings in one report; at most one per GPU the worker \
+                 registered ({registered})",
+                load.gpus.len()
+            ));
+        }
+        for (i, r) in load.gpus.iter().enumerate() {
+            if !(r.utilization.is_finite() && (0.0..=1.0).contains(&r.utilization)) {
+                return Some(format!(
+                    "load.gpus[{i}].utilization: {} is not a share between 0 and 1",
+                    r.utilization
+                ));
+            }
+            if declared.as_ref().is_some_and(|d| !d.contains(&r.index)) {
+                return Some(format!(
+                    "load.gpus[{i}].index: GPU {} was not declared at registration",
+                    r.index
+                ));
+            }
+        }
+        None
     }
 
     /// Takes a gone worker's GPU series out of the exposition.
@@ -3988,7 +4324,11 @@ impl Actor {
         w.alive = false;
         let name = w.name.clone();
         log!(self, "scheduler: worker {name} is cut off: {reason}");
-        self.lost.push(format!("{name}: {reason}"));
+        listed(
+            &mut self.lost,
+            &mut self.lost_total,
+            format!("{name}: {reason}"),
+        );
         self.metrics.workers_lost.inc();
         if let Some(outbox) = w.outbox.take() {
             outbox.send(Err(Status::aborted(format!("cut off: {reason}"))));
@@ -4029,8 +4369,49 @@ impl Actor {
                 });
             }
         }
+        self.forget(worker);
         if self.started.is_some() && replan {
             self.pool_changed(pool, &format!("worker {name} was lost ({reason})"));
+        }
+    }
+
+    /// Forgets a worker that is gone (lost, released, or drained at the end): its hostname, its
+    /// GPUs and its lease go with it, so that workers coming and going (or a peer registering
+    /// again and again) do not grow the scheduler. Its metric series went already
+    /// ([`Actor::forget_gpus`]); its lease id names no lease from now on.
+    fn forget(&mut self, worker: u64) {
+        if self.workers.get(&worker).is_none_or(|w| w.alive) {
+            return;
+        }
+        if let Some(w) = self.workers.remove(&worker)
+            && self.gone_telemetry.len() < MAX_WORKERS_LISTED
+        {
+            let said = self.telemetry_of(&w);
+            self.gone_telemetry.insert(worker, said);
+        }
+    }
+
+    /// What `w` said at registration about GPU telemetry, for the report.
+    fn telemetry_of(&self, w: &Worker) -> WorkerTelemetry {
+        WorkerTelemetry {
+            worker: w.name.clone(),
+            pool: self.plan.pool_name(w.pool).to_owned(),
+            gpu_telemetry: match &w.telemetry {
+                Some(t) if t.available => "available",
+                Some(_) => "unavailable",
+                None => "not said",
+            }
+            .into(),
+            reason: w
+                .telemetry
+                .as_ref()
+                .map(|t| t.unavailable_reason.clone())
+                .unwrap_or_default(),
+            gpus: w
+                .telemetry
+                .as_ref()
+                .map(|t| t.devices.iter().map(|d| d.name.clone()).collect())
+                .unwrap_or_default(),
         }
     }
 
@@ -4242,14 +4623,14 @@ impl Actor {
                 "{} completed, {} lost; {} by an OpenAI-compatible engine, other GPU figures \
                  emulated (time scale {})",
                 crate::counted(self.stages_completed, "stage", "stages"),
-                crate::counted(self.lost.len(), "worker", "workers"),
+                crate::counted(self.lost_total, "worker", "workers"),
                 crate::counted(self.engine_generations, "generation", "generations"),
                 self.opts.time_scale
             ),
             _ => format!(
                 "{} completed, {} lost; GPU figures are emulated (time scale {})",
                 crate::counted(self.stages_completed, "stage", "stages"),
-                crate::counted(self.lost.len(), "worker", "workers"),
+                crate::counted(self.lost_total, "worker", "workers"),
                 self.opts.time_scale
             ),
         };
@@ -4426,35 +4807,19 @@ impl Actor {
             failure: self.failure.clone(),
             profiles: self.profiles.clone(),
             profile_samples: self.profile_samples,
-            workers_lost: self.lost.clone(),
-            workers_left: self.left.clone(),
+            workers_lost: unlisted(&self.lost, self.lost_total),
+            workers_left: unlisted(&self.left, self.left_total),
             replicas_moved: self.replicas_moved,
             weight_update_failures: self.weight_update_failures,
             replans: self.replans.clone(),
-            gpu_telemetry: self
-                .workers
-                .values()
-                .map(|w| WorkerTelemetry {
-                    worker: w.name.clone(),
-                    pool: self.plan.pool_name(w.pool).to_owned(),
-                    gpu_telemetry: match &w.telemetry {
-                        Some(t) if t.available => "available",
-                        Some(_) => "unavailable",
-                        None => "not said",
-                    }
-                    .into(),
-                    reason: w
-                        .telemetry
-                        .as_ref()
-                        .map(|t| t.unavailable_reason.clone())
-                        .unwrap_or_default(),
-                    gpus: w
-                        .telemetry
-                        .as_ref()
-                        .map(|t| t.devices.iter().map(|d| d.name.clone()).collect())
-                        .unwrap_or_default(),
-                })
-                .collect(),
+            gpu_telemetry: {
+                // The workers gone (those kept) and those here, in the order they registered.
+                let mut said = self.gone_telemetry.clone();
+                for (&id, w) in &self.workers {
+                    said.insert(id, self.telemetry_of(w));
+                }
+                said.into_values().collect()
+            },
             pools,
         }
     }
@@ -4557,6 +4922,76 @@ mod tests {
             action_tokens: 10 * turns,
             staleness,
         }
+    }
+
+    /// An actor of the quick-start job that waits for 100 workers (the job never starts).
+    fn waiting_actor() -> Actor {
+        let yaml = include_str!("../../../examples/jobs/quickstart.yaml");
+        let plan = crate::job::JobSlot::new(7, Duration::from_secs(60))
+            .plan(yaml, "quickstart.yaml")
+            .expect("the quick-start job plans");
+        let options = ActorOptions {
+            time_scale: 1.0,
+            lease_ttl: Duration::from_secs(2),
+            expect_workers: 100,
+            report: None,
+            replan_on_drift: None,
+            until_stopped: false,
+        };
+        Actor::new(
+            Arc::new(plan),
+            options,
+            Arc::new(watch::channel(JobStatus::default()).0),
+            Arc::new(Metrics::new().expect("metrics")),
+            Arc::new(FeedLog::default()),
+        )
+    }
+
+    #[test]
+    fn a_worker_whose_lease_expired_or_that_left_is_forgotten_with_its_hostname_and_gpu_series() {
+        let mut actor = waiting_actor();
+        let host = |i: usize| format!("node-{i}-{}", "x".repeat(200));
+        let device = |index: u32| rollfleet_proto::v1::GpuDevice {
+            index,
+            name: "NVIDIA H20".into(),
+            uuid: format!("GPU-{index}"),
+            memory_bytes: 96 << 30,
+        };
+        for i in 0..100 {
+            let inventory = HardwareInventory {
+                hostname: host(i),
+                pool: "decode".into(),
+                gpu_telemetry: Some(GpuTelemetryInfo {
+                    available: true,
+                    unavailable_reason: String::new(),
+                    devices: vec![device(0), device(1)],
+                }),
+                ..Default::default()
+            };
+            actor
+                .register(inventory, format!("{i:032x}"))
+                .expect("registered");
+        }
+        assert_eq!(actor.workers.len(), 100);
+        assert!(actor.metrics.render().contains(&host(99)));
+        // One says it is leaving (it holds nothing, so it is released at once)...
+        actor.worker_leaving(1, "node drain");
+        // ... and the others' leases run out.
+        actor.at += Duration::from_secs(3);
+        actor.on_tick();
+        assert!(
+            actor.workers.is_empty(),
+            "{} gone workers still kept",
+            actor.workers.len()
+        );
+        assert!(!actor.metrics.render().contains("node-"));
+        // Worker w6 was the sixth to register (secret 5).
+        let lease = format!("w6-{:032x}", 5);
+        let refused = actor.heartbeat(&lease, 1, None).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
+        let report = actor.report();
+        assert_eq!(report.workers_left.len(), 1, "{:?}", report.workers_left);
+        assert_eq!(report.workers_lost.len(), 99);
     }
 
     #[test]

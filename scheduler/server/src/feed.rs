@@ -321,7 +321,7 @@ pub struct Feed {
     /// The job.
     pub slot: Arc<crate::job::JobSlot>,
     /// The actor, told of a trainer's first subscription (for its journal) and of publications.
-    pub actor: mpsc::UnboundedSender<crate::actor::Event>,
+    pub actor: mpsc::Sender<crate::actor::Event>,
     /// Where published weights must be (`None`: any absolute path the scheduler can read).
     pub weights_root: Option<std::path::PathBuf>,
 }
@@ -474,7 +474,7 @@ impl TrainerFeed for Feed {
         let resume = log.resume_point(subscribe.resume_from)?;
         let first = !std::mem::replace(&mut log.lock().subscribed, true);
         if first {
-            let _ = self.actor.send(crate::actor::Event::FeedSubscribed);
+            let _ = self.actor.send(crate::actor::Event::FeedSubscribed).await;
         }
         let window = u64::from(if subscribe.window == 0 {
             DEFAULT_WINDOW
@@ -579,7 +579,7 @@ impl TrainerFeed for Feed {
 async fn publication_answer(
     publish: PublishWeights,
     weights_root: Option<std::path::PathBuf>,
-    actor: &mpsc::UnboundedSender<crate::actor::Event>,
+    actor: &mpsc::Sender<crate::actor::Event>,
 ) -> PublicationAnswer {
     let version = publish.version;
     let refused = |reason: String| PublicationAnswer {
@@ -598,6 +598,7 @@ async fn publication_answer(
     let (reply, answer) = tokio::sync::oneshot::channel();
     if actor
         .send(crate::actor::Event::Publish { publish, reply })
+        .await
         .is_err()
     {
         return refused("the scheduler is shutting down".into());

@@ -26,7 +26,7 @@ use crate::job::{JobSlot, SubmitError};
 /// The WorkerService.
 pub struct Workers {
     /// The actor's inbox.
-    pub inbox: mpsc::UnboundedSender<Event>,
+    pub inbox: mpsc::Sender<Event>,
 }
 
 /// How much of a rejected job's problems a `Submit` error quotes.
@@ -37,11 +37,11 @@ fn actor_gone() -> Status {
 }
 
 async fn ask<T>(
-    inbox: &mpsc::UnboundedSender<Event>,
+    inbox: &mpsc::Sender<Event>,
     make: impl FnOnce(oneshot::Sender<Result<T, Status>>) -> Event,
 ) -> Result<T, Status> {
     let (tx, rx) = oneshot::channel();
-    inbox.send(make(tx)).map_err(|_| actor_gone())?;
+    inbox.send(make(tx)).await.map_err(|_| actor_gone())?;
     rx.await.map_err(|_| actor_gone())?
 }
 
@@ -53,6 +53,7 @@ impl WorkerService for Workers {
         &self,
         request: Request<RegisterRequest>,
     ) -> Result<Response<RegisterResponse>, Status> {
+        let identity = identity(&request);
         let inventory = request
             .into_inner()
             .inventory
@@ -61,6 +62,7 @@ impl WorkerService for Workers {
         ask(&self.inbox, |reply| Event::Register {
             inventory,
             secret,
+            identity,
             reply,
         })
         .await
@@ -71,6 +73,7 @@ impl WorkerService for Workers {
         &self,
         request: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
+        let identity = identity(&request);
         let r = request.into_inner();
         if let Some(problem) = r.load.as_ref().and_then(oversized_load) {
             return Err(Status::invalid_argument(problem));
@@ -79,6 +82,7 @@ impl WorkerService for Workers {
             worker_id: r.worker_id,
             epoch: r.epoch,
             load: r.load,
+            identity,
             reply,
         })
         .await
@@ -91,6 +95,7 @@ impl WorkerService for Workers {
         &self,
         request: Request<Streaming<WorkerMessage>>,
     ) -> Result<Response<Self::WorkStream>, Status> {
+        let identity = identity(&request);
         let mut incoming = request.into_inner();
         let first = tokio::time::timeout(std::time::Duration::from_secs(10), incoming.next())
             .await
@@ -112,6 +117,7 @@ impl WorkerService for Workers {
             worker_id: hello.worker_id,
             epoch: hello.epoch,
             outbox,
+            identity,
             reply,
         })
         .await?;
@@ -131,7 +137,9 @@ impl WorkerService for Workers {
                             message,
                             received,
                         };
-                        if inbox.send(event).is_err() {
+                        // Waits for room in the actor's inbox: meanwhile this stream is not
+                        // read, and HTTP/2 flow control holds its peer back.
+                        if inbox.send(event).await.is_err() {
                             return;
                         }
                     }
@@ -141,10 +149,19 @@ impl WorkerService for Workers {
                     None => break "it closed its work stream".to_owned(),
                 }
             };
-            let _ = inbox.send(Event::Detach { worker, reason });
+            let _ = inbox.send(Event::Detach { worker, reason }).await;
         });
         Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }
+}
+
+/// The SHA-256 of the client certificate a call came with (mutual TLS), if any: a lease is
+/// bound to the one its worker registered with.
+fn identity<T>(request: &Request<T>) -> Option<[u8; 32]> {
+    use sha2::Digest;
+    let certs = request.peer_certs()?;
+    let leaf = certs.first()?;
+    Some(sha2::Sha256::digest(leaf.as_ref()).into())
 }
 
 /// The random part of a lease id: 128 bits from the operating system, in hex.
@@ -177,11 +194,13 @@ fn oversized_load(load: &rollfleet_proto::v1::WorkerLoad) -> Option<String> {
 /// The JobService of a scheduler that runs one job, given when it started or submitted.
 pub struct Jobs {
     /// The actor's inbox.
-    pub inbox: mpsc::UnboundedSender<Event>,
+    pub inbox: mpsc::Sender<Event>,
     /// The job's status, as the actor last published it.
     pub status: Arc<watch::Sender<JobStatus>>,
     /// The job.
     pub slot: Arc<JobSlot>,
+    /// Set when the scheduler is told to stop: a submitted job still planning stops planning.
+    pub stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Jobs {
@@ -204,10 +223,18 @@ impl JobService for Jobs {
     ) -> Result<Response<SubmitJobResponse>, Status> {
         let yaml = request.into_inner().job_yaml;
         let slot = self.slot.clone();
-        // Planning a job takes up to a few hundred milliseconds of CPU.
-        let accepted = tokio::task::spawn_blocking(move || slot.accept(&yaml, "job_yaml"))
-            .await
-            .map_err(|_| Status::internal("planning the submitted job failed"))?;
+        let stopping = self.stopping.clone();
+        // Planning a job takes up to a few hundred milliseconds of CPU (a big one, more), and
+        // stops when the scheduler does.
+        let accepted = tokio::task::spawn_blocking(move || {
+            rollfleet_planner::cancel::within(&stopping, || slot.accept(&yaml, "job_yaml"))
+        })
+        .await
+        .map_err(|_| Status::internal("planning the submitted job failed"))?;
+        // A plan given up because the scheduler is stopping is no verdict on the job.
+        if accepted.is_err() && self.stopping.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(actor_gone());
+        }
         match accepted {
             Ok(job) => Ok(Response::new(SubmitJobResponse {
                 job: job.plan.name().to_owned(),
@@ -245,7 +272,10 @@ impl JobService for Jobs {
     ) -> Result<Response<CancelJobResponse>, Status> {
         self.check(&request.into_inner().job)?;
         let mut status = self.status.subscribe();
-        self.inbox.send(Event::Cancel).map_err(|_| actor_gone())?;
+        self.inbox
+            .send(Event::Cancel)
+            .await
+            .map_err(|_| actor_gone())?;
         // The answer says the cancel took: the status once the actor has ended the job (it
         // does at once), not the one before it.
         let _ = tokio::time::timeout(

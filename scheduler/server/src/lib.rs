@@ -30,6 +30,7 @@ pub use rollfleet_fleet::plan;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rollfleet_proto::auth::{Refusal, ServerAuth, TOKEN_ENV, Token};
@@ -226,8 +227,40 @@ pub async fn serve_until(
         ),
         _ => (None, opts.origin.clone()),
     };
+    // Told to stop, the scheduler stops whatever it does, planning included: `stopping` is the
+    // planner's cancellation flag ([`rollfleet_planner::cancel`]) for every plan made here.
+    let stopping = Arc::new(AtomicBool::new(false));
+    let (cancelled_tx, mut cancelled) = watch::channel(false);
+    {
+        let stopping = stopping.clone();
+        tokio::spawn(async move {
+            cancel.await;
+            stopping.store(true, Ordering::Relaxed);
+            let _ = cancelled_tx.send(true);
+        });
+    }
     let slot = Arc::new(match &job_yaml {
-        Some(yaml) => job::JobSlot::with_job(opts.seed, opts.stage_timeout, yaml, &origin)?,
+        Some(yaml) => {
+            // A big job plans for seconds or more: off the async threads, and stopped with the
+            // scheduler.
+            let (seed, timeout) = (opts.seed, opts.stage_timeout);
+            let (yaml, from, flag) = (yaml.clone(), origin.clone(), stopping.clone());
+            let planned = tokio::task::spawn_blocking(move || {
+                rollfleet_planner::cancel::within(&flag, || {
+                    job::JobSlot::with_job(seed, timeout, &yaml, &from)
+                })
+            })
+            .await
+            .map_err(|e| ServerError::Io {
+                what: "planning the job".into(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            if stopping.load(Ordering::Relaxed) {
+                tracing::info!("scheduler: stopped while planning the job");
+                return Ok(None);
+            }
+            planned?
+        }
         None => job::JobSlot::new(opts.seed, opts.stage_timeout),
     });
     let metrics = Arc::new(metrics::Metrics::new()?);
@@ -260,14 +293,16 @@ pub async fn serve_until(
         })
         .0,
     );
-    let (inbox, events) = mpsc::unbounded_channel();
+    // Bounded: a handler that finds the actor's inbox full waits for room (backpressure on its
+    // peer), and the actor never falls behind by more than a few batches.
+    let (inbox, events) = mpsc::channel(actor::INBOX_CAPACITY);
     let feed_log = Arc::new(feed::FeedLog::default());
-    let (cancelled_tx, mut cancelled) = watch::channel(false);
     let canceller = inbox.clone();
+    let mut stopped = cancelled.clone();
     tokio::spawn(async move {
-        cancel.await;
-        let _ = cancelled_tx.send(true);
-        let _ = canceller.send(actor::Event::Cancel);
+        if stopped.wait_for(|c| *c).await.is_ok() {
+            let _ = canceller.send(actor::Event::Cancel).await;
+        }
     });
     let auth = ServerAuth::new(opts.token.as_ref());
     if let Ok(addr) = listener.local_addr()
@@ -309,6 +344,7 @@ pub async fn serve_until(
             inbox: inbox.clone(),
             status: status.clone(),
             slot: slot.clone(),
+            stopping: stopping.clone(),
         },
         guard.clone(),
     );

@@ -44,6 +44,8 @@ pub struct Metrics {
     pub workers_lost: IntCounter,
     /// Workers that said they were leaving and were released with nothing lost.
     pub workers_left: IntCounter,
+    /// Load reports dropped for coming faster than a worker's rate.
+    pub load_reports_dropped: IntCounter,
     /// Re-plans while the job runs (nodes came or went, or profiles drifted).
     pub replans: IntCounter,
     /// Workers with an open work stream, per pool.
@@ -215,6 +217,11 @@ impl Metrics {
             "Workers that said they were leaving (SIGTERM: a node drain or preemption) and were \
              released once what they ran was done, nothing of theirs lost.",
         )?;
+        let load_reports_dropped = IntCounter::new(
+            "load_reports_dropped_total",
+            "Worker load reports dropped, unread and unjournaled, for coming faster than the \
+             worker's rate (a heartbeat that carried one still renews its lease).",
+        )?;
         let replans = IntCounter::new(
             "replans_total",
             "Re-plans mid-run: a GPU pool's nodes came or went, or (with --replan-on-drift) the \
@@ -330,6 +337,7 @@ impl Metrics {
         registry.register(Box::new(workers_registered.clone()))?;
         registry.register(Box::new(workers_lost.clone()))?;
         registry.register(Box::new(workers_left.clone()))?;
+        registry.register(Box::new(load_reports_dropped.clone()))?;
         registry.register(Box::new(replans.clone()))?;
         registry.register(Box::new(workers.clone()))?;
         registry.register(Box::new(trajectories.clone()))?;
@@ -452,6 +460,7 @@ impl Metrics {
             workers_registered,
             workers_lost,
             workers_left,
+            load_reports_dropped,
             replans,
             workers,
             trajectories,

@@ -142,6 +142,7 @@ async fn worker(inbox: mpsc::UnboundedSender<Event>, pool: &'static str, seed: u
             .send(Event::Register {
                 inventory,
                 secret,
+                identity: None,
                 reply,
             })
             .is_err()
@@ -158,6 +159,7 @@ async fn worker(inbox: mpsc::UnboundedSender<Event>, pool: &'static str, seed: u
             worker_id: lease.0.clone(),
             epoch: lease.1,
             outbox,
+            identity: None,
             reply,
         });
         let Ok(Ok(stream)) = answer.await else {
@@ -276,6 +278,7 @@ async fn heartbeat(inbox: mpsc::UnboundedSender<Event>, worker_id: String, epoch
                 worker_id: worker_id.clone(),
                 epoch,
                 load: None,
+                identity: None,
                 reply,
             })
             .is_err()

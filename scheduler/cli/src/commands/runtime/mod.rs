@@ -11,9 +11,11 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow};
 use rollfleet_server::ServerOptions;
 
 use crate::commands::{SchedulerArg, TlsClientArgs, TokenArgs};
@@ -395,28 +397,53 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             return Ok(exit::INVALID_INPUT);
         }
     }
+    let rt = runtime()?;
+    // Installed before the job is planned (a big job plans for long) and before the address is
+    // announced (whoever reads it may signal at once): a signal finds the handler there rather
+    // than the default action, and stops the scheduler whatever it is doing.
+    let mut stop = {
+        let _entered = rt.enter();
+        Box::pin(shutdown_signal()?)
+    };
     let (job_yaml, origin) = match &args.job {
         Some(path) => {
             let origin = path.display().to_string();
-            match read_job(path, &origin, args.seed) {
-                Ok(yaml) => (Some(yaml), origin),
-                Err(e) => {
+            let planned = rt.block_on(async {
+                let flag = Arc::new(AtomicBool::new(false));
+                let (f, p, o, seed) = (flag.clone(), path.clone(), origin.clone(), args.seed);
+                let mut planning = tokio::task::spawn_blocking(move || {
+                    rollfleet_planner::cancel::within(&f, || read_job(&p, &o, seed))
+                });
+                tokio::select! {
+                    planned = &mut planning => Some(planned),
+                    () = &mut stop => {
+                        // The planner gives up at its next step.
+                        flag.store(true, Ordering::Relaxed);
+                        let _ = planning.await;
+                        None
+                    }
+                }
+            });
+            match planned {
+                None => {
+                    writeln!(stderr, "scheduler: stopped while planning the job")?;
+                    return Ok(exit::OK);
+                }
+                Some(Ok(Ok(yaml))) => (Some(yaml), origin),
+                Some(Ok(Err(e))) => {
                     writeln!(stderr, "error: {e}")?;
                     return Ok(exit::INVALID_INPUT);
                 }
+                Some(Err(e)) => return Err(anyhow!("planning {origin}: {e}")),
             }
         }
         None => (None, "job_yaml".to_owned()),
     };
-    let rt = runtime()?;
     let served = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("--listen {}", args.listen))?;
         let addr = listener.local_addr()?;
-        // Installed before the address is announced: whoever reads it may signal at once, and
-        // must find the handler there rather than the default action.
-        let stop = shutdown_signal()?;
         // The parent of `rollfleet run` reads this line to find the port.
         announce(&format!("listening on {addr}"))?;
         let opts = ServerOptions {
