@@ -433,7 +433,13 @@ fn sim_compares_rollfleet_with_every_baseline_and_labels_the_figures_as_modelled
     let stdout = text(&out.stdout);
     assert!(stdout.contains("simulated on a virtual clock"), "{stdout}");
     assert!(stdout.contains("not measured"), "{stdout}");
-    for policy in ["sync ", "sync-disaggregated", "one-step-off", "rollfleet"] {
+    for policy in [
+        "sync ",
+        "sync-disaggregated",
+        "one-step-off",
+        "areal-like",
+        "rollfleet",
+    ] {
         assert!(stdout.contains(policy), "{policy} missing: {stdout}");
     }
     assert!(
@@ -468,6 +474,21 @@ fn sim_json_is_byte_identical_across_processes_and_yaml_carries_the_same_report(
     ]);
     assert_eq!(yaml.status.code(), Some(0));
     let from_yaml: serde_json::Value = serde_yaml_ng::from_slice(&yaml.stdout).unwrap();
-    assert_eq!(json["policies"].as_array().unwrap().len(), 4);
+    let names: Vec<&str> = json["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "sync",
+            "sync-disaggregated",
+            "one-step-off",
+            "areal-like",
+            "rollfleet"
+        ]
+    );
     assert_eq!(json["policies"], from_yaml["policies"]);
 }
