@@ -15,6 +15,7 @@ mod manifest;
 mod model;
 mod names;
 mod nesting;
+mod platform_limits;
 #[cfg(feature = "schema")]
 mod schema;
 mod validate;

@@ -306,6 +306,11 @@ pub(crate) fn validate(manifest: &JobManifest) -> Outcome {
     problems
         .errors
         .extend(crate::kubernetes::job_problems(spec.kubernetes.as_ref()));
+    problems
+        .errors
+        .extend(crate::platform_limits::reward_timeout_problems(
+            spec, &catalog,
+        ));
     if problems.errors.is_empty() {
         // The fit check needs valid numbers everywhere; with other errors it would only add noise.
         check_model_fits(spec, &catalog, &mut problems);

@@ -114,6 +114,18 @@ const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
         "spec.rl.maxStaleness: must be at least 0, got -1",
     ),
     (
+        "serverless reward longer than the platform lets a call run",
+        "latencyMs: { distribution: lognormal, median: 3, p99: 20 }",
+        "latencyMs: { distribution: lognormal, median: 3000, p99: 20000, max: 1200000 }",
+        "spec.rewards[1].latencyMs.max: 1200000 ms is longer than aws-lambda lets one invocation run (900 s): such calls would time out on every attempt",
+    ),
+    (
+        "serverless reward whose p99 is past the platform's limit",
+        "latencyMs: { distribution: lognormal, median: 3, p99: 20 }",
+        "latencyMs: { distribution: lognormal, median: 3000, p99: 950000 }",
+        "spec.rewards[1].latencyMs.p99: 950000 ms is longer than aws-lambda lets one invocation run (900 s): such calls would time out on every attempt",
+    ),
+    (
         "reward that does not exist",
         "reward: exact-answer",
         "reward: exact-anser",
