@@ -4926,7 +4926,7 @@ mod tests {
 
     /// An actor of the quick-start job that waits for 100 workers (the job never starts).
     fn waiting_actor() -> Actor {
-        let yaml = include_str!("../../../examples/jobs/quickstart.yaml");
+        let yaml = include_str!("../../../../examples/jobs/quickstart.yaml");
         let plan = crate::job::JobSlot::new(7, Duration::from_secs(60))
             .plan(yaml, "quickstart.yaml")
             .expect("the quick-start job plans");
