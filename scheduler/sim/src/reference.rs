@@ -106,8 +106,9 @@ pub struct Reference {
     pub mix: Mix,
 }
 
-/// The episodes a job's steps need, as first sampled with `seed`.
-pub(crate) fn first_sampled(spec: &JobSpec, seed: u64) -> Vec<TrajLedger> {
+/// Visits the episodes a job's steps need, as first sampled with `seed`, in trajectory order
+/// (one at a time: a big job's episodes are never all held at once).
+pub(crate) fn first_sampled(spec: &JobSpec, seed: u64, mut visit: impl FnMut(u64, &TrajLedger)) {
     let group_size = spec.rl.group_size.max(1) as u64;
     let trajectories = (spec.rl.steps.max(0) as u64)
         .saturating_mul(spec.rl.rollout_batch_size.max(0) as u64)
@@ -115,7 +116,6 @@ pub(crate) fn first_sampled(spec: &JobSpec, seed: u64) -> Vec<TrajLedger> {
         .min(10_000_000);
     let shares: Vec<f64> = spec.tasks.iter().map(|t| t.share.max(0.0)).collect();
     let rng = |keys: &[u64]| SplitMix64::keyed(seed, keys);
-    let mut episodes = Vec::with_capacity(trajectories as usize);
     for t in 0..trajectories {
         let group = t / group_size;
         // The core's draw of a group's task (`Core::start_group`).
@@ -192,21 +192,21 @@ pub(crate) fn first_sampled(spec: &JobSpec, seed: u64) -> Vec<TrajLedger> {
             }
             _ => 0.0,
         };
-        episodes.push(ledger);
+        visit(t, &ledger);
     }
-    episodes
 }
 
 /// The fixed yardstick of `spec` with `seed`: the bound and mix of the episodes as first sampled.
 pub fn reference(spec: &JobSpec, catalog: &Catalog, hw: &HardwareModel, seed: u64) -> Reference {
     let costs = model_costs(spec);
     let rates = latency_rates(spec, catalog, hw);
-    let per_step = spec.rl.rollout_batch_size.max(1) as usize;
+    let per_step = spec.rl.rollout_batch_size.max(1) as u64;
     let mut work = Work::default();
     let mut traces = Vec::new();
-    for (i, episode) in first_sampled(spec, seed).iter().enumerate() {
-        work.add_trajectory(spec, &costs, &rates, i / per_step, episode, &mut traces);
-    }
+    first_sampled(spec, seed, |t, episode| {
+        let step = (t / per_step) as usize;
+        work.add_trajectory(spec, &costs, &rates, step, episode, &mut traces);
+    });
     let steps = spec.rl.steps.max(1) as u64;
     let max_staleness = spec.rl.max_staleness.max(0) as u64;
     Reference {
