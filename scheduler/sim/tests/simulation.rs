@@ -193,21 +193,8 @@ fn quickstart() -> std::path::PathBuf {
 
 fn json(seed: u64) -> Vec<u8> {
     let args = SimArgs {
-        job: quickstart(),
-        baselines: vec![],
         seed,
-        timeline: None,
-        steps: Some(3),
-        max_staleness: None,
-        failure_mtbf: None,
-        placement: rollfleet_sim::PlacementChoice::Plan,
-        profiles_out: None,
-        sim_compute_efficiency: None,
-        sim_bandwidth_efficiency: None,
-        lose: None,
-        grow: None,
-        slow: None,
-        replan_on_drift: None,
+        ..quickstart_args()
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
@@ -225,21 +212,11 @@ fn the_same_seed_gives_byte_identical_json() {
 fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
     let svg = std::env::temp_dir().join(format!("rollfleet-timeline-{}.svg", std::process::id()));
     let args = SimArgs {
-        job: quickstart(),
         baselines: vec![Baseline::Rollfleet, Baseline::Sync],
         seed: 1,
         timeline: Some(svg.clone()),
         steps: Some(2),
-        max_staleness: None,
-        failure_mtbf: None,
-        placement: rollfleet_sim::PlacementChoice::Plan,
-        profiles_out: None,
-        sim_compute_efficiency: None,
-        sim_bandwidth_efficiency: None,
-        lose: None,
-        grow: None,
-        slow: None,
-        replan_on_drift: None,
+        ..quickstart_args()
     };
     let mut out = Vec::new();
     rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
@@ -258,20 +235,8 @@ fn the_table_names_every_policy_and_the_timeline_is_an_svg() {
 fn a_missing_job_file_is_an_error_not_a_panic() {
     let args = SimArgs {
         job: "/nonexistent/job.yaml".into(),
-        baselines: vec![],
-        seed: 0,
-        timeline: None,
         steps: None,
-        max_staleness: None,
-        failure_mtbf: None,
-        placement: rollfleet_sim::PlacementChoice::Plan,
-        profiles_out: None,
-        sim_compute_efficiency: None,
-        sim_bandwidth_efficiency: None,
-        lose: None,
-        grow: None,
-        slow: None,
-        replan_on_drift: None,
+        ..quickstart_args()
     };
     let err = rollfleet_sim::run(&args, OutputFormat::Table, &mut Vec::new(), &mut Vec::new());
     assert!(err.is_err());
