@@ -283,9 +283,7 @@ impl Config {
                     .ok_or_else(|| ConfigError::RewardPool(reward.name.clone()))?,
             };
             let context_limit = task.context_limit.max(1) as u64;
-            let max_action = task.action_tokens.upper_bound().map_or(context_limit, |b| {
-                (b.ceil().max(1.0) as u64).min(context_limit)
-            });
+            let max_action = max_action_tokens(task);
             tasks.push(TaskLimits {
                 share: task.share.max(0.0),
                 max_turns: u32::try_from(task.max_turns.max(1)).unwrap_or(u32::MAX),
@@ -314,4 +312,13 @@ impl Config {
             stage_failure_limit: DEFAULT_STAGE_FAILURE_LIMIT,
         })
     }
+}
+
+/// The longest answer a task's turn may generate: its action distribution's upper bound, within
+/// its context limit (the whole context limit when the distribution has no bound).
+pub fn max_action_tokens(task: &rollfleet_spec::TaskSpec) -> u64 {
+    let context_limit = task.context_limit.max(1) as u64;
+    task.action_tokens.upper_bound().map_or(context_limit, |b| {
+        (b.ceil().max(1.0) as u64).min(context_limit)
+    })
 }

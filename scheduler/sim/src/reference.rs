@@ -125,13 +125,7 @@ pub(crate) fn first_sampled(spec: &JobSpec, seed: u64, mut visit: impl FnMut(u64
         };
         let context_limit = spec_task.context_limit.max(1) as u64;
         let max_turns = u32::try_from(spec_task.max_turns.max(1)).unwrap_or(u32::MAX) as u64;
-        // The core's limit on an answer (`Config::new`): the distribution's upper bound.
-        let max_action = spec_task
-            .action_tokens
-            .upper_bound()
-            .map_or(context_limit, |b| {
-                (b.ceil().max(1.0) as u64).min(context_limit)
-            });
+        let max_action = rollfleet_core::config::max_action_tokens(spec_task);
         let millicpus = (spec_task.env_cpus.max(0.001) * 1000.0).round();
         let env_step = Sampler::new(&spec_task.env_step_ms);
         let env_ms = |turn: u64, reset: bool| {
