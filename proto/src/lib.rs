@@ -8,6 +8,8 @@
 
 pub mod auth;
 pub mod packed;
+pub mod peer;
+mod phase;
 pub mod tls;
 
 /// The HTTP/2 flow-control window, per stream and per connection, of the scheduler's server and

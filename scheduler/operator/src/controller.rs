@@ -390,10 +390,10 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     };
     let ended = answer
         .as_ref()
-        .is_ok_and(|s| rollfleet_server::job::ended(s.phase()));
+        .is_ok_and(|s| s.phase().ended());
     let mut status = match answer {
         Ok(s) => RLJobStatus {
-            phase: rollfleet_server::job::phase_name(s.phase()),
+            phase: s.phase().name().to_string(),
             observed_generation: generation,
             rl_step: s.rl_step,
             rl_steps_total: s.rl_steps_total,

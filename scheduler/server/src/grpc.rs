@@ -280,7 +280,7 @@ impl JobService for Jobs {
         // does at once), not the one before it.
         let _ = tokio::time::timeout(
             std::time::Duration::from_secs(2),
-            status.wait_for(|s| crate::job::ended(s.phase())),
+            status.wait_for(|s| s.phase().ended()),
         )
         .await;
         let status = status.borrow().clone();
@@ -300,7 +300,7 @@ impl JobService for Jobs {
                 if done {
                     return false;
                 }
-                done = crate::job::ended(s.phase());
+                done = s.phase().ended();
                 true
             })
             .map(Ok);

@@ -9,23 +9,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rollfleet_proto::v1::JobPhase;
 use tokio::sync::watch;
 
 use crate::plan::{JobPlan, PlanError};
-
-/// A phase by the name the report, the CLI and the operator print (`Succeeded`, ...).
-pub fn phase_name(phase: JobPhase) -> String {
-    format!("{phase:?}")
-}
-
-/// Whether a job in `phase` has ended: succeeded, failed or cancelled.
-pub fn ended(phase: JobPhase) -> bool {
-    matches!(
-        phase,
-        JobPhase::Succeeded | JobPhase::Failed | JobPhase::Cancelled
-    )
-}
 
 /// A job the scheduler took: its YAML as submitted and its plan.
 #[derive(Debug)]

@@ -44,25 +44,7 @@ use tokio::sync::{mpsc, watch};
 pub use actor::Report;
 pub use plan::{JobPlan, PlanError, PoolRole};
 
-/// Profile samples a worker's load report may carry; more is a protocol violation.
-pub const MAX_PROFILE_SAMPLES_PER_REPORT: usize = 512;
-
-/// A string a peer sent, quoted for an error message: at most [`QUOTED_CHARS`] characters of
-/// it. An error travels in the `grpc-message` header, and one echoing a hostile 100 KB name
-/// whole broke the client's HTTP/2 header limit instead of reaching it (found by fuzzing).
-pub fn quoted(s: &str) -> String {
-    let head = first_chars(s, QUOTED_CHARS);
-    if head.len() == s.len() {
-        format!("{head:?}")
-    } else {
-        format!("{head:?}... ({} bytes)", s.len())
-    }
-}
-
-/// The first `n` characters of `s` (all of it when shorter).
-pub fn first_chars(s: &str, n: usize) -> &str {
-    s.char_indices().nth(n).map_or(s, |(end, _)| &s[..end])
-}
+pub use rollfleet_proto::peer::{MAX_PROFILE_SAMPLES_PER_REPORT, QUOTED_CHARS, first_chars, quoted};
 
 /// A count with its noun in the number the count needs: `counted(1, "worker", "workers") ==
 /// "1 worker"`, `counted(3, "worker", "workers") == "3 workers"`.
@@ -76,9 +58,6 @@ where
         format!("{n} {many}")
     }
 }
-
-/// How much of a peer's string an error message quotes.
-pub const QUOTED_CHARS: usize = 64;
 
 /// Why the server stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -570,21 +549,5 @@ fn journal_header(opts: &ServerOptions, job_yaml: &str) -> rollfleet_proto::v1::
         expect_workers: opts.expect_workers as u64,
         replan_on_drift: opts.replan_on_drift,
         stage_timeout_ms: opts.stage_timeout.as_millis().min(u128::from(u64::MAX)) as u64,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::quoted;
-
-    #[test]
-    fn a_peers_string_is_quoted_whole_when_short_and_cut_with_its_length_when_long() {
-        assert_eq!(quoted("h20"), "\"h20\"");
-        assert_eq!(quoted("a\u{0}b"), "\"a\\0b\"");
-        let long = "ü".repeat(100);
-        assert_eq!(
-            quoted(&long),
-            format!("{:?}... (200 bytes)", "ü".repeat(64))
-        );
     }
 }

@@ -17,7 +17,6 @@ use rollfleet_proto::v1::{
     SubmitJobRequest, TrajectoryOutcomes,
 };
 use rollfleet_server::actor::OutcomeFigures;
-use rollfleet_server::job::{ended, phase_name};
 use serde::Serialize;
 
 use crate::commands::{SchedulerArg, TlsClientArgs, TokenArgs};
@@ -190,7 +189,7 @@ impl From<&JobStatus> for StatusView {
     fn from(s: &JobStatus) -> StatusView {
         StatusView {
             job: s.job.clone(),
-            phase: phase_name(s.phase()),
+            phase: s.phase().name().to_string(),
             policy_version: s.policy_version,
             rl_step: s.rl_step,
             rl_steps_total: s.rl_steps_total,
@@ -511,14 +510,14 @@ async fn watch(
     {
         let phase = status.phase();
         let due = last.is_none_or(|(at, seen)| seen != phase || at.elapsed() >= every);
-        if due || ended(phase) {
+        if due || phase.ended() {
             write_progress(&status, start.elapsed(), format, out)?;
             last = Some((Instant::now(), phase));
             held = None;
         } else {
             held = Some(status);
         }
-        if ended(phase) {
+        if phase.ended() {
             return Ok(if phase == JobPhase::Succeeded {
                 exit::OK
             } else {
@@ -548,7 +547,7 @@ fn write_progress(
                 "[{:>7.1} s] {} {:<9} step {}/{}, {} trained, {} in flight",
                 elapsed.as_secs_f64(),
                 status.job,
-                phase_name(status.phase()),
+                status.phase().name(),
                 status.rl_step,
                 status.rl_steps_total,
                 status.trajectories_trained,
@@ -594,7 +593,7 @@ fn write_status(status: &JobStatus, format: OutputFormat, out: &mut dyn Write) -
         out,
         "job {}: {}, RL step {}/{} (policy version {})",
         status.job,
-        phase_name(status.phase()),
+        status.phase().name(),
         status.rl_step,
         status.rl_steps_total,
         status.policy_version
@@ -652,7 +651,7 @@ fn write_list(jobs: &[JobStatus], format: OutputFormat, out: &mut dyn Write) -> 
     for job in jobs {
         table.row(vec![
             job.job.clone(),
-            phase_name(job.phase()),
+            job.phase().name().to_string(),
             format!("{}/{}", job.rl_step, job.rl_steps_total),
             job.trajectories_trained.to_string(),
             job.message.clone(),

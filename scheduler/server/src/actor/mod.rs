@@ -799,7 +799,7 @@ impl Actor {
             Some((_, phase)) => Some(format!(
                 "job {} ended {}: the feed has nothing more to give{}",
                 self.plan.name(),
-                crate::job::phase_name(phase),
+                phase.name(),
                 self.final_report
                     .as_ref()
                     .and_then(|r| r.failure.clone())

@@ -606,7 +606,7 @@ impl Actor {
         ] {
             self.metrics
                 .job_phase
-                .with_label_values(&[&crate::job::phase_name(p)])
+                .with_label_values(&[p.name()])
                 .set(i64::from(p == phase));
         }
         for (&pool, m) in &self.meters {
@@ -633,7 +633,7 @@ impl Actor {
             .map_or(0.0, |d| d.as_secs_f64());
         self.metrics
             .job_end_time
-            .with_label_values(&[&crate::job::phase_name(phase)])
+            .with_label_values(&[phase.name()])
             .set(now);
         log!(
             self,
@@ -710,7 +710,7 @@ impl Actor {
         };
         Report {
             job: self.plan.name().to_owned(),
-            phase: crate::job::phase_name(phase),
+            phase: phase.name().to_string(),
             wall_s: wall,
             time_scale: self.opts.time_scale,
             emulated_gpus: self.engine_generations == 0,
