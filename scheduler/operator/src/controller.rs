@@ -388,9 +388,7 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
         Ok(call) => scheduler_status(&call, name).await,
         Err(why) => Err(why),
     };
-    let ended = answer
-        .as_ref()
-        .is_ok_and(|s| s.phase().ended());
+    let ended = answer.as_ref().is_ok_and(|s| s.phase().ended());
     let mut status = match answer {
         Ok(s) => RLJobStatus {
             phase: s.phase().name().to_string(),

@@ -44,7 +44,9 @@ use tokio::sync::{mpsc, watch};
 pub use actor::Report;
 pub use plan::{JobPlan, PlanError, PoolRole};
 
-pub use rollfleet_proto::peer::{MAX_PROFILE_SAMPLES_PER_REPORT, QUOTED_CHARS, first_chars, quoted};
+pub use rollfleet_proto::peer::{
+    MAX_PROFILE_SAMPLES_PER_REPORT, QUOTED_CHARS, first_chars, quoted,
+};
 
 /// A count with its noun in the number the count needs: `counted(1, "worker", "workers") ==
 /// "1 worker"`, `counted(3, "worker", "workers") == "3 workers"`.

@@ -173,7 +173,7 @@ pub fn run(runtime_api: &str, handler_name: &str, handler: &Handler) -> Result<(
         };
         // A failed post loses only this answer (Lambda times the invocation out); keep serving.
         if let Err(e) = sent {
-            eprintln!("rollfleet bootstrap: {e}");
+            tracing::warn!("bootstrap: {e}");
         }
     }
 }

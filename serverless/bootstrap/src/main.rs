@@ -7,15 +7,24 @@ use rollfleet_lambda_bootstrap::{RuntimeError, run};
 use rollfleet_rewards::Handler;
 
 fn main() -> ExitCode {
+    // Lambda sends a function's stderr to its log group: plain lines, no colours, `RUST_LOG`
+    // filters (default `info`).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .init();
     let Ok(api) = std::env::var("AWS_LAMBDA_RUNTIME_API") else {
-        eprintln!("rollfleet bootstrap: {}", RuntimeError::NoRuntimeApi);
+        tracing::error!("bootstrap: {}", RuntimeError::NoRuntimeApi);
         return ExitCode::FAILURE;
     };
     let handler_name = std::env::var("_HANDLER").unwrap_or_default();
     match run(&api, &handler_name, &Handler::default()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("rollfleet bootstrap: {e}");
+            tracing::error!("bootstrap: {e}");
             ExitCode::FAILURE
         }
     }

@@ -545,8 +545,8 @@ pub async fn run(args: crate::config::ServeArgs) -> Result<(), HostError> {
     // when that task first runs, which a loaded machine delays).
     let mut interrupt = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
         .map_err(HostError::Signal)?;
-    eprintln!(
-        "rollfleet serverless host: Lambda Invoke API on http://{addr} serving {}",
+    tracing::info!(
+        "serverless host: Lambda Invoke API on http://{addr} serving {}",
         config
             .functions
             .keys()

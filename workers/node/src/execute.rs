@@ -31,7 +31,10 @@ pub(crate) fn env_failure(kind: &str, error: rollfleet_envhost::HostError) -> wo
             ..
         } => failure(
             Cause::Invalid,
-            format!("environment {}: {error}", rollfleet_proto::peer::quoted(kind)),
+            format!(
+                "environment {}: {error}",
+                rollfleet_proto::peer::quoted(kind)
+            ),
         ),
         _ => failure(Cause::Infrastructure, error.to_string()),
     }

@@ -4,7 +4,8 @@
 use super::*;
 
 /// Profile samples one load report carries at most (the scheduler refuses more).
-pub(crate) const MAX_SAMPLES_PER_REPORT: usize = rollfleet_proto::peer::MAX_PROFILE_SAMPLES_PER_REPORT;
+pub(crate) const MAX_SAMPLES_PER_REPORT: usize =
+    rollfleet_proto::peer::MAX_PROFILE_SAMPLES_PER_REPORT;
 
 /// When a real engine's streamed answer arrived, chunk by chunk, and how many of this worker's
 /// requests were in flight meanwhile: enough for one decode sample per generation.

@@ -346,7 +346,7 @@ impl Actor {
             return;
         };
         let emptied = journal.abandon();
-        eprintln!(
+        tracing::error!(
             "scheduler: {e}; the job goes on without a journal{}",
             match emptied {
                 Ok(()) =>

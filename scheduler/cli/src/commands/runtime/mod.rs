@@ -635,7 +635,7 @@ pub fn worker(args: &WorkerArgs, stderr: &mut dyn Write) -> Result<u8> {
             worked = &mut run => {
                 worked?;
                 if until_stopped {
-                    eprintln!("worker: the job is over; waiting to be stopped (--until-stopped)");
+                    tracing::info!("worker: the job is over; waiting to be stopped (--until-stopped)");
                     stops.next().await;
                 }
                 return Ok(());
