@@ -13,6 +13,7 @@
 //!
 //! No I/O, no wall clock, no threads: like the core, it builds and tests in seconds.
 
+pub mod failure;
 pub mod hardware;
 pub mod migration;
 pub mod placement;

@@ -109,19 +109,9 @@ impl Actor {
                     }
                 );
                 self.metrics.groups_abandoned.inc();
-                self.abandoned_since_training += 1;
-                let cfg = &self.plan.config;
-                let limit = u64::from(cfg.rollout_batch_size / cfg.group_size.max(1)).max(4);
-                if self.abandoned_since_training >= limit && self.failure.is_none() {
-                    let reason = format!(
-                        "{limit} groups in a row were given up with no batch trained in between, \
-                         so the fault is not one trajectory's; the last one's failure: {}",
-                        if last_failure.is_empty() {
-                            "a timeout"
-                        } else {
-                            &last_failure
-                        }
-                    );
+                if let Some(reason) = self.groups_given_up.given_up(&last_failure)
+                    && self.failure.is_none()
+                {
                     log!(self, "scheduler: job fails: {reason}");
                     self.failure = Some(reason);
                 }
@@ -143,7 +133,7 @@ impl Actor {
                 trajectories,
                 tokens,
             } => {
-                self.abandoned_since_training = 0;
+                self.groups_given_up.trained();
                 for (i, t) in trajectories.iter().enumerate() {
                     if !self.trained_set.insert(t.0) {
                         self.trained_twice.push(t.0);

@@ -35,6 +35,7 @@ use rollfleet_core::{
     BatchId, Command, Core, Input, ReplicaConfig, ReplicaId, ServeRole, StageCommand, StageId,
     StageOutcome, StageWork, Time, TrajId,
 };
+use rollfleet_fleet::failure::GroupsGivenUp;
 use rollfleet_fleet::hardware::Meter;
 use rollfleet_fleet::migration::MigrationWave;
 use rollfleet_proto::v1::{
@@ -545,10 +546,9 @@ pub struct Actor {
     trajs: BTreeMap<TrajId, TrajInfo>,
     /// Groups the core gave up, in order.
     abandoned: Vec<AbandonedGroup>,
-    /// Groups given up since the trainer last got a batch: when a whole batch's worth is, the
-    /// fault is not one trajectory's but the job's (an engine refusing every request), and
-    /// the job fails with the reason instead of giving up groups forever.
-    abandoned_since_training: u64,
+    /// Groups given up since the trainer last got a batch, and when they fail the job: the rule
+    /// the simulator applies too.
+    groups_given_up: GroupsGivenUp,
     /// Configuration errors in a row per task, of its environment (`false`) or its reward
     /// (`true`): see [`Actor::configuration_failure`].
     configuration_failures: BTreeMap<(u32, bool), u32>,
@@ -679,7 +679,10 @@ impl Actor {
             deferred: VecDeque::new(),
             trajs: BTreeMap::new(),
             abandoned: Vec::new(),
-            abandoned_since_training: 0,
+            groups_given_up: GroupsGivenUp::new(
+                plan.config.rollout_batch_size,
+                plan.config.group_size,
+            ),
             configuration_failures: BTreeMap::new(),
             failure: None,
             profiles: Default::default(),

@@ -30,6 +30,7 @@ use crate::queue::EventQueue;
 use crate::report::latency_rates;
 use crate::workload::{Sampler, sample, stream};
 
+use rollfleet_fleet::failure::GroupsGivenUp;
 pub use rollfleet_fleet::hardware::model_costs;
 pub use rollfleet_fleet::migration::{MigrationWave, RetireGroup};
 pub use rollfleet_fleet::workload::workload_means;
@@ -212,6 +213,9 @@ pub enum RunError {
     /// The virtual-time limit was reached.
     #[error("the simulation passed its limit of {0:.0} virtual seconds")]
     TooLong(f64),
+    /// The job failed as the scheduler server would fail it (groups given up in a row).
+    #[error("the job failed: {0}")]
+    JobFailed(String),
 }
 
 /// What one run measured.
@@ -350,6 +354,10 @@ struct Sim<'a> {
     env_step_estimates: Vec<Estimate>,
     reward_estimates: Vec<Estimate>,
     loss: Option<LossReport>,
+    /// Groups the core gave up, by the rule the scheduler server applies.
+    groups_given_up: GroupsGivenUp,
+    /// Why the job failed, once that rule says it has.
+    failure: Option<String>,
 }
 
 /// The index of spec pool `pool`'s name in `names`, added if it is not there yet.
@@ -564,6 +572,7 @@ pub fn simulate(
         .iter()
         .map(|&pool| pool_name_index(&mut pool_names, spec, pool))
         .collect();
+    let groups_given_up = GroupsGivenUp::new(cfg.rollout_batch_size, cfg.group_size);
     let mut sim = Sim {
         spec,
         opts,
@@ -640,6 +649,8 @@ pub fn simulate(
         env_step_estimates: vec![Estimate::default(); spec.tasks.len()],
         reward_estimates: vec![Estimate::default(); spec.rewards.len()],
         loss: None,
+        groups_given_up,
+        failure: None,
     };
     sim.schedule_failure();
     sim.scheduler_events += 1;
@@ -648,6 +659,9 @@ pub fn simulate(
     loop {
         while let Some(command) = sim.core.poll_command() {
             sim.execute(command);
+        }
+        if let Some(reason) = sim.failure.take() {
+            return Err(RunError::JobFailed(reason));
         }
         if sim.core.finished() {
             break;

@@ -48,9 +48,14 @@ impl<'a> Sim<'a> {
             }
             Command::Cancel { stage } => self.cancel(stage),
             Command::Interrupt { stage } => self.interrupt(stage),
-            // The simulator fails no stage of its own accord, so no group is ever given up;
-            // were one, its stages' cancels above already freed what they held.
-            Command::AbandonGroup { .. } => {}
+            // Its stages' cancels already freed what they held; what is left is the rule that
+            // fails the job, the scheduler server's. The simulator fails no stage of its own
+            // accord, so only timeouts give groups up here.
+            Command::AbandonGroup { .. } => {
+                if let Some(reason) = self.groups_given_up.given_up("") {
+                    self.failure.get_or_insert(reason);
+                }
+            }
             Command::ReplicaRetired { replica } => {
                 let r = replica.0 as usize;
                 if r < self.engines.len() {
@@ -68,7 +73,10 @@ impl<'a> Sim<'a> {
                 trajectories,
                 tokens,
                 ..
-            } => self.train(batch, publishes, trajectories, tokens),
+            } => {
+                self.groups_given_up.trained();
+                self.train(batch, publishes, trajectories, tokens);
+            }
         }
     }
 
