@@ -10,6 +10,8 @@ Two kinds of figures, in two sections:
   with `--benchmarks` (several minutes) and otherwise kept from the file as it stands, with the
   machine and date they were measured on.
 
+The README's comparison table is generated from the same runs, between its markers.
+
 Usage: python3 docs/results.py [--rollfleet PATH] [--benchmarks [dispatch,simulator,invoke]]
        [--check]
 """
@@ -35,6 +37,9 @@ QUICKSTART = "examples/jobs/quickstart.yaml"
 HOLDOUT = ("examples/jobs/holdout-math-code.yaml", "examples/jobs/holdout-web-agent.yaml")
 SEEDS = (0, 1, 2)
 MEASURED_MARK = "<!-- measured: kept unless regenerated with --benchmarks -->"
+README = ROOT / "README.md"
+README_BEGIN = "<!-- results.py: comparison table (generated; do not edit by hand) -->"
+README_END = "<!-- results.py: end of comparison table -->"
 
 POLICY_NAMES = {
     "sync": "sync (verl's synchronous colocated loop)",
@@ -66,8 +71,9 @@ def policy(report: dict[str, Any], name: str) -> dict[str, Any]:
     raise KeyError(f"no policy {name} in the report")
 
 
-def simulated_section(rollfleet: str) -> str:
-    """The deterministic figures, as Markdown."""
+def simulated_section(rollfleet: str) -> tuple[str, str]:
+    """The deterministic figures, as Markdown, and the README's comparison table (from the same
+    runs)."""
     lines: list[str] = []
     add = lines.append
     by_seed = {seed: sim(rollfleet, ROLLART, "--seed", str(seed)) for seed in SEEDS}
@@ -148,6 +154,7 @@ def simulated_section(rollfleet: str) -> str:
         "--seed",
         "0",
     )
+    readme = readme_table(first, equal)
     base = policy(equal, "one-step-off")["step_time_s"]
     add("| policy | s per RL step | vs one-step-off | reference efficiency | token bias |")
     add("|---|---:|---:|---:|---:|")
@@ -235,7 +242,42 @@ def simulated_section(rollfleet: str) -> str:
         steps = [policy(quick[s], name)["step_time_s"] for s in SEEDS]
         add(f"| {POLICY_NAMES[name]} | " + " | ".join(f"{x:.2f}" for x in steps) + " |")
     add("")
-    return "\n".join(lines)
+    return "\n".join(lines), readme
+
+
+def readme_table(report: dict[str, Any], equal: dict[str, Any]) -> str:
+    """The README's comparison: every policy of seed 0 on its own placement and staleness, then
+    the asynchronous ones at one-step-off's staleness."""
+    rows = [
+        "| policy | placement | staleness | s per RL step | vs sync | steps per USD vs sync | "
+        "efficiency (fixed bound) | bias: tokens / task share |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    sync = policy(report, "sync")
+
+    def row(run: dict[str, Any], shown: str) -> str:
+        bias = run["bias"]
+        return (
+            f"| {shown} | {run['placement']} | {run['max_staleness']} | "
+            f"{run['step_time_s']:.1f} | {sync['step_time_s'] / run['step_time_s']:.2f}x | "
+            f"{sync['usd_per_step'] / run['usd_per_step']:.2f}x | "
+            f"{run['reference_efficiency']:.2f} | {bias['tokens'] * 100:+.1f}% / "
+            f"{bias['task_share'] * 100:.1f} pts |"
+        )
+
+    for name, shown in POLICY_NAMES.items():
+        rows.append(row(policy(report, name), shown))
+    for name in ("areal-like", "rollfleet"):
+        rows.append(row(policy(equal, name), POLICY_NAMES[name]))
+    return "\n".join(rows)
+
+
+def with_readme_table(text: str, table: str) -> str | None:
+    """`text` (the README) with its generated block replaced by `table`; None without markers."""
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        return None
+    return text[: begin + len(README_BEGIN)] + "\n" + table + "\n" + text[end:]
 
 
 def machine() -> str:
@@ -363,18 +405,36 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    simulated = simulated_section(args.rollfleet)
+    simulated, table = simulated_section(args.rollfleet)
+    readme = README.read_text()
+    new_readme = with_readme_table(readme, table)
+    if new_readme is None:
+        print(
+            f"results: README.md has no generated comparison table ({README_BEGIN} ... "
+            f"{README_END})",
+            file=sys.stderr,
+        )
+        return 1
     if args.check:
         current = RESULTS.read_text() if RESULTS.exists() else ""
-        if simulated.strip() not in current:
+        stale = [
+            name
+            for name, fresh in (
+                ("docs/results.md", simulated.strip() in current),
+                ("README.md's comparison table", new_readme == readme),
+            )
+            if not fresh
+        ]
+        if stale:
             print(
-                "results: docs/results.md is stale: its simulated figures are not what the "
-                "code gives; run python3 docs/results.py and commit the file",
+                f"results: {' and '.join(stale)} stale: the simulated figures are not what "
+                "the code gives; run python3 docs/results.py and commit the files",
                 file=sys.stderr,
             )
             return 1
-        print("results: docs/results.md's simulated figures are current", file=sys.stderr)
+        print("results: docs/results.md and the README's table are current", file=sys.stderr)
         return 0
+    README.write_text(new_readme)
     if args.benchmarks:
         only = set() if args.benchmarks == "all" else set(args.benchmarks.split(","))
         measured = measured_section(only)
