@@ -88,7 +88,7 @@ pub struct SimArgs {
     /// of peak a pool's replicas measure drifts from the one the running plan assumed by more
     /// than this relative margin (e.g. 0.2), once the pool's other kind of work is measured
     /// afresh, and move to the new plan in waves when the planner predicts it saves at least 5%
-    /// of the step (an experiment: see docs/planner.md).
+    /// of the step (docs/planner.md, re-planning on drift).
     #[arg(long, value_name = "MARGIN")]
     pub replan_on_drift: Option<f64>,
 }

@@ -161,7 +161,7 @@ impl Core {
     /// trajectory that waits more steps for the trainer costs more prefill and buys no
     /// throughput once the trainer is fed (measured on the RollArt-like job with `maxStaleness:
     /// 8`, on the placement planned for 2: 95.4 s per step with a window of 4 batches, 75.0 s
-    /// with 2; docs/simulator.md).
+    /// with 2, when the rule was chosen).
     pub const MAX_WINDOW_BATCHES: u64 = 2;
 
     /// The continuous discipline's admission window and over-provisioning, in trajectories
@@ -175,7 +175,7 @@ impl Core {
         // lifetime L, so a trajectory spans N / B versions; to finish within the bound, N must
         // stay below S * B, and a group lives as long as the slowest of its members (about
         // twice the mean), hence half of that, but at least three quarters of a batch so that a
-        // small bound still keeps the trainer fed (both measured: docs/simulator.md), and never
+        // small bound still keeps the trainer fed (both measured on the RollArt-like job), and never
         // less than one training batch, or the trainer would wait for trajectories that are
         // never started. A loose bound does not widen it past `MAX_WINDOW_BATCHES`: see there.
         let window = (cfg.policy.max_staleness * b / 2)
@@ -197,7 +197,7 @@ impl Core {
                 // batch`. The window stays full through the last step too: the last batches
                 // then take the first groups to finish, as every earlier one does, instead of
                 // waiting for the slowest ones the job happened to start (measured: the last
-                // step of the RollArt-like job took 258 s instead of about 120, docs/simulator.md).
+                // step of the RollArt-like job took 258 s instead of about 120).
                 // Nothing new starts once the last batch went to the trainer; groups still
                 // running then are dropped untrained.
                 let (window, extra) = self.admission_terms;
@@ -290,7 +290,7 @@ impl Core {
     /// it is taken: regenerating its members one publication at a time kept such groups
     /// cycling (up to 9 attempts) on colocated placements. RollArt-like job, seeds 0-5:
     /// 108.8-111.9 s per step against 111.8-116.9 s at `maxStaleness: 2`; elsewhere within 1%
-    /// either way or faster (docs/simulator.md). The batched baselines keep their own rule.
+    /// either way or faster, when the rule was chosen. The batched baselines keep their own rule.
     pub(super) fn regenerate_lone_expired(&mut self) {
         if self.cfg.policy.discipline != Discipline::Continuous {
             return;
