@@ -37,6 +37,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::finalizer::{Event, finalizer};
 use rollfleet_proto::auth::{AuthChannel, ClientAuth, Token};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
@@ -44,6 +45,7 @@ use rollfleet_proto::v1::{JobRef, JobStatus};
 
 use crate::crd::{RLJob, RLJobStatus};
 use crate::desired::{self, COMPONENT_LABEL, JOB_LABEL, POOL_LABEL, Settings};
+use crate::events;
 
 /// The finalizer that cancels a job before its RLJob is deleted.
 pub const FINALIZER: &str = "rollfleet.dev/cancel-job";
@@ -68,12 +70,20 @@ pub struct Context {
     pub scheduler_url: Box<dyn Fn(&RLJob) -> String + Send + Sync>,
     /// Each RLJob's plan, made again only when its job file changes.
     pub plans: desired::PlanCache,
+    /// Publishes the Events of what happened to each RLJob ([`crate::events`]).
+    pub recorder: Recorder,
 }
 
 impl Context {
-    /// A context whose schedulers are reached through their Services' cluster DNS names.
-    pub fn in_cluster(client: kube::Client, settings: Settings) -> Context {
+    /// A context whose schedulers are reached through their Services' cluster DNS names;
+    /// `instance` names this replica in the Events it publishes.
+    pub fn in_cluster(
+        client: kube::Client,
+        settings: Settings,
+        instance: Option<String>,
+    ) -> Context {
         Context {
+            recorder: recorder(client.clone(), instance),
             client,
             settings,
             scheduler_url: Box::new(|job| {
@@ -87,6 +97,18 @@ impl Context {
             plans: desired::PlanCache::default(),
         }
     }
+}
+
+/// The recorder of the operator's Events, reporting as `rollfleet-operator` (`instance`: this
+/// replica).
+pub fn recorder(client: kube::Client, instance: Option<String>) -> Recorder {
+    Recorder::new(
+        client,
+        Reporter {
+            controller: events::REPORTER.into(),
+            instance,
+        },
+    )
 }
 
 /// Why a reconciliation failed (it is retried).
@@ -288,6 +310,8 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
                 ..Default::default()
             };
             write_status(&jobs, name, &status).await?;
+            let happened = events::happened(previous, &status, &[]);
+            events::publish(&ctx.recorder, job, &happened).await;
             // Nothing to do until the spec changes.
             return Ok(Action::await_change());
         }
@@ -381,6 +405,8 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
             ..previous.cloned().unwrap_or_default()
         };
         write_status(&jobs, name, &status).await?;
+        let happened = events::happened(previous, &status, &events::placements(&wanted));
+        events::publish(&ctx.recorder, job, &happened).await;
         return Ok(Action::await_change());
     }
     let unplaced = unschedulable_pools(job, ctx).await?;
@@ -451,6 +477,8 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     let lifecycle = lifecycle(previous, &status.phase, unplaced.as_deref(), generation);
     status.conditions.extend(lifecycle);
     write_status(&jobs, name, &status).await?;
+    let happened = events::happened(previous, &status, &events::placements(&wanted));
+    events::publish(&ctx.recorder, job, &happened).await;
     Ok(Action::requeue(Duration::from_secs(if ended {
         300
     } else {

@@ -126,7 +126,11 @@ fn run(image: String, election: Election) -> anyhow::Result<()> {
             .await;
             eprintln!("rollfleet-operator: {} leads", lock.identity());
         }
-        let ctx = Arc::new(Context::in_cluster(client.clone(), Settings { image }));
+        let ctx = Arc::new(Context::in_cluster(
+            client.clone(),
+            Settings { image },
+            election.identity.clone(),
+        ));
         eprintln!("rollfleet-operator: watching RLJobs in every namespace");
         let controller = Controller::new(jobs, watcher::Config::default())
             .owns(Api::<Deployment>::all(client), watcher::Config::default())

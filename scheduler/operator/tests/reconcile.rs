@@ -128,6 +128,46 @@ fn answer(send: tower_test::mock::SendResponse<Response<Body>>, body: &Value) {
     );
 }
 
+type Reconciling =
+    tokio::task::JoinHandle<Result<Action, kube::runtime::finalizer::Error<controller::Error>>>;
+
+/// Answers the Events a pass posts after its status until the pass ends: its action and each
+/// Event as posted.
+async fn events_until_done(reconciling: Reconciling, handle: &mut Handle) -> (Action, Vec<Value>) {
+    let mut reconciling = reconciling;
+    let mut events = Vec::new();
+    loop {
+        tokio::select! {
+            done = &mut reconciling => return (done.unwrap().unwrap(), events),
+            request = handle.next_request() => {
+                let Some((request, send)) = request else {
+                    return ((&mut reconciling).await.unwrap().unwrap(), events);
+                };
+                let seen = seen(request).await;
+                assert_eq!(
+                    (seen.method.as_str(), seen.uri.split('?').next().unwrap()),
+                    ("POST", "/apis/events.k8s.io/v1/namespaces/rl/events"),
+                );
+                answer(send, &seen.body);
+                events.push(seen.body);
+            }
+        }
+    }
+}
+
+/// Each Event's reason and type.
+fn reasons(events: &[Value]) -> Vec<(String, String)> {
+    events
+        .iter()
+        .map(|e| {
+            (
+                e["reason"].as_str().unwrap_or_default().to_owned(),
+                e["type"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
 /// Whether `manifests/operator/rbac.yaml` lets the operator do `verb` on `resource` of `group`.
 fn granted(group: &str, resource: &str, verb: &str) -> bool {
     let path = concat!(
@@ -189,8 +229,10 @@ fn reconciling(
     Handle,
 ) {
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "rl");
     let ctx = Arc::new(Context {
-        client: kube::Client::new(service, "rl"),
+        recorder: controller::recorder(client.clone(), Some("test".into())),
+        client,
         settings: Settings {
             image: "rollfleet:test".into(),
         },
@@ -344,8 +386,73 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
     assert!(status["startTime"].is_string(), "{status:#}");
     assert!(status["completionTime"].is_null(), "{status:#}");
     answer(send, &serde_json::to_value(&job).unwrap());
-    let action = reconciling.await.unwrap().unwrap();
+    let (action, events) = events_until_done(reconciling, &mut handle).await;
     assert_eq!(action, Action::requeue(Duration::from_secs(10)));
+    // The Events `kubectl describe` shows: planned, then each pool's Deployment and where its
+    // pods go, regarding the RLJob.
+    let normal = |reason: &str| (reason.to_owned(), "Normal".to_owned());
+    assert_eq!(
+        reasons(&events),
+        [
+            normal("Planned"),
+            normal("PoolPlaced"),
+            normal("PoolPlaced"),
+            normal("PoolPlaced"),
+            normal("PoolPlaced"),
+            normal("PoolPlaced"),
+        ]
+    );
+    for event in &events {
+        let regarding = &event["regarding"];
+        assert_eq!(
+            (
+                &regarding["kind"],
+                &regarding["name"],
+                &regarding["namespace"],
+                &regarding["uid"],
+                &regarding["apiVersion"]
+            ),
+            (
+                &json!("RLJob"),
+                &json!("quickstart"),
+                &json!("rl"),
+                &json!("uid-1"),
+                &json!("rollfleet.dev/v1alpha1")
+            ),
+            "{event:#}"
+        );
+        assert_eq!(event["reportingController"], "rollfleet-operator");
+        assert_eq!(event["metadata"]["namespace"], "rl");
+    }
+    let decode = events
+        .iter()
+        .filter_map(|e| e["note"].as_str())
+        .find(|n| n.starts_with("pool decode:"))
+        .expect("the decode pool's placement");
+    assert!(
+        decode.contains("Deployment quickstart-decode")
+            && decode.contains("nvidia.com/gpu.product="),
+        "{decode}"
+    );
+    // Each pool's Event is related to its Deployment.
+    let related: Vec<&str> = events
+        .iter()
+        .filter(|e| e["reason"] == "PoolPlaced")
+        .map(|e| e["related"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        related,
+        [
+            "quickstart-prefill",
+            "quickstart-decode",
+            "quickstart-train",
+            "quickstart-envs",
+            "quickstart-rewards"
+        ]
+    );
+    permissions.insert(("events.k8s.io".into(), "events".into(), "create".into()));
+    // A repeated Event is patched (its series counted).
+    permissions.insert(("events.k8s.io".into(), "events".into(), "patch".into()));
 
     // What the controller did, and what its Controller watches, the shipped RBAC allows.
     permissions.insert(("rollfleet.dev".into(), "rljobs".into(), "watch".into()));
@@ -390,7 +497,14 @@ async fn an_invalid_rljob_gets_its_problems_in_its_status_and_nothing_else() {
     assert_eq!(status["conditions"][0]["status"], "False");
     assert_eq!(status["conditions"][0]["reason"], "InvalidSpec");
     answer(send, &serde_json::to_value(&job).unwrap());
-    assert_eq!(reconciling.await.unwrap().unwrap(), Action::await_change());
+    let (action, events) = events_until_done(reconciling, &mut handle).await;
+    assert_eq!(action, Action::await_change());
+    assert_eq!(
+        reasons(&events),
+        [("InvalidSpec".to_owned(), "Warning".to_owned())]
+    );
+    let note = events[0]["note"].as_str().unwrap();
+    assert!(note.contains("pools[1].gpu"), "{note}");
     // Nothing was created: no further request came (the client is gone, or silent).
     let more = tokio::time::timeout(Duration::from_millis(200), handle.next_request()).await;
     assert!(matches!(more, Err(_) | Ok(None)), "another request came");
@@ -551,7 +665,7 @@ async fn status_written_with_secrets(
             "PATCH" if path.ends_with("/rljobs/quickstart/status") => {
                 let status = seen.body["status"].clone();
                 answer(send, &serde_json::to_value(job).unwrap());
-                reconciling.await.unwrap().unwrap();
+                events_until_done(reconciling, &mut handle).await;
                 assert_eq!(read.len(), secrets.len(), "the operator read only {read:?}");
                 return (status, permissions);
             }
@@ -706,6 +820,8 @@ struct Pass {
     status: Option<Value>,
     /// What the pass asked of the controller next.
     action: Action,
+    /// The Events it posted.
+    events: Vec<Value>,
 }
 
 /// Reconciles `job` once with its scheduler at `url`, answering every apply with what was sent,
@@ -718,6 +834,7 @@ async fn pass(job: &RLJob, url: String, pods: &[Value]) -> Pass {
         listed_pods: false,
         status: None,
         action: Action::await_change(),
+        events: Vec::new(),
     };
     loop {
         tokio::select! {
@@ -757,6 +874,10 @@ async fn pass(job: &RLJob, url: String, pods: &[Value]) -> Pass {
                         &json!({"apiVersion": "apps/v1", "kind": "DeploymentList",
                                 "metadata": {}, "items": []}),
                     ),
+                    ("POST", "/apis/events.k8s.io/v1/namespaces/rl/events") => {
+                        out.events.push(seen.body.clone());
+                        answer(send, &seen.body);
+                    }
                     ("PATCH", p) if p.ends_with("/rljobs/quickstart/status") => {
                         out.status = Some(seen.body["status"].clone());
                         answer(send, &serde_json::to_value(job).unwrap());
@@ -947,6 +1068,20 @@ async fn a_pool_whose_pods_stay_unschedulable_past_the_grace_is_named_in_an_unsc
     assert_eq!(status["message"], message.as_str(), "{status:#}");
     // The scheduler is still asked: the status says where the job is, besides.
     assert_eq!(status["phase"], "Pending");
+    // A Warning Event names the pool, once.
+    let unschedulable: Vec<&Value> = done
+        .events
+        .iter()
+        .filter(|e| e["reason"] == "Unschedulable")
+        .collect();
+    assert_eq!(unschedulable.len(), 1, "{:#?}", done.events);
+    assert_eq!(unschedulable[0]["type"], "Warning");
+    let note = unschedulable[0]["note"].as_str().unwrap();
+    assert!(note.contains("pool decode"), "{note}");
+    let mut job = job;
+    job.status = Some(serde_json::from_value(status.clone()).unwrap());
+    let again = pass(&job, url.clone(), &pods).await;
+    assert!(again.events.is_empty(), "{:#?}", again.events);
 
     // Placed at last: the condition says so no more.
     let done = pass(&job, url, &[]).await;
@@ -965,6 +1100,7 @@ async fn a_suspended_rljob_has_every_deployment_at_zero_until_resumed_with_the_s
         .into(),
     );
     let running = pass(&job, "http://127.0.0.1:1".into(), &[]).await;
+    job.status = Some(serde_json::from_value(running.status.clone().unwrap()).unwrap());
     job.spec["suspend"] = true.into();
     job.metadata.generation = Some(4);
     // No scheduler there: a suspended job asks nothing of it.
@@ -990,6 +1126,11 @@ async fn a_suspended_rljob_has_every_deployment_at_zero_until_resumed_with_the_s
         Some(("True".into(), "Suspended".into()))
     );
     assert_eq!(condition_of(&status, "Ready").unwrap().0, "False");
+    // Suspending is no new plan: only the suspension is told.
+    assert_eq!(
+        reasons(&suspended.events),
+        [("Suspended".to_owned(), "Normal".to_owned())]
+    );
     // The journal's claim stays on the scheduler's pod, and the job file (so the journal's name)
     // is the running one's: resuming resumes the job.
     let scheduler_pod = pod_of(&suspended, "quickstart-scheduler");
@@ -1023,6 +1164,10 @@ async fn a_suspended_rljob_has_every_deployment_at_zero_until_resumed_with_the_s
         Some(("False".into(), "Resumed".into()))
     );
     assert!(status["startTime"].is_string(), "{status:#}");
+    assert_eq!(
+        reasons(&resumed.events),
+        [("Resumed".to_owned(), "Normal".to_owned())]
+    );
 }
 
 #[tokio::test]
@@ -1072,6 +1217,10 @@ async fn a_cancelled_job_is_failed_and_complete_is_not_with_its_completion_time(
     assert_eq!(of("Complete"), ("False".into(), "Cancelled".into()));
     assert_eq!(of("Ready"), ("False".into(), "Cancelled".into()));
     assert!(status["completionTime"].is_string(), "{status:#}");
+    assert_eq!(
+        reasons(&ended.events),
+        [("Cancelled".to_owned(), "Warning".to_owned())]
+    );
     // The start is the one written before, not the end's.
     assert_eq!(
         status["startTime"],
