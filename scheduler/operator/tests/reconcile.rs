@@ -190,6 +190,50 @@ fn granted(group: &str, resource: &str, verb: &str) -> bool {
         })
 }
 
+/// Whether `manifests/operator/secrets-role.yaml`, the Role applied in each job namespace whose
+/// RLJobs name a Secret, lets the operator do `verb` on `resource` of `group` there; and that
+/// its RoleBinding binds that Role to the operator's service account.
+fn granted_in_job_namespace(group: &str, resource: &str, verb: &str) -> bool {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../manifests/operator/secrets-role.yaml"
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let docs: Vec<Value> = text
+        .split("\n---\n")
+        .map(|doc| serde_yaml_ng::from_str::<Value>(doc).unwrap())
+        .collect();
+    let of = |kind: &str| docs.iter().find(|d| d["kind"] == kind).cloned().unwrap();
+    let role: Role = serde_json::from_value(of("Role")).unwrap();
+    let binding: RoleBinding = serde_json::from_value(of("RoleBinding")).unwrap();
+    // Namespaced by `kubectl apply -n`: neither names a namespace of its own.
+    assert!(role.metadata.namespace.is_none() && binding.metadata.namespace.is_none());
+    assert_eq!(Some(&binding.role_ref.name), role.metadata.name.as_ref());
+    let subject = &binding.subjects.unwrap()[0];
+    assert_eq!(
+        (subject.name.as_str(), subject.namespace.as_deref()),
+        ("rollfleet-operator", Some("rollfleet-system"))
+    );
+    role.rules.unwrap_or_default().iter().any(|rule| {
+        let has =
+            |list: &Option<Vec<String>>, x: &str| list.iter().flatten().any(|v| v == x || v == "*");
+        has(&rule.api_groups, group)
+            && has(&rule.resources, resource)
+            && has(&Some(rule.verbs.clone()), verb)
+    })
+}
+
+/// Whether the shipped RBAC lets the operator make a request of `(group, resource, verb)`:
+/// Secrets through the per-namespace Role only, everything else through the ClusterRole.
+fn allowed((group, resource, verb): &(String, String, String)) -> bool {
+    if resource == "secrets" {
+        granted_in_job_namespace(group, resource, verb)
+    } else {
+        granted(group, resource, verb)
+    }
+}
+
 /// The (group, resource, verb) a request needs, from its method and path.
 fn permission(seen: &Seen) -> (String, String, String) {
     let path = seen.uri.split('?').next().unwrap_or_default();
@@ -464,11 +508,18 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
             "rbac.yaml does not allow {verb} {group}/{resource}"
         );
     }
-    // It reads the one Secret an RLJob names for its token (`get`), and can never list or
-    // watch the namespace's Secrets.
-    for verb in ["list", "watch", "create", "patch", "delete"] {
+    // No Secret anywhere through the ClusterRole; in a job namespace given the Role, it reads
+    // the one Secret an RLJob names (`get`), and can never list or watch the namespace's.
+    for verb in ["get", "list", "watch", "create", "patch", "delete"] {
         assert!(
             !granted("", "secrets", verb),
+            "the ClusterRole lets the operator {verb} secrets"
+        );
+    }
+    assert!(granted_in_job_namespace("", "secrets", "get"));
+    for verb in ["list", "watch", "create", "patch", "delete"] {
+        assert!(
+            !granted_in_job_namespace("", "secrets", verb),
             "the operator may {verb} secrets"
         );
     }
@@ -717,10 +768,10 @@ async fn an_rljob_with_a_token_secret_reaches_its_scheduler_with_that_token_and_
     let reachable = &status["conditions"][1];
     assert_eq!(reachable["type"], "SchedulerReachable");
     assert_eq!(reachable["status"], "True", "{status:#}");
-    for (group, resource, verb) in &permissions {
+    for permission in &permissions {
         assert!(
-            granted(group, resource, verb),
-            "rbac.yaml does not grant {verb} on {group}/{resource}"
+            allowed(permission),
+            "the shipped RBAC does not grant {permission:?}"
         );
     }
 
@@ -760,10 +811,10 @@ async fn an_rljob_with_a_tls_secret_reaches_its_scheduler_over_tls_trusting_the_
     let reachable = &status["conditions"][1];
     assert_eq!(reachable["status"], "True", "{status:#}");
     assert_eq!(status["phase"], "Pending", "{status:#}");
-    for (group, resource, verb) in &permissions {
+    for permission in &permissions {
         assert!(
-            granted(group, resource, verb),
-            "rbac.yaml does not grant {verb} on {group}/{resource}"
+            allowed(permission),
+            "the shipped RBAC does not grant {permission:?}"
         );
     }
 
