@@ -46,6 +46,7 @@ use rollfleet_proto::v1::{JobRef, JobStatus};
 use crate::crd::{RLJob, RLJobStatus};
 use crate::desired::{self, COMPONENT_LABEL, JOB_LABEL, POOL_LABEL, Settings};
 use crate::events;
+use crate::metrics::Metrics;
 
 /// The finalizer that cancels a job before its RLJob is deleted.
 pub const FINALIZER: &str = "rollfleet.dev/cancel-job";
@@ -72,6 +73,8 @@ pub struct Context {
     pub plans: desired::PlanCache,
     /// Publishes the Events of what happened to each RLJob ([`crate::events`]).
     pub recorder: Recorder,
+    /// The operator's own metrics ([`crate::metrics`]).
+    pub metrics: Arc<Metrics>,
 }
 
 impl Context {
@@ -81,8 +84,10 @@ impl Context {
         client: kube::Client,
         settings: Settings,
         instance: Option<String>,
+        metrics: Arc<Metrics>,
     ) -> Context {
         Context {
+            metrics,
             recorder: recorder(client.clone(), instance),
             client,
             settings,
@@ -127,14 +132,17 @@ pub async fn reconcile(
     job: Arc<RLJob>,
     ctx: Arc<Context>,
 ) -> Result<Action, kube::runtime::finalizer::Error<Error>> {
+    let started = std::time::Instant::now();
     let api: Api<RLJob> = Api::namespaced(ctx.client.clone(), job.namespace());
-    finalizer(&api, FINALIZER, job, |event| async {
+    let result = finalizer(&api, FINALIZER, job, |event| async {
         match event {
             Event::Apply(job) => apply(&job, &ctx).await,
             Event::Cleanup(job) => cleanup(&job, &ctx).await,
         }
     })
-    .await
+    .await;
+    ctx.metrics.observe(started.elapsed(), result.is_ok());
+    result
 }
 
 /// Retries a failed reconciliation after 30 s.
@@ -143,10 +151,9 @@ pub fn error_policy(
     error: &kube::runtime::finalizer::Error<Error>,
     _: Arc<Context>,
 ) -> Action {
-    eprintln!(
-        "rollfleet-operator: rljob {}/{}: {error}; retrying in 30 s",
-        job.namespace(),
-        job.name()
+    tracing::warn!(
+        rljob = %format!("{}/{}", job.namespace(), job.name()),
+        "reconciliation failed: {error}; retrying in 30 s"
     );
     Action::requeue(Duration::from_secs(30))
 }
@@ -310,6 +317,7 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
                 ..Default::default()
             };
             write_status(&jobs, name, &status).await?;
+            ctx.metrics.set_phase(job, Some(&status.phase));
             let happened = events::happened(previous, &status, &[]);
             events::publish(&ctx.recorder, job, &happened).await;
             // Nothing to do until the spec changes.
@@ -374,6 +382,8 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     // An ended job's pods are scaled to nothing (above); its status stays as it was written,
     // and nothing is asked of a scheduler that is gone.
     if desired::finished(job) {
+        ctx.metrics
+            .set_phase(job, previous.map(|p| p.phase.as_str()));
         return Ok(Action::await_change());
     }
     let valid = condition(previous, "Valid", true, "Planned", "", generation);
@@ -405,6 +415,7 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
             ..previous.cloned().unwrap_or_default()
         };
         write_status(&jobs, name, &status).await?;
+        ctx.metrics.set_phase(job, Some(&status.phase));
         let happened = events::happened(previous, &status, &events::placements(&wanted));
         events::publish(&ctx.recorder, job, &happened).await;
         return Ok(Action::await_change());
@@ -477,6 +488,7 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     let lifecycle = lifecycle(previous, &status.phase, unplaced.as_deref(), generation);
     status.conditions.extend(lifecycle);
     write_status(&jobs, name, &status).await?;
+    ctx.metrics.set_phase(job, Some(&status.phase));
     let happened = events::happened(previous, &status, &events::placements(&wanted));
     events::publish(&ctx.recorder, job, &happened).await;
     Ok(Action::requeue(Duration::from_secs(if ended {
@@ -630,6 +642,8 @@ async fn unschedulable_pools(job: &RLJob, ctx: &Context) -> Result<Option<String
 
 async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     ctx.plans.forget(job);
+    ctx.metrics.set_phase(job, None);
+    let rljob = format!("{}/{}", job.namespace(), job.name());
     let cancelled = async {
         let call = call(job, ctx).await?;
         let mut client = scheduler_client(&call).await?;
@@ -641,21 +655,11 @@ async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
             .map_err(|s| format!("{} answered: {}", call.url, s.message()))
     };
     match tokio::time::timeout(SCHEDULER_TIMEOUT, cancelled).await {
-        Ok(Ok(_)) => eprintln!(
-            "rollfleet-operator: rljob {}/{}: job cancelled before deletion",
-            job.namespace(),
-            job.name()
-        ),
-        Ok(Err(why)) => eprintln!(
-            "rollfleet-operator: rljob {}/{}: not cancelled ({why}); deleting it anyway",
-            job.namespace(),
-            job.name()
-        ),
-        Err(_) => eprintln!(
-            "rollfleet-operator: rljob {}/{}: the scheduler did not answer in {} s; deleting it \
-             anyway",
-            job.namespace(),
-            job.name(),
+        Ok(Ok(_)) => tracing::info!(%rljob, "job cancelled before deletion"),
+        Ok(Err(why)) => tracing::warn!(%rljob, "not cancelled ({why}); deleting it anyway"),
+        Err(_) => tracing::warn!(
+            %rljob,
+            "the scheduler did not answer in {} s; deleting it anyway",
             SCHEDULER_TIMEOUT.as_secs()
         ),
     }

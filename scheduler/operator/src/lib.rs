@@ -6,6 +6,7 @@
 //!   pure function tested without a cluster;
 //! - [`controller`]: the reconciler that applies it and reports the scheduler's status back;
 //! - [`events`]: the Kubernetes Events of what happened to each RLJob;
+//! - [`metrics`]: the operator's own Prometheus metrics and their HTTP endpoint;
 //! - [`lease`]: leader election over a Lease, so that only one of several replicas reconciles;
 //! - [`placement`]: where each pool's pods go, what they ask for, and the restricted security
 //!   context of every pod.
@@ -20,4 +21,5 @@ pub mod crd;
 pub mod desired;
 pub mod events;
 pub mod lease;
+pub mod metrics;
 pub mod placement;

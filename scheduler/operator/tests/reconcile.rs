@@ -15,6 +15,7 @@ use kube::runtime::controller::Action;
 use rollfleet_operator::controller::{self, Context, FINALIZER};
 use rollfleet_operator::crd::RLJob;
 use rollfleet_operator::desired::{Settings, job_file};
+use rollfleet_operator::metrics::Metrics;
 use serde_json::{Value, json};
 
 type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
@@ -265,13 +266,12 @@ fn permission(seen: &Seen) -> (String, String, String) {
 
 /// Starts reconciling `job` against a scripted API server (the returned handle answers it), with
 /// its scheduler at `url`.
-fn reconciling(
-    job: &RLJob,
-    url: String,
-) -> (
-    tokio::task::JoinHandle<Result<Action, kube::runtime::finalizer::Error<controller::Error>>>,
-    Handle,
-) {
+fn reconciling(job: &RLJob, url: String) -> (Reconciling, Handle) {
+    reconciling_with(job, url, Arc::new(Metrics::new().unwrap()))
+}
+
+/// [`reconciling`], counting into `metrics`.
+fn reconciling_with(job: &RLJob, url: String, metrics: Arc<Metrics>) -> (Reconciling, Handle) {
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let client = kube::Client::new(service, "rl");
     let ctx = Arc::new(Context {
@@ -282,6 +282,7 @@ fn reconciling(
         },
         scheduler_url: Box::new(move |_| url.clone()),
         plans: Default::default(),
+        metrics,
     });
     (
         tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx)),
@@ -878,7 +879,12 @@ struct Pass {
 /// Reconciles `job` once with its scheduler at `url`, answering every apply with what was sent,
 /// the list of the job's Deployments with none and the list of its Pending pods with `pods`.
 async fn pass(job: &RLJob, url: String, pods: &[Value]) -> Pass {
-    let (mut reconciling, mut handle) = reconciling(job, url);
+    pass_with(job, url, pods, Arc::new(Metrics::new().unwrap())).await
+}
+
+/// [`pass`], counting into `metrics`.
+async fn pass_with(job: &RLJob, url: String, pods: &[Value], metrics: Arc<Metrics>) -> Pass {
+    let (mut reconciling, mut handle) = reconciling_with(job, url, metrics);
     let mut out = Pass {
         deployments: Vec::new(),
         config_map: Value::Null,
@@ -1342,4 +1348,61 @@ async fn every_pod_the_operator_makes_runs_restricted_with_only_its_volumes_writ
             .cloned();
         assert_eq!(tmp, Some(json!({"name": "tmp", "emptyDir": {}})), "{name}");
     }
+}
+
+/// What an HTTP GET of `path` on `addr` answers: its status line and body.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut text = String::new();
+    socket.read_to_string(&mut text).await.unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_owned(), body.to_owned())
+}
+
+#[tokio::test]
+async fn the_operators_metrics_endpoint_counts_each_pass_its_duration_errors_and_jobs_by_phase() {
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(rollfleet_operator::metrics::serve(
+        listener,
+        metrics.clone(),
+    ));
+
+    // A pass that writes the status the real scheduler reports.
+    let job = quickstart();
+    let (url, _scheduler) = scheduler(&job).await;
+    let done = pass_with(&job, url, &[], metrics.clone()).await;
+    assert_eq!(done.status.unwrap()["phase"], "Pending");
+    // A pass the API server fails: its first apply answered 500.
+    let (reconciling, mut handle) = reconciling_with(&job, "http://127.0.0.1:1".into(), metrics);
+    let (_, send) = next(&mut handle).await;
+    send.send_response(
+        Response::builder()
+            .status(500)
+            .body(Body::from(
+                serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "Status",
+                    "status": "Failure", "reason": "InternalError", "code": 500,
+                    "message": "etcd is down"}))
+                .unwrap(),
+            ))
+            .unwrap(),
+    );
+    assert!(reconciling.await.unwrap().is_err());
+
+    let (status, body) = http_get(addr, "/metrics").await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    for line in [
+        "rollfleet_operator_reconciles_total{result=\"ok\"} 1",
+        "rollfleet_operator_reconciles_total{result=\"error\"} 1",
+        "rollfleet_operator_reconcile_errors_total 1",
+        "rollfleet_operator_reconcile_duration_seconds_count 2",
+        "rollfleet_operator_jobs{phase=\"Pending\"} 1",
+    ] {
+        assert!(body.lines().any(|l| l == line), "no {line:?} in:\n{body}");
+    }
+    assert!(body.contains("# TYPE rollfleet_operator_reconcile_duration_seconds histogram"));
 }
