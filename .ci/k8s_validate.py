@@ -4,7 +4,12 @@
   (PyPI's `kubernetes-validate`, which ships them in its wheel), strictly (an unknown field fails);
 - every example RLJob (each YAML file under examples/ whose kind is RLJob) against the
   openAPIV3Schema of the generated CRD (manifests/operator/crd.yaml);
-- a malformed RLJob against the same schema: it must be refused, naming the field path.
+- a malformed RLJob against the same schema: it must be refused, naming the field path;
+- the objects the operator creates for each example RLJob (`rollfleet-operator desired`: the
+  ConfigMap, the scheduler's Service and every Deployment, their probes and security contexts
+  included) against the Kubernetes API's schemas, strictly, when the operator's binary is
+  built ($ROLLFLEET_OPERATOR_BIN, default target/debug/rollfleet-operator; without it this
+  part fails unless K8S_VALIDATE_WITHOUT_OPERATOR=1).
 
 Run by .ci/k8s-validate, which installs kubernetes-validate into a virtual environment first.
 Exits non-zero on any failure.
@@ -13,8 +18,10 @@ Exits non-zero on any failure.
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
 import re
+import subprocess
 import sys
 
 import jsonschema
@@ -72,7 +79,7 @@ def main() -> int:
                     kubernetes_validate.validate(doc, version, strict=True)
                     checked += 1
                 except kubernetes_validate.ValidationError as e:
-                    failures.append(f"{name} (Kubernetes {version}): {path_of(e.caused_by)}: {e.caused_by.message}")
+                    failures.append(f"{name} (Kubernetes {version}): {path_of(e)}: {e.message}")
                 except kubernetes_validate.SchemaNotFoundError as e:
                     failures.append(f"{name} (Kubernetes {version}): no schema: {e}")
 
@@ -100,6 +107,32 @@ def main() -> int:
     if "spec.pools[1].count" not in paths:
         failures.append(f"a pool count of 'many' was not refused at spec.pools[1].count: {paths}")
     checked += 1
+
+    # What the operator creates, from its own code.
+    operator = pathlib.Path(os.environ.get("ROLLFLEET_OPERATOR_BIN", ROOT / "target/debug/rollfleet-operator"))
+    if operator.is_file():
+        created = 0
+        for path, doc in jobs:
+            out = subprocess.run(
+                [str(operator), "desired", str(path)], capture_output=True, text=True, check=False
+            )
+            if out.returncode != 0:
+                failures.append(f"rollfleet-operator desired {path.relative_to(ROOT)}: {out.stderr.strip()}")
+                continue
+            for obj in yaml.load_all(out.stdout, Loader=Loader):
+                name = f"{path.relative_to(ROOT)} -> {obj.get('kind')}/{obj['metadata']['name']}"
+                for version in VERSIONS:
+                    try:
+                        kubernetes_validate.validate(obj, version, strict=True)
+                        checked += 1
+                    except kubernetes_validate.ValidationError as e:
+                        failures.append(f"{name} (Kubernetes {version}): {path_of(e)}: {e.message}")
+                created += 1
+        print(f"{created} objects the operator creates for {len(jobs)} example RLJobs")
+        if created < 3 * len(jobs):
+            failures.append(f"only {created} objects created for {len(jobs)} RLJobs")
+    elif os.environ.get("K8S_VALIDATE_WITHOUT_OPERATOR") != "1":
+        failures.append(f"no operator binary at {operator} (cargo build -p rollfleet-operator)")
 
     for failure in failures:
         print(f"FAIL {failure}", file=sys.stderr)

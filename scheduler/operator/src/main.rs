@@ -2,6 +2,7 @@
 
 use std::io::Write as _;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,6 +63,19 @@ enum Command {
     },
     /// Print the CustomResourceDefinition of RLJob as YAML.
     Crd,
+    /// Print the objects the operator would apply for an RLJob file (its ConfigMap, Service and
+    /// Deployments) as YAML, without a cluster: to review them, or to validate them offline.
+    Desired {
+        /// The RLJob (e.g. examples/jobs/quickstart.yaml).
+        file: PathBuf,
+        /// The image with the `rollfleet` binary that schedulers and workers run.
+        #[arg(
+            long,
+            env = "ROLLFLEET_IMAGE",
+            default_value = "ghcr.io/rollfleet/rollfleet:0.1.0"
+        )]
+        image: String,
+    },
 }
 
 /// Leader election: which of several replicas reconciles.
@@ -103,6 +117,7 @@ fn main() -> ExitCode {
         Command::Crd => crd::crd_yaml()
             .map(|yaml| print!("{yaml}"))
             .map_err(anyhow::Error::from),
+        Command::Desired { file, image } => desired_yaml(&file, image).map(|yaml| print!("{yaml}")),
         Command::Run {
             image,
             metrics_addr,
@@ -122,6 +137,46 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The objects the operator would apply for the RLJob in `file`, as YAML documents.
+fn desired_yaml(file: &Path, image: String) -> anyhow::Result<String> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut job: RLJob = serde_yaml_ng::from_str(&text)
+        .with_context(|| format!("{} is not an RLJob", file.display()))?;
+    if job.metadata.namespace.is_none() {
+        job.metadata.namespace = Some("default".into());
+    }
+    let wanted = rollfleet_operator::desired::desired(&job, &Settings { image })
+        .with_context(|| format!("{}: invalid", file.display()))?;
+    let mut docs = vec![
+        serde_yaml_ng::to_string(&with_kind(&wanted.config_map, "v1", "ConfigMap")?)?,
+        serde_yaml_ng::to_string(&with_kind(&wanted.service, "v1", "Service")?)?,
+    ];
+    for deployment in &wanted.deployments {
+        docs.push(serde_yaml_ng::to_string(&with_kind(
+            deployment,
+            "apps/v1",
+            "Deployment",
+        )?)?);
+    }
+    Ok(docs.join("---\n"))
+}
+
+/// `object` as JSON with its `apiVersion` and `kind` (k8s-openapi writes them; set here so the
+/// output does not depend on it).
+fn with_kind(
+    object: &impl serde::Serialize,
+    api_version: &str,
+    kind: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let mut value = serde_json::to_value(object)?;
+    if let Some(fields) = value.as_object_mut() {
+        fields.insert("apiVersion".into(), api_version.into());
+        fields.insert("kind".into(), kind.into());
+    }
+    Ok(value)
 }
 
 fn run(image: String, metrics_addr: Option<SocketAddr>, election: Election) -> anyhow::Result<()> {
