@@ -409,6 +409,7 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
                     generation,
                 ),
             ],
+            workers_joined: 0,
             // A resumed job starts its clock again, as a Kubernetes Job does.
             start_time: None,
             completion_time: None,
@@ -436,6 +437,7 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
             rl_steps_total: s.rl_steps_total,
             trajectories_trained: s.trajectories_trained,
             workers: wanted.workers,
+            workers_joined: s.pools.iter().map(|p| p.workers).sum(),
             message: s.message.clone(),
             conditions: vec![
                 valid,

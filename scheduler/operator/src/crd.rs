@@ -91,6 +91,9 @@ pub struct RLJobStatus {
     pub trajectories_trained: u64,
     /// Worker pods the job runs (its scheduler waits for this many).
     pub workers: u32,
+    /// Workers registered with the scheduler at its last answer (a fall while the job runs is a
+    /// worker lost, reported as a `WorkerLost` Event).
+    pub workers_joined: u32,
     /// What the phase means now: the spec's problems, the scheduler's message.
     pub message: String,
     /// `Valid` (the spec passed validation and planning), `SchedulerReachable`, `Ready` (the job

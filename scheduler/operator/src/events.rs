@@ -13,6 +13,7 @@
 //! | `InvalidSpec` | Warning | a spec cannot be planned |
 //! | `Unschedulable` | Warning | some pool's pods stayed unschedulable past the grace |
 //! | `Running` | Normal | the scheduler reports the job running |
+//! | `WorkerLost` | Warning | fewer workers are registered with the running job's scheduler than at its last answer |
 //! | `Succeeded` | Normal | the job ended and succeeded |
 //! | `Failed`, `Cancelled` | Warning | the job ended otherwise |
 //! | `Suspended`, `Resumed` | Normal | `spec.suspend` was set, or cleared again |
@@ -173,6 +174,23 @@ pub fn happened(
             now.message.clone(),
         ));
     }
+    // A worker lost while the job runs: fewer registered than at the last answer.
+    if let Some(before) = previous
+        && !new_generation
+        && before.phase == "Running"
+        && now.phase == "Running"
+        && now.workers_joined < before.workers_joined
+    {
+        events.push(event(
+            EventType::Warning,
+            "WorkerLost",
+            "Watch",
+            format!(
+                "workers registered with the scheduler fell from {} to {} (of {} the job runs)",
+                before.workers_joined, now.workers_joined, now.workers
+            ),
+        ));
+    }
     if was_phase(&now.phase) && !new_generation {
         return events;
     }
@@ -279,5 +297,28 @@ mod tests {
             ["Resumed"]
         );
         assert!(happened(Some(&suspended), &suspended, &placed).is_empty());
+    }
+
+    #[test]
+    fn fewer_workers_registered_while_the_job_runs_is_a_worker_lost_and_more_is_not() {
+        let running = |joined: u32| RLJobStatus {
+            workers_joined: joined,
+            ..status("Running", 1)
+        };
+        let events = happened(Some(&running(5)), &running(4), &[]);
+        assert_eq!(reasons(&events), ["WorkerLost"]);
+        assert_eq!(events[0].type_, EventType::Warning);
+        let note = events[0].note.clone().unwrap_or_default();
+        assert!(note.contains("from 5 to 4 (of 5"), "{note}");
+        assert!(happened(Some(&running(4)), &running(5), &[]).is_empty());
+        // A job that ended lets its workers go: no loss.
+        let ended = RLJobStatus {
+            workers_joined: 0,
+            ..status("Succeeded", 1)
+        };
+        assert_eq!(
+            reasons(&happened(Some(&running(5)), &ended, &[])),
+            ["Succeeded"]
+        );
     }
 }
