@@ -94,7 +94,10 @@ fn placement_note(d: &Deployment) -> Placed {
         .and_then(|c| c.resources.as_ref())
         .and_then(|r| r.limits.as_ref())
         .and_then(|l| l.get("nvidia.com/gpu"))
-        .map(|q| format!(" of {} GPUs each", q.0))
+        .map(|q| {
+            let gpus = if q.0 == "1" { "GPU" } else { "GPUs" };
+            format!(" of {} {gpus} each", q.0)
+        })
         .unwrap_or_default();
     let selector = pod
         .and_then(|p| p.node_selector.as_ref())

@@ -212,6 +212,18 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
             && decode.contains("nvidia.com/gpu.product="),
         "{decode}"
     );
+    let notes: Vec<&str> = events.iter().filter_map(|e| e["note"].as_str()).collect();
+    assert_eq!(
+        notes,
+        [
+            "planned for 5 workers",
+            "pool prefill: Deployment quickstart-prefill, 1 pod of 1 GPU each on nodes nvidia.com/gpu.product=NVIDIA-H800",
+            "pool decode: Deployment quickstart-decode, 1 pod of 2 GPUs each on nodes nvidia.com/gpu.product=NVIDIA-H20",
+            "pool train: Deployment quickstart-train, 1 pod of 1 GPU each on nodes nvidia.com/gpu.product=NVIDIA-H800",
+            "pool envs: Deployment quickstart-envs, 1 pod on any node",
+            "pool rewards: Deployment quickstart-rewards, 1 pod on any node",
+        ]
+    );
     // Each pool's Event is related to its Deployment.
     let related: Vec<&str> = events
         .iter()
