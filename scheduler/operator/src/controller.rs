@@ -37,6 +37,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::finalizer::{Event, finalizer};
 use rollfleet_proto::auth::{AuthChannel, ClientAuth, Token};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
@@ -44,6 +45,8 @@ use rollfleet_proto::v1::{JobRef, JobStatus};
 
 use crate::crd::{RLJob, RLJobStatus};
 use crate::desired::{self, COMPONENT_LABEL, JOB_LABEL, POOL_LABEL, Settings};
+use crate::events;
+use crate::metrics::Metrics;
 
 /// The finalizer that cancels a job before its RLJob is deleted.
 pub const FINALIZER: &str = "rollfleet.dev/cancel-job";
@@ -68,12 +71,24 @@ pub struct Context {
     pub scheduler_url: Box<dyn Fn(&RLJob) -> String + Send + Sync>,
     /// Each RLJob's plan, made again only when its job file changes.
     pub plans: desired::PlanCache,
+    /// Publishes the Events of what happened to each RLJob ([`crate::events`]).
+    pub recorder: Recorder,
+    /// The operator's own metrics ([`crate::metrics`]).
+    pub metrics: Arc<Metrics>,
 }
 
 impl Context {
-    /// A context whose schedulers are reached through their Services' cluster DNS names.
-    pub fn in_cluster(client: kube::Client, settings: Settings) -> Context {
+    /// A context whose schedulers are reached through their Services' cluster DNS names;
+    /// `instance` names this replica in the Events it publishes.
+    pub fn in_cluster(
+        client: kube::Client,
+        settings: Settings,
+        instance: Option<String>,
+        metrics: Arc<Metrics>,
+    ) -> Context {
         Context {
+            metrics,
+            recorder: recorder(client.clone(), instance),
             client,
             settings,
             scheduler_url: Box::new(|job| {
@@ -87,6 +102,18 @@ impl Context {
             plans: desired::PlanCache::default(),
         }
     }
+}
+
+/// The recorder of the operator's Events, reporting as `rollfleet-operator` (`instance`: this
+/// replica).
+pub fn recorder(client: kube::Client, instance: Option<String>) -> Recorder {
+    Recorder::new(
+        client,
+        Reporter {
+            controller: events::REPORTER.into(),
+            instance,
+        },
+    )
 }
 
 /// Why a reconciliation failed (it is retried).
@@ -105,14 +132,17 @@ pub async fn reconcile(
     job: Arc<RLJob>,
     ctx: Arc<Context>,
 ) -> Result<Action, kube::runtime::finalizer::Error<Error>> {
+    let started = std::time::Instant::now();
     let api: Api<RLJob> = Api::namespaced(ctx.client.clone(), job.namespace());
-    finalizer(&api, FINALIZER, job, |event| async {
+    let result = finalizer(&api, FINALIZER, job, |event| async {
         match event {
             Event::Apply(job) => apply(&job, &ctx).await,
             Event::Cleanup(job) => cleanup(&job, &ctx).await,
         }
     })
-    .await
+    .await;
+    ctx.metrics.observe(started.elapsed(), result.is_ok());
+    result
 }
 
 /// Retries a failed reconciliation after 30 s.
@@ -121,10 +151,9 @@ pub fn error_policy(
     error: &kube::runtime::finalizer::Error<Error>,
     _: Arc<Context>,
 ) -> Action {
-    eprintln!(
-        "rollfleet-operator: rljob {}/{}: {error}; retrying in 30 s",
-        job.namespace(),
-        job.name()
+    tracing::warn!(
+        rljob = %format!("{}/{}", job.namespace(), job.name()),
+        "reconciliation failed: {error}; retrying in 30 s"
     );
     Action::requeue(Duration::from_secs(30))
 }
@@ -288,6 +317,9 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
                 ..Default::default()
             };
             write_status(&jobs, name, &status).await?;
+            ctx.metrics.set_phase(job, Some(&status.phase));
+            let happened = events::happened(previous, &status, &[]);
+            events::publish(&ctx.recorder, job, &happened).await;
             // Nothing to do until the spec changes.
             return Ok(Action::await_change());
         }
@@ -350,6 +382,8 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     // An ended job's pods are scaled to nothing (above); its status stays as it was written,
     // and nothing is asked of a scheduler that is gone.
     if desired::finished(job) {
+        ctx.metrics
+            .set_phase(job, previous.map(|p| p.phase.as_str()));
         return Ok(Action::await_change());
     }
     let valid = condition(previous, "Valid", true, "Planned", "", generation);
@@ -375,12 +409,16 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
                     generation,
                 ),
             ],
+            workers_joined: 0,
             // A resumed job starts its clock again, as a Kubernetes Job does.
             start_time: None,
             completion_time: None,
             ..previous.cloned().unwrap_or_default()
         };
         write_status(&jobs, name, &status).await?;
+        ctx.metrics.set_phase(job, Some(&status.phase));
+        let happened = events::happened(previous, &status, &events::placements(&wanted));
+        events::publish(&ctx.recorder, job, &happened).await;
         return Ok(Action::await_change());
     }
     let unplaced = unschedulable_pools(job, ctx).await?;
@@ -397,6 +435,7 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
             rl_steps_total: s.rl_steps_total,
             trajectories_trained: s.trajectories_trained,
             workers: wanted.workers,
+            workers_joined: s.pools.iter().map(|p| p.workers).sum(),
             message: s.message.clone(),
             conditions: vec![
                 valid,
@@ -449,6 +488,9 @@ async fn apply(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     let lifecycle = lifecycle(previous, &status.phase, unplaced.as_deref(), generation);
     status.conditions.extend(lifecycle);
     write_status(&jobs, name, &status).await?;
+    ctx.metrics.set_phase(job, Some(&status.phase));
+    let happened = events::happened(previous, &status, &events::placements(&wanted));
+    events::publish(&ctx.recorder, job, &happened).await;
     Ok(Action::requeue(Duration::from_secs(if ended {
         300
     } else {
@@ -600,6 +642,8 @@ async fn unschedulable_pools(job: &RLJob, ctx: &Context) -> Result<Option<String
 
 async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     ctx.plans.forget(job);
+    ctx.metrics.set_phase(job, None);
+    let rljob = format!("{}/{}", job.namespace(), job.name());
     let cancelled = async {
         let call = call(job, ctx).await?;
         let mut client = scheduler_client(&call).await?;
@@ -611,21 +655,11 @@ async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
             .map_err(|s| format!("{} answered: {}", call.url, s.message()))
     };
     match tokio::time::timeout(SCHEDULER_TIMEOUT, cancelled).await {
-        Ok(Ok(_)) => eprintln!(
-            "rollfleet-operator: rljob {}/{}: job cancelled before deletion",
-            job.namespace(),
-            job.name()
-        ),
-        Ok(Err(why)) => eprintln!(
-            "rollfleet-operator: rljob {}/{}: not cancelled ({why}); deleting it anyway",
-            job.namespace(),
-            job.name()
-        ),
-        Err(_) => eprintln!(
-            "rollfleet-operator: rljob {}/{}: the scheduler did not answer in {} s; deleting it \
-             anyway",
-            job.namespace(),
-            job.name(),
+        Ok(Ok(_)) => tracing::info!(%rljob, "job cancelled before deletion"),
+        Ok(Err(why)) => tracing::warn!(%rljob, "not cancelled ({why}); deleting it anyway"),
+        Err(_) => tracing::warn!(
+            %rljob,
+            "the scheduler did not answer in {} s; deleting it anyway",
             SCHEDULER_TIMEOUT.as_secs()
         ),
     }

@@ -91,6 +91,9 @@ pub struct RLJobStatus {
     pub trajectories_trained: u64,
     /// Worker pods the job runs (its scheduler waits for this many).
     pub workers: u32,
+    /// Workers registered with the scheduler at its last answer (a fall while the job runs is a
+    /// worker lost, reported as a `WorkerLost` Event).
+    pub workers_joined: u32,
     /// What the phase means now: the spec's problems, the scheduler's message.
     pub message: String,
     /// `Valid` (the spec passed validation and planning), `SchedulerReachable`, `Ready` (the job
@@ -399,13 +402,56 @@ mod tests {
         assert_eq!(operator.metadata.namespace, namespace.metadata.name);
         let pod = operator
             .spec
+            .clone()
             .and_then(|s| s.template.spec)
             .expect("a pod template");
         assert_eq!(pod.service_account_name, account.metadata.name);
         let container = &pod.containers[0];
+        let command = container.command.clone().unwrap_or_default();
         assert_eq!(
-            container.command.clone().unwrap_or_default(),
+            command[..3],
             ["rollfleet-operator", "run", "--leader-elect"]
+        );
+        // Its metrics, on the port the headless Service (scraped by Prometheus) selects.
+        let after = |flag: &str| {
+            command
+                .iter()
+                .position(|a| a == flag)
+                .and_then(|i| command.get(i + 1))
+                .cloned()
+        };
+        assert_eq!(after("--metrics-addr").as_deref(), Some("0.0.0.0:9465"));
+        assert_eq!(after("--log-format").as_deref(), Some("json"));
+        let service: k8s_openapi::api::core::v1::Service =
+            serde_yaml_ng::from_str(&manifest("service.yaml")).expect("Service");
+        let service_spec = service.spec.expect("a Service spec");
+        assert_eq!(service_spec.cluster_ip.as_deref(), Some("None"));
+        assert_eq!(service.metadata.namespace, namespace.metadata.name);
+        assert_eq!(
+            service_spec.selector.as_ref(),
+            operator
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.metadata.as_ref())
+                .and_then(|m| m.labels.as_ref())
+        );
+        let ports = service_spec.ports.unwrap_or_default();
+        assert_eq!(ports[0].port, 9465);
+        assert!(
+            container
+                .ports
+                .iter()
+                .flatten()
+                .any(|p| p.container_port == 9465 && p.name.as_deref() == Some("metrics"))
+        );
+        let prometheus = std::fs::read_to_string(format!(
+            "{}/../../manifests/monitoring/prometheus.yml",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap_or_default();
+        assert!(
+            prometheus.contains("rollfleet-operator-metrics.rollfleet-system.svc"),
+            "prometheus.yml scrapes the operator's Service"
         );
         let env = container.env.clone().unwrap_or_default();
         assert!(

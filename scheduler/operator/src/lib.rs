@@ -5,6 +5,8 @@
 //! - [`desired`]: what an RLJob should run (its scheduler, a Deployment of workers per pool), a
 //!   pure function tested without a cluster;
 //! - [`controller`]: the reconciler that applies it and reports the scheduler's status back;
+//! - [`events`]: the Kubernetes Events of what happened to each RLJob;
+//! - [`metrics`]: the operator's own Prometheus metrics and their HTTP endpoint;
 //! - [`lease`]: leader election over a Lease, so that only one of several replicas reconciles;
 //! - [`placement`]: where each pool's pods go, what they ask for, and the restricted security
 //!   context of every pod.
@@ -17,5 +19,7 @@ pub use k8s_openapi;
 pub mod controller;
 pub mod crd;
 pub mod desired;
+pub mod events;
 pub mod lease;
+pub mod metrics;
 pub mod placement;

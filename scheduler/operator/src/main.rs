@@ -1,5 +1,8 @@
 //! `rollfleet-operator`: runs the RLJob controller in a cluster, or prints its CRD.
 
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +18,8 @@ use rollfleet_operator::crd::{self, RLJob};
 use rollfleet_operator::desired::Settings;
 use rollfleet_operator::k8s_openapi::jiff::Timestamp;
 use rollfleet_operator::lease::{self, LeaseLock};
+use rollfleet_operator::metrics::Metrics;
+use rollfleet_server::logs::{self, LogFormat};
 
 /// The rollfleet Kubernetes operator.
 #[derive(Debug, Parser)]
@@ -22,9 +27,26 @@ use rollfleet_operator::lease::{self, LeaseLock};
     version,
     after_help = "Examples:\n  \
         rollfleet-operator crd | kubectl apply -f -\n  \
-        rollfleet-operator run --image ghcr.io/rollfleet/rollfleet:0.1.0\n\n\
+        rollfleet-operator run --image ghcr.io/rollfleet/rollfleet:0.1.0 --metrics-addr 0.0.0.0:9465\n\n\
+        Environment: RUST_LOG (log levels, default info), ROLLFLEET_LOG_FORMAT (text or json).\n\
         Manifests: manifests/operator/ (CRD, RBAC, the operator's Deployment)."
 )]
+struct Cli {
+    /// How the operator writes its log to stderr: text for people, or one JSON object per line
+    /// for a log collector. `RUST_LOG` sets the levels (default `info`).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormatArg::Text, env = "ROLLFLEET_LOG_FORMAT")]
+    log_format: LogFormatArg,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LogFormatArg {
+    Text,
+    Json,
+}
+
+#[derive(Debug, clap::Subcommand)]
 enum Command {
     /// Watch RLJobs in every namespace and run them (uses the in-cluster service account, or
     /// the current kubeconfig context outside a cluster).
@@ -32,11 +54,28 @@ enum Command {
         /// The image with the `rollfleet` binary that schedulers and workers run.
         #[arg(long, env = "ROLLFLEET_IMAGE")]
         image: String,
+        /// Serve the operator's Prometheus metrics (reconciles, their duration and errors, jobs
+        /// by phase) over HTTP on this address, e.g. 0.0.0.0:9465.
+        #[arg(long, env = "ROLLFLEET_OPERATOR_METRICS_ADDR")]
+        metrics_addr: Option<SocketAddr>,
         #[command(flatten)]
         election: Election,
     },
     /// Print the CustomResourceDefinition of RLJob as YAML.
     Crd,
+    /// Print the objects the operator would apply for an RLJob file (its ConfigMap, Service and
+    /// Deployments) as YAML, without a cluster: to review them, or to validate them offline.
+    Desired {
+        /// The RLJob (e.g. examples/jobs/quickstart.yaml).
+        file: PathBuf,
+        /// The image with the `rollfleet` binary that schedulers and workers run.
+        #[arg(
+            long,
+            env = "ROLLFLEET_IMAGE",
+            default_value = "ghcr.io/rollfleet/rollfleet:0.1.0"
+        )]
+        image: String,
+    },
 }
 
 /// Leader election: which of several replicas reconciles.
@@ -63,11 +102,27 @@ struct Election {
 }
 
 fn main() -> ExitCode {
-    let result = match Command::parse() {
+    let cli = Cli::parse();
+    let format = match cli.log_format {
+        LogFormatArg::Text => LogFormat::Text,
+        LogFormatArg::Json => LogFormat::Json,
+    };
+    if let Err(e) = logs::init(format) {
+        // No log yet to write it to.
+        let mut stderr = std::io::stderr();
+        let _ = writeln!(stderr, "error: {e}");
+        return ExitCode::FAILURE;
+    }
+    let result = match cli.command {
         Command::Crd => crd::crd_yaml()
             .map(|yaml| print!("{yaml}"))
             .map_err(anyhow::Error::from),
-        Command::Run { image, election } => run(image, election),
+        Command::Desired { file, image } => desired_yaml(&file, image).map(|yaml| print!("{yaml}")),
+        Command::Run {
+            image,
+            metrics_addr,
+            election,
+        } => run(image, metrics_addr, election),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -75,16 +130,56 @@ fn main() -> ExitCode {
             // kube's errors repeat their causes in their own text: the context and the root.
             let root = e.root_cause().to_string();
             if root == e.to_string() {
-                eprintln!("error: {e}");
+                tracing::error!("{e}");
             } else {
-                eprintln!("error: {e}: {root}");
+                tracing::error!("{e}: {root}");
             }
             ExitCode::FAILURE
         }
     }
 }
 
-fn run(image: String, election: Election) -> anyhow::Result<()> {
+/// The objects the operator would apply for the RLJob in `file`, as YAML documents.
+fn desired_yaml(file: &Path, image: String) -> anyhow::Result<String> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut job: RLJob = serde_yaml_ng::from_str(&text)
+        .with_context(|| format!("{} is not an RLJob", file.display()))?;
+    if job.metadata.namespace.is_none() {
+        job.metadata.namespace = Some("default".into());
+    }
+    let wanted = rollfleet_operator::desired::desired(&job, &Settings { image })
+        .with_context(|| format!("{}: invalid", file.display()))?;
+    let mut docs = vec![
+        serde_yaml_ng::to_string(&with_kind(&wanted.config_map, "v1", "ConfigMap")?)?,
+        serde_yaml_ng::to_string(&with_kind(&wanted.service, "v1", "Service")?)?,
+    ];
+    for deployment in &wanted.deployments {
+        docs.push(serde_yaml_ng::to_string(&with_kind(
+            deployment,
+            "apps/v1",
+            "Deployment",
+        )?)?);
+    }
+    Ok(docs.join("---\n"))
+}
+
+/// `object` as JSON with its `apiVersion` and `kind` (k8s-openapi writes them; set here so the
+/// output does not depend on it).
+fn with_kind(
+    object: &impl serde::Serialize,
+    api_version: &str,
+    kind: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let mut value = serde_json::to_value(object)?;
+    if let Some(fields) = value.as_object_mut() {
+        fields.insert("apiVersion".into(), api_version.into());
+        fields.insert("kind".into(), kind.into());
+    }
+    Ok(value)
+}
+
+fn run(image: String, metrics_addr: Option<SocketAddr>, election: Election) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -113,28 +208,47 @@ fn run(image: String, election: Election) -> anyhow::Result<()> {
                 Duration::from_secs(election.lease_duration),
             )
         });
+        let metrics = Arc::new(Metrics::new().context("the operator's metrics")?);
+        if let Some(addr) = metrics_addr {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("metrics address {addr}"))?;
+            tracing::info!(
+                "Prometheus metrics on http://{}/metrics",
+                listener.local_addr().unwrap_or(addr)
+            );
+            tokio::spawn(rollfleet_operator::metrics::serve(
+                listener,
+                metrics.clone(),
+            ));
+        }
         if let Some(lock) = &lock {
-            eprintln!(
-                "rollfleet-operator: {} is a candidate for lease {}/{}",
-                lock.identity(),
+            tracing::info!(
+                identity = lock.identity(),
+                "a candidate for lease {}/{}",
                 election.lease_namespace,
                 election.lease_name
             );
             lease::acquire(lock, Duration::from_secs(2), |line| {
-                eprintln!("rollfleet-operator: {line}")
+                tracing::info!("{line}")
             })
             .await;
-            eprintln!("rollfleet-operator: {} leads", lock.identity());
+            tracing::info!(identity = lock.identity(), "leads");
         }
-        let ctx = Arc::new(Context::in_cluster(client.clone(), Settings { image }));
-        eprintln!("rollfleet-operator: watching RLJobs in every namespace");
+        let ctx = Arc::new(Context::in_cluster(
+            client.clone(),
+            Settings { image },
+            election.identity.clone(),
+            metrics,
+        ));
+        tracing::info!("watching RLJobs in every namespace");
         let controller = Controller::new(jobs, watcher::Config::default())
             .owns(Api::<Deployment>::all(client), watcher::Config::default())
             .shutdown_on_signal()
             .run(controller::reconcile, controller::error_policy, ctx)
             .for_each(|result| async move {
                 if let Err(e) = result {
-                    eprintln!("rollfleet-operator: {e}");
+                    tracing::warn!("{e}");
                 }
             });
         let Some(lock) = &lock else {
@@ -146,7 +260,7 @@ fn run(image: String, election: Election) -> anyhow::Result<()> {
             () = controller => {
                 // Stopped (SIGTERM): hand the lease to a standby at once.
                 if let Err(e) = lock.release(Timestamp::now()).await {
-                    eprintln!("rollfleet-operator: {e}");
+                    tracing::warn!("releasing the lease: {e}");
                 }
                 anyhow::Ok(())
             }

@@ -8,200 +8,20 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Request, Response};
-use k8s_openapi::api::rbac::v1::ClusterRole;
+use http::Response;
 use kube::client::Body;
 use kube::runtime::controller::Action;
-use rollfleet_operator::controller::{self, Context, FINALIZER};
+use rollfleet_operator::controller::FINALIZER;
 use rollfleet_operator::crd::RLJob;
-use rollfleet_operator::desired::{Settings, job_file};
+use rollfleet_operator::desired::job_file;
+use rollfleet_operator::metrics::Metrics;
 use serde_json::{Value, json};
 
-type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+mod scripted;
+use scripted::*;
 
 #[path = "../../../tests/common/tls.rs"]
 mod tls;
-
-fn quickstart() -> RLJob {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../examples/jobs/quickstart.yaml"
-    );
-    let mut job: RLJob = serde_yaml_ng::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    job.metadata.namespace = Some("rl".into());
-    job.metadata.uid = Some("uid-1".into());
-    job.metadata.generation = Some(3);
-    job.metadata.finalizers = Some(vec![FINALIZER.into()]);
-    job
-}
-
-type ServerRun = Result<Option<rollfleet_server::Report>, rollfleet_server::ServerError>;
-
-/// A real scheduler serving `job` on loopback, expecting five workers (none come); its URL and
-/// the task that ends with its report.
-async fn scheduler(job: &RLJob) -> (String, tokio::task::JoinHandle<ServerRun>) {
-    scheduler_with_token(job, None).await
-}
-
-/// [`scheduler`], requiring `token` on every call.
-async fn scheduler_with_token(
-    job: &RLJob,
-    token: Option<&str>,
-) -> (String, tokio::task::JoinHandle<ServerRun>) {
-    scheduler_serving(job, token, None).await
-}
-
-/// [`scheduler_with_token`], serving TLS with `(certificate, key)` when given.
-async fn scheduler_serving(
-    job: &RLJob,
-    token: Option<&str>,
-    tls: Option<(std::path::PathBuf, std::path::PathBuf)>,
-) -> (String, tokio::task::JoinHandle<ServerRun>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let opts = rollfleet_server::ServerOptions {
-        job_yaml: Some(job_file(job).unwrap()),
-        origin: "test".into(),
-        seed: 0,
-        time_scale: 1.0,
-        lease_ttl: Duration::from_secs(10),
-        expect_workers: 5,
-        stage_timeout: Duration::from_secs(120),
-        report: None,
-        metrics_addr: None,
-        replan_on_drift: None,
-        token: token.map(|t| rollfleet_proto::auth::Token::parse(t, "test").unwrap()),
-        journal: None,
-        tls,
-        tls_client_ca: None,
-        journal_sync: false,
-        until_stopped: false,
-        weights_root: None,
-    };
-    (url, tokio::spawn(rollfleet_server::serve(listener, opts)))
-}
-
-/// One request the controller made: method, path and query, content type, body as JSON.
-struct Seen {
-    method: String,
-    uri: String,
-    content_type: String,
-    body: Value,
-}
-
-async fn next(handle: &mut Handle) -> (Seen, tower_test::mock::SendResponse<Response<Body>>) {
-    let (request, send) = tokio::time::timeout(Duration::from_secs(30), handle.next_request())
-        .await
-        .expect("a request within 30 s")
-        .expect("the client is alive");
-    (seen(request).await, send)
-}
-
-async fn seen(request: Request<Body>) -> Seen {
-    let method = request.method().to_string();
-    let uri = request.uri().to_string();
-    let content_type = request
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
-    let bytes = request.into_body().collect_bytes().await.unwrap();
-    let body = if bytes.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_slice(&bytes).unwrap()
-    };
-    Seen {
-        method,
-        uri,
-        content_type,
-        body,
-    }
-}
-
-fn answer(send: tower_test::mock::SendResponse<Response<Body>>, body: &Value) {
-    send.send_response(
-        Response::builder()
-            .body(Body::from(serde_json::to_vec(body).unwrap()))
-            .unwrap(),
-    );
-}
-
-/// Whether `manifests/operator/rbac.yaml` lets the operator do `verb` on `resource` of `group`.
-fn granted(group: &str, resource: &str, verb: &str) -> bool {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../manifests/operator/rbac.yaml"
-    );
-    let text = std::fs::read_to_string(path).unwrap();
-    text.split("\n---\n")
-        .map(|doc| serde_yaml_ng::from_str::<Value>(doc).unwrap())
-        .filter(|doc| doc["kind"] == "ClusterRole")
-        .map(|doc| serde_json::from_value::<ClusterRole>(doc).unwrap())
-        .flat_map(|role| role.rules.unwrap_or_default())
-        .any(|rule| {
-            let has = |list: &Option<Vec<String>>, x: &str| {
-                list.iter().flatten().any(|v| v == x || v == "*")
-            };
-            has(&rule.api_groups, group)
-                && has(&rule.resources, resource)
-                && has(&Some(rule.verbs), verb)
-        })
-}
-
-/// The (group, resource, verb) a request needs, from its method and path.
-fn permission(seen: &Seen) -> (String, String, String) {
-    let path = seen.uri.split('?').next().unwrap_or_default();
-    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    let (group, rest) = match parts[0] {
-        "api" => (String::new(), &parts[2..]),
-        _ => (parts[1].to_owned(), &parts[3..]),
-    };
-    // namespaces/NS/RESOURCE[/NAME[/SUBRESOURCE]]
-    let rest = if rest.first() == Some(&"namespaces") {
-        &rest[2..]
-    } else {
-        rest
-    };
-    let mut resource = rest[0].to_owned();
-    if rest.len() > 2 {
-        resource = format!("{resource}/{}", rest[2]);
-    }
-    let verb = match (seen.method.as_str(), rest.len()) {
-        ("GET", 1) => "list",
-        ("GET", _) => "get",
-        ("PATCH", _) => "patch",
-        ("DELETE", _) => "delete",
-        ("POST", _) => "create",
-        (other, _) => panic!("unexpected method {other}"),
-    };
-    (group, resource, verb.to_owned())
-}
-
-/// Starts reconciling `job` against a scripted API server (the returned handle answers it), with
-/// its scheduler at `url`.
-fn reconciling(
-    job: &RLJob,
-    url: String,
-) -> (
-    tokio::task::JoinHandle<Result<Action, kube::runtime::finalizer::Error<controller::Error>>>,
-    Handle,
-) {
-    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let ctx = Arc::new(Context {
-        client: kube::Client::new(service, "rl"),
-        settings: Settings {
-            image: "rollfleet:test".into(),
-        },
-        scheduler_url: Box::new(move |_| url.clone()),
-        plans: Default::default(),
-    });
-    (
-        tokio::spawn(controller::reconcile(Arc::new(job.clone()), ctx)),
-        handle,
-    )
-}
 
 #[tokio::test]
 async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers_status_written_back()
@@ -344,8 +164,85 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
     assert!(status["startTime"].is_string(), "{status:#}");
     assert!(status["completionTime"].is_null(), "{status:#}");
     answer(send, &serde_json::to_value(&job).unwrap());
-    let action = reconciling.await.unwrap().unwrap();
+    let (action, events) = events_until_done(reconciling, &mut handle).await;
     assert_eq!(action, Action::requeue(Duration::from_secs(10)));
+    // The Events `kubectl describe` shows: planned, then each pool's Deployment and where its
+    // pods go, regarding the RLJob.
+    let normal = |reason: &str| (reason.to_owned(), "Normal".to_owned());
+    assert_eq!(
+        reasons(&events),
+        [
+            normal("Planned"),
+            normal("PoolPlaced"),
+            normal("PoolPlaced"),
+            normal("PoolPlaced"),
+            normal("PoolPlaced"),
+            normal("PoolPlaced"),
+        ]
+    );
+    for event in &events {
+        let regarding = &event["regarding"];
+        assert_eq!(
+            (
+                &regarding["kind"],
+                &regarding["name"],
+                &regarding["namespace"],
+                &regarding["uid"],
+                &regarding["apiVersion"]
+            ),
+            (
+                &json!("RLJob"),
+                &json!("quickstart"),
+                &json!("rl"),
+                &json!("uid-1"),
+                &json!("rollfleet.dev/v1alpha1")
+            ),
+            "{event:#}"
+        );
+        assert_eq!(event["reportingController"], "rollfleet-operator");
+        assert_eq!(event["metadata"]["namespace"], "rl");
+    }
+    let decode = events
+        .iter()
+        .filter_map(|e| e["note"].as_str())
+        .find(|n| n.starts_with("pool decode:"))
+        .expect("the decode pool's placement");
+    assert!(
+        decode.contains("Deployment quickstart-decode")
+            && decode.contains("nvidia.com/gpu.product="),
+        "{decode}"
+    );
+    let notes: Vec<&str> = events.iter().filter_map(|e| e["note"].as_str()).collect();
+    assert_eq!(
+        notes,
+        [
+            "planned for 5 workers",
+            "pool prefill: Deployment quickstart-prefill, 1 pod of 1 GPU each on nodes nvidia.com/gpu.product=NVIDIA-H800",
+            "pool decode: Deployment quickstart-decode, 1 pod of 2 GPUs each on nodes nvidia.com/gpu.product=NVIDIA-H20",
+            "pool train: Deployment quickstart-train, 1 pod of 1 GPU each on nodes nvidia.com/gpu.product=NVIDIA-H800",
+            "pool envs: Deployment quickstart-envs, 1 pod on any node",
+            "pool rewards: Deployment quickstart-rewards, 1 pod on any node",
+        ]
+    );
+    // Each pool's Event is related to its Deployment.
+    let related: Vec<&str> = events
+        .iter()
+        .filter(|e| e["reason"] == "PoolPlaced")
+        .map(|e| e["related"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        related,
+        [
+            "quickstart-prefill",
+            "quickstart-decode",
+            "quickstart-train",
+            "quickstart-envs",
+            "quickstart-rewards"
+        ]
+    );
+    permissions.insert(("events.k8s.io".into(), "events".into(), "create".into()));
+    // A repeated Event is patched (its series counted).
+    permissions.insert(("events.k8s.io".into(), "events".into(), "patch".into()));
 
     // What the controller did, and what its Controller watches, the shipped RBAC allows.
     permissions.insert(("rollfleet.dev".into(), "rljobs".into(), "watch".into()));
@@ -357,11 +254,18 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
             "rbac.yaml does not allow {verb} {group}/{resource}"
         );
     }
-    // It reads the one Secret an RLJob names for its token (`get`), and can never list or
-    // watch the namespace's Secrets.
-    for verb in ["list", "watch", "create", "patch", "delete"] {
+    // No Secret anywhere through the ClusterRole; in a job namespace given the Role, it reads
+    // the one Secret an RLJob names (`get`), and can never list or watch the namespace's.
+    for verb in ["get", "list", "watch", "create", "patch", "delete"] {
         assert!(
             !granted("", "secrets", verb),
+            "the ClusterRole lets the operator {verb} secrets"
+        );
+    }
+    assert!(granted_in_job_namespace("", "secrets", "get"));
+    for verb in ["list", "watch", "create", "patch", "delete"] {
+        assert!(
+            !granted_in_job_namespace("", "secrets", verb),
             "the operator may {verb} secrets"
         );
     }
@@ -390,7 +294,14 @@ async fn an_invalid_rljob_gets_its_problems_in_its_status_and_nothing_else() {
     assert_eq!(status["conditions"][0]["status"], "False");
     assert_eq!(status["conditions"][0]["reason"], "InvalidSpec");
     answer(send, &serde_json::to_value(&job).unwrap());
-    assert_eq!(reconciling.await.unwrap().unwrap(), Action::await_change());
+    let (action, events) = events_until_done(reconciling, &mut handle).await;
+    assert_eq!(action, Action::await_change());
+    assert_eq!(
+        reasons(&events),
+        [("InvalidSpec".to_owned(), "Warning".to_owned())]
+    );
+    let note = events[0]["note"].as_str().unwrap();
+    assert!(note.contains("pools[1].gpu"), "{note}");
     // Nothing was created: no further request came (the client is gone, or silent).
     let more = tokio::time::timeout(Duration::from_millis(200), handle.next_request()).await;
     assert!(matches!(more, Err(_) | Ok(None)), "another request came");
@@ -551,7 +462,7 @@ async fn status_written_with_secrets(
             "PATCH" if path.ends_with("/rljobs/quickstart/status") => {
                 let status = seen.body["status"].clone();
                 answer(send, &serde_json::to_value(job).unwrap());
-                reconciling.await.unwrap().unwrap();
+                events_until_done(reconciling, &mut handle).await;
                 assert_eq!(read.len(), secrets.len(), "the operator read only {read:?}");
                 return (status, permissions);
             }
@@ -603,10 +514,10 @@ async fn an_rljob_with_a_token_secret_reaches_its_scheduler_with_that_token_and_
     let reachable = &status["conditions"][1];
     assert_eq!(reachable["type"], "SchedulerReachable");
     assert_eq!(reachable["status"], "True", "{status:#}");
-    for (group, resource, verb) in &permissions {
+    for permission in &permissions {
         assert!(
-            granted(group, resource, verb),
-            "rbac.yaml does not grant {verb} on {group}/{resource}"
+            allowed(permission),
+            "the shipped RBAC does not grant {permission:?}"
         );
     }
 
@@ -646,10 +557,10 @@ async fn an_rljob_with_a_tls_secret_reaches_its_scheduler_over_tls_trusting_the_
     let reachable = &status["conditions"][1];
     assert_eq!(reachable["status"], "True", "{status:#}");
     assert_eq!(status["phase"], "Pending", "{status:#}");
-    for (group, resource, verb) in &permissions {
+    for permission in &permissions {
         assert!(
-            granted(group, resource, verb),
-            "rbac.yaml does not grant {verb} on {group}/{resource}"
+            allowed(permission),
+            "the shipped RBAC does not grant {permission:?}"
         );
     }
 
@@ -675,138 +586,6 @@ async fn an_rljob_with_a_tls_secret_reaches_its_scheduler_over_tls_trusting_the_
 }
 
 /// A `PodList` answer holding `pods`.
-fn pod_list(pods: &[Value]) -> Value {
-    json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": pods})
-}
-
-/// A worker pod of the quickstart's pool `pool` that the cluster's scheduler has found no node
-/// for since `since` (RFC 3339), saying `why`.
-fn unschedulable_pod(name: &str, pool: &str, since: &str, why: &str) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "rl", "labels": {
-            "rollfleet.dev/job": "quickstart", "rollfleet.dev/component": "worker",
-            "rollfleet.dev/pool": pool}},
-        "spec": {"containers": [{"name": "worker"}]},
-        "status": {"phase": "Pending", "conditions": [
-            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-             "message": why, "lastTransitionTime": since}]}
-    })
-}
-
-/// What one reconciliation did against the scripted API server.
-struct Pass {
-    /// The Deployments applied, by name, as sent.
-    deployments: Vec<(String, Value)>,
-    /// The ConfigMap applied.
-    config_map: Value,
-    /// Whether the job's pods were listed.
-    listed_pods: bool,
-    /// The status written, if one was.
-    status: Option<Value>,
-    /// What the pass asked of the controller next.
-    action: Action,
-}
-
-/// Reconciles `job` once with its scheduler at `url`, answering every apply with what was sent,
-/// the list of the job's Deployments with none and the list of its Pending pods with `pods`.
-async fn pass(job: &RLJob, url: String, pods: &[Value]) -> Pass {
-    let (mut reconciling, mut handle) = reconciling(job, url);
-    let mut out = Pass {
-        deployments: Vec::new(),
-        config_map: Value::Null,
-        listed_pods: false,
-        status: None,
-        action: Action::await_change(),
-    };
-    loop {
-        tokio::select! {
-            done = &mut reconciling => {
-                out.action = done.unwrap().unwrap();
-                return out;
-            }
-            request = handle.next_request() => {
-                // The client goes with the pass that ended: its result is ready.
-                let Some((request, send)) = request else {
-                    out.action = (&mut reconciling).await.unwrap().unwrap();
-                    return out;
-                };
-                let seen = seen(request).await;
-                let path = seen.uri.split('?').next().unwrap().to_owned();
-                match (seen.method.as_str(), path.as_str()) {
-                    ("GET", "/api/v1/namespaces/rl/pods") => {
-                        out.listed_pods = true;
-                        answer(send, &pod_list(pods));
-                    }
-                    ("GET", p) if p.starts_with("/api/v1/namespaces/rl/secrets/") => {
-                        send.send_response(
-                            Response::builder()
-                                .status(404)
-                                .body(Body::from(
-                                    serde_json::to_vec(&json!({
-                                        "apiVersion": "v1", "kind": "Status",
-                                        "status": "Failure", "reason": "NotFound", "code": 404,
-                                        "message": "not found"}))
-                                    .unwrap(),
-                                ))
-                                .unwrap(),
-                        );
-                    }
-                    ("GET", "/apis/apps/v1/namespaces/rl/deployments") => answer(
-                        send,
-                        &json!({"apiVersion": "apps/v1", "kind": "DeploymentList",
-                                "metadata": {}, "items": []}),
-                    ),
-                    ("PATCH", p) if p.ends_with("/rljobs/quickstart/status") => {
-                        out.status = Some(seen.body["status"].clone());
-                        answer(send, &serde_json::to_value(job).unwrap());
-                    }
-                    ("PATCH", _) => {
-                        match seen.body["kind"].as_str() {
-                            Some("Deployment") => out.deployments.push((
-                                seen.body["metadata"]["name"].as_str().unwrap().to_owned(),
-                                seen.body.clone(),
-                            )),
-                            Some("ConfigMap") => out.config_map = seen.body.clone(),
-                            _ => {}
-                        }
-                        answer(send, &seen.body);
-                    }
-                    (method, _) => panic!("unexpected {method} {}", seen.uri),
-                }
-            }
-        }
-    }
-}
-
-/// The pod template's spec of the Deployment `name` a pass applied.
-fn pod_of<'a>(pass: &'a Pass, name: &str) -> &'a Value {
-    let (_, deployment) = pass
-        .deployments
-        .iter()
-        .find(|(n, _)| n == name)
-        .unwrap_or_else(|| panic!("no Deployment {name}"));
-    &deployment["spec"]["template"]["spec"]
-}
-
-/// A condition of a written status: its status, reason and message.
-fn condition_of(status: &Value, type_: &str) -> Option<(String, String, String)> {
-    status["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_)
-        .map(|c| {
-            (
-                c["status"].as_str().unwrap_or_default().to_owned(),
-                c["reason"].as_str().unwrap_or_default().to_owned(),
-                c["message"].as_str().unwrap_or_default().to_owned(),
-            )
-        })
-}
-
-const GPU_TOLERATION: &str =
-    r#"{"effect":"NoSchedule","key":"nvidia.com/gpu","operator":"Exists"}"#;
-
 #[tokio::test]
 async fn a_two_gpu_type_job_pins_each_gpu_pools_workers_to_its_product_label_with_the_gpu_toleration()
  {
@@ -947,6 +726,20 @@ async fn a_pool_whose_pods_stay_unschedulable_past_the_grace_is_named_in_an_unsc
     assert_eq!(status["message"], message.as_str(), "{status:#}");
     // The scheduler is still asked: the status says where the job is, besides.
     assert_eq!(status["phase"], "Pending");
+    // A Warning Event names the pool, once.
+    let unschedulable: Vec<&Value> = done
+        .events
+        .iter()
+        .filter(|e| e["reason"] == "Unschedulable")
+        .collect();
+    assert_eq!(unschedulable.len(), 1, "{:#?}", done.events);
+    assert_eq!(unschedulable[0]["type"], "Warning");
+    let note = unschedulable[0]["note"].as_str().unwrap();
+    assert!(note.contains("pool decode"), "{note}");
+    let mut job = job;
+    job.status = Some(serde_json::from_value(status.clone()).unwrap());
+    let again = pass(&job, url.clone(), &pods).await;
+    assert!(again.events.is_empty(), "{:#?}", again.events);
 
     // Placed at last: the condition says so no more.
     let done = pass(&job, url, &[]).await;
@@ -965,6 +758,7 @@ async fn a_suspended_rljob_has_every_deployment_at_zero_until_resumed_with_the_s
         .into(),
     );
     let running = pass(&job, "http://127.0.0.1:1".into(), &[]).await;
+    job.status = Some(serde_json::from_value(running.status.clone().unwrap()).unwrap());
     job.spec["suspend"] = true.into();
     job.metadata.generation = Some(4);
     // No scheduler there: a suspended job asks nothing of it.
@@ -990,6 +784,11 @@ async fn a_suspended_rljob_has_every_deployment_at_zero_until_resumed_with_the_s
         Some(("True".into(), "Suspended".into()))
     );
     assert_eq!(condition_of(&status, "Ready").unwrap().0, "False");
+    // Suspending is no new plan: only the suspension is told.
+    assert_eq!(
+        reasons(&suspended.events),
+        [("Suspended".to_owned(), "Normal".to_owned())]
+    );
     // The journal's claim stays on the scheduler's pod, and the job file (so the journal's name)
     // is the running one's: resuming resumes the job.
     let scheduler_pod = pod_of(&suspended, "quickstart-scheduler");
@@ -1023,6 +822,10 @@ async fn a_suspended_rljob_has_every_deployment_at_zero_until_resumed_with_the_s
         Some(("False".into(), "Resumed".into()))
     );
     assert!(status["startTime"].is_string(), "{status:#}");
+    assert_eq!(
+        reasons(&resumed.events),
+        [("Resumed".to_owned(), "Normal".to_owned())]
+    );
 }
 
 #[tokio::test]
@@ -1072,6 +875,10 @@ async fn a_cancelled_job_is_failed_and_complete_is_not_with_its_completion_time(
     assert_eq!(of("Complete"), ("False".into(), "Cancelled".into()));
     assert_eq!(of("Ready"), ("False".into(), "Cancelled".into()));
     assert!(status["completionTime"].is_string(), "{status:#}");
+    assert_eq!(
+        reasons(&ended.events),
+        [("Cancelled".to_owned(), "Warning".to_owned())]
+    );
     // The start is the one written before, not the end's.
     assert_eq!(
         status["startTime"],
@@ -1142,4 +949,61 @@ async fn every_pod_the_operator_makes_runs_restricted_with_only_its_volumes_writ
             .cloned();
         assert_eq!(tmp, Some(json!({"name": "tmp", "emptyDir": {}})), "{name}");
     }
+}
+
+/// What an HTTP GET of `path` on `addr` answers: its status line and body.
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    socket.write_all(request.as_bytes()).await.unwrap();
+    let mut text = String::new();
+    socket.read_to_string(&mut text).await.unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_owned(), body.to_owned())
+}
+
+#[tokio::test]
+async fn the_operators_metrics_endpoint_counts_each_pass_its_duration_errors_and_jobs_by_phase() {
+    let metrics = Arc::new(Metrics::new().unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(rollfleet_operator::metrics::serve(
+        listener,
+        metrics.clone(),
+    ));
+
+    // A pass that writes the status the real scheduler reports.
+    let job = quickstart();
+    let (url, _scheduler) = scheduler(&job).await;
+    let done = pass_with(&job, url, &[], metrics.clone()).await;
+    assert_eq!(done.status.unwrap()["phase"], "Pending");
+    // A pass the API server fails: its first apply answered 500.
+    let (reconciling, mut handle) = reconciling_with(&job, "http://127.0.0.1:1".into(), metrics);
+    let (_, send) = next(&mut handle).await;
+    send.send_response(
+        Response::builder()
+            .status(500)
+            .body(Body::from(
+                serde_json::to_vec(&json!({"apiVersion": "v1", "kind": "Status",
+                    "status": "Failure", "reason": "InternalError", "code": 500,
+                    "message": "etcd is down"}))
+                .unwrap(),
+            ))
+            .unwrap(),
+    );
+    assert!(reconciling.await.unwrap().is_err());
+
+    let (status, body) = http_get(addr, "/metrics").await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    for line in [
+        "rollfleet_operator_reconciles_total{result=\"ok\"} 1",
+        "rollfleet_operator_reconciles_total{result=\"error\"} 1",
+        "rollfleet_operator_reconcile_errors_total 1",
+        "rollfleet_operator_reconcile_duration_seconds_count 2",
+        "rollfleet_operator_jobs{phase=\"Pending\"} 1",
+    ] {
+        assert!(body.lines().any(|l| l == line), "no {line:?} in:\n{body}");
+    }
+    assert!(body.contains("# TYPE rollfleet_operator_reconcile_duration_seconds histogram"));
 }

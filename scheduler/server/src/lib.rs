@@ -40,6 +40,7 @@ use rollfleet_proto::v1::worker_service_server::WorkerServiceServer;
 use rollfleet_proto::v1::{JobPhase, JobStatus};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
+use tonic_health::ServingStatus;
 
 pub use actor::Report;
 pub use plan::{JobPlan, PlanError, PoolRole};
@@ -167,6 +168,21 @@ fn refused(metrics: &metrics::Metrics, refusal: Refusal, peer: Option<SocketAddr
                 Refusal::Wrong => "another",
             }
         );
+    }
+}
+
+/// How long a peer watching `grpc.health.v1` has to see NOT_SERVING before its stream is ended
+/// so that the server can stop.
+const HEALTH_WATCH_GRACE: Duration = Duration::from_secs(1);
+
+/// Sets the whole server's health (service `""`) and each named service's to `status`.
+async fn set_health(
+    health: &tonic_health::server::HealthReporter,
+    names: &[&str],
+    status: ServingStatus,
+) {
+    for name in [""].iter().chain(names) {
+        health.set_service_status(name, status).await;
     }
 }
 
@@ -329,6 +345,14 @@ pub async fn serve_until(
         },
         guard.clone(),
     );
+    // `grpc.health.v1`, outside the token guard: a kubelet's probe carries no token, and the
+    // health service tells nothing but whether the scheduler serves.
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let service_names = [
+        <WorkerServiceServer<grpc::Workers> as tonic::server::NamedService>::NAME,
+        <JobServiceServer<grpc::Jobs> as tonic::server::NamedService>::NAME,
+        <TrainerFeedServer<feed::Feed> as tonic::server::NamedService>::NAME,
+    ];
     let trainer_feed = TrainerFeedServer::with_interceptor(
         feed::Feed {
             log: feed_log.clone(),
@@ -454,6 +478,21 @@ pub async fn serve_until(
             let _ = done_tx.send(report);
         }
     };
+    let stopping_health = health.clone();
+    let run_job = async move {
+        run_job.await;
+        // The server stops accepting: probes see NOT_SERVING until it is gone.
+        set_health(&stopping_health, &service_names, ServingStatus::NotServing).await;
+        // A peer watching the health stream would hold the graceful shutdown open: its
+        // stream ends (the statuses are dropped) once it has had time to see NOT_SERVING.
+        let mut cleared = stopping_health;
+        tokio::spawn(async move {
+            tokio::time::sleep(HEALTH_WATCH_GRACE).await;
+            for name in [""].into_iter().chain(service_names) {
+                cleared.clear_service_status(name).await;
+            }
+        });
+    };
     let mut builder = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(listener::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(listener::KEEPALIVE_TIMEOUT))
@@ -465,6 +504,7 @@ pub async fn serve_until(
             .map_err(rollfleet_proto::tls::TlsError::from)?;
     }
     let server = builder
+        .add_service(health_service)
         .add_service(workers)
         .add_service(jobs)
         .add_service(trainer_feed)
@@ -472,6 +512,9 @@ pub async fn serve_until(
             listener::bounded(listener, listener::Limits::default()),
             run_job,
         );
+    // Anything that answers a health check is the server accepting: SERVING from here on,
+    // until `run_job` ends and the shutdown starts.
+    set_health(&health, &service_names, ServingStatus::Serving).await;
     server.await?;
     // Each regular scraper sees the job's end before the scheduler exits: the alert on a
     // scheduler that stops answering tells a job that ended from a scheduler that died by it.

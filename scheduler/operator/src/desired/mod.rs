@@ -24,9 +24,9 @@ use std::sync::{Arc, Mutex};
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStrategy};
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    EnvVarSource, KeyToPath, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec,
-    ResourceRequirements, SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec,
-    Volume, VolumeMount,
+    EnvVarSource, GRPCAction, KeyToPath, PersistentVolumeClaimVolumeSource, PodSpec,
+    PodTemplateSpec, Probe, ResourceRequirements, SecretKeySelector, SecretVolumeSource, Service,
+    ServicePort, ServiceSpec, TCPSocketAction, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -39,8 +39,8 @@ mod objects;
 mod settings;
 
 use objects::{
-    deployment, fnv1a, journal_volume, labels, meta, tls_files, tmp_mount, tmp_volume, token_env,
-    worker_container,
+    deployment, fnv1a, journal_volume, labels, meta, scheduler_probes, tls_files, tmp_mount,
+    tmp_volume, token_env, worker_container,
 };
 pub use objects::{dns_name, job_file, scheduler_name};
 pub use settings::{
@@ -354,6 +354,7 @@ pub fn desired_with(
             format!("{TLS_DIR}/{TLS_KEY_KEY}"),
         ]);
     }
+    let (startup, readiness, liveness) = scheduler_probes(tls.is_some());
     let scheduler = placement::restricted(Container {
         name: "scheduler".into(),
         image: Some(settings.image.clone()),
@@ -391,6 +392,9 @@ pub fn desired_with(
             .collect(),
         ),
         env: token_env(job),
+        startup_probe: Some(startup),
+        readiness_probe: Some(readiness),
+        liveness_probe: Some(liveness),
         ..Default::default()
     });
     let scheduler_pod = PodSpec {

@@ -270,3 +270,26 @@ pub(super) fn token_env(job: &RLJob) -> Option<Vec<EnvVar>> {
         ..Default::default()
     }])
 }
+
+/// The scheduler's startup, readiness and liveness probes: the kubelet asks its
+/// `grpc.health.v1` service on the gRPC port (no token needed: the health service is outside the
+/// token guard). A kubelet's gRPC probe speaks plaintext only, so a scheduler serving TLS is
+/// probed by opening a TCP connection to the port instead. The startup probe gives a scheduler
+/// five minutes to plan its job and replay its journal before liveness counts.
+pub(super) fn scheduler_probes(tls: bool) -> (Probe, Probe, Probe) {
+    let probe = |period: i32, failures: i32| Probe {
+        grpc: (!tls).then_some(GRPCAction {
+            port: GRPC_PORT,
+            service: None,
+        }),
+        tcp_socket: tls.then_some(TCPSocketAction {
+            port: IntOrString::Int(GRPC_PORT),
+            host: None,
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(failures),
+        timeout_seconds: Some(2),
+        ..Default::default()
+    };
+    (probe(5, 60), probe(5, 2), probe(10, 3))
+}

@@ -552,3 +552,49 @@ fn names_are_valid_dns_labels_even_from_long_or_odd_parts() {
     assert_ne!(a, b);
     assert_eq!(dns_name(&["--"]), "rljob");
 }
+
+#[test]
+fn the_scheduler_is_probed_through_its_grpc_health_service_or_its_port_when_it_serves_tls() {
+    let container = |job: &RLJob| {
+        desired(job, &settings()).expect("valid").deployments[0]
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .map(|p| p.containers[0].clone())
+            .expect("a scheduler container")
+    };
+    let plain = container(&example("quickstart.yaml"));
+    for probe in [
+        &plain.startup_probe,
+        &plain.readiness_probe,
+        &plain.liveness_probe,
+    ] {
+        let probe = probe.as_ref().expect("a probe");
+        assert_eq!(probe.grpc.as_ref().map(|g| g.port), Some(GRPC_PORT));
+        assert!(probe.tcp_socket.is_none());
+    }
+    // The startup probe allows minutes (planning, a journal's replay); liveness does not.
+    let budget = |p: &Option<Probe>| {
+        p.as_ref()
+            .map(|p| p.period_seconds.unwrap_or(10) * p.failure_threshold.unwrap_or(3))
+            .unwrap_or_default()
+    };
+    assert!(budget(&plain.startup_probe) >= 300);
+    assert!(budget(&plain.liveness_probe) <= 60);
+    // Workers have none: the scheduler sees a lost worker through its lease.
+    let d = desired(&example("quickstart.yaml"), &settings()).expect("valid");
+    for worker in &d.deployments[1..] {
+        let pod = worker.spec.as_ref().and_then(|s| s.template.spec.as_ref());
+        assert!(pod.is_some_and(|p| p.containers[0].liveness_probe.is_none()));
+    }
+    // A kubelet's gRPC probe cannot speak TLS: a TLS scheduler's port is probed instead.
+    let mut job = example("quickstart.yaml");
+    job.spec["kubernetes"] = serde_json::json!({"tlsSecret": "rl-tls"});
+    let tls = container(&job);
+    let probe = tls.readiness_probe.expect("a probe");
+    assert!(probe.grpc.is_none());
+    assert_eq!(
+        probe.tcp_socket.map(|t| t.port),
+        Some(IntOrString::Int(GRPC_PORT))
+    );
+}
