@@ -21,5 +21,6 @@ pub mod crd;
 pub mod desired;
 pub mod events;
 pub mod lease;
+pub mod logs;
 pub mod metrics;
 pub mod placement;

@@ -18,8 +18,8 @@ use rollfleet_operator::crd::{self, RLJob};
 use rollfleet_operator::desired::Settings;
 use rollfleet_operator::k8s_openapi::jiff::Timestamp;
 use rollfleet_operator::lease::{self, LeaseLock};
+use rollfleet_operator::logs::{self, LogFormat};
 use rollfleet_operator::metrics::Metrics;
-use rollfleet_server::logs::{self, LogFormat};
 
 /// The rollfleet Kubernetes operator.
 #[derive(Debug, Parser)]
