@@ -191,9 +191,9 @@ pub fn lognormal_moment(median: f64, sigma: f64, max: Option<f64>, n: i32) -> f6
     raw * normal_cdf(z - nf * sigma) + m.powi(n) * normal_cdf(-z)
 }
 
-/// The standard normal distribution function, from the complementary error function of
-/// Numerical Recipes (Press et al., 3rd ed., section 6.2.2, `erfccheb`-free Chebyshev fit with
-/// fractional error below 1.2e-7 everywhere).
+/// The standard normal distribution function, from the complementary error function `erfcc` of
+/// Numerical Recipes in C (Press et al., 2nd ed., section 6.2: fractional error below 1.2e-7
+/// everywhere).
 pub fn normal_cdf(x: f64) -> f64 {
     let z = x.abs() / std::f64::consts::SQRT_2;
     let t = 1.0 / (1.0 + 0.5 * z);

@@ -115,7 +115,7 @@ pub fn causal_attention_flops(per_context: f64, cached: f64, tokens: f64) -> f64
 /// Attention FLOPs of training on a sequence of `tokens` (forward and backward): three times the
 /// forward pass's causal attention (the backward pass computes two products for each forward
 /// one, as for the dense layers' `6 N = 3 x 2 N`; Korthikanti et al., "Reducing Activation
-/// Recomputation in Large Transformer Models", 2022, section 6: `72 B s l h^2 (1 + s / 6h)`,
+/// Recomputation in Large Transformer Models", MLSys 2023, model FLOPs `72 B s l h^2 (1 + s / 6h)`,
 /// i.e. the same factor of three on the `s^2` attention term).
 pub fn train_attention_flops(per_context: f64, tokens: f64) -> f64 {
     3.0 * causal_attention_flops(per_context, 0.0, tokens)
