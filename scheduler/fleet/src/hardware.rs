@@ -10,11 +10,15 @@
 //!   [`HardwareModel::compute_efficiency`] and [`HardwareModel::bandwidth_efficiency`]).
 //!   Decode is continuously batched: one iteration advances every running sequence by a token and
 //!   takes `max(FLOPs / compute, bytes / bandwidth)`, where FLOPs are `2 * N_active` per sequence
-//!   plus attention over its context and bytes are the active weights (read once per iteration)
-//!   plus every sequence's KV cache. The iteration time is recomputed whenever the batch changes
+//!   plus attention over its context and bytes are the weights the batch reads (once per
+//!   iteration: all of a dense model's; a mixture of experts' shared weights plus the expected
+//!   union of the experts its tokens route to, [`rollfleet_spec::WeightReads`]) plus every
+//!   sequence's KV cache. The iteration time is recomputed whenever the batch changes
 //!   (a fluid model of the per-token loop, exact between batch changes up to context growth).
 //!   Prefill runs in batches of up to [`PREFILL_BATCH_TOKENS`] tokens, mixed with decode as
-//!   chunked prefill does: decode keeps its pace and prefill gets the compute decode leaves.
+//!   chunked prefill does: decode keeps its pace and prefill gets the compute decode leaves. A
+//!   prefill of `t` tokens after `c` cached ones pays causal attention over every position
+//!   (`t c + t (t + 1) / 2` tokens of context) and reads the weights its batch's tokens route to.
 //! - **KV-cache transfer**: tokens x KV bytes per token over the cross-pool link.
 //! - **Model costs** ([`model_costs`]): FLOPs, weight and KV-cache bytes per token of the job's
 //!   model, which every replica model above is charged with.
@@ -27,7 +31,8 @@ use std::hash::{BuildHasherDefault, Hasher};
 use rollfleet_core::slab::IdSlab;
 use rollfleet_core::{StageId, Time, TrajId};
 pub use rollfleet_planner::roofline::{Work as RooflineWork, WorkKind};
-use rollfleet_spec::JobSpec;
+pub use rollfleet_spec::WeightReads;
+use rollfleet_spec::{JobSpec, causal_attention_flops};
 
 /// Hashes a trajectory id with one multiplication (Fibonacci hashing) for [`Engine::kv_held`],
 /// which every stage start and end looks up: a tree walk there was a few percent of a run.
@@ -84,10 +89,12 @@ impl Default for HardwareModel {
 pub struct ModelCosts {
     /// Dense forward FLOPs per token (2 x active parameters).
     pub flops_per_token: f64,
-    /// Attention FLOPs per token per token of context (4 x layers x hidden).
+    /// Attention FLOPs per token per token of context (4 x layers x heads x head dim).
     pub attention_flops_per_context: f64,
-    /// Bytes of active weights read per decode iteration.
+    /// Bytes of active weights one token's forward pass reads.
     pub active_weight_bytes: f64,
+    /// Bytes of weights a forward pass reads as a function of its tokens.
+    pub weight_reads: WeightReads,
     /// KV-cache bytes per token.
     pub kv_bytes_per_token: f64,
 }
@@ -285,7 +292,7 @@ impl Engine {
         }
         let ctx = self.sum_ctx_base + n * self.progress;
         let flops = n * self.costs.flops_per_token + self.costs.attention_flops_per_context * ctx;
-        let bytes = self.costs.active_weight_bytes + self.costs.kv_bytes_per_token * ctx;
+        let bytes = self.costs.weight_reads.bytes(n) + self.costs.kv_bytes_per_token * ctx;
         self.t_iter = (flops / self.flops).max(bytes / self.bandwidth).max(1e-9);
         self.iter_work = RooflineWork { flops, bytes };
     }
@@ -350,11 +357,15 @@ impl Engine {
             }
         }
         let mut flops = 0.0;
-        let mut bytes = self.costs.active_weight_bytes;
+        let mut bytes = self.costs.weight_reads.bytes(tokens as f64);
         for job in &jobs {
             let t = job.tokens as f64;
             flops += t * self.costs.flops_per_token
-                + self.costs.attention_flops_per_context * t * (job.cached as f64 + t / 2.0);
+                + causal_attention_flops(
+                    self.costs.attention_flops_per_context,
+                    job.cached as f64,
+                    t,
+                );
             bytes += self.costs.kv_bytes_per_token * (job.cached as f64 + t);
         }
         let decode_share = self.decode_compute_share();
@@ -561,6 +572,7 @@ pub fn model_costs(spec: &JobSpec) -> ModelCosts {
         flops_per_token: spec.model.forward_flops_per_token(),
         attention_flops_per_context: spec.model.attention_flops_per_token(1.0),
         active_weight_bytes: spec.model.active_weight_bytes(),
+        weight_reads: spec.model.weight_reads(),
         kv_bytes_per_token: spec.model.kv_bytes_per_token(),
     }
 }
@@ -574,8 +586,41 @@ mod tests {
             flops_per_token: 2e9,
             attention_flops_per_context: 0.0,
             active_weight_bytes: 2e9,
+            weight_reads: WeightReads::dense(2e9),
             kv_bytes_per_token: 0.0,
         }
+    }
+
+    #[test]
+    fn a_moe_decode_batch_reads_more_expert_weights_than_one_token_but_fewer_than_all() {
+        // 1 GB shared, 64 experts of 0.1 GB, 4 per token: 1.4 GB for one token, 7.4 GB for all.
+        let reads = WeightReads {
+            shared_bytes: 1e9,
+            expert_bytes: 1e8,
+            experts: 64.0,
+            experts_per_token: 4.0,
+        };
+        let moe = ModelCosts {
+            active_weight_bytes: reads.bytes(1.0),
+            weight_reads: reads,
+            ..costs()
+        };
+        let iteration = |n: u64| {
+            let mut e = Engine::new(1, 1e18, 1e12, &hw(), moe, 1_000_000);
+            for s in 0..n {
+                e.add_decode(Time::ZERO, StageId(s), 10, 100);
+            }
+            e.next_wake().unwrap().as_secs_f64() / 100.0
+        };
+        // At 1 TB/s: one sequence 1.4 ms a token; eight read 64 (1 - (15/16)^8) = 25.4 experts.
+        assert!((iteration(1) - 1.4e-3).abs() < 1e-9, "{}", iteration(1));
+        let eight = (1e9 + 1e8 * 64.0 * (1.0 - (15.0_f64 / 16.0).powi(8))) / 1e12;
+        assert!(
+            (iteration(8) - eight).abs() < 1e-9,
+            "{} vs {eight}",
+            iteration(8)
+        );
+        assert!(iteration(8) > 1.4e-3 && iteration(8) < 7.4e-3);
     }
 
     fn hw() -> HardwareModel {
@@ -611,7 +656,8 @@ mod tests {
 
     #[test]
     fn prefill_is_compute_bound_for_long_inputs() {
-        // 10,000 tokens x 2 GFLOP at 1 PFLOP/s = 20 ms (the weight read takes 2 ms).
+        // 10,000 tokens x 2 GFLOP at 1 PFLOP/s = 20 ms (the weight read takes 2 ms; no attention
+        // FLOPs in this model).
         let mut e = Engine::new(1, 1e15, 1e12, &hw(), costs(), 100_000);
         e.add_prefill(
             Time::ZERO,

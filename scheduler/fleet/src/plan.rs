@@ -149,8 +149,10 @@ impl JobPlan {
     }
 
     /// Modelled seconds the trainer takes for a batch of `tokens` on `gpus` of its pool (the
-    /// simulator's formula: `6 x active parameters x tokens` at the train MFU of those GPUs);
-    /// `gpus` 0 means the size the job was planned with.
+    /// dense part of the simulator's formula: `6 x active parameters x tokens` at the train MFU
+    /// of those GPUs; the simulator also charges each trajectory's causal attention, which needs
+    /// the trajectories' lengths this caller does not have); `gpus` 0 means the size the job was
+    /// planned with.
     pub fn train_seconds(&self, tokens: u64, gpus: u32) -> f64 {
         let spec = self.spec();
         let (peak, _) = self.gpu_peaks(self.placement.trainer.pool);

@@ -301,6 +301,28 @@ mod tests {
         assert!((90.0..110.0).contains(&v[10_000]), "{}", v[10_000]);
     }
 
+    #[test]
+    fn a_clipped_lognormal_mean_is_what_a_large_sample_of_its_draws_averages() {
+        // Clipped at its 90th percentile, a heavy tail (p99 ten times the median) loses a
+        // fifth of its mean: `min(unclipped mean, max)` kept the clip instead.
+        let dist = Distribution::LogNormal {
+            median: 1000.0,
+            p99: 10_000.0,
+            max: Some(2_700.0),
+        };
+        let sampler = Sampler::new(&dist);
+        let mut rng = SplitMix64::new(20_240_601);
+        let n = 2_000_000;
+        let total: f64 = (0..n).map(|_| sampler.sample(&mut rng)).sum();
+        let sampled = total / n as f64;
+        let exact = mean(&dist);
+        assert!(
+            (exact - sampled).abs() < 0.002 * sampled,
+            "{exact} vs {sampled}"
+        );
+        assert!(exact < 2_700.0 - 100.0, "{exact}");
+    }
+
     fn quickstart() -> JobSpec {
         let text = include_str!("../../../examples/jobs/quickstart.yaml");
         rollfleet_spec::parse_job(text.as_bytes(), "quickstart.yaml")

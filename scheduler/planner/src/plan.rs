@@ -426,6 +426,7 @@ pub fn problem_with(
         serverless,
         workload,
         active_weight_bytes: model.active_weight_bytes(),
+        weight_reads: model.weight_reads(),
         weight_bytes: weights,
         kv_bytes_per_token: kv,
         flops_per_token: model.forward_flops_per_token(),

@@ -142,22 +142,27 @@ impl Work {
 }
 
 /// Prefill of `tokens` new tokens after `cached` tokens already in the KV cache: every new
-/// token's dense FLOPs, attention over everything before it, one read of the active weights, and
-/// the KV cache read and written once.
+/// token's dense FLOPs, causal attention over everything before it, one read of the weights its
+/// tokens route to (all of them for a dense model), and the KV cache read and written once.
 pub fn prefill(model: &ModelSpec, tokens: f64, cached: f64) -> Work {
     Work {
         flops: tokens * model.forward_flops_per_token()
-            + tokens * model.attention_flops_per_token(cached + tokens / 2.0),
-        bytes: model.active_weight_bytes() + model.kv_bytes_per_token() * (cached + tokens),
+            + rollfleet_spec::causal_attention_flops(
+                model.attention_flops_per_token(1.0),
+                cached,
+                tokens,
+            ),
+        bytes: model.weight_reads().bytes(tokens) + model.kv_bytes_per_token() * (cached + tokens),
     }
 }
 
 /// One decode iteration of `batch` sequences at `context` tokens each: one token per sequence,
-/// one read of the active weights shared by the batch, and every sequence's KV cache read.
+/// one read of the weights the batch's tokens route to (all active weights of a dense model),
+/// and every sequence's KV cache read.
 pub fn decode_step(model: &ModelSpec, batch: f64, context: f64) -> Work {
     Work {
         flops: batch * (model.forward_flops_per_token() + model.attention_flops_per_token(context)),
-        bytes: model.active_weight_bytes() + batch * model.kv_bytes_per_token() * context,
+        bytes: model.weight_reads().bytes(batch) + batch * model.kv_bytes_per_token() * context,
     }
 }
 
@@ -319,6 +324,9 @@ mod tests {
             kv_heads: 8,
             head_dim: 128,
             dtype_bytes: 2,
+            attention_heads: None,
+            experts: None,
+            experts_per_token: None,
         }
     }
 
@@ -381,9 +389,10 @@ mod tests {
 
     #[test]
     fn prefill_of_4k_tokens_is_compute_bound_and_6_7x_faster_on_an_h800() {
-        // FLOPs: 4096 x 65.6e9 + 4096 x 4 x 64 x 5120 x 2048 = 268.6976e12 + 10.9951e12.
+        // FLOPs: 4096 x 65.6e9 + 4 x 64 x 5120 x (4096 x 4097 / 2) = 268.6976e12 + 10.9978e12
+        // (causal: token i attends to i positions).
         let w = prefill(&qwen_32b(), 4096.0, 0.0);
-        let flops = 4096.0 * 65.6e9 + 4096.0 * 4.0 * 64.0 * 5120.0 * 2048.0;
+        let flops = 4096.0 * 65.6e9 + 4.0 * 64.0 * 5120.0 * (4096.0 * 4097.0 / 2.0);
         assert!(close(w.flops, flops, 1e-12));
         assert!(w.intensity() > 4000.0, "{}", w.intensity());
         assert_eq!(w.bound_on(295.2), Bound::Compute);

@@ -209,19 +209,14 @@ pub fn expected_max(dist: &Distribution, n: f64, mean: &dyn Fn(&Distribution) ->
     }
 }
 
-/// The variance of a distribution. Closed form for fixed, uniform and log-normal (clipping
-/// ignored); a trace is taken to have a coefficient of variation of 1 (its variance is its mean
-/// squared), about what token-count traces show.
+/// The variance of a distribution. Closed form for fixed, uniform and log-normal (of the
+/// clipped values the sampler draws, [`Distribution::variance`]); a trace is taken to have a
+/// coefficient of variation of 1 (its variance is its mean squared), about what token-count
+/// traces show.
 pub fn variance(dist: &Distribution, mean: &dyn Fn(&Distribution) -> f64) -> f64 {
-    match *dist {
-        Distribution::Fixed { .. } => 0.0,
-        Distribution::Uniform { min, max } => (max - min).powi(2) / 12.0,
-        Distribution::LogNormal { median, p99, .. } => {
-            let sigma = lognormal_sigma(median, p99);
-            let m = median * (sigma * sigma / 2.0).exp();
-            m * m * ((sigma * sigma).exp() - 1.0)
-        }
-        Distribution::Trace { .. } => mean(dist).powi(2),
+    match dist.variance() {
+        Some(v) => v,
+        None => mean(dist).powi(2),
     }
 }
 

@@ -114,8 +114,10 @@ pub fn lower_bound(
                 }
                 let flops = n * gpu.peak_flops() * hw.compute_efficiency;
                 let bw = n * gpu.memory_bandwidth_bytes_per_s() * hw.bandwidth_efficiency;
-                let weight_reads = work.decode_tokens * costs.active_weight_bytes
-                    / rollfleet_core::placement::MAX_SEQS_PER_REPLICA as f64;
+                // At best every iteration runs a full batch, which reads the weights its tokens
+                // route to (all of a dense model's) once.
+                let full = rollfleet_core::placement::MAX_SEQS_PER_REPLICA as f64;
+                let weight_reads = work.decode_tokens * costs.weight_reads.bytes(full) / full;
                 names.push(pool.name.clone());
                 cost[0].push(work.prefill_flops / flops);
                 cost[1].push(

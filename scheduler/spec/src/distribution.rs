@@ -80,10 +80,27 @@ impl Distribution {
         match *self {
             Distribution::Fixed { value } => Some(value),
             Distribution::Uniform { min, max } => Some((min + max) / 2.0),
+            Distribution::LogNormal { median, p99, max } => Some(lognormal_moment(
+                median,
+                lognormal_sigma(median, p99),
+                max,
+                1,
+            )),
+            Distribution::Trace { .. } => None,
+        }
+    }
+
+    /// The variance, where it has a closed form (a log-normal's of the values actually drawn,
+    /// `min(X, max)`); `None` for a trace.
+    pub fn variance(&self) -> Option<f64> {
+        match *self {
+            Distribution::Fixed { .. } => Some(0.0),
+            Distribution::Uniform { min, max } => Some((max - min).powi(2) / 12.0),
             Distribution::LogNormal { median, p99, max } => {
                 let sigma = lognormal_sigma(median, p99);
-                let mean = median * (sigma * sigma / 2.0).exp();
-                Some(max.map_or(mean, |m| mean.min(m)))
+                let m1 = lognormal_moment(median, sigma, max, 1);
+                let m2 = lognormal_moment(median, sigma, max, 2);
+                Some((m2 - m1 * m1).max(0.0))
             }
             Distribution::Trace { .. } => None,
         }
@@ -151,6 +168,49 @@ pub fn lognormal_sigma(median: f64, p99: f64) -> f64 {
         return 0.0;
     }
     (p99 / median).ln() / Z99
+}
+
+/// `E[min(X, max)^n]` for a log-normal `X` of median `e^mu` and log-sd `sigma`, in closed form:
+/// `e^(n mu + n^2 sigma^2 / 2) Phi((ln max - mu - n sigma^2) / sigma) + max^n (1 - Phi((ln max -
+/// mu) / sigma))` (the partial moments of the log-normal; e.g. Johnson, Kotz and Balakrishnan,
+/// "Continuous Univariate Distributions", vol. 1, 2nd ed., ch. 14). This is the moment of what
+/// the sampler draws, which clips at `max`, not the unclipped moment clipped afterwards.
+pub fn lognormal_moment(median: f64, sigma: f64, max: Option<f64>, n: i32) -> f64 {
+    let nf = f64::from(n);
+    let raw = median.powi(n) * (nf * nf * sigma * sigma / 2.0).exp();
+    let Some(m) = max else {
+        return raw;
+    };
+    if median <= 0.0 || m <= 0.0 {
+        return 0.0;
+    }
+    if sigma <= 0.0 {
+        return median.min(m).powi(n);
+    }
+    let z = (m / median).ln() / sigma;
+    raw * normal_cdf(z - nf * sigma) + m.powi(n) * normal_cdf(-z)
+}
+
+/// The standard normal distribution function, from the complementary error function `erfcc` of
+/// Numerical Recipes in C (Press et al., 2nd ed., section 6.2: fractional error below 1.2e-7
+/// everywhere).
+pub fn normal_cdf(x: f64) -> f64 {
+    let z = x.abs() / std::f64::consts::SQRT_2;
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.265_512_23
+        + t * (1.000_023_68
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_203_98
+                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+    let erfc = t * poly.exp();
+    if x >= 0.0 {
+        1.0 - erfc / 2.0
+    } else {
+        erfc / 2.0
+    }
 }
 
 /// A distribution that may be written as a bare number.
@@ -252,6 +312,29 @@ mod tests {
         .mean()
         .unwrap();
         assert!((mean - 100.0 * 0.5_f64.exp()).abs() < 1e-9, "{mean}");
+    }
+
+    #[test]
+    fn a_clipped_lognormal_mean_is_the_mean_of_the_clipped_values() {
+        // sigma = 1, clipped at the median: half the mass sits at the median, the other half
+        // averages 100 e^0.5 Phi(-1) / 0.5 below it; the old `min(mean, max)` gave 100.
+        let p99 = 100.0 * 2.326_347_874_040_841_f64.exp();
+        let clipped = Distribution::LogNormal {
+            median: 100.0,
+            p99,
+            max: Some(100.0),
+        };
+        let expected = 100.0 * 0.5_f64.exp() * normal_cdf(-1.0) + 100.0 * 0.5;
+        let mean = clipped.mean().unwrap();
+        assert!((mean - expected).abs() < 1e-4, "{mean} vs {expected}");
+        assert!(mean < 100.0);
+        // A clip far above everything changes nothing.
+        let far = Distribution::LogNormal {
+            median: 100.0,
+            p99,
+            max: Some(1e12),
+        };
+        assert!((far.mean().unwrap() - 100.0 * 0.5_f64.exp()).abs() < 1e-6);
     }
 
     #[test]

@@ -22,7 +22,9 @@ mod validate;
 
 use std::path::Path;
 
-pub use distribution::{Dist, Distribution, TraceColumn, TraceName, lognormal_sigma};
+pub use distribution::{
+    Dist, Distribution, TraceColumn, TraceName, lognormal_moment, lognormal_sigma, normal_cdf,
+};
 pub use kubernetes::{
     GPU_RESOURCE, KubernetesJob, KubernetesPlacement, Quantity, Resources, TaintEffect, Toleration,
     TolerationOperator,
@@ -32,7 +34,7 @@ pub use manifest::{
     Metadata, NetworkSpec, PoolKind, PoolSpec, RewardPlacement, RewardSpec, RlSpec, Role, TaskSpec,
     TrainerMode,
 };
-pub use model::ModelSpec;
+pub use model::{ModelSpec, WeightReads, causal_attention_flops, train_attention_flops};
 pub use names::{BUILTIN_ENVIRONMENTS, BUILTIN_REWARD_FUNCTIONS, did_you_mean};
 pub use validate::{Problem, USABLE_MEMORY_FRACTION, replica_bytes};
 

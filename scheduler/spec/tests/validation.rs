@@ -60,6 +60,24 @@ fn the_rollart_example_is_disaggregated_over_h800_h20_cpu_and_serverless() {
 /// (what is wrong, edit applied to the quick-start, the exact problem expected).
 const BAD_SPECS: &[(&str, &str, &str, &str)] = &[
     (
+        "experts without experts per token",
+        "headDim: 128\n",
+        "headDim: 128\n    experts: 64\n",
+        "spec.model.expertsPerToken: must be given with experts (the routed experts each token uses)",
+    ),
+    (
+        "more experts per token than experts",
+        "headDim: 128\n",
+        "headDim: 128\n    experts: 4\n    expertsPerToken: 8\n    activeParameters: 1e9\n",
+        "spec.model.expertsPerToken: must be between 1 and experts (4), got 8",
+    ),
+    (
+        "a mixture of experts with every parameter active",
+        "headDim: 128\n",
+        "headDim: 128\n    experts: 64\n    expertsPerToken: 8\n",
+        "spec.model.activeParameters: must be below parameters (1540000000) for a mixture of experts using 8 of 64 experts per token",
+    ),
+    (
         "unknown GPU",
         "gpu: H20",
         "gpu: H900",

@@ -26,6 +26,7 @@ fn config(kv_capacity_tokens: u64, time_scale: f64) -> EmulatedConfig {
             flops_per_token: 2e9,
             attention_flops_per_context: 0.0,
             active_weight_bytes: 2e9,
+            weight_reads: rollfleet_fleet::hardware::WeightReads::dense(2e9),
             kv_bytes_per_token: 0.0,
         },
         kv_capacity_tokens,

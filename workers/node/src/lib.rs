@@ -224,6 +224,7 @@ mod tests {
             flops_per_token: 3e9,
             attention_flops_per_context: 1e5,
             active_weight_bytes: 3e9,
+            weight_reads: rollfleet_spec::WeightReads::dense(3e9),
             kv_bytes_per_token: 3e4,
         };
         let start = tokio::time::Instant::now();

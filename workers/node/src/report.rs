@@ -57,7 +57,7 @@ impl DecodeTiming {
         Some(ProfileSample {
             kind: ProfileKind::Decode as i32,
             flops: batch * (costs.flops_per_token + costs.attention_flops_per_context * context),
-            bytes: costs.active_weight_bytes + costs.kv_bytes_per_token * batch * context,
+            bytes: costs.weight_reads.bytes(batch) + costs.kv_bytes_per_token * batch * context,
             seconds,
             gpus: gpus.max(1),
             emulated: false,

@@ -182,8 +182,11 @@ pub struct Problem {
     pub serverless: Vec<ServerlessPool>,
     /// The workload.
     pub workload: Workload,
-    /// Bytes of active weights read per forward pass.
+    /// Bytes of active weights one token's forward pass reads.
     pub active_weight_bytes: f64,
+    /// Bytes of weights a forward pass reads as a function of its tokens (a mixture of experts
+    /// reads the union of the experts its tokens route to; the simulator's formula).
+    pub weight_reads: rollfleet_spec::WeightReads,
     /// Bytes of one copy of the weights.
     pub weight_bytes: f64,
     /// KV bytes per token.
@@ -218,6 +221,13 @@ pub struct Problem {
 }
 
 impl Problem {
+    /// Forward FLOPs of prefilling `tokens` new tokens after `cached` ones: the dense part and
+    /// causal attention over every position (the simulator's formula).
+    pub fn prefill_flops(&self, tokens: f64, cached: f64) -> f64 {
+        tokens * self.flops_per_token
+            + rollfleet_spec::causal_attention_flops(self.attention_flops, cached, tokens)
+    }
+
     /// The same problem with its trainer pinned to `(pool, gpus)` ([`Problem::pinned_trainer`]).
     pub fn with_trainer(mut self, pool: usize, gpus: u32) -> Problem {
         self.pinned_trainer = Some((pool, gpus));
@@ -492,7 +502,7 @@ pub fn min_train_gpus(p: &Problem, pool: &GpuPool) -> u32 {
 pub fn decode_work_at(p: &Problem, batch: f64, context: f64) -> roofline::Work {
     roofline::Work {
         flops: batch * (p.flops_per_token + p.attention_flops * context),
-        bytes: p.active_weight_bytes + batch * p.kv_bytes_per_token * context,
+        bytes: p.weight_reads.bytes(batch) + batch * p.kv_bytes_per_token * context,
     }
 }
 
@@ -503,6 +513,12 @@ mod tests {
         regeneration, replica_token_time, routed, token_time,
     };
     use super::*;
+    use rollfleet_spec::WeightReads;
+
+    /// A dense model of 1 GB of weights.
+    fn gb() -> WeightReads {
+        WeightReads::dense(1e9)
+    }
 
     fn kind(replicas: f64, bandwidth: f64) -> DecodeKind {
         DecodeKind {
@@ -515,11 +531,42 @@ mod tests {
     }
 
     #[test]
+    fn a_moe_replica_decodes_at_the_time_of_reading_the_experts_its_batch_routes_to() {
+        // 1 GB shared, 64 experts of 0.1 GB, 4 per token, 1 MB of KV per sequence, 100
+        // sequences always decoding: the iteration reads 1e9 + 1e8 x 64 (1 - (60/64)^100) bytes
+        // plus 100 MB of KV at 1 TB/s, the simulator's formula.
+        let reads = WeightReads {
+            shared_bytes: 1e9,
+            expert_bytes: 1e8,
+            experts: 64.0,
+            experts_per_token: 4.0,
+        };
+        let tau = replica_token_time(&kind(1.0, 1e12), 100.0, 0.0, &reads, 1e6, 1.0);
+        let expected = (reads.bytes(100.0) + 100.0 * 1e6) / 1e12;
+        assert!((tau - expected).abs() < 1e-12, "{tau} vs {expected}");
+        // More than the active weights (1.4 GB) alone would take, less than all (7.4 GB).
+        assert!(tau > (1.4e9 + 1e8) / 1e12 && tau < (7.4e9 + 1e8) / 1e12);
+        // With sequences that spend half their life elsewhere, the batch that decodes is
+        // smaller and so is its expert read: still the simulator's formula at that batch.
+        let half = replica_token_time(&kind(1.0, 1e12), 100.0, tau, &reads, 1e6, 1.0);
+        let batch = 100.0 * half / (half + tau);
+        let at_batch = (reads.bytes(batch) + batch * 1e6) / 1e12;
+        assert!(
+            (half - at_batch).abs() < 1e-9 * at_batch,
+            "{half} vs {at_batch}"
+        );
+        // The capacity search reaches the same per-token time for the rate those 100 make.
+        let rate = 100.0 / tau;
+        let solved = token_time(&[kind(1.0, 1e12)], rate, &reads, 1e6, 1.0).unwrap();
+        assert!((solved - tau).abs() < 1e-6 * tau, "{solved} vs {tau}");
+    }
+
+    #[test]
     fn token_time_solves_littles_law_on_decoding_sequences() {
         // One replica, 1 TB/s, 1 GB of weights, 1 MB of KV per sequence. At tau, a batch of
         // (1e12 tau - 1e9) / 1e6 sequences; asked for 1e5 tokens/s, b = 1e5 tau:
         // 1e6 tau - 1e3 = 1e5 tau  =>  tau = 1e3 / 9e5 = 1.111 ms.
-        let tau = token_time(&[kind(1.0, 1e12)], 1e5, 1e9, 1e6, 1.0).unwrap();
+        let tau = token_time(&[kind(1.0, 1e12)], 1e5, &gb(), 1e6, 1.0).unwrap();
         assert!((tau - 1e3 / 9e5).abs() < 1e-12, "{tau}");
     }
 
@@ -530,14 +577,22 @@ mod tests {
         // 0.1 TB/s one 11 ms: 100 / 1.1e-3 + 100 / 1.1e-2 = 100,000 tokens/s, 10/11 of them
         // fast. Token-weighted: 10/11 x 1.1 + 1/11 x 11 = 2 ms (= 200 sequences / 1e5 tokens/s),
         // where water-filling gave the slow replica nothing and 1.11 ms.
-        let served = routed(&[kind(1.0, 1e12), kind(1.0, 1e11)], 1e5, 0.0, 1e9, 1e6, 1.0).unwrap();
+        let served = routed(
+            &[kind(1.0, 1e12), kind(1.0, 1e11)],
+            1e5,
+            0.0,
+            &gb(),
+            1e6,
+            1.0,
+        )
+        .unwrap();
         assert!((served.tau - 2e-3).abs() < 1e-9, "{served:?}");
         assert!(
             (served.token_share[0] - 10.0 / 11.0).abs() < 1e-6,
             "{served:?}"
         );
         assert!((served.kinds[1].2 - 1.1e-2).abs() < 1e-8, "{served:?}");
-        let filled = token_time(&[kind(1.0, 1e12), kind(1.0, 1e11)], 1e5, 1e9, 1e6, 1.0).unwrap();
+        let filled = token_time(&[kind(1.0, 1e12), kind(1.0, 1e11)], 1e5, &gb(), 1e6, 1.0).unwrap();
         assert!((filled - 1e3 / 9e5).abs() < 1e-12, "{filled}");
     }
 
@@ -558,13 +613,13 @@ mod tests {
             ..kind(1.0, 2e12)
         };
         let rate = 100.0 / 0.1375e-3 + 100.0 / 0.55e-3;
-        let a = routed(&[fast, tp8], rate, 0.0, 1e9, 1e6, 1.0).unwrap();
+        let a = routed(&[fast, tp8], rate, 0.0, &gb(), 1e6, 1.0).unwrap();
         assert!((a.tau - 0.22e-3).abs() < 1e-12, "{a:?}");
         assert!((a.token_share[0] - 0.8).abs() < 1e-9, "{a:?}");
         // A sequence also reads its own KV cache (1e6 / 8e12 and 1e6 / 2e12 s): it sees
         // 0.8 x 0.1375 + 0.2 x 0.55 + 0.8 x 0.000125 + 0.2 x 0.0005 = 0.2202 ms, with a
         // variance of 0.8 x 0.137625^2 + 0.2 x 0.5505^2 - 0.2202^2 = 0.027270 ms^2.
-        let (seen_a, var_a) = a.seen(&[fast, tp8], 1e6, 1.0);
+        let (seen_a, var_a) = a.seen(&[fast, tp8], &WeightReads::dense(1e9), 1e6, 1.0);
         assert!((seen_a - 0.2202e-3).abs() < 1e-12, "{seen_a}");
         let hand =
             0.8 * 0.137625e-3_f64.powi(2) + 0.2 * 0.5505e-3_f64.powi(2) - 0.2202e-3_f64.powi(2);
@@ -576,15 +631,15 @@ mod tests {
             weight: 5.0,
             ..kind(8.0, 0.25e12)
         };
-        let b = routed(&[fast, tp1], rate, 0.0, 1e9, 1e6, 1.0).unwrap();
+        let b = routed(&[fast, tp1], rate, 0.0, &gb(), 1e6, 1.0).unwrap();
         assert!(b.kinds[1].2 > 4e-3, "{b:?}");
         assert!(b.token_share[1] > 0.0, "{b:?}");
-        let (_, var_b) = b.seen(&[fast, tp1], 1e6, 1.0);
+        let (_, var_b) = b.seen(&[fast, tp1], &WeightReads::dense(1e9), 1e6, 1.0);
         // 1.4% of the tokens at 4.0 ms: a standard deviation of 0.45 ms against 0.165.
         assert!(var_b.sqrt() > 2.5 * var_a.sqrt(), "{b:?}");
         // Water-filling gave the slow replicas nothing either way.
-        let wa = token_time(&[fast, tp8], rate, 1e9, 1e6, 1.0).unwrap();
-        let wb = token_time(&[fast, tp1], rate, 1e9, 1e6, 1.0).unwrap();
+        let wa = token_time(&[fast, tp8], rate, &gb(), 1e6, 1.0).unwrap();
+        let wb = token_time(&[fast, tp1], rate, &gb(), 1e6, 1.0).unwrap();
         assert!(wb <= a.tau && wa <= a.tau, "{wa} {wb}");
     }
 
@@ -593,7 +648,7 @@ mod tests {
         // 100 trajectories alive, each 1 ms of other work per token: the batch is 100 tau /
         // (tau + 1e-3), and (1e9 + 1e6 b) / 1e12 = tau gives tau^2 - 1e-4 tau - 1e-6 = 0:
         // tau = (1e-4 + sqrt(4.01e-6)) / 2 = 1.051249 ms, a batch of 51.25.
-        let tau = replica_token_time(&kind(1.0, 1e12), 100.0, 1e-3, 1e9, 1e6, 1.0);
+        let tau = replica_token_time(&kind(1.0, 1e12), 100.0, 1e-3, &gb(), 1e6, 1.0);
         assert!(
             (tau - (1e-4 + 4.01e-6_f64.sqrt()) / 2.0).abs() < 1e-12,
             "{tau}"
@@ -601,7 +656,7 @@ mod tests {
         let batch = 100.0 * tau / (tau + 1e-3);
         assert!(((1e9 + 1e6 * batch) / 1e12 - tau).abs() < 1e-12);
         // Always decoding, it is the plain roofline of the whole batch.
-        let plain = replica_token_time(&kind(1.0, 1e12), 100.0, 0.0, 1e9, 1e6, 1.0);
+        let plain = replica_token_time(&kind(1.0, 1e12), 100.0, 0.0, &gb(), 1e6, 1.0);
         assert!((plain - 1.1e-3).abs() < 1e-12, "{plain}");
     }
 
@@ -619,16 +674,16 @@ mod tests {
     fn a_replica_too_slow_to_help_gets_no_sequences() {
         // The fast replica alone: (1e12 tau - 1e9)/1e6 = 1e3 tau => tau = 1e3/(1e6 - 1e3).
         // A 1 GB/s replica needs tau >= 1 s to read its weights once: it stays empty.
-        let alone = token_time(&[kind(1.0, 1e12)], 1e3, 1e9, 1e6, 1.0).unwrap();
-        let both = token_time(&[kind(1.0, 1e12), kind(1.0, 1e9)], 1e3, 1e9, 1e6, 1.0).unwrap();
+        let alone = token_time(&[kind(1.0, 1e12)], 1e3, &gb(), 1e6, 1.0).unwrap();
+        let both = token_time(&[kind(1.0, 1e12), kind(1.0, 1e9)], 1e3, &gb(), 1e6, 1.0).unwrap();
         assert!((alone - both).abs() < 1e-15);
     }
 
     #[test]
     fn asking_for_more_tokens_than_bandwidth_allows_has_no_token_time() {
         // The limit is 1e12 / 1e6 = 1e6 tokens/s (the weights' share vanishes as the batch grows).
-        assert!(token_time(&[kind(1.0, 1e12)], 1.01e6, 1e9, 1e6, 1.0).is_none());
-        assert!(token_time(&[kind(1.0, 1e12)], 0.99e6, 1e9, 1e6, 1.0).is_some());
+        assert!(token_time(&[kind(1.0, 1e12)], 1.01e6, &gb(), 1e6, 1.0).is_none());
+        assert!(token_time(&[kind(1.0, 1e12)], 0.99e6, &gb(), 1e6, 1.0).is_some());
     }
 
     #[test]

@@ -4,6 +4,8 @@
 
 use crate::workload::{Workload, normal_cdf, normal_pdf, normal_quantile};
 
+use rollfleet_spec::WeightReads;
+
 use super::Problem;
 
 /// Per-step work of the job, independent of the placement.
@@ -19,9 +21,7 @@ pub(super) struct StepWork {
 
 pub(super) fn step_work(p: &Problem) -> StepWork {
     let w = &p.workload;
-    let model = |tokens: f64, cached: f64| {
-        tokens * p.flops_per_token + tokens * p.attention_flops * (cached + tokens / 2.0)
-    };
+    let model = |tokens: f64, cached: f64| p.prefill_flops(tokens, cached);
     let mut s = StepWork {
         first_prefill_flops: 0.0,
         later_prefill_flops: 0.0,
@@ -45,6 +45,15 @@ pub(super) fn step_work(p: &Problem) -> StepWork {
     }
     s.decode_context = weighted_context / s.decode_tokens.max(1e-12);
     s.train_flops = p.train_flops_per_token * w.batch * w.train_tokens();
+    // Causal attention over each trajectory's whole length L, forward and backward: three
+    // times `L (L + 1) / 2` tokens of context, whose mean needs `E[L^2] = mean^2 + variance`
+    // (actions vary per turn, and the turns in number).
+    for t in &w.tasks {
+        let len = t.prompt + t.turns * t.action + (t.turns - 1.0).max(0.0) * t.observation;
+        let var = t.turns * t.action_var + t.turns_var * (t.action + t.observation).powi(2);
+        let mean_sum = (len * len + var + len) / 2.0;
+        s.train_flops += w.batch * t.share * 3.0 * p.attention_flops * mean_sum;
+    }
     s
 }
 
@@ -79,7 +88,38 @@ pub(super) fn router_weight(max_seqs: f64, reserved_context: f64, kv_tokens: f64
 /// token it decodes). An iteration takes `max((W + b kv) / bandwidth, b flops / FLOP/s)` for a
 /// batch of `b = alive tau / (tau + other)`: the fixed point of each roof is a root of a
 /// quadratic (bandwidth) or linear (compute) equation in `tau`, and the time is the larger.
+///
+/// A mixture of experts reads more weights the larger its batch ([`WeightReads::bytes`]): the
+/// time is then the fixed point of the batch's weight read, reached from one token's (the
+/// iteration only grows, to the smallest fixed point).
 pub(super) fn replica_token_time(
+    k: &DecodeKind,
+    alive: f64,
+    other: f64,
+    weights: &WeightReads,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> f64 {
+    let mut w = weights.single_token_bytes();
+    let mut tau = fixed_weights_token_time(k, alive, other, w, kv_per_seq, flops_per_seq);
+    for _ in 0..50 {
+        let batch = if tau + other > 0.0 {
+            alive * tau / (tau + other)
+        } else {
+            alive
+        };
+        let next = weights.bytes(batch);
+        if (next - w).abs() <= 1e-12 * w.max(1.0) {
+            break;
+        }
+        w = next;
+        tau = fixed_weights_token_time(k, alive, other, w, kv_per_seq, flops_per_seq);
+    }
+    tau
+}
+
+/// [`replica_token_time`] for a pass that reads `weights` bytes whatever its batch.
+fn fixed_weights_token_time(
     k: &DecodeKind,
     alive: f64,
     other: f64,
@@ -127,7 +167,7 @@ pub(super) fn routed(
     kinds: &[DecodeKind],
     rate: f64,
     other: f64,
-    weights: f64,
+    weights: &WeightReads,
     kv_per_seq: f64,
     flops_per_seq: f64,
 ) -> Option<Served> {
@@ -215,12 +255,16 @@ impl Served {
     pub(super) fn seen(
         &self,
         kinds: &[DecodeKind],
+        weights: &WeightReads,
         kv_per_seq: f64,
         flops_per_seq: f64,
     ) -> (f64, f64) {
         let (mut mean, mut second) = (0.0, 0.0);
-        for ((k, &(_, _, tau)), q) in kinds.iter().zip(&self.kinds).zip(&self.token_share) {
-            let own = (kv_per_seq / k.bandwidth.max(1e-30)).max(flops_per_seq / k.flops.max(1e-30));
+        for ((k, &(_, b, tau)), q) in kinds.iter().zip(&self.kinds).zip(&self.token_share) {
+            // Its own KV cache, and the experts its token routes to that the batch had not.
+            let extra = weights.bytes(b + 1.0) - weights.bytes(b);
+            let own = ((kv_per_seq + extra) / k.bandwidth.max(1e-30))
+                .max(flops_per_seq / k.flops.max(1e-30));
             let seen = tau + own;
             mean += q * seen;
             second += q * seen * seen;
@@ -254,8 +298,39 @@ pub(super) fn batch_at(
     by_bandwidth.min(by_compute).clamp(0.0, k.cap)
 }
 
-/// The smallest per-token time at which the replicas decode `rate` tokens a second, if any.
+/// The smallest per-token time at which the replicas decode `rate` tokens a second, if any. A
+/// mixture of experts reads the weights of the batch it runs ([`WeightReads::bytes`] at the
+/// replicas' mean batch): a fixed point, reached from one token's read upwards.
 pub(super) fn token_time(
+    kinds: &[DecodeKind],
+    rate: f64,
+    weights: &WeightReads,
+    kv_per_seq: f64,
+    flops_per_seq: f64,
+) -> Option<f64> {
+    let mut w = weights.single_token_bytes();
+    let mut tau = fixed_weights_token_time_all(kinds, rate, w, kv_per_seq, flops_per_seq)?;
+    for _ in 0..50 {
+        let (mut held, mut replicas) = (0.0, 0.0);
+        for k in kinds.iter().filter(|k| k.replicas > 0.0) {
+            let b = batch_at(k, tau, w, kv_per_seq, flops_per_seq);
+            if b > 0.0 {
+                held += k.replicas * b;
+                replicas += k.replicas;
+            }
+        }
+        let next = weights.bytes(held / replicas.max(1e-12));
+        if (next - w).abs() <= 1e-12 * w.max(1.0) {
+            break;
+        }
+        w = next;
+        tau = fixed_weights_token_time_all(kinds, rate, w, kv_per_seq, flops_per_seq)?;
+    }
+    Some(tau)
+}
+
+/// [`token_time`] for passes that read `weights` bytes whatever their batch.
+fn fixed_weights_token_time_all(
     kinds: &[DecodeKind],
     rate: f64,
     weights: f64,
@@ -343,7 +418,7 @@ pub(super) fn expected_max_z(n: f64) -> f64 {
 
 /// FLOPs of prefilling a whole context of `c` tokens from nothing.
 pub(super) fn context_prefill_flops(p: &Problem, c: f64) -> f64 {
-    p.flops_per_token * c + p.attention_flops * c * c / 2.0
+    p.prefill_flops(c, 0.0)
 }
 
 /// What a set of replicas' prefill queues do to a prefill.

@@ -34,7 +34,7 @@ pub(super) fn predict_caps(
     let (env_s, serverless_s) = cpu_terms(p, &s);
     let kv_per_seq = p.kv_bytes_per_token * s.decode_context;
     let flops_per_seq = p.flops_per_token + p.attention_flops * s.decode_context;
-    let weights = p.active_weight_bytes;
+    let weights = &p.weight_reads;
     // Weight sync takes each replica offline once a step for a transfer; fold it in as a share
     // of the step the replica cannot serve.
     let sync_s = p.weight_bytes / p.link_bytes_per_s.max(1.0);
@@ -101,7 +101,7 @@ pub(super) fn predict_caps(
             // A sequence decodes alongside the others on its replica: Poisson occupancy makes
             // the batch it sees one larger than the mean (PASTA), one more KV cache to read per
             // token than the mean batch pays.
-            let (seen_tau, seen_var) = served.seen(&scaled, kv_per_seq, flops_per_seq);
+            let (seen_tau, seen_var) = served.seen(&scaled, weights, kv_per_seq, flops_per_seq);
             // Draining waits for the longest of the replica's running actions, caught on
             // average half-way; a turn that arrives meanwhile (probability `offline / T`) waits
             // half of it.
@@ -172,8 +172,7 @@ pub(super) fn predict_caps(
             let mut not_decoding = 0.0;
             for (task, alive) in w.tasks.iter().zip(alive_s.iter_mut()) {
                 let first_tokens = task.prompt;
-                let first = p.flops_per_token * first_tokens
-                    + p.attention_flops * first_tokens * first_tokens / 2.0;
+                let first = p.prefill_flops(first_tokens, 0.0);
                 let first_s = first_wait
                     + if remote_prefill(p, disaggregated, first_tokens) {
                         first * remote.s_per_flop
@@ -452,7 +451,7 @@ pub(super) fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
     let (env_s, serverless_s) = cpu_terms(p, &s);
     let kv_per_seq = p.kv_bytes_per_token * s.decode_context;
     let flops_per_seq = p.flops_per_token + p.attention_flops * s.decode_context;
-    let weights = p.active_weight_bytes;
+    let weights = &p.weight_reads;
     // Weight sync takes each replica offline once a step for a transfer; fold it in as a share
     // of the step the replica cannot serve.
     let sync_s = p.weight_bytes / p.link_bytes_per_s.max(1.0);
@@ -505,8 +504,7 @@ pub(super) fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
             let mut alive = 0.0;
             for task in &w.tasks {
                 let first_tokens = task.prompt;
-                let first = p.flops_per_token * first_tokens
-                    + p.attention_flops * first_tokens * first_tokens / 2.0;
+                let first = p.prefill_flops(first_tokens, 0.0);
                 let first_s = if disaggregated {
                     first / prefill_fastest.max(1e-30) * q_first + first_tokens * transfer_per_token
                 } else {

@@ -18,11 +18,17 @@ impl<'a> Sim<'a> {
         let mut groups: BTreeMap<u64, u32> = BTreeMap::new();
         let costs = self.costs;
         let mut violations = Vec::new();
+        // Causal attention over each trained trajectory's whole context, forward and backward.
+        let mut attention_flops = 0.0;
         for &t in &trajectories {
             let Some(l) = self.ledger.get_mut(t.0 as usize) else {
                 violations.push(format!("trajectory {} trained but never run", t.0));
                 continue;
             };
+            attention_flops += rollfleet_spec::train_attention_flops(
+                costs.attention_flops_per_context,
+                l.context_end as f64,
+            );
             if l.consumed {
                 violations.push(format!("trajectory {} trained twice", t.0));
             }
@@ -66,7 +72,7 @@ impl<'a> Sim<'a> {
         self.trajectories += trajectories.len() as u64;
         self.trained_tokens += tokens;
         let mfu = self.spec.rl.train_mfu.clamp(0.01, 1.0);
-        let secs = 6.0 * self.spec.model.active() * tokens as f64
+        let secs = (6.0 * self.spec.model.active() * tokens as f64 + attention_flops)
             / (self.trainer_gpus * self.train_peak * mfu);
         let now = self.now;
         let gpus = self.trainer_gpus;

@@ -57,7 +57,11 @@ impl Work {
             let input = turn.input as f64;
             let action = turn.action as f64;
             self.prefill_flops += costs.flops_per_token * input
-                + costs.attention_flops_per_context * input * (before + input / 2.0);
+                + rollfleet_spec::causal_attention_flops(
+                    costs.attention_flops_per_context,
+                    before,
+                    input,
+                );
             let ctx = before + input;
             self.decode_flops += costs.flops_per_token * action
                 + costs.attention_flops_per_context * action * (ctx + action / 2.0);
@@ -67,7 +71,9 @@ impl Work {
             context = ctx + action;
         }
         self.train_tokens += context;
-        self.train_flops += 3.0 * costs.flops_per_token * context;
+        let train_flops = 3.0 * costs.flops_per_token * context
+            + rollfleet_spec::train_attention_flops(costs.attention_flops_per_context, context);
+        self.train_flops += train_flops;
         traces.clear();
         traces.extend(l.turns.iter().map(|turn| TurnTrace {
             context_before: turn.context_before,
@@ -78,7 +84,7 @@ impl Work {
         if self.steps.len() <= step {
             self.steps.resize(step + 1, StepChain::default());
         }
-        let train_s = 3.0 * costs.flops_per_token * context / rates.train_flops.max(1.0);
+        let train_s = train_flops / rates.train_flops.max(1.0);
         let chain = &mut self.steps[step];
         chain.train_s += train_s;
         // A trajectory with no turns has no version to wait for (and is a violation anyway).

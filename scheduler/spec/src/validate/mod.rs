@@ -102,6 +102,9 @@ pub const MAX_HIDDEN_SIZE: i64 = 1 << 20;
 /// heads of at most 512 dimensions.
 pub const MAX_ATTENTION_SIZE: i64 = 8192;
 
+/// Routed experts per MoE layer: published models have up to 384 (Kimi K2), far below this.
+pub const MAX_EXPERTS: i64 = 4096;
+
 /// Tasks in the mix, and reward functions: task suites run to about a hundred kinds; the
 /// planner and the simulator model each task separately.
 pub const MAX_TASKS: usize = 1024;

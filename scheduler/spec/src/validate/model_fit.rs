@@ -2,6 +2,7 @@
 //! replica of the model fits in some GPU pool at all.
 
 use super::*;
+use crate::model::ModelSpec;
 
 pub(super) fn check_model(spec: &JobSpec, problems: &mut Problems) {
     let model = &spec.model;
@@ -63,11 +64,61 @@ pub(super) fn check_model(spec: &JobSpec, problems: &mut Problems) {
         MAX_ATTENTION_SIZE,
         "(published models have up to 512)",
     );
+    if let Some(heads) = model.attention_heads {
+        problems.within(
+            "spec.model.attentionHeads",
+            heads,
+            1,
+            MAX_ATTENTION_SIZE,
+            "(published models have up to 128)",
+        );
+    }
+    check_experts(model, problems);
     if ![1, 2, 4].contains(&model.dtype_bytes) {
         problems.error(
             "spec.model.dtypeBytes",
             format!("must be 1, 2 or 4, got {}", model.dtype_bytes),
         );
+    }
+}
+
+/// A mixture of experts: `experts` and `expertsPerToken` together, `experts >= expertsPerToken
+/// >= 1`, and fewer active parameters than total when some experts go unused per token.
+fn check_experts(model: &ModelSpec, problems: &mut Problems) {
+    match (model.experts, model.experts_per_token) {
+        (None, None) => {}
+        (Some(_), None) => problems.error(
+            "spec.model.expertsPerToken",
+            "must be given with experts (the routed experts each token uses)",
+        ),
+        (None, Some(_)) => problems.error(
+            "spec.model.experts",
+            "must be given with expertsPerToken (the routed experts per MoE layer)",
+        ),
+        (Some(experts), Some(k)) => {
+            problems.within(
+                "spec.model.experts",
+                experts,
+                1,
+                MAX_EXPERTS,
+                "(published models have up to 384)",
+            );
+            if k < 1 || k > experts {
+                problems.error(
+                    "spec.model.expertsPerToken",
+                    format!("must be between 1 and experts ({experts}), got {k}"),
+                );
+            } else if k < experts && model.active() >= model.parameters {
+                problems.error(
+                    "spec.model.activeParameters",
+                    format!(
+                        "must be below parameters ({}) for a mixture of experts using {k} of \
+                         {experts} experts per token",
+                        model.parameters
+                    ),
+                );
+            }
+        }
     }
 }
 
