@@ -38,6 +38,8 @@ const STEPS: u64 = 3;
 /// The quick-start's `rolloutBatchSize`: trajectories trained per RL step.
 const TRAIN_BATCH: u64 = 32;
 const POOLS: [&str; 5] = ["prefill", "decode", "train", "envs", "rewards"];
+/// The quick-start tasks' `contextLimit`.
+const CONTEXT_LIMIT: u64 = 4096;
 
 fn job_yaml() -> String {
     quickstart_yaml().replace("steps: 5", &format!("steps: {STEPS}"))
@@ -52,6 +54,8 @@ enum Fault {
     NotHeld,
     Fail(stage_failure::Cause),
     Oversized,
+    /// More token ids and log-probabilities than the task's whole context.
+    TooManyIds,
     /// The process dies: its stream ends and it registers again.
     Vanish,
     /// A node drain: it says it is leaving, finishes what it runs, and comes back as a new node.
@@ -68,6 +72,7 @@ impl Fault {
             Fault::NotHeld => "answer for an assignment not held",
             Fault::Fail(_) => "failure",
             Fault::Oversized => "oversized answer",
+            Fault::TooManyIds => "answer with too many token ids",
             Fault::Vanish => "vanishing",
             Fault::Leave => "leaving",
         }
@@ -89,6 +94,7 @@ fn fault(rng: &mut Rng) -> Fault {
         46..=47 => Fault::Oversized,
         48 => Fault::Vanish,
         49 => Fault::Leave,
+        50..=52 => Fault::TooManyIds,
         _ => Fault::Answer,
     }
 }
@@ -241,6 +247,14 @@ async fn worker(inbox: mpsc::UnboundedSender<Event>, pool: &'static str, seed: u
                     big.observation = "y".repeat(3 << 20);
                     send(result(id, work_result::Outcome::Output(big)));
                 }
+                Fault::TooManyIds => {
+                    let mut big = output(assign.work.as_ref(), assign.turn);
+                    let n = CONTEXT_LIMIT as usize + 1;
+                    big.tokens = vec![7; n];
+                    big.logprobs = vec![-0.5; n];
+                    rollfleet_proto::packed::pack(&mut big);
+                    send(result(id, work_result::Outcome::Output(big)));
+                }
                 Fault::Vanish => {
                     let _ = inbox.send(Event::Detach {
                         worker: stream,
@@ -318,8 +332,8 @@ fn plan_for(seed: u64) -> rollfleet_server::JobPlan {
     plan
 }
 
-/// Runs case `seed` to its end on the paused clock; its report.
-fn run_case(seed: u64) -> Report {
+/// Runs case `seed` to its end on the paused clock; its report and the scheduler's metrics.
+fn run_case(seed: u64) -> (Report, Arc<Metrics>) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
@@ -339,7 +353,7 @@ fn run_case(seed: u64) -> Report {
         let watching = status.subscribe();
         let metrics = Arc::new(Metrics::new().unwrap());
         let feed = Arc::new(FeedLog::default());
-        let actor = Actor::new(plan, options, status, metrics, feed);
+        let actor = Actor::new(plan, options, status, metrics.clone(), feed);
         let (inbox, events) = mpsc::unbounded_channel();
         let job = tokio::spawn(actor.run(events));
         for (i, pool) in POOLS.iter().enumerate() {
@@ -352,7 +366,7 @@ fn run_case(seed: u64) -> Report {
         drop(inbox);
         // Hours of job time: a case that has not ended by then is stuck.
         match tokio::time::timeout(Duration::from_secs(4 * 3600), job).await {
-            Ok(Ok(report)) => report,
+            Ok(Ok(report)) => (report, metrics),
             Ok(Err(e)) => panic!("case {seed}: the actor panicked: {e}"),
             Err(_) => panic!(
                 "case {seed}: the job did not end in 4 hours of job time; it stands at {:?}",
@@ -379,7 +393,7 @@ fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
             "reproduce with: ROLLFLEET_FAULT_SEED={seed} cargo test -p rollfleet-server --test \
              fault_harness"
         );
-        let report = run_case(seed);
+        let (report, _) = run_case(seed);
         assert_eq!(report.phase, "Succeeded", "case {seed}: {reproduce}");
         assert_eq!(report.policy_version, STEPS, "case {seed}: {reproduce}");
         assert_eq!(
@@ -399,6 +413,78 @@ fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
             trained.len(),
             report.trained.len(),
             "case {seed}: {reproduce}"
+        );
+    }
+}
+
+/// A `tracing` writer into a shared buffer, to read what the scheduler logged.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_generation_answered_with_more_token_ids_than_the_context_fails_its_stage_naming_the_field_and_the_peer()
+ {
+    // The first seeds whose decode worker sends too many ids (the fault is drawn per
+    // assignment, so most cases have one or none).
+    let mut refused = 0;
+    let mut lines = Vec::new();
+    for seed in 0..40 {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let (report, metrics) = tracing::subscriber::with_default(subscriber, || run_case(seed));
+        // Nothing already accepted is lost: the job ends as every other case does.
+        assert_eq!(report.phase, "Succeeded", "case {seed}");
+        assert_eq!(
+            report.trained.len() as u64,
+            STEPS * TRAIN_BATCH,
+            "case {seed}"
+        );
+        assert!(report.trained_twice.is_empty(), "case {seed}");
+        refused += metrics.oversized_results.get();
+        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        lines.extend(
+            log.lines()
+                .filter(|l| l.contains("more than task"))
+                .map(str::to_owned),
+        );
+        if refused >= 3 {
+            break;
+        }
+    }
+    assert!(
+        refused >= 3,
+        "only {refused} oversized results refused in 40 cases"
+    );
+    // A thread-local subscriber can miss the first events while the harness's other test, on
+    // another thread, registers the same log site: at least one line, and never more lines
+    // than refusals.
+    assert!(
+        !lines.is_empty() && lines.len() as u64 <= refused,
+        "{refused} refused: {lines:#?}"
+    );
+    for line in &lines {
+        // The field, its count, the limit and the peer (by number and hostname) are named.
+        assert!(
+            line.contains("output.tokens: 4097 values")
+                && line.contains("contextLimit 4096")
+                && line.contains("(decode@decode-")
+                && line.contains(" answered assignment "),
+            "{line}"
         );
     }
 }
