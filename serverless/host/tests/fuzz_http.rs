@@ -137,7 +137,8 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
-/// Sends `request`, half-closes, and reads until the host closes. `None` is a hang.
+/// Sends `request`, half-closes (as a client that has nothing more to say), and reads until
+/// the host closes. `None` is a hang.
 async fn exchange(addr: std::net::SocketAddr, request: &[u8]) -> Option<Vec<u8>> {
     let mut stream = TcpStream::connect(addr).await.expect("the host accepts");
     tokio::time::timeout(DEADLINE, async {
@@ -228,7 +229,18 @@ async fn mutated_and_truncated_http_requests_get_an_answer_or_a_close_and_never_
         .iter()
         .find(|r| r.starts_with(b"POST") && find(r, b"RequestResponse").is_some())
         .expect("the corpus has a synchronous invocation");
-    let reply = exchange(host.addr(), honest).await.expect("an answer");
+    // Sent without the half-close: hyper drops a connection whose client half-closed before
+    // the answer is written, which a function slower than the EOF would lose.
+    let mut honest = honest.clone();
+    let at = find(&honest, b"\r\n").unwrap() + 2;
+    honest.splice(at..at, b"connection: close\r\n".iter().copied());
+    let mut stream = TcpStream::connect(host.addr()).await.unwrap();
+    stream.write_all(&honest).await.unwrap();
+    let mut reply = Vec::new();
+    tokio::time::timeout(DEADLINE, stream.read_to_end(&mut reply))
+        .await
+        .expect("an answer in time")
+        .unwrap();
     assert!(
         reply.starts_with(b"HTTP/1.1 200"),
         "{}",
