@@ -782,7 +782,7 @@ impl Actor {
     }
 
     /// How many workers `pool` may hold at once, live or not yet attached: twice its size
-    /// (its `count` of GPUs, nodes or functions, or its `concurrency`), so that every node may
+    /// (its `count` of GPUs or nodes, or a serverless pool's `concurrency`), so that every node may
     /// register again while its old lease runs out, and never fewer than
     /// [`MIN_WORKERS_PER_POOL`] or the workers the job waits for. Registrations past it are
     /// refused, so that a token holder registering again and again cannot grow the scheduler.
