@@ -174,7 +174,7 @@ fn lease_secret() -> Result<String, Status> {
 
 /// Why a load report is refused before the actor (and its journal) sees it: more GPU readings
 /// or profile samples than a node can have, which only grow the scheduler and its journal.
-fn oversized_load(load: &rollfleet_proto::v1::WorkerLoad) -> Option<String> {
+pub fn oversized_load(load: &rollfleet_proto::v1::WorkerLoad) -> Option<String> {
     if load.gpus.len() > crate::inventory::MAX_GPUS_PER_NODE {
         return Some(format!(
             "load.gpus: {} readings (a node has at most {} GPUs)",

@@ -38,6 +38,9 @@ pub struct Metrics {
     /// Environment answers refused for their size (an observation longer than the task's
     /// context, or more text than a trajectory may hold): the stage failed, the worker stayed.
     pub oversized_environment_steps: IntCounter,
+    /// Generation results refused for carrying more token ids, log-probabilities or prompt ids
+    /// than the task's whole context: the stage failed, the worker stayed.
+    pub oversized_results: IntCounter,
     /// Workers that registered.
     pub workers_registered: IntCounter,
     /// Workers lost or cut off.
@@ -206,6 +209,11 @@ impl Metrics {
             "Environment answers refused for their size (an observation longer than the task's \
              context, or more text than a trajectory may hold): the stage failed and is retried.",
         )?;
+        let oversized_results = IntCounter::new(
+            "oversized_results_total",
+            "Generation results refused for carrying more token ids, log-probabilities or prompt \
+             ids than the task's whole context: the stage failed and is retried.",
+        )?;
         let workers_registered =
             IntCounter::new("workers_registered_total", "Workers that registered.")?;
         let workers_lost = IntCounter::new(
@@ -334,6 +342,7 @@ impl Metrics {
         registry.register(Box::new(weight_update_failures.clone()))?;
         registry.register(Box::new(hung_assignments.clone()))?;
         registry.register(Box::new(oversized_environment_steps.clone()))?;
+        registry.register(Box::new(oversized_results.clone()))?;
         registry.register(Box::new(workers_registered.clone()))?;
         registry.register(Box::new(workers_lost.clone()))?;
         registry.register(Box::new(workers_left.clone()))?;
@@ -457,6 +466,7 @@ impl Metrics {
             weight_update_failures,
             hung_assignments,
             oversized_environment_steps,
+            oversized_results,
             workers_registered,
             workers_lost,
             workers_left,

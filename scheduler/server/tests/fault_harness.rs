@@ -3,8 +3,10 @@
 //! in-process worker per pool that answers what it is given, and a seeded generator that makes
 //! them misbehave: results late, never, twice or for assignments they do not hold, failures of
 //! every cause, oversized texts, workers that vanish without a word and come back, workers
-//! that leave. Every case must end with the job Succeeded (the faults are all ones the
-//! scheduler recovers from), every trajectory trained once and none twice.
+//! that leave, answers with more token ids than the task's context; and in one case in four,
+//! the scheduler itself is killed mid-run (its queue lost) and restarted from its journal.
+//! Every case must end with the job Succeeded (the faults are all ones the scheduler recovers
+//! from), every trajectory trained once and none twice.
 //!
 //! `ROLLFLEET_FAULT_CASES` (default 1,000) sets the number of seeds, `ROLLFLEET_FAULT_SEED` runs
 //! one alone: a failing case prints the command that reproduces it.
@@ -14,6 +16,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use rollfleet_proto::v1::JournalHeader;
 use rollfleet_proto::v1::{
     HardwareInventory, JobStatus, StageFailure, StageOutput, WorkResult, WorkerLeaving,
     WorkerMessage, scheduler_message, stage_failure, work_assignment::Work, work_result,
@@ -22,6 +25,7 @@ use rollfleet_proto::v1::{
 use rollfleet_server::actor::{Actor, ActorOptions, Event, Report};
 use rollfleet_server::feed::FeedLog;
 use rollfleet_server::job::JobSlot;
+use rollfleet_server::journal::{FORMAT, JournalReader, JournalWriter};
 use rollfleet_server::metrics::Metrics;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -38,6 +42,8 @@ const STEPS: u64 = 3;
 /// The quick-start's `rolloutBatchSize`: trajectories trained per RL step.
 const TRAIN_BATCH: u64 = 32;
 const POOLS: [&str; 5] = ["prefill", "decode", "train", "envs", "rewards"];
+/// The quick-start tasks' `contextLimit`.
+const CONTEXT_LIMIT: u64 = 4096;
 
 fn job_yaml() -> String {
     quickstart_yaml().replace("steps: 5", &format!("steps: {STEPS}"))
@@ -52,6 +58,8 @@ enum Fault {
     NotHeld,
     Fail(stage_failure::Cause),
     Oversized,
+    /// More token ids and log-probabilities than the task's whole context.
+    TooManyIds,
     /// The process dies: its stream ends and it registers again.
     Vanish,
     /// A node drain: it says it is leaving, finishes what it runs, and comes back as a new node.
@@ -68,6 +76,7 @@ impl Fault {
             Fault::NotHeld => "answer for an assignment not held",
             Fault::Fail(_) => "failure",
             Fault::Oversized => "oversized answer",
+            Fault::TooManyIds => "answer with too many token ids",
             Fault::Vanish => "vanishing",
             Fault::Leave => "leaving",
         }
@@ -89,6 +98,7 @@ fn fault(rng: &mut Rng) -> Fault {
         46..=47 => Fault::Oversized,
         48 => Fault::Vanish,
         49 => Fault::Leave,
+        50..=52 => Fault::TooManyIds,
         _ => Fault::Answer,
     }
 }
@@ -149,8 +159,15 @@ async fn worker(inbox: mpsc::UnboundedSender<Event>, pool: &'static str, seed: u
         {
             return;
         }
-        let Ok(Ok(registered)) = answer.await else {
-            return;
+        let registered = match answer.await {
+            Ok(Ok(registered)) => registered,
+            // Refused: the job is over.
+            Ok(Err(_)) => return,
+            // The scheduler died with the registration in its queue: try again once it is back.
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
         };
         let lease = registered.into_inner_lease();
         let (outbox, mut assignments) = mpsc::unbounded_channel();
@@ -162,8 +179,13 @@ async fn worker(inbox: mpsc::UnboundedSender<Event>, pool: &'static str, seed: u
             identity: None,
             reply,
         });
-        let Ok(Ok(stream)) = answer.await else {
-            return;
+        let stream = match answer.await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(_)) => return,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
         };
         let beats = tokio::spawn(heartbeat(inbox.clone(), lease.0.clone(), lease.1));
         let send = |message: WorkerMessage| {
@@ -239,6 +261,14 @@ async fn worker(inbox: mpsc::UnboundedSender<Event>, pool: &'static str, seed: u
                     let mut big = output(assign.work.as_ref(), assign.turn);
                     big.text = "x".repeat(3 << 20);
                     big.observation = "y".repeat(3 << 20);
+                    send(result(id, work_result::Outcome::Output(big)));
+                }
+                Fault::TooManyIds => {
+                    let mut big = output(assign.work.as_ref(), assign.turn);
+                    let n = CONTEXT_LIMIT as usize + 1;
+                    big.tokens = vec![7; n];
+                    big.logprobs = vec![-0.5; n];
+                    rollfleet_proto::packed::pack(&mut big);
                     send(result(id, work_result::Outcome::Output(big)));
                 }
                 Fault::Vanish => {
@@ -318,14 +348,54 @@ fn plan_for(seed: u64) -> rollfleet_server::JobPlan {
     plan
 }
 
-/// Runs case `seed` to its end on the paused clock; its report.
-fn run_case(seed: u64) -> Report {
+/// When case `seed`'s scheduler is killed and restarted from its journal, if it is: one case
+/// in four, at a seeded moment of job time (a case that has ended by then runs without one).
+fn restart_at(seed: u64) -> Option<Duration> {
+    let mut rng = Rng(seed ^ 0x0005_eed0_f4e5_7a27);
+    rng.next()
+        .is_multiple_of(4)
+        .then(|| Duration::from_millis(500 + rng.next() % 20_000))
+}
+
+/// The journal of case `seed`, in a folder of the test's own.
+fn journal_path(seed: u64) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("rollfleet-fault-harness-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(format!("case-{seed}.journal"))
+}
+
+fn journal_header(seed: u64) -> JournalHeader {
+    JournalHeader {
+        format: FORMAT.into(),
+        job_yaml: job_yaml(),
+        seed,
+        time_scale: 1.0,
+        lease_ttl_ms: 2000,
+        expect_workers: POOLS.len() as u64,
+        replan_on_drift: None,
+        stage_timeout_ms: 30_000,
+    }
+}
+
+/// What a case ran: the last scheduler's report, the metrics all of them counted into, and
+/// whether the scheduler was killed and restarted from its journal.
+struct Ran {
+    report: Report,
+    metrics: Arc<Metrics>,
+    restarted: bool,
+}
+
+/// Runs case `seed` to its end on the paused clock. The workers reach the scheduler through a
+/// relay, so that a scheduler killed mid-run (its task aborted, its queue lost, as a SIGKILL
+/// loses them) is replaced by one replayed from its journal at the same address.
+fn run_case(seed: u64) -> Ran {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
         .build()
         .unwrap();
-    runtime.block_on(async move {
+    let journal = journal_path(seed);
+    let ran = runtime.block_on(async {
         let plan = Arc::new(plan_for(seed));
         let options = ActorOptions {
             time_scale: 1.0,
@@ -336,12 +406,30 @@ fn run_case(seed: u64) -> Report {
             until_stopped: false,
         };
         let status = Arc::new(watch::channel(JobStatus::default()).0);
-        let watching = status.subscribe();
+        let mut watching = status.subscribe();
         let metrics = Arc::new(Metrics::new().unwrap());
-        let feed = Arc::new(FeedLog::default());
-        let actor = Actor::new(plan, options, status, metrics, feed);
-        let (inbox, events) = mpsc::unbounded_channel();
-        let job = tokio::spawn(actor.run(events));
+        let mut actor = Actor::new(
+            plan.clone(),
+            options.clone(),
+            status,
+            metrics.clone(),
+            Arc::new(FeedLog::default()),
+        );
+        // Only a case that restarts keeps a journal: writing one more than doubles a case.
+        let restart = restart_at(seed);
+        if restart.is_some() {
+            actor.set_journal(JournalWriter::create(&journal, &journal_header(seed)).unwrap());
+        }
+        let (to_actor, events) = mpsc::unbounded_channel();
+        let target = Arc::new(std::sync::Mutex::new(to_actor));
+        let mut job = tokio::spawn(actor.run(events));
+        let (inbox, mut relayed) = mpsc::unbounded_channel::<Event>();
+        let relay_target = target.clone();
+        tokio::spawn(async move {
+            while let Some(event) = relayed.recv().await {
+                let _ = relay_target.lock().unwrap().send(event);
+            }
+        });
         for (i, pool) in POOLS.iter().enumerate() {
             tokio::spawn(worker(
                 inbox.clone(),
@@ -350,16 +438,57 @@ fn run_case(seed: u64) -> Report {
             ));
         }
         drop(inbox);
-        // Hours of job time: a case that has not ended by then is stuck.
-        match tokio::time::timeout(Duration::from_secs(4 * 3600), job).await {
-            Ok(Ok(report)) => report,
+        let mut restarted = false;
+        let mut ended = None;
+        if let Some(at) = restart {
+            match tokio::time::timeout(at, &mut job).await {
+                Ok(report) => ended = Some(report),
+                Err(_) => restarted = true,
+            }
+        }
+        if restarted {
+            // Killed: whatever was queued and not journaled is gone.
+            job.abort();
+            let _ = (&mut job).await;
+            let status = Arc::new(watch::channel(JobStatus::default()).0);
+            watching = status.subscribe();
+            let mut actor = Actor::new(
+                plan,
+                options,
+                status,
+                metrics.clone(),
+                Arc::new(FeedLog::default()),
+            );
+            let (_, mut reader) = JournalReader::open(&journal).unwrap().unwrap();
+            actor
+                .replay(&mut reader)
+                .unwrap_or_else(|e| panic!("case {seed}: the journal does not replay: {e}"));
+            actor.set_journal(JournalWriter::append(&journal, reader.valid_bytes()).unwrap());
+            let (to_actor, events) = mpsc::unbounded_channel();
+            *target.lock().unwrap() = to_actor;
+            job = tokio::spawn(actor.run(events));
+        }
+        let ended = match ended {
+            Some(report) => Ok(report),
+            // Hours of job time: a case that has not ended by then is stuck.
+            None => tokio::time::timeout(Duration::from_secs(4 * 3600), job).await,
+        };
+        match ended {
+            Ok(Ok(report)) => Ran {
+                report,
+                metrics,
+                restarted,
+            },
             Ok(Err(e)) => panic!("case {seed}: the actor panicked: {e}"),
             Err(_) => panic!(
                 "case {seed}: the job did not end in 4 hours of job time; it stands at {:?}",
                 *watching.borrow()
             ),
         }
-    })
+    });
+    drop(runtime);
+    let _ = std::fs::remove_file(&journal);
+    ran
 }
 
 #[test]
@@ -374,12 +503,17 @@ fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
             (0..cases).collect()
         }
     };
-    for seed in seeds {
+    let started = std::time::Instant::now();
+    let mut restarts = 0;
+    for &seed in &seeds {
         let reproduce = format!(
             "reproduce with: ROLLFLEET_FAULT_SEED={seed} cargo test -p rollfleet-server --test \
              fault_harness"
         );
-        let report = run_case(seed);
+        let Ran {
+            report, restarted, ..
+        } = run_case(seed);
+        restarts += usize::from(restarted);
         assert_eq!(report.phase, "Succeeded", "case {seed}: {reproduce}");
         assert_eq!(report.policy_version, STEPS, "case {seed}: {reproduce}");
         assert_eq!(
@@ -399,6 +533,94 @@ fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
             trained.len(),
             report.trained.len(),
             "case {seed}: {reproduce}"
+        );
+    }
+    eprintln!(
+        "{} cases ({restarts} with the scheduler killed and restarted from its journal) in {:?}",
+        seeds.len(),
+        started.elapsed()
+    );
+    if seeds.len() >= 100 {
+        assert!(
+            restarts * 8 >= seeds.len(),
+            "only {restarts} of {} cases restarted the scheduler before the job ended",
+            seeds.len()
+        );
+    }
+}
+
+/// A `tracing` writer into a shared buffer, to read what the scheduler logged.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_generation_answered_with_more_token_ids_than_the_context_fails_its_stage_naming_the_field_and_the_peer()
+ {
+    // The first seeds whose decode worker sends too many ids (the fault is drawn per
+    // assignment, so most cases have one or none).
+    let mut refused = 0;
+    let mut lines = Vec::new();
+    for seed in (0..40).filter(|&s| restart_at(s).is_none()) {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let Ran {
+            report, metrics, ..
+        } = tracing::subscriber::with_default(subscriber, || run_case(seed));
+        // Nothing already accepted is lost: the job ends as every other case does.
+        assert_eq!(report.phase, "Succeeded", "case {seed}");
+        assert_eq!(
+            report.trained.len() as u64,
+            STEPS * TRAIN_BATCH,
+            "case {seed}"
+        );
+        assert!(report.trained_twice.is_empty(), "case {seed}");
+        refused += metrics.oversized_results.get();
+        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        lines.extend(
+            log.lines()
+                .filter(|l| l.contains("more than task"))
+                .map(str::to_owned),
+        );
+        if refused >= 3 {
+            break;
+        }
+    }
+    assert!(
+        refused >= 3,
+        "only {refused} oversized results refused in 40 cases"
+    );
+    // A thread-local subscriber can miss the first events while the harness's other test, on
+    // another thread, registers the same log site: at least one line, and never more lines
+    // than refusals.
+    assert!(
+        !lines.is_empty() && lines.len() as u64 <= refused,
+        "{refused} refused: {lines:#?}"
+    );
+    for line in &lines {
+        // The field, its count, the limit and the peer (by number and hostname) are named.
+        assert!(
+            line.contains("output.tokens: 4097 values")
+                && line.contains("contextLimit 4096")
+                && ["(prefill@prefill-", "(decode@decode-"]
+                    .iter()
+                    .any(|peer| line.contains(peer))
+                && line.contains(" answered assignment "),
+            "{line}"
         );
     }
 }

@@ -402,3 +402,114 @@ fn a_damaged_journal_of_a_real_job_is_refused_by_the_replay_a_restart_runs_and_i
     );
     assert_eq!(std::fs::read(&path).unwrap(), bytes);
 }
+
+/// splitmix64, for the seeded corruptions below.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Seeded corruptions of more than one bit (runs of random bytes, inserted and deleted bytes,
+/// a huge length written anywhere, zeroed spans), 1 to 3 at once: each is refused as damage or
+/// read as the header and some first records exactly as written, never a panic and never a
+/// record that was not written. `ROLLFLEET_FUZZ_CASES` (default 400) sets the number of seeds,
+/// `ROLLFLEET_FUZZ_SEED` runs one.
+#[test]
+fn random_corruptions_of_a_journal_are_refused_or_read_as_a_prefix_of_what_was_written() {
+    let dir = Scratch::new("fuzz");
+    let path = dir.file("j.journal");
+    write_journal(&path, 12);
+    let clean = std::fs::read(&path).unwrap();
+    let written: Vec<JournalRecord> = (1..=12).map(record).collect();
+    let seeds: Vec<u64> = match std::env::var("ROLLFLEET_FUZZ_SEED") {
+        Ok(seed) => vec![seed.parse().expect("ROLLFLEET_FUZZ_SEED is a number")],
+        Err(_) => {
+            let cases = std::env::var("ROLLFLEET_FUZZ_CASES")
+                .ok()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(400);
+            (0..cases).collect()
+        }
+    };
+    let (mut refused, mut prefixes) = (0, 0);
+    for &seed in &seeds {
+        let reproduce = format!(
+            "reproduce with: ROLLFLEET_FUZZ_SEED={seed} cargo test -p rollfleet-server --test \
+             journal_integrity random_corruptions"
+        );
+        let mut rng = Rng(seed);
+        let mut bytes = clean.clone();
+        for _ in 0..1 + rng.below(3) {
+            let len = bytes.len().max(1);
+            let at = rng.below(len).min(bytes.len());
+            match rng.below(5) {
+                0 => {
+                    let n = (1 + rng.below(16)).min(bytes.len() - at);
+                    for b in &mut bytes[at..at + n] {
+                        *b = rng.next() as u8;
+                    }
+                }
+                1 => {
+                    let n = 1 + rng.below(8);
+                    let junk: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                    bytes.splice(at..at, junk);
+                }
+                2 => {
+                    let n = (1 + rng.below(8)).min(bytes.len() - at);
+                    bytes.drain(at..at + n);
+                }
+                3 => {
+                    let n = 4.min(bytes.len() - at);
+                    bytes[at..at + n].copy_from_slice(&[0xff; 4][..n]);
+                }
+                _ => {
+                    let n = (1 + rng.below(64)).min(bytes.len() - at);
+                    bytes[at..at + n].fill(0);
+                }
+            }
+        }
+        if bytes == clean {
+            continue;
+        }
+        std::fs::write(&path, &bytes).unwrap();
+        let outcome = std::panic::catch_unwind(|| read_all(&path));
+        match outcome {
+            Err(_) => panic!("case {seed} panicked; {reproduce}"),
+            Ok(Err(_)) => refused += 1,
+            Ok(Ok((h, records, _, _))) => {
+                assert_eq!(
+                    h,
+                    header(),
+                    "case {seed}: a damaged header read; {reproduce}"
+                );
+                assert!(
+                    written.starts_with(&records),
+                    "case {seed}: read {} records that are not the first ones written; \
+                     {reproduce}",
+                    records.len()
+                );
+                prefixes += 1;
+            }
+        }
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            bytes,
+            "case {seed}: reading changed the file; {reproduce}"
+        );
+    }
+    eprintln!("{refused} refused, {prefixes} read as a prefix (damage at the very end)");
+    if seeds.len() >= 100 {
+        assert!(refused > prefixes, "{refused} refused, {prefixes} read");
+    }
+}

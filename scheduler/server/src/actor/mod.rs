@@ -281,6 +281,10 @@ impl LoadLimit {
 /// Lost or released workers the report names, at most; the rest are counted.
 const MAX_WORKERS_LISTED: usize = 1000;
 
+/// The fewest workers a pool may hold at once, whatever its size (see
+/// `Actor::worker_cap`): room for small pools' nodes to come and go.
+pub const MIN_WORKERS_PER_POOL: usize = 64;
+
 /// Adds `entry` to a report's list of workers, unless it holds [`MAX_WORKERS_LISTED`] already
 /// (`total` counts it either way).
 fn listed(list: &mut Vec<String>, total: &mut usize, entry: String) {

@@ -277,6 +277,52 @@ impl Actor {
         })
     }
 
+    /// Why a generation's ids cannot join its trajectory: more token ids, log-probabilities or
+    /// prompt ids than its task's whole context (`contextLimit`), counting what an interrupted
+    /// part of the same turn already holds. `None` when they fit.
+    fn oversized_generation(
+        &self,
+        traj: TrajId,
+        turn: u32,
+        o: &rollfleet_proto::v1::StageOutput,
+    ) -> Option<String> {
+        let t = self.trajs.get(&traj)?;
+        let task = self.plan.spec().tasks.get(t.task as usize)?;
+        let context = task.context_limit.max(1) as u64;
+        let held = t.partial.as_ref().filter(|p| p.turn == turn);
+        let (held_ids, held_logprobs) = held.map_or((0, 0), |p| {
+            (p.tokens.action.len() as u64, p.tokens.logprobs.len() as u64)
+        });
+        let fields = [
+            ("output.tokens", held_ids, o.tokens.len() as u64),
+            ("output.logprobs", held_logprobs, o.logprobs.len() as u64),
+            (
+                "output.prompt_tokens",
+                0,
+                if held.is_some() {
+                    0
+                } else {
+                    o.prompt_tokens.len() as u64
+                },
+            ),
+        ];
+        fields
+            .into_iter()
+            .find(|(_, held, sent)| held + sent > context)
+            .map(|(field, held, sent)| {
+                let already = if held > 0 {
+                    format!(" (after {held} the turn holds)")
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{field}: {sent} values{already}, more than task {}'s whole context \
+                     (contextLimit {context})",
+                    crate::quoted(&task.name)
+                )
+            })
+    }
+
     /// Records how long a worker took for an environment step (not a reset) or a reward, in the
     /// job's time (the wall time over the time scale), as the task's or reward function's online
     /// profile.
@@ -390,6 +436,23 @@ impl Actor {
                             return;
                         }
                         let turn = a.message.turn;
+                        if let Some(reason) = self.oversized_generation(traj, turn, &o) {
+                            // Kept, the ids would grow the trajectory (and every message that
+                            // carries it) past any context: the stage fails and is retried,
+                            // what the turn already holds stays, the worker stays.
+                            let peer = self
+                                .workers
+                                .get(&worker)
+                                .map_or_else(|| format!("w{worker}"), |w| w.name.clone());
+                            let reason = format!("{peer} answered assignment {id} with {reason}");
+                            log!(self, "scheduler: {reason}");
+                            if let Some(t) = self.trajs.get_mut(&traj) {
+                                t.last_failure = reason;
+                            }
+                            self.metrics.oversized_results.inc();
+                            self.deferred.push_back(Input::StageFailed { stage });
+                            return;
+                        }
                         let generated = o.token_count.max(o.tokens.len() as u64);
                         if !o.emulated {
                             self.engine_generations += 1;

@@ -186,3 +186,54 @@ fn the_figures_read_back_from_their_json_as_they_were_written() {
     // The overall figures name no task.
     assert!(!json.contains("\"task\":\"\""), "{json}");
 }
+
+#[test]
+fn registering_again_and_again_stops_at_the_pools_cap_naming_the_pool_and_frees_places_as_leases_expire()
+ {
+    let mut actor = waiting_actor();
+    let node = |pool: &str, i: usize| HardwareInventory {
+        hostname: format!("{pool}-{i}"),
+        pool: pool.into(),
+        ..Default::default()
+    };
+    // The quick-start's decode pool has 2 GPUs; the actor waits for 100 workers.
+    let cap = actor.worker_cap(1);
+    assert_eq!(actor.plan.pool_name(1), "decode");
+    assert_eq!(cap, 100);
+    let mut refused = Vec::new();
+    for i in 0..1_000 {
+        match actor.register(node("decode", i), format!("{i:032x}")) {
+            Ok(_) => {}
+            Err(status) => refused.push(status),
+        }
+    }
+    assert_eq!(
+        refused.len(),
+        1_000 - cap,
+        "registrations past the cap are refused"
+    );
+    assert_eq!(
+        actor.workers.len(),
+        cap,
+        "the scheduler holds no more than the cap"
+    );
+    let status = &refused[0];
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("pool \"decode\" already has 100 workers registered, at most 100"),
+        "{}",
+        status.message()
+    );
+    // Another pool has places of its own.
+    actor
+        .register(node("envs", 0), format!("{:032x}", 5_000))
+        .expect("a worker of another pool registers");
+    // Leases that run out free their places.
+    actor.at += Duration::from_secs(3);
+    actor.on_tick();
+    actor
+        .register(node("decode", 5_001), format!("{:032x}", 5_001))
+        .expect("a place freed by an expired lease is given again");
+}

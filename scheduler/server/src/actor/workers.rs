@@ -101,6 +101,16 @@ impl Actor {
         if self.ended.is_some() {
             return Err(Status::failed_precondition("the job has ended"));
         }
+        let cap = self.worker_cap(pool);
+        let held = self.workers.values().filter(|w| w.pool == pool).count();
+        if held >= cap {
+            return Err(Status::resource_exhausted(format!(
+                "inventory.pool: pool {} already has {held} workers registered, at most {cap} \
+                 (twice the pool's size, at least {MIN_WORKERS_PER_POOL}); a worker gone \
+                 without a word frees its place when its lease expires",
+                crate::quoted(&inventory.pool)
+            )));
+        }
         let id = self.next_worker;
         self.next_worker += 1;
         let ttl = self.opts.lease_ttl;
@@ -769,6 +779,22 @@ impl Actor {
         if self.started.is_some() && replan {
             self.pool_changed(pool, &format!("worker {name} was lost ({reason})"));
         }
+    }
+
+    /// How many workers `pool` may hold at once, live or not yet attached: twice its size
+    /// (its `count` of GPUs or nodes, or a serverless pool's `concurrency`), so that every node may
+    /// register again while its old lease runs out, and never fewer than
+    /// [`MIN_WORKERS_PER_POOL`] or the workers the job waits for. Registrations past it are
+    /// refused, so that a token holder registering again and again cannot grow the scheduler.
+    pub(super) fn worker_cap(&self, pool: u32) -> usize {
+        let size = self.plan.spec().pools.get(pool as usize).map_or(0, |p| {
+            p.count.unwrap_or(0).max(p.concurrency.unwrap_or(0)).max(0)
+        });
+        usize::try_from(size)
+            .unwrap_or(usize::MAX)
+            .saturating_mul(2)
+            .max(MIN_WORKERS_PER_POOL)
+            .max(self.opts.expect_workers)
     }
 
     /// Forgets a worker that is gone (lost, released, or drained at the end): its hostname, its
