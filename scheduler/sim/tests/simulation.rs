@@ -809,3 +809,27 @@ fn every_baseline_runs_on_the_fastest_placement_its_rules_allow() {
         "{sync}"
     );
 }
+
+/// Regression (found by `no_policy_beats_the_latency_term_on_a_latency_bound_job`): a generation
+/// interrupted before its first token left the simulator's ledger a part of the turn stamped
+/// with the old weights, so a turn generated wholly by the new ones was reported stale.
+#[test]
+fn a_generation_interrupted_before_its_first_token_does_not_age_its_turn() {
+    let job = rollfleet_spec::parse_job(LATENCY_JOB.as_bytes(), "latency.yaml").unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.max_staleness = 0;
+    let baseline = Baseline::ArealLike;
+    let (placement, pol) = baseline
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    let opts = SimOptions {
+        seed: 16204556967299073751,
+        ..SimOptions::default()
+    };
+    let run = simulate(&spec, &job.catalog, placement, pol, &opts, &mut |_, _| {}).unwrap();
+    assert!(
+        run.core.interrupted_generations > 0,
+        "nothing was interrupted"
+    );
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+}

@@ -109,11 +109,16 @@ impl<'a> Sim<'a> {
                 tokens: 0,
             },
         };
-        l.partial = Some(PartialWork {
-            version: kept.version.min(info.version),
-            tokens: kept.tokens + tokens,
-            ..kept
-        });
+        // A part with no token in it is no part of the turn: the core keeps none either, and
+        // stamping the turn with the interrupted weights' version would make the ledger call a
+        // turn generated wholly by the new weights stale.
+        if kept.tokens + tokens > 0 {
+            l.partial = Some(PartialWork {
+                version: kept.version.min(info.version),
+                tokens: kept.tokens + tokens,
+                ..kept
+            });
+        }
         self.input(Input::StageFinished {
             stage,
             outcome: StageOutcome::Interrupted { tokens },
