@@ -34,7 +34,11 @@ ROLLART = "examples/jobs/rollart-agentic.yaml"
 QUICKSTART = "examples/jobs/quickstart.yaml"
 # Jobs written before any tuning against them and kept untouched: how the model holds on shapes
 # it was not tuned on.
-HOLDOUT = ("examples/jobs/holdout-math-code.yaml", "examples/jobs/holdout-web-agent.yaml")
+HOLDOUT = (
+    "examples/jobs/holdout-math-code.yaml",
+    "examples/jobs/holdout-web-agent.yaml",
+    "examples/jobs/holdout-moe-agent.yaml",
+)
 SEEDS = (0, 1, 2)
 MEASURED_MARK = "<!-- measured: kept unless regenerated with --benchmarks -->"
 README = ROOT / "README.md"
@@ -204,9 +208,10 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
     add(
         "`rollfleet sim JOB --seed 0 -o json` on jobs written before any tuning against them "
         "and kept untouched since (their headers say so): a dense 14B policy on long "
-        "single-turn math and multi-turn coding on H100 + L40S, and an 8B policy on "
-        "long-horizon web tasks on H200 + H20 at staleness 3. \"Predicted\" is the "
-        "planner's step for rollfleet on its placement."
+        "single-turn math and multi-turn coding on H100 + L40S, an 8B policy on "
+        "long-horizon web tasks on H200 + H20 at staleness 3, and a mixture-of-experts policy "
+        "(Qwen3-30B-A3B-like) on a coding agent, tool use and math on H800 + H20. "
+        "\"Predicted\" is the planner's step for rollfleet on its placement."
     )
     add("")
     add(

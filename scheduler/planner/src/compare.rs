@@ -19,6 +19,9 @@ pub fn uniform(p: &Problem) -> Option<Found> {
     let mut nodes = 0;
     for trainer_pool in 0..p.gpu_pools.len() {
         for g in trainer_sizes(p, trainer_pool) {
+            if crate::cancel::requested() {
+                return None;
+            }
             // Prefill share in tenths, or 10 = colocated generation everywhere; one
             // tensor-parallel degree for every pool (the smallest each pool allows at or above
             // it), so the uniform placement has the same lever the plan has.

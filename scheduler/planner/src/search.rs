@@ -342,6 +342,11 @@ pub fn solve_affinity(p: &Problem) -> Option<Found> {
 /// (the core updates as many at a time as the trainer has nodes), so an affinity placement with
 /// no more decode replicas than that is not taken (on the quick-start job it would be predicted
 /// 5% faster and simulates 14% slower).
+///
+/// Last, the placements `rollfleet plan --compare` shows (the best uniform placement and the
+/// best on the most powerful GPUs alone, [`crate::compare`]) are predicted as the plan is
+/// ([`predict::predict`]), and one predicted faster by more than [`PREDICTION_TIE`] is taken
+/// instead: the plan is never one its own comparison ranks behind another.
 pub fn choose(p: &Problem) -> Option<Found> {
     choose_with_reason(p).map(|(found, _)| found)
 }
@@ -354,14 +359,47 @@ pub struct Choice {
     /// The full predictions (refills as a Poisson stream) of the search's optimum and of the
     /// affinity placement, seconds per step; `None` when only one of them could be run.
     pub compared: Option<(f64, f64)>,
+    /// A compared placement (`uniform` or `best-gpu`) taken over both, with the predictions
+    /// ([`predict::predict`], seconds per step) of the placement it replaced and of itself.
+    pub replaced_by: Option<(&'static str, f64, f64)>,
 }
 
 /// [`choose`], with what it compared.
 pub fn choose_with_reason(p: &Problem) -> Option<(Found, Choice)> {
+    let (found, choice) = search_or_affinity(p)?;
+    let Some(current) = predict::predict(p, &found.candidate).map(|pr| pr.step_s) else {
+        return Some((found, choice));
+    };
+    let mut best = (found, choice, current);
+    for (name, other) in [
+        ("uniform", crate::compare::uniform(p)),
+        ("best-gpu", crate::compare::best_gpu(p)),
+    ] {
+        let Some(other) = other else { continue };
+        let Some(step_s) = predict::predict(p, &other.candidate).map(|pr| pr.step_s) else {
+            continue;
+        };
+        if step_s < best.2 * (1.0 - PREDICTION_TIE) {
+            let nodes = best.0.nodes + other.nodes;
+            let choice = Choice {
+                replaced_by: Some((name, current, step_s)),
+                ..best.1
+            };
+            best = (Found { nodes, ..other }, choice, step_s);
+        }
+    }
+    Some((best.0, best.1))
+}
+
+/// The search's optimum or the affinity placement, whichever the full prediction (refills as a
+/// Poisson stream) says is faster, each with its degrees checked by the full prediction: what
+/// [`choose_with_reason`] starts from before it weighs the compared placements.
+pub fn search_or_affinity(p: &Problem) -> Option<(Found, Choice)> {
     let first = refine_degrees(p, solve(p)?);
     let alone = Choice {
         affinity: false,
         compared: None,
+        replaced_by: None,
     };
     let Some(affinity) = solve_affinity(p) else {
         return Some((first, alone));
@@ -386,6 +424,7 @@ pub fn choose_with_reason(p: &Problem) -> Option<(Found, Choice)> {
                 let choice = Choice {
                     affinity: b < a,
                     compared: Some((a, b)),
+                    replaced_by: None,
                 };
                 let found = if b < a { affinity } else { first };
                 (Found { nodes, ..found }, choice)
@@ -399,7 +438,7 @@ pub fn choose_with_reason(p: &Problem) -> Option<(Found, Choice)> {
 /// tie: the full prediction is 3-6% off the simulated step on the RollArt-like job, so it does
 /// not rank placements closer than this (at `maxStaleness: 2` it put 96 GPUs 1% ahead of 112,
 /// which simulates 4% faster).
-const PREDICTION_TIE: f64 = 0.02;
+pub const PREDICTION_TIE: f64 = 0.02;
 
 /// Of `options`, each with its full prediction and its first-order step time, the one the
 /// first-order objective ranks first among those whose full prediction is within

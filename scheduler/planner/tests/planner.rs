@@ -4,7 +4,7 @@
 use rollfleet_planner::plan::{self, PlanError};
 use rollfleet_planner::predict::{self, Role};
 use rollfleet_planner::roofline::Efficiency;
-use rollfleet_planner::search;
+use rollfleet_planner::{compare, search};
 use rollfleet_spec::{Distribution, JobSpec, ValidatedJob, parse_job};
 
 fn mean(d: &Distribution) -> f64 {
@@ -662,7 +662,7 @@ fn the_chosen_placement_keeps_the_degree_the_full_prediction_prefers_where_the_s
     p.gpu_pools[h20].rates.bandwidth *= 0.25;
     let searched = search::solve(&p).unwrap().candidate;
     assert_eq!(h20_degree(&searched), Some(1), "{searched:?}");
-    let (chosen, choice) = search::choose_with_reason(&p).unwrap();
+    let (chosen, choice) = search::search_or_affinity(&p).unwrap();
     assert_eq!(h20_degree(&chosen.candidate), Some(8), "{chosen:?}");
     let full = |c: &predict::Candidate| predict::predict(&p, c).unwrap().step_s;
     assert!(
@@ -674,6 +674,51 @@ fn the_chosen_placement_keeps_the_degree_the_full_prediction_prefers_where_the_s
     // The family comparison saw the optimum with its degree checked, not the one-GPU replicas.
     let (search_s, _) = choice.compared.unwrap();
     assert!(search_s < 0.7 * full(&searched), "{choice:?}");
+    // The placement run is that one, or a compared one predicted faster than it by more than
+    // the prediction can rank (with the H20s this slow, leaving them out is).
+    let (run, reason) = search::choose_with_reason(&p).unwrap();
+    match reason.replaced_by {
+        None => assert_eq!(run.candidate, chosen.candidate),
+        Some((_, replaced_s, run_s)) => {
+            assert_eq!(replaced_s, full(&chosen.candidate));
+            assert_eq!(run_s, full(&run.candidate));
+            assert!(
+                run_s < replaced_s * (1.0 - search::PREDICTION_TIE),
+                "{reason:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_plan_is_never_a_placement_its_own_comparison_ranks_behind_another() {
+    // On every example job, the compared placements (`rollfleet plan --compare`) are predicted
+    // no faster than the plan, but for ties closer than the prediction can rank.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/jobs");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "yaml") {
+            continue;
+        }
+        let job = rollfleet_spec::load_job_file(&path).unwrap();
+        let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
+        let plan = search::choose(&p).unwrap();
+        let planned = predict::predict(&p, &plan.candidate).unwrap().step_s;
+        for other in [compare::uniform(&p), compare::best_gpu(&p)]
+            .into_iter()
+            .flatten()
+        {
+            let other_s = predict::predict(&p, &other.candidate).unwrap().step_s;
+            assert!(
+                other_s >= planned * (1.0 - search::PREDICTION_TIE),
+                "{}: a compared placement is predicted at {other_s} s, the plan at {planned} s",
+                path.display()
+            );
+        }
+        checked += 1;
+    }
+    assert!(checked >= 5, "{checked} example jobs");
 }
 
 #[test]

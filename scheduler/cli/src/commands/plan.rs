@@ -58,6 +58,18 @@ struct Output<'a> {
     affinity_over_search_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     affinity_plan_s: Option<f64>,
+    /// When a compared placement (`uniform`, `best-gpu`) was predicted faster than the search's
+    /// choice by more than the prediction can rank and taken instead: its name, and the
+    /// predictions of the placement it replaced and of the plan, seconds per step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    replaced: Option<Replaced>,
+}
+
+#[derive(Serialize)]
+struct Replaced {
+    by: &'static str,
+    replaced_s: f64,
+    plan_s: f64,
 }
 
 fn read_inventory(path: &Path) -> Result<Inventory> {
@@ -158,12 +170,18 @@ pub fn run(
         Some((search_s, affinity_s)) if choice.affinity => (Some(search_s), Some(affinity_s)),
         _ => (None, None),
     };
+    let replaced = choice.replaced_by.map(|(by, replaced_s, plan_s)| Replaced {
+        by,
+        replaced_s,
+        plan_s,
+    });
     let output = Output {
         job: job.manifest.metadata.name.clone(),
         plan: &planned,
         compared,
         affinity_over_search_s,
         affinity_plan_s,
+        replaced,
     };
     match format {
         OutputFormat::Json | OutputFormat::Yaml => write_structured(format, &output, stdout)?,
@@ -288,13 +306,32 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
              per step against {search_s:.1} s"
         )?;
     }
+    if let Some(r) = &o.replaced {
+        writeln!(
+            out,
+            "\nplacement: the {} placement, predicted faster than the search's choice by more \
+             than the prediction can rank ({:.0}%): {:.1} s per step against {:.1} s",
+            r.by,
+            search::PREDICTION_TIE * 100.0,
+            r.plan_s,
+            r.replaced_s
+        )?;
+    }
     if !o.compared.is_empty() {
         writeln!(out, "\ncompared (predicted):")?;
         for c in &o.compared {
             writeln!(
                 out,
-                "  {:<9} {:.1} s per step, {:.2} trajectories/s: the plan is {:.2}x faster",
-                c.placement, c.step_s, c.trajectories_per_s, c.plan_speedup
+                "  {:<9} {:.1} s per step, {:.2} trajectories/s: the plan is {:.2}x faster{}",
+                c.placement,
+                c.step_s,
+                c.trajectories_per_s,
+                c.plan_speedup,
+                if c.plan_speedup < 1.0 {
+                    " (a tie: closer than the prediction can rank)"
+                } else {
+                    ""
+                }
             )?;
         }
     }
