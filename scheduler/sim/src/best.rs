@@ -9,7 +9,10 @@
 //!   the simulator knows: the one `--placement` names, the core's default rule, and the
 //!   planner's best uniform placement;
 //! - `areal-like` generates on the planner's best uniform placement (AReaL has no placement by
-//!   work kind);
+//!   work kind) and chooses its staleness bound, from 1 up to the job's (at most
+//!   [`MAX_STALENESS_PROBED`] values): AReaL's window of trajectories in flight grows with the
+//!   bound, and a wider one can be slower (every replica updates at once and each trajectory
+//!   alive then recomputes its KV cache), so a user of AReaL would tune it;
 //! - `rollfleet` runs on the placement `--placement` names (the planner's, by default).
 //!
 //! Where a policy has several candidates, each is simulated for the job's first
@@ -29,6 +32,9 @@ use crate::sim::{RunError, SimOptions, simulate, workload_means};
 /// Steps each candidate placement is simulated for before a policy chooses.
 pub const PROBE_STEPS: i64 = 3;
 
+/// Staleness bounds `areal-like` probes at most (1 and up).
+pub const MAX_STALENESS_PROBED: i64 = 4;
+
 /// One placement a policy may run on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
@@ -36,6 +42,8 @@ pub struct Candidate {
     pub label: String,
     /// The placement.
     pub placement: Placement,
+    /// A staleness bound tighter than the job's that the policy runs at (`None`: the job's).
+    pub max_staleness: Option<i64>,
 }
 
 /// A candidate's probe: its seconds per step over the first [`PROBE_STEPS`] steps.
@@ -71,6 +79,7 @@ pub fn candidates(
     let candidate = |label: &str, placement: &Placement| Candidate {
         label: label.to_owned(),
         placement: placement.clone(),
+        max_staleness: None,
     };
     let mut out = match baseline {
         Baseline::Sync => colocated_degrees(spec, catalog)?
@@ -79,6 +88,7 @@ pub fn candidates(
                 Ok(Candidate {
                     label: format!("tp {tp}"),
                     placement: colocated_placement_at(spec, catalog, tp)?,
+                    max_staleness: None,
                 })
             })
             .collect::<Result<Vec<_>, PlacementError>>()?,
@@ -90,13 +100,27 @@ pub fn candidates(
             ),
             candidate("uniform", uniform),
         ],
-        Baseline::ArealLike => vec![candidate("uniform", uniform)],
+        Baseline::ArealLike => {
+            let bound = spec.rl.max_staleness;
+            let mut tighter: Vec<Candidate> = (1..bound.min(MAX_STALENESS_PROBED + 1))
+                .map(|s| Candidate {
+                    label: format!("uniform at staleness {s}"),
+                    max_staleness: Some(s),
+                    ..candidate("uniform", uniform)
+                })
+                .collect();
+            tighter.push(candidate("uniform", uniform));
+            tighter
+        }
         Baseline::Rollfleet => vec![candidate(chosen_label, chosen)],
     };
     // The same placement under two names is probed once, under its first name.
     let mut unique: Vec<Candidate> = Vec::with_capacity(out.len());
     for c in out.drain(..) {
-        if !unique.iter().any(|u| u.placement == c.placement) {
+        if !unique
+            .iter()
+            .any(|u| u.placement == c.placement && u.max_staleness == c.max_staleness)
+        {
             unique.push(c);
         }
     }
@@ -131,6 +155,10 @@ pub fn pick(
     let mut probes = Vec::with_capacity(candidates.len());
     let mut best: Option<(usize, f64)> = None;
     for (i, c) in candidates.iter().enumerate() {
+        let mut probe_spec = probe_spec.clone();
+        if let Some(bound) = c.max_staleness {
+            probe_spec.rl.max_staleness = bound;
+        }
         let (placement, policy) = baseline.setup_with(&probe_spec, catalog, c.placement.clone())?;
         let run = simulate(
             &probe_spec,

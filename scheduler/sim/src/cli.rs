@@ -443,6 +443,11 @@ pub fn run(
             );
         }
         choices.push((candidate.label.clone(), probes));
+        // A policy that chose a tighter staleness bound runs at it.
+        let mut spec = spec.clone();
+        if let Some(bound) = candidate.max_staleness {
+            spec.rl.max_staleness = bound;
+        }
         let (placement, policy) = baseline
             .setup_with(&spec, &job.catalog, candidate.placement)
             .map_err(|source| SimError::Placement {
