@@ -422,6 +422,7 @@ pub fn run(
             policy: name.into(),
             source,
         })?;
+        let probe_steps = crate::best::probe_steps(&candidates).min(spec.rl.steps);
         let (candidate, probes) =
             crate::best::pick(*baseline, &spec, &job.catalog, candidates, &opts).map_err(
                 |source| SimError::Choose {
@@ -438,7 +439,7 @@ pub fn run(
                 stderr,
                 "{name}: runs on {} (per step over the first {} steps: {})",
                 candidate.label,
-                crate::best::PROBE_STEPS,
+                probe_steps,
                 tried.join(", ")
             );
         }
