@@ -9,16 +9,12 @@
 //!   the simulator knows: the one `--placement` names, the core's default rule, and the
 //!   planner's best uniform placement;
 //! - `areal-like` generates on the planner's best uniform placement (AReaL has no placement by
-//!   work kind) and chooses its staleness bound, from 1 up to the job's (at most
-//!   [`MAX_STALENESS_PROBED`] values): AReaL's window of trajectories in flight grows with the
-//!   bound, and a wider one can be slower (every replica updates at once and each trajectory
-//!   alive then recomputes its KV cache), so a user of AReaL would tune it;
+//!   work kind);
 //! - `rollfleet` runs on the placement `--placement` names (the planner's, by default).
 //!
 //! Where a policy has several candidates, each is simulated for the job's first
-//! [`PROBE_STEPS`] steps ([`STALENESS_PROBE_STEPS`] when they differ in staleness) with the
-//! run's seed, and the fastest per step between its first and
-//! last publication is kept (the first on a tie). The probes are part of the report, so the choice can be checked.
+//! [`PROBE_STEPS`] steps with the run's seed, and the fastest per step is kept (the first on a
+//! tie). The probes are part of the report, so the choice can be checked.
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::{
@@ -33,14 +29,6 @@ use crate::sim::{RunError, SimOptions, simulate, workload_means};
 /// Steps each candidate placement is simulated for before a policy chooses.
 pub const PROBE_STEPS: i64 = 3;
 
-/// Staleness bounds `areal-like` probes at most (1 and up).
-pub const MAX_STALENESS_PROBED: i64 = 4;
-
-/// Steps each staleness bound is simulated for: a bound shows in the steps after the window
-/// has filled, which the first [`PROBE_STEPS`] do not reach (on the RollArt-like job they ranked
-/// a bound of 2 ahead of 1, and 20 steps ran 45% slower at 2).
-pub const STALENESS_PROBE_STEPS: i64 = 8;
-
 /// One placement a policy may run on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Candidate {
@@ -48,8 +36,6 @@ pub struct Candidate {
     pub label: String,
     /// The placement.
     pub placement: Placement,
-    /// A staleness bound tighter than the job's that the policy runs at (`None`: the job's).
-    pub max_staleness: Option<i64>,
 }
 
 /// A candidate's probe: its seconds per step over the first [`PROBE_STEPS`] steps.
@@ -57,10 +43,8 @@ pub struct Candidate {
 pub struct Probe {
     /// The candidate's label.
     pub label: String,
-    /// Simulated seconds per step over the probe, between its first and last publication.
+    /// Simulated seconds per step over the probe.
     pub step_s: f64,
-    /// Simulated seconds the whole probe took.
-    pub total_s: f64,
 }
 
 /// Why a policy could not choose its placement.
@@ -87,7 +71,6 @@ pub fn candidates(
     let candidate = |label: &str, placement: &Placement| Candidate {
         label: label.to_owned(),
         placement: placement.clone(),
-        max_staleness: None,
     };
     let mut out = match baseline {
         Baseline::Sync => colocated_degrees(spec, catalog)?
@@ -96,7 +79,6 @@ pub fn candidates(
                 Ok(Candidate {
                     label: format!("tp {tp}"),
                     placement: colocated_placement_at(spec, catalog, tp)?,
-                    max_staleness: None,
                 })
             })
             .collect::<Result<Vec<_>, PlacementError>>()?,
@@ -108,50 +90,17 @@ pub fn candidates(
             ),
             candidate("uniform", uniform),
         ],
-        Baseline::ArealLike => {
-            let bound = spec.rl.max_staleness;
-            let mut tighter: Vec<Candidate> = (1..bound.min(MAX_STALENESS_PROBED + 1))
-                .map(|s| Candidate {
-                    label: format!("uniform at staleness {s}"),
-                    max_staleness: Some(s),
-                    ..candidate("uniform", uniform)
-                })
-                .collect();
-            tighter.push(candidate("uniform", uniform));
-            tighter
-        }
+        Baseline::ArealLike => vec![candidate("uniform", uniform)],
         Baseline::Rollfleet => vec![candidate(chosen_label, chosen)],
     };
     // The same placement under two names is probed once, under its first name.
     let mut unique: Vec<Candidate> = Vec::with_capacity(out.len());
     for c in out.drain(..) {
-        if !unique
-            .iter()
-            .any(|u| u.placement == c.placement && u.max_staleness == c.max_staleness)
-        {
+        if !unique.iter().any(|u| u.placement == c.placement) {
             unique.push(c);
         }
     }
     Ok(unique)
-}
-
-/// Steps each of `candidates` is probed for (at most; fewer when the job has fewer).
-pub fn probe_steps(candidates: &[Candidate]) -> i64 {
-    if candidates.iter().any(|c| c.max_staleness.is_some()) {
-        STALENESS_PROBE_STEPS
-    } else {
-        PROBE_STEPS
-    }
-}
-
-/// A probe's seconds per step: between its first publication and its last, so that the start
-/// (the same for every candidate, and longest where the window is widest) does not decide;
-/// over the whole run when it published once.
-fn probe_step_s(makespan_s: f64, publish_times_s: &[f64]) -> f64 {
-    match publish_times_s {
-        [first, .., last] => (last - first) / (publish_times_s.len() - 1) as f64,
-        _ => makespan_s / publish_times_s.len().max(1) as f64,
-    }
 }
 
 /// The fastest of `candidates` for `baseline` over the job's first steps, and every probe (none
@@ -171,7 +120,7 @@ pub fn pick(
         return Ok((only, Vec::new()));
     }
     let mut probe_spec = spec.clone();
-    probe_spec.rl.steps = spec.rl.steps.clamp(1, probe_steps(&candidates));
+    probe_spec.rl.steps = spec.rl.steps.clamp(1, PROBE_STEPS);
     let probe_opts = SimOptions {
         pool_loss: None,
         migration: None,
@@ -182,10 +131,6 @@ pub fn pick(
     let mut probes = Vec::with_capacity(candidates.len());
     let mut best: Option<(usize, f64)> = None;
     for (i, c) in candidates.iter().enumerate() {
-        let mut probe_spec = probe_spec.clone();
-        if let Some(bound) = c.max_staleness {
-            probe_spec.rl.max_staleness = bound;
-        }
         let (placement, policy) = baseline.setup_with(&probe_spec, catalog, c.placement.clone())?;
         let run = simulate(
             &probe_spec,
@@ -195,14 +140,13 @@ pub fn pick(
             &probe_opts,
             &mut |_, _| {},
         )?;
-        let step_s = probe_step_s(run.makespan_s, &run.publish_times_s);
+        let step_s = run.makespan_s / run.publish_times_s.len().max(1) as f64;
         if best.is_none_or(|(_, b)| step_s < b) {
             best = Some((i, step_s));
         }
         probes.push(Probe {
             label: c.label.clone(),
             step_s,
-            total_s: run.makespan_s,
         });
     }
     let (i, _) = best.unwrap_or((0, 0.0));

@@ -422,7 +422,6 @@ pub fn run(
             policy: name.into(),
             source,
         })?;
-        let probe_steps = crate::best::probe_steps(&candidates).min(spec.rl.steps);
         let (candidate, probes) =
             crate::best::pick(*baseline, &spec, &job.catalog, candidates, &opts).map_err(
                 |source| SimError::Choose {
@@ -439,16 +438,11 @@ pub fn run(
                 stderr,
                 "{name}: runs on {} (per step over the first {} steps: {})",
                 candidate.label,
-                probe_steps,
+                crate::best::PROBE_STEPS,
                 tried.join(", ")
             );
         }
         choices.push((candidate.label.clone(), probes));
-        // A policy that chose a tighter staleness bound runs at it.
-        let mut spec = spec.clone();
-        if let Some(bound) = candidate.max_staleness {
-            spec.rl.max_staleness = bound;
-        }
         let (placement, policy) = baseline
             .setup_with(&spec, &job.catalog, candidate.placement)
             .map_err(|source| SimError::Placement {
