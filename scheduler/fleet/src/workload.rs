@@ -150,6 +150,23 @@ impl<'a> Sampler<'a> {
                 };
                 max.map_or(v, |m| v.min(m))
             }
+            // Uniformly among the rows read when the job was loaded (none: 0).
+            Distribution::Csv {
+                ref rows,
+                scale,
+                max,
+                ..
+            } => {
+                let values = rows.values().unwrap_or(&[]);
+                let v = if values.is_empty() {
+                    0.0
+                } else {
+                    values
+                        .get(rng.below(values.len() as u64) as usize)
+                        .map_or(0.0, |&x| scale * x)
+                };
+                max.map_or(v, |m| v.min(m))
+            }
         };
         if value.is_finite() {
             value.max(0.0)
@@ -160,7 +177,7 @@ impl<'a> Sampler<'a> {
 }
 
 /// The mean of a distribution: closed form where there is one, the trace's own mean scaled and
-/// clipped (estimated from the rows) otherwise.
+/// clipped (estimated from the rows) otherwise; a CSV column's is exact, from its rows.
 pub fn mean(dist: &Distribution) -> f64 {
     match *dist {
         Distribution::Trace {
