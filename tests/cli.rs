@@ -412,3 +412,38 @@ fn completion_prints_a_script_for_bash_zsh_and_fish() {
     let out = rollfleet(&["completion", "tcsh"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn validate_and_sim_read_a_csv_distribution_beside_the_job_from_any_directory() {
+    let job = repo().join("scheduler/spec/tests/data/csv-lengths.yaml");
+    let job = job.to_str().unwrap();
+    // Run from elsewhere: the CSV is found beside the job file, not in the current directory.
+    let elsewhere = std::env::temp_dir();
+    let out = command(&["validate", job])
+        .current_dir(&elsewhere)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    // The sokoban actions: the exact mean of the file's 40 rows, 116.5 tokens.
+    assert!(
+        stdout.contains("valid job \"csv-lengths\"") && stdout.contains("~116 tok"),
+        "{stdout}"
+    );
+    let out = command(&["sim", job])
+        .current_dir(&elsewhere)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("invariants held"));
+    // Moved away from its file, the job is invalid, naming the field and the file.
+    let moved = scratch("csv-moved.yaml", &std::fs::read_to_string(job).unwrap());
+    let out = rollfleet(&["sim", moved.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("spec.tasks[0].actionTokens.path: ")
+            && stderr.contains("action_tokens.csv: no such file"),
+        "{stderr}"
+    );
+}

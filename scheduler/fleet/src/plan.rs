@@ -231,6 +231,24 @@ mod tests {
     }
 
     #[test]
+    fn a_job_whose_csv_file_the_planning_process_cannot_find_is_refused_naming_the_field() {
+        // What the scheduler and the operator meet when the file is not in their image.
+        let yaml = QUICKSTART.replacen(
+            "latencyMs: { distribution: lognormal, median: 3, p99: 20 }",
+            "latencyMs: { distribution: csv, path: /no/such/dir/latency.csv, column: ms }",
+            1,
+        );
+        assert_ne!(yaml, QUICKSTART);
+        let refused = JobPlan::from_yaml(&yaml, "rljob/quickstart", 0).unwrap_err();
+        let message = refused.to_string();
+        assert!(
+            message
+                .contains("spec.rewards[1].latencyMs.path: /no/such/dir/latency.csv: no such file"),
+            "{message}"
+        );
+    }
+
+    #[test]
     fn every_pool_with_a_replica_or_the_trainer_is_needed_and_named_by_its_index() {
         let plan = JobPlan::from_yaml(QUICKSTART, "quickstart.yaml", 0).unwrap();
         let needed = plan.pools_needed();

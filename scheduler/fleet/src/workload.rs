@@ -150,6 +150,23 @@ impl<'a> Sampler<'a> {
                 };
                 max.map_or(v, |m| v.min(m))
             }
+            // Uniformly among the rows read when the job was loaded (none: 0).
+            Distribution::Csv {
+                ref rows,
+                scale,
+                max,
+                ..
+            } => {
+                let values = rows.values().unwrap_or(&[]);
+                let v = if values.is_empty() {
+                    0.0
+                } else {
+                    values
+                        .get(rng.below(values.len() as u64) as usize)
+                        .map_or(0.0, |&x| scale * x)
+                };
+                max.map_or(v, |m| v.min(m))
+            }
         };
         if value.is_finite() {
             value.max(0.0)
@@ -160,7 +177,7 @@ impl<'a> Sampler<'a> {
 }
 
 /// The mean of a distribution: closed form where there is one, the trace's own mean scaled and
-/// clipped (estimated from the rows) otherwise.
+/// clipped (estimated from the rows) otherwise; a CSV column's is exact, from its rows.
 pub fn mean(dist: &Distribution) -> f64 {
     match *dist {
         Distribution::Trace {
@@ -321,6 +338,70 @@ mod tests {
             "{exact} vs {sampled}"
         );
         assert!(exact < 2_700.0 - 100.0, "{exact}");
+    }
+
+    fn csv(values: Vec<f64>, scale: f64, max: Option<f64>) -> Distribution {
+        Distribution::Csv {
+            path: "rows.csv".into(),
+            column: "tokens".into(),
+            scale,
+            max,
+            rows: rollfleet_spec::CsvRows::new(values),
+        }
+    }
+
+    #[test]
+    fn csv_samples_are_scaled_rows_the_same_for_the_same_seed() {
+        let values: Vec<f64> = (0..50).map(|i| f64::from(i * i % 97)).collect();
+        let dist = csv(values.clone(), 2.5, None);
+        let draw = |seed| {
+            let mut rng = SplitMix64::new(seed);
+            (0..200)
+                .map(|_| sample(&dist, &mut rng))
+                .collect::<Vec<_>>()
+        };
+        let first = draw(7);
+        assert_eq!(first, draw(7));
+        assert_ne!(first, draw(8));
+        for v in &first {
+            assert!(values.iter().any(|r| 2.5 * r == *v), "{v}");
+        }
+    }
+
+    #[test]
+    fn csv_sample_means_converge_to_the_exact_mean_of_the_rows() {
+        let values: Vec<f64> = (0..1000).map(|i| f64::from((i * 7919) % 1009)).collect();
+        let exact_rows = values.iter().sum::<f64>() / values.len() as f64;
+        for (scale, max) in [(1.0, None), (3.0, None), (2.0, Some(1500.0))] {
+            let dist = csv(values.clone(), scale, max);
+            let exact = mean(&dist);
+            if max.is_none() {
+                assert!((exact - scale * exact_rows).abs() < 1e-9, "{exact}");
+            } else {
+                assert!(exact < scale * exact_rows, "{exact}");
+            }
+            let sampler = Sampler::new(&dist);
+            let mut rng = SplitMix64::new(41);
+            let n = 400_000;
+            let sampled = (0..n).map(|_| sampler.sample(&mut rng)).sum::<f64>() / n as f64;
+            assert!(
+                (sampled - exact).abs() < 0.01 * exact,
+                "{sampled} vs {exact}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_csv_distribution_whose_file_was_not_read_draws_zero() {
+        let dist = Distribution::Csv {
+            path: "rows.csv".into(),
+            column: "tokens".into(),
+            scale: 1.0,
+            max: None,
+            rows: rollfleet_spec::CsvRows::default(),
+        };
+        assert_eq!(sample(&dist, &mut SplitMix64::new(1)), 0.0);
+        assert_eq!(mean(&dist), 0.0);
     }
 
     fn quickstart() -> JobSpec {

@@ -193,7 +193,7 @@ impl Workload {
 
 /// The mean of the largest of `n` draws. Closed form for fixed and uniform distributions; for a
 /// log-normal, its quantile at `(n - 0.375) / (n + 0.25)` (Blom's plotting position); a trace
-/// falls back to its mean.
+/// or a CSV column falls back to its mean.
 pub fn expected_max(dist: &Distribution, n: f64, mean: &dyn Fn(&Distribution) -> f64) -> f64 {
     let n = n.max(1.0);
     match *dist {
@@ -205,7 +205,7 @@ pub fn expected_max(dist: &Distribution, n: f64, mean: &dyn Fn(&Distribution) ->
             let v = median * (sigma * normal_quantile(p)).exp();
             max.map_or(v, |m| v.min(m))
         }
-        Distribution::Trace { .. } => mean(dist),
+        Distribution::Trace { .. } | Distribution::Csv { .. } => mean(dist),
     }
 }
 

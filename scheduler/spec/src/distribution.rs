@@ -9,6 +9,8 @@ use std::fmt;
 use serde::de::{self, MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
+use crate::csv_column::CsvRows;
+
 /// A real trace a distribution can sample from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TraceName {
@@ -68,6 +70,23 @@ pub enum Distribution {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max: Option<f64>,
     },
+    /// Samples uniformly among the rows of one column of a CSV file, multiplied by `scale`.
+    Csv {
+        /// The file. [`crate::load_job_file`] resolves a relative path against the job file's
+        /// directory; [`crate::parse_job`] against the current directory.
+        path: String,
+        /// The column, as the header row names it.
+        column: String,
+        /// Multiplier applied to every sample.
+        #[serde(default = "one")]
+        scale: f64,
+        /// Values above this are clipped to it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max: Option<f64>,
+        /// The column's values, read when the job is loaded (not written in the YAML).
+        #[serde(skip)]
+        rows: CsvRows,
+    },
 }
 
 fn one() -> f64 {
@@ -75,9 +94,16 @@ fn one() -> f64 {
 }
 
 impl Distribution {
-    /// The mean, where it has a closed form (trace means come from the trace itself).
+    /// The mean, where it has a closed form (trace means come from the trace itself); a CSV
+    /// column's is the exact mean of its rows (scaled and clipped), once the file was read.
     pub fn mean(&self) -> Option<f64> {
         match *self {
+            Distribution::Csv {
+                ref rows,
+                scale,
+                max,
+                ..
+            } => csv_moment(rows, scale, max, 1),
             Distribution::Fixed { value } => Some(value),
             Distribution::Uniform { min, max } => Some((min + max) / 2.0),
             Distribution::LogNormal { median, p99, max } => Some(lognormal_moment(
@@ -91,9 +117,22 @@ impl Distribution {
     }
 
     /// The variance, where it has a closed form (a log-normal's of the values actually drawn,
-    /// `min(X, max)`); `None` for a trace.
+    /// `min(X, max)`), or of a CSV column's rows; `None` for a trace.
     pub fn variance(&self) -> Option<f64> {
         match *self {
+            Distribution::Csv {
+                ref rows,
+                scale,
+                max,
+                ..
+            } => match max {
+                None => rows.variance().map(|v| v * scale * scale),
+                Some(_) => {
+                    let m1 = csv_moment(rows, scale, max, 1)?;
+                    let m2 = csv_moment(rows, scale, max, 2)?;
+                    Some((m2 - m1 * m1).max(0.0))
+                }
+            },
             Distribution::Fixed { .. } => Some(0.0),
             Distribution::Uniform { min, max } => Some((max - min).powi(2) / 12.0),
             Distribution::LogNormal { median, p99, max } => {
@@ -112,6 +151,15 @@ impl Distribution {
             Distribution::Fixed { value } => Some(value),
             Distribution::Uniform { max, .. } => Some(max),
             Distribution::LogNormal { max, .. } | Distribution::Trace { max, .. } => max,
+            Distribution::Csv {
+                ref rows,
+                scale,
+                max,
+                ..
+            } => match rows.largest() {
+                Some((largest, _)) => Some(max.map_or(largest * scale, |m| m.min(largest * scale))),
+                None => max,
+            },
         }
     }
 
@@ -145,7 +193,7 @@ impl Distribution {
                     problems.push(("max", format!("must be >= median ({median}), got {max}")));
                 }
             }
-            Distribution::Trace { scale, max, .. } => {
+            Distribution::Trace { scale, max, .. } | Distribution::Csv { scale, max, .. } => {
                 if !scale.is_finite() || scale <= 0.0 {
                     problems.push(("scale", format!("must be > 0, got {scale}")));
                 }
@@ -158,6 +206,28 @@ impl Distribution {
         }
         problems
     }
+}
+
+/// `E[min(scale X, max)^n]` over a CSV column's rows `X`: exact, from the rows themselves.
+fn csv_moment(rows: &CsvRows, scale: f64, max: Option<f64>, n: i32) -> Option<f64> {
+    if n == 1
+        && max.is_none()
+        && let Some(mean) = rows.mean()
+    {
+        return Some(mean * scale);
+    }
+    let values = rows.values()?;
+    if values.is_empty() {
+        return Some(0.0);
+    }
+    let sum: f64 = values
+        .iter()
+        .map(|&v| {
+            let v = scale * v;
+            max.map_or(v, |m| v.min(m)).powi(n)
+        })
+        .sum();
+    Some(sum / values.len() as f64)
 }
 
 /// The sigma of a log-normal with the given median and 99th percentile.

@@ -6,9 +6,11 @@
 //! at its field (`spec.pools[0].count: invalid type: string "many", expected i64`), and every
 //! semantic problem is reported at once (`spec.pools[1].gpu: unknown GPU "H900" (known: ...)`).
 //!
-//! Nothing here panics on any input; the crate is pure (no I/O besides [`load_job_file`]) so the
+//! Nothing here panics on any input; the crate is pure (no I/O besides [`load_job_file`] and the
+//! CSV files a job's distributions name, read once when it is parsed) so the
 //! scheduler core, the simulator, the CLI and the Kubernetes operator share one definition.
 
+mod csv_column;
 mod distribution;
 mod kubernetes;
 mod manifest;
@@ -22,6 +24,7 @@ mod validate;
 
 use std::path::Path;
 
+pub use csv_column::{CsvRows, MAX_CSV_BYTES, MAX_CSV_ROWS};
 pub use distribution::{
     Dist, Distribution, TraceColumn, TraceName, lognormal_moment, lognormal_sigma, normal_cdf,
 };
@@ -195,10 +198,12 @@ pub fn kubernetes_job_problems(block: &KubernetesJob) -> Vec<Problem> {
     kubernetes::job_problems(Some(block))
 }
 
-/// Reads, parses and validates a job file.
+/// Reads, parses and validates a job file. A CSV distribution's relative path is resolved
+/// against the job file's directory.
 pub fn load_job_file(path: &Path) -> Result<ValidatedJob, SpecError> {
     let bytes = read_limited(path)?;
-    parse_job(&bytes, &path.display().to_string())
+    let dir = path.parent().unwrap_or(Path::new(""));
+    parse_job_in(&bytes, &path.display().to_string(), Some(dir))
 }
 
 /// Reads a file of at most [`MAX_SPEC_BYTES`] (a job, or a file in one of its formats), checking
@@ -274,8 +279,21 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned>(
     })
 }
 
-/// Parses and validates a job from bytes; `origin` names the input in error messages.
+/// Parses and validates a job from bytes; `origin` names the input in error messages. A CSV
+/// distribution's relative path is resolved against the current directory (see
+/// [`parse_job_in`]).
 pub fn parse_job(bytes: &[u8], origin: &str) -> Result<ValidatedJob, SpecError> {
+    parse_job_in(bytes, origin, None)
+}
+
+/// Parses and validates a job from bytes, reading the CSV files its distributions name (the
+/// only I/O besides [`load_job_file`]): a relative path is resolved against `dir`, or the current
+/// directory when `None`. A file that cannot be used is a problem of the distribution's field.
+pub fn parse_job_in(
+    bytes: &[u8],
+    origin: &str,
+    dir: Option<&Path>,
+) -> Result<ValidatedJob, SpecError> {
     if bytes.len() > MAX_SPEC_BYTES {
         return Err(SpecError::TooLarge {
             origin: origin.to_owned(),
@@ -296,12 +314,24 @@ pub fn parse_job(bytes: &[u8], origin: &str) -> Result<ValidatedJob, SpecError> 
                     .to_owned(),
         });
     }
-    let manifest: JobManifest = parse_yaml(text, origin)?;
+    let mut manifest: JobManifest = parse_yaml(text, origin)?;
+    let unreadable = csv_column::load_csv_distributions(&mut manifest, dir);
     let outcome = validate::validate(&manifest);
-    if !outcome.errors.is_empty() {
+    // Every CSV distribution was read here, or its failure is in `unreadable`: the validator's
+    // "not read" would say the same again.
+    let problems: Vec<Problem> = unreadable
+        .into_iter()
+        .chain(
+            outcome
+                .errors
+                .into_iter()
+                .filter(|p| p.message != csv_column::NOT_READ),
+        )
+        .collect();
+    if !problems.is_empty() {
         return Err(SpecError::Invalid {
             origin: origin.to_owned(),
-            problems: outcome.errors,
+            problems,
         });
     }
     Ok(ValidatedJob {

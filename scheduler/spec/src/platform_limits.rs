@@ -21,6 +21,9 @@ fn stated_longest(dist: &Distribution) -> (f64, &'static str) {
         Distribution::LogNormal { p99, max: None, .. } => (p99, ".p99"),
         // A trace without a cap is scaled from real data: nothing is stated to check.
         Distribution::Trace { max: None, .. } => (0.0, ""),
+        // A CSV column's rows are all known: its largest (scaled) is what a call may take.
+        Distribution::Csv { max: None, .. } => (dist.upper_bound().unwrap_or(0.0), ".path"),
+        Distribution::Csv { max: Some(max), .. } => (max, ".max"),
     }
 }
 

@@ -18,8 +18,9 @@ pub(crate) fn distribution() -> Schema {
     json_schema!({
         "description": "A number (always that value), or a map tagged by `distribution`: \
             `{distribution: fixed, value}`, `{distribution: uniform, min, max}`, \
-            `{distribution: lognormal, median, p99, max}` or `{distribution: trace, trace, \
-            column, scale, max}` (docs/job-spec.md).",
+            `{distribution: lognormal, median, p99, max}`, `{distribution: trace, trace, \
+            column, scale, max}` or `{distribution: csv, path, column, scale, max}` \
+            (docs/job-spec.md).",
         "x-kubernetes-preserve-unknown-fields": true,
     })
 }

@@ -259,6 +259,14 @@ const TOO_LARGE: &[(&str, &str, &str)] = &[
          traffic to RL lengths), got 1000",
     ),
     (
+        "observationTokens: 90",
+        "observationTokens: { distribution: csv, path: tests/data/too_long_actions.csv, column: \
+         output_tokens }",
+        "spec.tasks[0].observationTokens.path: tests/data/too_long_actions.csv: row 2 of \
+         \"output_tokens\" is 20000000 (times scale 1: 20000000), above the largest allowed, \
+         10485760 tokens (the longest context window accepted)",
+    ),
+    (
         "{ distribution: uniform, min: 1, max: 5 }",
         "{ distribution: uniform, min: 1, max: 1e12 }",
         "spec.tasks[0].envStepMs.max: must be at most 86400000 ms (a day), got 1000000000000",

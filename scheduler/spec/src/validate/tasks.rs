@@ -175,9 +175,10 @@ pub(super) fn check_tasks(spec: &JobSpec, problems: &mut Problems) {
 }
 
 /// A distribution's own problems, then each parameter beyond what `quantity` allows, a
-/// log-normal spread so wide its mean runs away, and a trace stretched too far.
+/// log-normal spread so wide its mean runs away, a trace stretched too far, and a CSV column
+/// whose largest row (scaled) is beyond what `quantity` allows, or that was never read.
 pub(super) fn check_distribution(
-    path: &str,
+    field: &str,
     distribution: &Distribution,
     quantity: &Quantity,
     problems: &mut Problems,
@@ -185,7 +186,7 @@ pub(super) fn check_distribution(
     let own = distribution.problems();
     let reported: BTreeSet<&str> = own.iter().map(|(parameter, _)| *parameter).collect();
     for (parameter, reason) in &own {
-        problems.error(format!("{path}.{parameter}"), reason.clone());
+        problems.error(format!("{field}.{parameter}"), reason.clone());
     }
     let parameters: Vec<(&str, f64)> = match *distribution {
         Distribution::Fixed { value } => vec![("value", value)],
@@ -194,13 +195,15 @@ pub(super) fn check_distribution(
             .into_iter()
             .chain(max.map(|max| ("max", max)))
             .collect(),
-        Distribution::Trace { max, .. } => max.map(|max| ("max", max)).into_iter().collect(),
+        Distribution::Trace { max, .. } | Distribution::Csv { max, .. } => {
+            max.map(|max| ("max", max)).into_iter().collect()
+        }
     };
     let mut beyond = BTreeSet::new();
     for (parameter, value) in parameters {
         if !reported.contains(parameter) && value > quantity.max {
             problems.error(
-                format!("{path}.{parameter}"),
+                format!("{field}.{parameter}"),
                 format!(
                     "must be at most {} {} ({}), got {}",
                     show(quantity.max),
@@ -220,7 +223,7 @@ pub(super) fn check_distribution(
                 && p99 > median * MAX_LOGNORMAL_SPREAD =>
         {
             problems.error(
-                format!("{path}.p99"),
+                format!("{field}.p99"),
                 format!(
                     "must be at most {} times the median ({}): a wider spread puts the mean \
                      above the 99th percentile, got {}",
@@ -234,13 +237,41 @@ pub(super) fn check_distribution(
             if !reported.contains("scale") && scale > MAX_TRACE_SCALE =>
         {
             problems.error(
-                format!("{path}.scale"),
+                format!("{field}.scale"),
                 format!(
                     "must be at most {} (1 to 10 stretches serving traffic to RL lengths), got {}",
                     show(MAX_TRACE_SCALE),
                     show(scale)
                 ),
             );
+        }
+        Distribution::Csv {
+            path: ref file,
+            ref column,
+            ref rows,
+            scale,
+            max,
+        } if !reported.contains("scale") => {
+            let Some((largest, row)) = rows.largest() else {
+                problems.error(format!("{field}.path"), crate::csv_column::NOT_READ);
+                return;
+            };
+            let drawn = max.map_or(largest * scale, |m| m.min(largest * scale));
+            if drawn > quantity.max {
+                problems.error(
+                    format!("{field}.path"),
+                    format!(
+                        "{file}: row {row} of \"{column}\" is {} (times scale {}: {}), above the \
+                         largest allowed, {} {} ({})",
+                        show(largest),
+                        show(scale),
+                        show(largest * scale),
+                        show(quantity.max),
+                        quantity.unit,
+                        quantity.reason
+                    ),
+                );
+            }
         }
         _ => {}
     }
