@@ -15,6 +15,10 @@
 //!    workers, run `--until-stopped`, wait at the end for that) and the status is left as it
 //!    is, until the spec changes.
 //!
+//! A pass runs when the RLJob, a Deployment it owns or one of its pods changes (the pods are
+//! mapped to their RLJob by [`rljob_of_pod`]), and at its requeue, the fallback that reads what
+//! only the scheduler knows.
+//!
 //! An RLJob with `spec.kubernetes.tlsSecret: NAME` has its scheduler serve TLS with that
 //! `kubernetes.io/tls` Secret; the operator calls it at `https://`, trusting the Secret's
 //! `ca.crt` (a Secret without one makes `SchedulerReachable` false, naming it).
@@ -39,6 +43,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::finalizer::{Event, finalizer};
+use kube::runtime::reflector::ObjectRef;
 use rollfleet_proto::auth::{AuthChannel, ClientAuth, Token};
 use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::{JobRef, JobStatus};
@@ -640,6 +645,17 @@ async fn unschedulable_pools(job: &RLJob, ctx: &Context) -> Result<Option<String
     Ok(Some(text.chars().take(MAX_MESSAGE_CHARS).collect()))
 }
 
+/// The RLJob a pod of the operator's belongs to, from its `rollfleet.dev/job` label and its
+/// namespace (the Controller's pod watch maps each pod change to a reconcile of it); `None` for
+/// a pod without the label or a namespace. The label is the RLJob's name made a DNS label, so
+/// for a name that is not one already (dots, over 63 characters) it names no RLJob and the
+/// reconcile finds nothing: such an RLJob is looked at on its regular requeue only.
+pub fn rljob_of_pod(pod: Pod) -> Option<ObjectRef<RLJob>> {
+    let job = pod.metadata.labels.as_ref()?.get(JOB_LABEL)?;
+    let namespace = pod.metadata.namespace.as_deref()?;
+    Some(ObjectRef::new(job).within(namespace))
+}
+
 async fn cleanup(job: &RLJob, ctx: &Context) -> Result<Action, Error> {
     ctx.plans.forget(job);
     ctx.metrics.set_phase(job, None);
@@ -676,6 +692,36 @@ mod tests {
             .find(|c| c.type_ == type_)
             .map(|c| (c.status.clone(), c.reason.clone()))
             .unwrap_or_default()
+    }
+
+    #[test]
+    fn a_pod_labelled_with_its_job_maps_to_that_rljob_and_an_unlabelled_one_to_none() {
+        let pod = |labels: Option<&[(&str, &str)]>| Pod {
+            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                name: Some("quickstart-decode-7d9f-abcde".into()),
+                namespace: Some("rl".into()),
+                labels: labels.map(|l| {
+                    l.iter()
+                        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                        .collect()
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let worker = pod(Some(&[
+            (JOB_LABEL, "quickstart"),
+            (COMPONENT_LABEL, "worker"),
+            (POOL_LABEL, "decode"),
+        ]));
+        let job = rljob_of_pod(worker).expect("the pod's RLJob");
+        assert_eq!(
+            (job.name.as_str(), job.namespace.as_deref()),
+            ("quickstart", Some("rl"))
+        );
+        assert_eq!(job, ObjectRef::<RLJob>::new("quickstart").within("rl"));
+        assert_eq!(rljob_of_pod(pod(None)), None);
+        assert_eq!(rljob_of_pod(pod(Some(&[("app", "other")]))), None);
     }
 
     #[test]

@@ -11,11 +11,12 @@ use anyhow::Context as _;
 use clap::Parser;
 use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::{Controller, watcher};
 use rollfleet_operator::controller::{self, Context};
 use rollfleet_operator::crd::{self, RLJob};
-use rollfleet_operator::desired::Settings;
+use rollfleet_operator::desired::{JOB_LABEL, Settings};
 use rollfleet_operator::k8s_openapi::jiff::Timestamp;
 use rollfleet_operator::lease::{self, LeaseLock};
 use rollfleet_operator::logs::{self, LogFormat};
@@ -243,7 +244,17 @@ fn run(image: String, metrics_addr: Option<SocketAddr>, election: Election) -> a
         ));
         tracing::info!("watching RLJobs in every namespace");
         let controller = Controller::new(jobs, watcher::Config::default())
-            .owns(Api::<Deployment>::all(client), watcher::Config::default())
+            .owns(
+                Api::<Deployment>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            // A pod of a job that changes (placed, Pending as Unschedulable, failed, gone)
+            // reconciles its RLJob at once; the requeue stays as the fallback.
+            .watches(
+                Api::<Pod>::all(client),
+                watcher::Config::default().labels(JOB_LABEL),
+                controller::rljob_of_pod,
+            )
             .shutdown_on_signal()
             .run(controller::reconcile, controller::error_policy, ctx)
             .for_each(|result| async move {

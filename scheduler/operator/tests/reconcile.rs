@@ -248,6 +248,9 @@ async fn a_valid_rljob_gets_its_scheduler_and_workers_applied_and_the_schedulers
     permissions.insert(("rollfleet.dev".into(), "rljobs".into(), "watch".into()));
     permissions.insert(("rollfleet.dev".into(), "rljobs".into(), "list".into()));
     permissions.insert(("apps".into(), "deployments".into(), "watch".into()));
+    // The jobs' pods, watched so that a pod's change reconciles its RLJob at once.
+    permissions.insert(("".into(), "pods".into(), "watch".into()));
+    permissions.insert(("".into(), "pods".into(), "list".into()));
     for (group, resource, verb) in &permissions {
         assert!(
             granted(group, resource, verb),
