@@ -1,6 +1,7 @@
 //! Re-planning across real processes: a lost node planned around and a joining one given
 //! replicas, a re-plan surviving a scheduler failover, a trainer's pool shrinking and growing
-//! back, and nodes measured slower than planned (or profiled by their replicas) planned with.
+//! back, nodes measured slower than planned (or profiled by their replicas) planned with, and a
+//! scheduler stopped mid re-plan that exits at once and re-plans when restarted on its journal.
 //!
 //! Every wait is bounded by a generous deadline and polls a real condition (a status over gRPC,
 //! a process exit), so the tests hold on a loaded two-core machine. The shared harness is
