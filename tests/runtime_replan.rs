@@ -1,6 +1,7 @@
 //! Re-planning across real processes: a lost node planned around and a joining one given
 //! replicas, a re-plan surviving a scheduler failover, a trainer's pool shrinking and growing
-//! back, and nodes measured slower than planned (or profiled by their replicas) planned with.
+//! back, nodes measured slower than planned (or profiled by their replicas) planned with, and a
+//! scheduler stopped mid re-plan that exits at once and re-plans when restarted on its journal.
 //!
 //! Every wait is bounded by a generous deadline and polls a real condition (a status over gRPC,
 //! a process exit), so the tests hold on a loaded two-core machine. The shared harness is
@@ -401,4 +402,211 @@ fn the_workers_replicas_measure_profiles_that_the_planner_then_plans_with() {
         stdout.contains("measured on emulated or simulated hardware"),
         "{stdout}"
     );
+}
+
+/// The quick-start job with `extra` more GPU pools of assorted sizes: every plan of it, a re-plan
+/// included, takes seconds or more (the search grows with every pool).
+fn slow_to_replan_job(dir: &Path, extra: usize) -> (PathBuf, Vec<String>) {
+    let job = job_file(dir, 24);
+    let yaml = std::fs::read_to_string(&job).unwrap();
+    let pools: String = (0..extra)
+        .map(|i| {
+            let gpu = ["H800", "H20"][i % 2];
+            format!(
+                "    - name: g{i}\n      gpu: {gpu}\n      count: {}\n",
+                8 * (i % 5 + 1)
+            )
+        })
+        .collect();
+    assert!(yaml.contains("    - name: envs\n"));
+    let yaml = yaml.replace("    - name: envs\n", &format!("{pools}    - name: envs\n"));
+    std::fs::write(&job, yaml).unwrap();
+    let names = ["prefill", "decode", "train", "envs", "rewards"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain((0..extra).map(|i| format!("g{i}")))
+        .collect();
+    (job, names)
+}
+
+/// A test peer holding a lease in a pool (registered, its work stream open) that does no work;
+/// dropped, its stream ends and the scheduler loses it.
+struct IdlePeer {
+    _outbox: tokio::sync::mpsc::UnboundedSender<rollfleet_proto::v1::WorkerMessage>,
+    _inbound: tonic::Streaming<rollfleet_proto::v1::SchedulerMessage>,
+}
+
+impl IdlePeer {
+    async fn attach(channel: tonic::transport::Channel, name: &str, pool: &str) -> IdlePeer {
+        use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
+        use rollfleet_proto::v1::{HardwareInventory, WorkerHello, WorkerMessage, worker_message};
+        let mut client = WorkerServiceClient::new(channel);
+        let lease = register_peer(
+            &mut client,
+            HardwareInventory {
+                hostname: name.into(),
+                pool: pool.into(),
+                ..Default::default()
+            },
+        )
+        .await;
+        let (outbox, rx) = tokio::sync::mpsc::unbounded_channel();
+        outbox
+            .send(WorkerMessage {
+                message: Some(worker_message::Message::Hello(WorkerHello {
+                    worker_id: lease.worker_id.clone(),
+                    epoch: lease.epoch,
+                })),
+            })
+            .unwrap();
+        let inbound = client
+            .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        IdlePeer {
+            _outbox: outbox,
+            _inbound: inbound,
+        }
+    }
+}
+
+/// Spawns `rollfleet scheduler JOB --journal JOURNAL` on `listen` with leases of ten minutes (a
+/// re-plan of a job of a hundred pools holds the scheduler longer than the harness's two
+/// seconds, and the peers here do not heartbeat); returns it, its address and its log.
+fn long_lease_scheduler(
+    job: &Path,
+    report: &Path,
+    journal: &Path,
+    expect: usize,
+    listen: &str,
+) -> (Child, String, std::sync::mpsc::Receiver<String>) {
+    use std::io::BufRead;
+    let mut child = Command::new(BIN)
+        .arg("scheduler")
+        .arg(job)
+        .args([
+            "--listen",
+            listen,
+            "--time-scale",
+            "1",
+            "--lease-ms",
+            "600000",
+        ])
+        .args(["--expect-workers", &expect.to_string()])
+        .arg("--report")
+        .arg(report)
+        .arg("--journal")
+        .arg(journal)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_owned();
+    let log = tee_log(&mut child);
+    (child, addr, log)
+}
+
+/// Sends SIGTERM to `child`, waits for it to exit and returns its exit code and how long that
+/// took.
+fn terminate(child: &mut Child) -> (Option<i32>, std::time::Duration) {
+    let pid = child.id().to_string();
+    let signalled = std::time::Instant::now();
+    let sent = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success());
+    let status = wait_exit(child, DEADLINE);
+    (status.code(), signalled.elapsed())
+}
+
+#[test]
+fn a_scheduler_told_to_stop_while_it_re_plans_exits_within_seconds_and_a_restart_on_its_journal_makes_the_re_plan()
+ {
+    use std::time::Duration;
+    let dir = temp_dir("stop-replanning");
+    // 100 more pools: the plan, and each re-plan, take seconds to a minute on a loaded machine.
+    let (job, pools) = slow_to_replan_job(&dir, 100);
+    let report = dir.join("report.json");
+    let journal = dir.join("scheduler.journal");
+    let (sched, addr, log) =
+        long_lease_scheduler(&job, &report, &journal, pools.len(), "127.0.0.1:0");
+    let url = format!("http://{addr}");
+    let mut procs = Procs(vec![sched]);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut peers = runtime.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(url.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut peers = Vec::new();
+        for pool in &pools {
+            peers.push(IdlePeer::attach(channel.clone(), &format!("{pool}-0"), pool).await);
+        }
+        peers
+    });
+    wait_log(&log, "scheduler: job quickstart starts");
+    // The node of pool g4 (40 GPUs, all of them serving) goes: the pool is planned again.
+    let victim = pools.iter().position(|p| p == "g4").unwrap();
+    drop(peers.remove(victim));
+    wait_log(&log, "(g4@g4-0) is cut off");
+    // Well into the re-plan, which takes as long as a plan of the job.
+    std::thread::sleep(Duration::from_millis(1000));
+    let (code, took) = terminate(&mut procs.0[0]);
+    drop(peers);
+    let lines: Vec<String> = log.try_iter().collect();
+    assert!(
+        !lines.iter().any(|l| l.contains("re-plan:")),
+        "the re-plan ended before the stop: the test did not stop a re-plan: {lines:#?}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "it took {took:?} to stop mid re-plan"
+    );
+    // A stop mid-job exits 1 (the job did not succeed), as a stop at any other moment does.
+    assert_eq!(code, Some(1));
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("stopped while re-planning")),
+        "{lines:#?}"
+    );
+    // The job was not cancelled: no report, and the journal ends before the step that caused
+    // the re-plan was acted on.
+    assert!(
+        !report.exists(),
+        "a report was written for a job that was not cancelled"
+    );
+    // A scheduler restarted on the journal replays that step whole, re-plan included, and
+    // resumes the job; stopped then, it cancels the job as usual.
+    let (sched, _, log) = long_lease_scheduler(&job, &report, &journal, pools.len(), &addr);
+    procs.0[0] = sched;
+    wait_log(&log, "scheduler: resumed job quickstart");
+    let (code, _) = terminate(&mut procs.0[0]);
+    assert_eq!(code, Some(1), "a cancelled job is not a success");
+    let report: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    assert_eq!(report["phase"], "Cancelled", "{report:#}");
+    let replans = report["replans"].as_array().unwrap();
+    assert_eq!(replans.len(), 1, "{report:#}");
+    assert_eq!(replans[0]["pool"], "g4", "{report:#}");
+    assert_eq!(
+        (
+            replans[0]["gpus_before"].as_u64(),
+            replans[0]["gpus_after"].as_u64()
+        ),
+        (Some(40), Some(0)),
+        "{report:#}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

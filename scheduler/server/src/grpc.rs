@@ -124,7 +124,13 @@ impl WorkerService for Workers {
         let inbox = self.inbox.clone();
         tokio::spawn(async move {
             let reason = loop {
-                match incoming.next().await {
+                let next = tokio::select! {
+                    next = incoming.next() => next,
+                    // The actor is gone (the scheduler stops): the stream is let go, so that the
+                    // server's shutdown does not wait for a peer that keeps its side open.
+                    () = inbox.closed() => return,
+                };
+                match next {
                     Some(Ok(message)) => {
                         if let Some(worker_message::Message::Load(load)) = &message.message
                             && let Some(problem) = oversized_load(load)

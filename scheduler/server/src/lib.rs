@@ -175,6 +175,11 @@ fn refused(metrics: &metrics::Metrics, refusal: Refusal, peer: Option<SocketAddr
 /// so that the server can stop.
 const HEALTH_WATCH_GRACE: Duration = Duration::from_secs(1);
 
+/// How long the server's shutdown may wait, once the job's actor has stopped, for peers to end
+/// the calls they hold open (a worker that ignores the end of its stream, a status watcher);
+/// past it they are cut off, so that a stop never hangs on a peer.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// Sets the whole server's health (service `""`) and each named service's to `status`.
 async fn set_health(
     health: &tonic_health::server::HealthReporter,
@@ -391,6 +396,8 @@ pub async fn serve_until(
             metrics.clone(),
             feed_log.clone(),
         );
+        // Re-plans, those a replay makes included, stop with the scheduler.
+        actor.stop_with(stopping.clone());
         match resumed {
             Some((found, mut reader)) => {
                 journal::check_header(path, &found, &header)?;
@@ -401,7 +408,27 @@ pub async fn serve_until(
                     std::fs::metadata(path).map_or(0.0, |m| m.len() as f64 / 1e6),
                     job.plan.name()
                 );
-                let replayed = actor.replay(&mut reader)?;
+                // A replay re-plans where the scheduler before did (for as long as it took),
+                // so it stops with the scheduler too: replayed off the async threads.
+                let (replayed, actor_back, reader) = tokio::task::spawn_blocking(move || {
+                    let replayed = actor.replay(&mut reader);
+                    (replayed, actor, reader)
+                })
+                .await
+                .map_err(|e| ServerError::Io {
+                    what: "replaying the journal".into(),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+                actor = actor_back;
+                let replayed = replayed?;
+                if actor.interrupted() {
+                    tracing::info!(
+                        "scheduler: stopped while replaying journal {} (in a re-plan); the \
+                         journal is as it was",
+                        path.display()
+                    );
+                    return Ok(None);
+                }
                 metrics.journal_replayed.inc_by(replayed);
                 if reader.torn_bytes() > 0 {
                     tracing::warn!(
@@ -456,6 +483,7 @@ pub async fn serve_until(
             None => {
                 let mut actor =
                     actor::Actor::new(job.plan.clone(), actor_options, status, metrics, feed_log);
+                actor.stop_with(stopping);
                 if let Some(path) = &journal_path {
                     let header = rollfleet_proto::v1::JournalHeader {
                         job_yaml: job.plan.yaml.clone(),
@@ -479,8 +507,10 @@ pub async fn serve_until(
         }
     };
     let stopping_health = health.clone();
+    let (shutting_down, shutdown_started) = tokio::sync::oneshot::channel::<()>();
     let run_job = async move {
         run_job.await;
+        let _ = shutting_down.send(());
         // The server stops accepting: probes see NOT_SERVING until it is gone.
         set_health(&stopping_health, &service_names, ServingStatus::NotServing).await;
         // A peer watching the health stream would hold the graceful shutdown open: its
@@ -515,7 +545,21 @@ pub async fn serve_until(
     // Anything that answers a health check is the server accepting: SERVING from here on,
     // until `run_job` ends and the shutdown starts.
     set_health(&health, &service_names, ServingStatus::Serving).await;
-    server.await?;
+    let cut_off = async {
+        if shutdown_started.await.is_ok() {
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        served = server => served?,
+        () = cut_off => tracing::warn!(
+            "scheduler: peers still held calls open {} s after the job's actor stopped; they \
+             are cut off",
+            SHUTDOWN_GRACE.as_secs()
+        ),
+    }
     // Each regular scraper sees the job's end before the scheduler exits: the alert on a
     // scheduler that stops answering tells a job that ended from a scheduler that died by it.
     if let Some(m) = &served_metrics

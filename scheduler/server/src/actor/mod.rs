@@ -29,6 +29,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rollfleet_core::{
@@ -511,6 +512,15 @@ pub struct Actor {
     /// after the end depends on it, never a decision, so a replay leaves it unset: a scheduler
     /// serving until stopped, started again on its journal, serves again until it is stopped.
     stop_seen: bool,
+    /// The scheduler's stop flag (Ctrl-C, SIGTERM): a re-plan's search runs under it
+    /// ([`rollfleet_planner::cancel`]), so that a scheduler told to stop mid re-plan stops at once.
+    /// `None`: re-plans run to their end (a test's actor, an offline replay).
+    stop: Option<Arc<AtomicBool>>,
+    /// A re-plan was given up because the scheduler was told to stop: the step that caused it
+    /// was journaled but is only half acted on, so the actor acts on nothing more and journals
+    /// nothing more. The journal ends as if the scheduler had been killed at that moment, and a
+    /// scheduler restarted on it replays that step whole, re-plan included.
+    interrupted: bool,
     /// A journal is being replayed (nothing is logged).
     replaying: bool,
     /// Events the actor caused itself (a worker whose stream was found closed), taken after the
@@ -658,6 +668,8 @@ impl Actor {
             journal: None,
             recovering: false,
             stop_seen: false,
+            stop: None,
+            interrupted: false,
             replaying: false,
             loopback: VecDeque::new(),
             started: None,
@@ -763,6 +775,9 @@ impl Actor {
             self.recovering = false;
             self.take(vec![Step::Recovered]);
         }
+        if self.interrupted {
+            return self.stop_mid_replan();
+        }
         loop {
             let wake = self.core_wake();
             let step = tokio::select! {
@@ -783,8 +798,13 @@ impl Actor {
                 }
             }
             self.take(steps);
-            while let Some(event) = self.loopback.pop_front() {
+            while !self.interrupted
+                && let Some(event) = self.loopback.pop_front()
+            {
                 self.take(vec![Step::Event(event)]);
+            }
+            if self.interrupted {
+                return self.stop_mid_replan();
             }
             // After the end, a subscribed trainer gets a while to acknowledge the whole feed;
             // after a restart (at `base`), a while again, to subscribe again first.
@@ -817,6 +837,64 @@ impl Actor {
         // The report the end wrote (`--report`), so that what the caller gets is what the file
         // holds and what a replay of the journal gives.
         self.final_report.take().unwrap_or_else(|| self.report())
+    }
+
+    /// Re-plans from now on run under `flag`, the scheduler's stop flag: once it is set, a
+    /// re-plan gives up and the actor stops ([`Actor::interrupted`]).
+    pub fn stop_with(&mut self, flag: Arc<AtomicBool>) {
+        self.stop = Some(flag);
+    }
+
+    /// Whether a re-plan was given up because the scheduler was told to stop: the actor's
+    /// state is half a step, good for nothing but dropping (its journal holds the whole step).
+    pub fn interrupted(&self) -> bool {
+        self.interrupted
+    }
+
+    /// Runs a re-plan's search (`plan`) under the stop flag; `None` (and the actor marked
+    /// [`Actor::interrupted`]) when the scheduler was told to stop, whether the search gave up
+    /// or ended just as the flag was set: what it found is not acted on.
+    fn stoppable<T>(&mut self, plan: impl FnOnce(&Actor) -> T) -> Option<T> {
+        let found = match self.stop.clone() {
+            Some(flag) => rollfleet_planner::cancel::within(&flag, || plan(self)),
+            None => plan(self),
+        };
+        if self
+            .stop
+            .as_ref()
+            .is_some_and(|flag| flag.load(Ordering::Relaxed))
+        {
+            self.interrupted = true;
+            // What the rest of the step would send, a replay would not: the workers' streams
+            // and the trainer's feed end here, as if the scheduler had been killed (the workers
+            // and the trainer come back to a scheduler restarted on the journal).
+            for w in self.workers.values_mut() {
+                w.outbox = None;
+            }
+            self.feed.close(Some(format!(
+                "the scheduler stopped while re-planning job {}",
+                self.plan.name()
+            )));
+            return None;
+        }
+        Some(found)
+    }
+
+    /// The end of a run whose re-plan was given up for a stop: nothing more is acted on or
+    /// journaled, and the report is where the job stood (the job is not cancelled: no report is
+    /// written).
+    fn stop_mid_replan(self) -> Report {
+        tracing::info!(
+            "scheduler: stopped while re-planning job {}; {}",
+            self.plan.name(),
+            if self.journal.is_some() {
+                "its journal ends before the step that caused the re-plan was acted on: a \
+                 scheduler restarted on it replays that step, re-plan included, and resumes the job"
+            } else {
+                "without a journal the job cannot be resumed"
+            }
+        );
+        self.report()
     }
 
     /// The core's time: since the job started, on the job's clock.

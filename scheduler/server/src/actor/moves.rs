@@ -165,11 +165,15 @@ impl Actor {
         gpus.insert(pool, present);
         let running = self.running_replicas();
         let name = self.plan.pool_name(pool).to_owned();
-        let Some(decision) = self
-            .replanner
-            .as_ref()
-            .and_then(|p| p.decide(&gpus, &running, 0.0))
-        else {
+        let Some(decided) = self.stoppable(|actor| {
+            actor
+                .replanner
+                .as_ref()
+                .and_then(|p| p.decide(&gpus, &running, 0.0))
+        }) else {
+            return;
+        };
+        let Some(decision) = decided else {
             log!(
                 self,
                 "scheduler: {why}; no placement fits the {present} GPUs of pool {name} left, so \
@@ -282,7 +286,11 @@ impl Actor {
             .and_then(|p| self.planned_gpus.get(&p).copied())
             .unwrap_or(0);
         let running = self.running_replicas();
-        let decision = remeasured.decide(&self.planned_gpus, &running, crate::replan::MIN_GAIN);
+        let Some(decision) = self.stoppable(|actor| {
+            remeasured.decide(&actor.planned_gpus, &running, crate::replan::MIN_GAIN)
+        }) else {
+            return;
+        };
         self.replanner = Some(remeasured);
         let Some(decision) = decision else {
             log!(

@@ -28,7 +28,9 @@ impl Actor {
 
     fn replay_records(&mut self, reader: &mut JournalReader) -> Result<u64, JournalError> {
         let mut replayed = 0;
-        while let Some(record) = reader.next_record()? {
+        while !self.interrupted
+            && let Some(record) = reader.next_record()?
+        {
             self.at = self.at.max(Duration::from_nanos(record.at_ns));
             let Some(event) = record.event else {
                 continue;
@@ -90,6 +92,10 @@ impl Actor {
             self.journal_written(flushed);
         }
         for step in steps {
+            // A re-plan given up for a stop: the rest of the batch is journaled, never acted on.
+            if self.interrupted {
+                break;
+            }
             match step {
                 Step::Event(event) => self.handle(event),
                 Step::Wake => self.wake(),

@@ -625,6 +625,11 @@ impl Actor {
     }
 
     pub(super) fn finish(&mut self, phase: JobPhase) {
+        // Half a step after a re-plan given up for a stop: a replay of the journal may not end
+        // the job here, so neither does this.
+        if self.interrupted {
+            return;
+        }
         self.ended = Some((self.at, phase));
         // Unix time, not the job's clock: the alert on a scheduler that stops answering
         // compares it with the process's start time.
