@@ -445,6 +445,6 @@ mod tests {
             .flat_map(|w| &w.start)
             .filter(|r| r.pool == trainer.pool && r.role == ServeRole::Generate)
             .count();
-        assert_eq!(generate_started, 12, "{decision:?}");
+        assert_eq!(generate_started, 11, "{decision:?}");
     }
 }
