@@ -465,7 +465,7 @@ fn within_tie<T>(options: Vec<(T, f64, f64)>) -> Option<(T, f64)> {
 /// affinity placement predicted too close to the running one to move (243.6 s against 245.1 s).
 /// With its degree checked, the optimum is colocated generation on eight-GPU replicas, predicted
 /// 216.4 s: the drift re-plan moves, and the job averages 230.4 s per step simulated instead of
-/// 252.6 s (docs/planner.md).
+/// 252.6 s, when the rule was chosen.
 fn refine_degrees(p: &Problem, start: Found) -> Found {
     let mut best = start;
     for i in 0..best.candidate.groups.len() {

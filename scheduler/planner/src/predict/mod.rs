@@ -48,7 +48,7 @@
 //! on groups already regenerated, whose members the retries left at different versions. The
 //! whole-group restart modelled here predicts the simulated steady step of the RollArt-like job
 //! within 3% at its bound of 2; modelled as a one-member retry, the rule put it 6-9% low and
-//! moved the trainer scan to placements that simulate up to 4% slower (docs/planner.md).
+//! moved the trainer scan to placements that simulate up to 4% slower, when the rule was chosen.
 //!
 //! The search does not compare placements by this prediction but by [`step_time`], the
 //! first-order model without regeneration, drains or the closed loop (it counts refills as load

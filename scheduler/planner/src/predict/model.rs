@@ -594,7 +594,7 @@ pub(super) fn regeneration(
 /// `maxStaleness` 2 to 8 and on its uniform placement, seeds 0 and 1: last steps of 56-143 s
 /// against steady steps of 67-130 s). Charging it as the wait for the slowest groups admitted,
 /// `one_batch` (the core's rule before that change: 258 s against about 120 s simulated), put
-/// the prediction 6-10% high there (docs/planner.md). A job of one step is all start: its batch
+/// the prediction 6-10% high there, when the rule was chosen. A job of one step is all start: its batch
 /// is started at once, so it waits for `one_batch`. The first step is taken as a steady one
 /// (not quite: with a window of two batches or more, at `maxStaleness` 4 and 8, it simulates
 /// twice as long, the whole window starting at once; not modelled); but the trainer, idle until

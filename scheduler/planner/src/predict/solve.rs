@@ -147,7 +147,7 @@ pub(super) fn predict_caps(
             // queues behind about half of the step's refills on the replicas it goes to (the
             // search's objective counts the same burst). Without it the prediction ranked a
             // smaller prefill pool well at `maxStaleness` 3 and above, where the window holds
-            // two batches, and was 11-21% low there (docs/planner.md).
+            // two batches, and was 11-21% low there when the rule was chosen.
             let (mut burst_remote, mut burst_local) = (0.0, 0.0);
             for (task, alive) in w.tasks.iter().zip(&alive_s) {
                 let refills = w.batch * task.share / t * alive;
