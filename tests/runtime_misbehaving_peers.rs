@@ -16,8 +16,7 @@ use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
 use rollfleet_proto::v1::{
     GpuInventory, HardwareInventory, HeartbeatRequest, JobRef, RegisterRequest, StageOutput,
-    WorkResult, WorkerHello, WorkerMessage, hardware_inventory, scheduler_message, work_result,
-    worker_message,
+    WorkResult, WorkerMessage, hardware_inventory, scheduler_message, work_result, worker_message,
 };
 
 #[path = "common/runtime.rs"]
@@ -143,20 +142,7 @@ impl Rogue {
             },
         )
         .await;
-        let (outbox, rx) = tokio::sync::mpsc::unbounded_channel();
-        outbox
-            .send(WorkerMessage {
-                message: Some(worker_message::Message::Hello(WorkerHello {
-                    worker_id: lease.worker_id.clone(),
-                    epoch: lease.epoch,
-                })),
-            })
-            .unwrap();
-        let inbound = client
-            .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
+        let (outbox, inbound) = open_work_stream(&mut client, &lease).await;
         let mut hb = client.clone();
         let id = lease.worker_id.clone();
         let heartbeats = tokio::spawn(async move {

@@ -438,8 +438,8 @@ struct IdlePeer {
 
 impl IdlePeer {
     async fn attach(channel: tonic::transport::Channel, name: &str, pool: &str) -> IdlePeer {
+        use rollfleet_proto::v1::HardwareInventory;
         use rollfleet_proto::v1::worker_service_client::WorkerServiceClient;
-        use rollfleet_proto::v1::{HardwareInventory, WorkerHello, WorkerMessage, worker_message};
         let mut client = WorkerServiceClient::new(channel);
         let lease = register_peer(
             &mut client,
@@ -450,20 +450,7 @@ impl IdlePeer {
             },
         )
         .await;
-        let (outbox, rx) = tokio::sync::mpsc::unbounded_channel();
-        outbox
-            .send(WorkerMessage {
-                message: Some(worker_message::Message::Hello(WorkerHello {
-                    worker_id: lease.worker_id.clone(),
-                    epoch: lease.epoch,
-                })),
-            })
-            .unwrap();
-        let inbound = client
-            .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
+        let (outbox, inbound) = open_work_stream(&mut client, &lease).await;
         IdlePeer {
             _outbox: outbox,
             _inbound: inbound,

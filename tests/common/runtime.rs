@@ -263,6 +263,33 @@ pub async fn register_peer(
         .unwrap()
 }
 
+/// Opens the work stream of the lease `client` registered: says hello with the lease, and gives
+/// the sender of the peer's messages and the stream of the scheduler's.
+pub async fn open_work_stream(
+    client: &mut WorkerServiceClient<tonic::transport::Channel>,
+    lease: &rollfleet_proto::v1::Lease,
+) -> (
+    tokio::sync::mpsc::UnboundedSender<rollfleet_proto::v1::WorkerMessage>,
+    tonic::Streaming<rollfleet_proto::v1::SchedulerMessage>,
+) {
+    use rollfleet_proto::v1::{WorkerHello, WorkerMessage, worker_message};
+    let (outbox, rx) = tokio::sync::mpsc::unbounded_channel();
+    outbox
+        .send(WorkerMessage {
+            message: Some(worker_message::Message::Hello(WorkerHello {
+                worker_id: lease.worker_id.clone(),
+                epoch: lease.epoch,
+            })),
+        })
+        .unwrap();
+    let inbound = client
+        .work(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (outbox, inbound)
+}
+
 pub fn subscribe(resume_from: u64, window: u32) -> rollfleet_proto::v1::TrainerFeedRequest {
     use rollfleet_proto::v1::{FeedSubscribe, TrainerFeedRequest, trainer_feed_request};
     TrainerFeedRequest {

@@ -245,26 +245,8 @@ pub fn normal_pdf(x: f64) -> f64 {
     (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
 }
 
-/// The standard normal distribution function, from the complementary error function (Numerical
-/// Recipes' Chebyshev fit, relative error < 1.2e-7 everywhere).
-pub fn normal_cdf(x: f64) -> f64 {
-    let z = x.abs() / std::f64::consts::SQRT_2;
-    let t = 1.0 / (1.0 + 0.5 * z);
-    let poly = -z * z - 1.265_512_23
-        + t * (1.000_023_68
-            + t * (0.374_091_96
-                + t * (0.096_784_18
-                    + t * (-0.186_288_06
-                        + t * (0.278_868_07
-                            + t * (-1.135_203_98
-                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
-    let erfc = t * poly.exp();
-    if x >= 0.0 {
-        1.0 - erfc / 2.0
-    } else {
-        erfc / 2.0
-    }
-}
+/// The standard normal distribution function: the job spec's, which its clipped means use too.
+pub use rollfleet_spec::normal_cdf;
 
 /// The standard normal quantile (Acklam's rational approximation, relative error < 1.2e-9).
 pub fn normal_quantile(p: f64) -> f64 {

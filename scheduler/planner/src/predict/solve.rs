@@ -79,13 +79,7 @@ pub(super) fn predict_caps(
             // Once a step each replica is drained and loads new weights: it serves nothing for
             // `offline_s`, a share of the step no sequence decodes on it.
             let online = (1.0 - offline_s / t).clamp(0.05, 1.0);
-            let scaled: Vec<DecodeKind> = kinds
-                .iter()
-                .map(|k| DecodeKind {
-                    replicas: k.replicas * online,
-                    ..*k
-                })
-                .collect();
+            let scaled = online_share(kinds, online);
             // The router fills replicas by room, not speed: each kind decodes at its own
             // per-token time under the batch it is given, and a trajectory decodes at the time
             // of the replica it lands on.
@@ -461,13 +455,7 @@ pub(super) fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
     // Everything that depends on the step time T (through the throughput asked for).
     let evaluate = |t: f64| -> Option<(Terms, f64, f64)> {
         let online = (1.0 - sync_s / t).clamp(0.05, 1.0);
-        let scaled: Vec<DecodeKind> = kinds
-            .iter()
-            .map(|k| DecodeKind {
-                replicas: k.replicas * online,
-                ..*k
-            })
-            .collect();
+        let scaled = online_share(kinds, online);
         let tau = token_time(
             &scaled,
             s.decode_tokens / t,
@@ -609,4 +597,16 @@ fn least_fitting_step(fixed: f64, fits: impl Fn(f64) -> bool) -> Option<f64> {
         }
     }
     Some(hi)
+}
+
+/// `kinds` with each kind's replicas counted at the share `online` of the step they serve
+/// (the rest of it they spend loading new weights).
+fn online_share(kinds: &[DecodeKind], online: f64) -> Vec<DecodeKind> {
+    kinds
+        .iter()
+        .map(|k| DecodeKind {
+            replicas: k.replicas * online,
+            ..*k
+        })
+        .collect()
 }
