@@ -515,10 +515,15 @@ pub fn run(
         _ => None,
     };
     let attribution = uses_trace(&spec).then(|| AZURE_ATTRIBUTION.to_owned());
+    // No schedule of the job's trajectories beats the fixed yardstick, so a prediction below it
+    // is wrong by at least the gap: it is raised to the yardstick, and the report says so.
+    let model_step_s = predicted.map(|p| p.job_step_s);
+    let predicted_step_s = model_step_s.map(|t| t.max(reference.bound.step_s));
     let report = SimReport {
         job: job.manifest.metadata.name.clone(),
         placement: args.placement.name().to_owned(),
-        predicted_step_s: predicted.map(|p| p.job_step_s),
+        predicted_step_s,
+        predicted_below_yardstick: model_step_s.filter(|&t| t < reference.bound.step_s),
         seed: args.seed,
         hardware: hw,
         data_attribution: attribution.clone(),

@@ -250,7 +250,7 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
     writeln!(
         out,
         "terms (s): train {:.1}, prefill {:.1}, local prefill {:.1}, decode capacity {:.1}, \
-         environments {:.1}, serverless {:.1}, latency {:.1}, staleness {:.1}",
+         environments {:.1}, serverless {:.1}, latency {:.1}, staleness {:.1}, longest chain {:.1}",
         t.train_s,
         t.prefill_s,
         t.local_prefill_s,
@@ -258,7 +258,8 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
         t.env_s,
         t.serverless_s,
         t.latency_s,
-        t.staleness_s
+        t.staleness_s,
+        t.chain_s
     )?;
     writeln!(
         out,

@@ -251,8 +251,8 @@ pub enum Binding {
     Serverless,
     /// Trajectory latency through the admission window (Little's law).
     Latency,
-    /// The staleness bound on a group's lifetime (the search objective's term; the prediction
-    /// counts what the bound costs inside the latency term, as regeneration).
+    /// The staleness bound on a step's longest chain ([`Terms::chain_s`]; in the search
+    /// objective, on a group's lifetime).
     Staleness,
 }
 
@@ -308,6 +308,11 @@ pub struct Terms {
     /// The part of the latency term owed to regeneration (attempts thrown away because they
     /// missed the staleness bound).
     pub staleness_s: f64,
+    /// The longest chain of a step's trajectories (its expected maximum, at the predicted
+    /// per-token times and queues) plus the training of its mini-batch, over `maxStaleness + 1`
+    /// steps: a trajectory trained at step `v` cannot start before version `v - maxStaleness` is
+    /// published, so no step is shorter (the lower bound's staleness-latency term).
+    pub chain_s: f64,
 }
 
 /// Predicts a candidate's step time; `None` if it cannot run the job at any speed (no replica

@@ -100,7 +100,13 @@ pub(super) fn predict_caps(
             // average half-way; a turn that arrives meanwhile (probability `offline / T`) waits
             // half of it.
             let per_replica = served.batch_per_replica(&scaled);
-            let longest_action = action_mean + expected_max_z(per_replica) * action_sd;
+            // The actions running when the drain begins are caught in proportion to their
+            // length (the inspection paradox): their mean is `E[X^2] / E[X]`, and their spread
+            // scales with it (exact for a log-normal, whose length-biased law is the same
+            // log-normal shifted by its log-variance).
+            let biased_mean = action_mean + action_sd * action_sd / action_mean.max(1e-12);
+            let biased_sd = action_sd * biased_mean / action_mean.max(1e-12);
+            let longest_action = biased_mean + expected_max_z(per_replica) * biased_sd;
             offline_s = sync_s + longest_action * seen_tau / 2.0;
             let update_wait = offline_s * offline_s / (2.0 * t);
             // The core updates replicas a trainer node's worth at a time, and a turn whose
@@ -162,6 +168,7 @@ pub(super) fn predict_caps(
             let mut regenerated = 0.0;
             let mut tokens_with_retries = 0.0;
             let mut tail: f64 = 0.0;
+            let mut chain: f64 = 0.0;
             let mut first_ready = f64::INFINITY;
             let mut not_decoding = 0.0;
             for (task, alive) in w.tasks.iter().zip(alive_s.iter_mut()) {
@@ -229,6 +236,11 @@ pub(super) fn predict_caps(
                 regenerated += task.share * (regen.slot_s - attempt).max(0.0);
                 tokens_with_retries += task.share * turns * task.action * regen.attempts;
                 tail = tail.max(attempt);
+                // The longest chain of a step's trajectories of this task (not of one group):
+                // the staleness-latency term of the lower bound, at the per-token times
+                // predicted here rather than the fastest possible.
+                let step_members = w.batch * task.share;
+                chain = chain.max(mean_life + expected_max_z(step_members) * var_life.sqrt());
                 first_ready = first_ready.min(attempt - wait);
                 *alive = mean_life * regen.attempts;
                 not_decoding += task.share * (mean_life - tokens * seen_tau).max(0.0);
@@ -241,12 +253,14 @@ pub(super) fn predict_caps(
                 slots,
                 regenerated,
                 tail,
+                chain,
                 first_ready,
                 local_load,
                 remote.load_s,
             ));
         }
-        let (tau, slots, regenerated, tail, first_ready, local_load, remote_load) = outcome?;
+        let (tau, slots, regenerated, tail, chain, first_ready, local_load, remote_load) =
+            outcome?;
         // The window's groups circulate between generation (each holds its slot `slots`, the
         // fill wait included) and the trainer, a single server taking `train_s / (B / n)` per
         // group: a closed network, solved exactly by mean value analysis. It is at least both
@@ -269,6 +283,7 @@ pub(super) fn predict_caps(
             serverless_s,
             latency_s,
             staleness_s: w.batch * regenerated / window.max(1.0),
+            chain_s: (chain + fill * train_s) / (w.max_staleness + 1.0),
         };
         // A batch whose groups all start at once waits for the slowest of them and is then
         // trained: what a job of one step takes ([`job_average`]).
@@ -289,6 +304,7 @@ pub(super) fn predict_caps(
         evaluate(t).is_some_and(|(terms, _, _, _)| {
             terms
                 .latency_s
+                .max(terms.chain_s)
                 .max(terms.local_prefill_s)
                 .max(terms.prefill_s)
                 .max(fixed)
@@ -339,6 +355,7 @@ pub(super) fn predict_caps(
         (terms.env_s, Binding::Environment),
         (terms.serverless_s, Binding::Serverless),
         (terms.latency_s, Binding::Latency),
+        (terms.chain_s, Binding::Staleness),
     ]
     .into_iter()
     .fold(
@@ -546,6 +563,7 @@ pub(super) fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
             serverless_s,
             latency_s,
             staleness_s,
+            chain_s: 0.0,
         };
         Some((terms, tau, slots + wait))
     };
