@@ -57,6 +57,11 @@ pub struct Policy {
     /// weights just published instead of being found out a chain later (continuous discipline
     /// with a staleness bound only; see `Core::restart_late_groups`).
     pub restart_late_groups: bool,
+    /// Whether over-provisioning stops at `maxStaleness` batches (at least one) started and not
+    /// yet trained, admission window included (continuous discipline; see
+    /// `Core::admission_terms`). Off, every over-provisioned trajectory starts.
+    #[serde(default)]
+    pub cap_over_provisioning: bool,
 }
 
 impl Policy {
@@ -72,6 +77,7 @@ impl Policy {
             expiry_aware_publish: false,
             interrupt_generation: spec.rl.interrupt_generation,
             restart_late_groups: true,
+            cap_over_provisioning: true,
         }
     }
 }

@@ -126,6 +126,35 @@ fn a_loose_staleness_bound_keeps_at_most_two_batches_started_and_untrained() {
 }
 
 #[test]
+fn over_provisioning_never_starts_more_than_max_staleness_batches_ahead_of_the_trainer() {
+    let started = |max_staleness: u64, over_provisioning: f64| {
+        let cfg = config(
+            vec![replica(ServeRole::Generate, 10_000)],
+            policy(
+                Discipline::Continuous,
+                max_staleness,
+                over_provisioning,
+                SyncMode::Rolling,
+            ),
+            1,
+            4,
+            10,
+        );
+        let mut core = Core::new(cfg);
+        core.handle_timeout(Time::ZERO);
+        drain(&mut core);
+        core.stats().groups_started
+    };
+    // A window of one batch plus a quarter of one over-provisioned: under the budget of two.
+    assert_eq!(started(2, 0.25), 5);
+    // Four batches over-provisioned would put the mean trajectory past the bound: cut at two.
+    assert_eq!(started(2, 4.0), 8);
+    // At a bound of 1, three quarters of a batch and one more trajectory make the one batch.
+    assert_eq!(started(1, 4.0), 4);
+    assert_eq!(started(3, 4.0), 12);
+}
+
+#[test]
 fn the_synchronous_discipline_starts_a_batch_only_after_training_and_a_global_sync() {
     let cfg = config(
         vec![

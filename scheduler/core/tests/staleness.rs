@@ -70,9 +70,10 @@ fn a_new_trajectory_does_not_start_on_weights_it_would_have_to_be_trained_on_at_
 #[test]
 fn a_trajectory_too_stale_to_continue_is_regenerated_from_the_offending_turn() {
     // Fully on-policy (bound 0), two trajectories in flight thanks to over-provisioning.
+    // Over-provisioned past the bound on purpose, so that a trajectory expires.
     let cfg = config(
         vec![replica(ServeRole::Generate, 10_000)],
-        policy(Discipline::Continuous, 0, 1.0, SyncMode::Rolling),
+        uncapped(policy(Discipline::Continuous, 0, 1.0, SyncMode::Rolling)),
         1,
         1,
         3,
@@ -120,9 +121,10 @@ fn a_trajectory_too_stale_to_continue_is_regenerated_from_the_offending_turn() {
 /// group's other member, trajectory 3, has generated `turns_of_3` turns (0 or 1) at version 0;
 /// then the first group is trained on and publishes version 1. Returns the core just after.
 fn publish_while_a_finished_trajectory_waits(turns_of_3: usize) -> Core {
+    // Over-provisioned past the bound on purpose, so that a trajectory expires.
     let cfg = config(
         vec![replica(ServeRole::Generate, 10_000)],
-        policy(Discipline::Continuous, 0, 1.0, SyncMode::Rolling),
+        uncapped(policy(Discipline::Continuous, 0, 1.0, SyncMode::Rolling)),
         2,
         2,
         3,
@@ -182,7 +184,7 @@ fn a_long_group_that_started_late_on_weights_a_publication_makes_old_starts_over
     // old, 10 s to go at most) carries on.
     let mut cfg = config(
         vec![replica(ServeRole::Generate, 1_000_000)],
-        policy(Discipline::Continuous, 1, 2.0, SyncMode::Rolling),
+        uncapped(policy(Discipline::Continuous, 1, 2.0, SyncMode::Rolling)),
         1,
         1,
         10,
@@ -240,4 +242,12 @@ fn a_long_group_that_started_late_on_weights_a_publication_makes_old_starts_over
     );
     assert_eq!((again.turn, again.attempt, again.version), (0, 1, 1));
     assert_eq!(core.stats().groups_restarted, 1);
+}
+
+/// `policy` with every over-provisioned trajectory started, past the staleness budget.
+fn uncapped(policy: rollfleet_core::Policy) -> rollfleet_core::Policy {
+    rollfleet_core::Policy {
+        cap_over_provisioning: false,
+        ..policy
+    }
 }

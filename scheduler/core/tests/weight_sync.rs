@@ -77,8 +77,10 @@ fn weights_are_updated_one_replica_at_a_time_while_the_others_keep_serving() {
 #[test]
 fn with_interrupts_a_replica_due_for_new_weights_cuts_its_generation_which_resumes_from_its_tokens_on_them()
  {
-    // Over-provisioned, so that a second trajectory runs beside the one trained first.
+    // Over-provisioned past the staleness budget of one batch, so that a second trajectory
+    // runs beside the one trained first.
     let mut policy = policy(Discipline::Continuous, 1, 1.0, SyncMode::Rolling);
+    policy.cap_over_provisioning = false;
     policy.interrupt_generation = true;
     let cfg = config(vec![replica(ServeRole::Generate, 10_000)], policy, 1, 1, 3);
     let (mut core, resets) = started(cfg);

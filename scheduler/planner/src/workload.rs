@@ -177,7 +177,8 @@ impl Workload {
             .max((3.0 * b / 4.0).floor())
             .max(self.train_batch)
             .max(self.group_size);
-        let budget = core + (self.over_provisioning * b).ceil();
+        let extra = (self.over_provisioning * b).ceil();
+        let budget = core + extra.min((self.max_staleness.max(1.0) * b - core).max(0.0));
         let n = self.group_size.max(1.0);
         ((budget / n).floor() * n).max(n)
     }
@@ -382,6 +383,12 @@ mod tests {
         // A staleness bound of 1 keeps three quarters of a batch, not a whole one.
         w.max_staleness = 1.0;
         assert_eq!(w.window(), 768.0 + 256.0);
+        // Over-provisioning past `maxStaleness` batches in all is cut there.
+        w.max_staleness = 2.0;
+        w.over_provisioning = 4.0;
+        assert_eq!(w.window(), 2048.0);
+        w.max_staleness = 1.0;
+        w.over_provisioning = 0.25;
         // Never less than a training batch.
         w.train_batch = 1024.0;
         w.over_provisioning = 0.0;

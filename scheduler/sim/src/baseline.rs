@@ -84,6 +84,7 @@ impl Baseline {
             expiry_aware_publish: false,
             interrupt_generation: false,
             restart_late_groups: false,
+            cap_over_provisioning: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -101,6 +102,7 @@ impl Baseline {
                 expiry_aware_publish: false,
                 interrupt_generation: true,
                 restart_late_groups: false,
+                cap_over_provisioning: false,
             },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
@@ -123,6 +125,7 @@ impl Baseline {
             expiry_aware_publish: false,
             interrupt_generation: false,
             restart_late_groups: false,
+            cap_over_provisioning: false,
         };
         Ok(match self {
             Baseline::Sync => (

@@ -183,6 +183,18 @@ impl Core {
             .max(3 * b / 4)
             .max(cfg.train_batch_size as u64)
             .max(n);
+        // The same law caps the over-provisioning: with more than `maxStaleness` batches
+        // started and not yet trained, the mean trajectory waits past the bound, so most
+        // expire and regenerate, and the ones trained are the short ones (measured at
+        // `overProvisioning` 4 on the RollArt-like job: 278 s per step and 20% fewer tokens
+        // per trained trajectory than sampled, against 121 s and 5% with the cap, when the cap
+        // was chosen).
+        let extra = if cfg.policy.cap_over_provisioning {
+            let budget = cfg.policy.max_staleness.max(1) * b;
+            extra.min(budget.saturating_sub(window))
+        } else {
+            extra
+        };
         (window, extra)
     }
 

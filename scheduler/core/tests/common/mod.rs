@@ -21,6 +21,7 @@ pub fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncM
         expiry_aware_publish: false,
         interrupt_generation: false,
         restart_late_groups: true,
+        cap_over_provisioning: true,
     }
 }
 

@@ -259,8 +259,7 @@ pub(super) fn predict_caps(
                 remote.load_s,
             ));
         }
-        let (tau, slots, regenerated, tail, chain, first_ready, local_load, remote_load) =
-            outcome?;
+        let (tau, slots, regenerated, tail, chain, first_ready, local_load, remote_load) = outcome?;
         // The window's groups circulate between generation (each holds its slot `slots`, the
         // fill wait included) and the trainer, a single server taking `train_s / (B / n)` per
         // group: a closed network, solved exactly by mean value analysis. It is at least both
