@@ -396,12 +396,14 @@ fn a_trajectory_rewound_at_admission_is_dispatched_in_the_same_pass() {
     let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
     let mut spec = job.spec().clone();
     spec.rl.steps = 3;
-    // Twice a batch of over-provisioning: admission now rarely lets a turn fall out of the
-    // bound, so the test makes it happen by starting far more than a step needs.
+    // Twice a batch of over-provisioning, past the staleness budget the policy would cut it
+    // at: admission rarely lets a turn fall out of the bound, so the test makes it happen by
+    // starting far more than a step needs.
     spec.rl.over_provisioning = 2.0;
-    let (placement, policy) = Baseline::Rollfleet
+    let (placement, mut policy) = Baseline::Rollfleet
         .setup(&spec, &job.catalog, &workload_means(&spec))
         .unwrap();
+    policy.cap_over_provisioning = false;
     let opts = SimOptions {
         seed: 15397575574545266249,
         ..SimOptions::default()
