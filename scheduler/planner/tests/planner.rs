@@ -722,6 +722,26 @@ fn the_plan_is_never_a_placement_its_own_comparison_ranks_behind_another() {
 }
 
 #[test]
+fn a_window_of_many_batches_cannot_predict_a_step_shorter_than_the_longest_chain_allows() {
+    // At `maxStaleness` 8 with four batches over-provisioned, six batches are started and not
+    // yet trained: Little's law through that window alone would put the step far below what
+    // the job's longest chains take, which need `maxStaleness + 1` steps at least.
+    let job = job(
+        QWEN_7B,
+        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 128 }",
+    );
+    let mut wide = spec(&job).clone();
+    wide.rl.max_staleness = 8;
+    wide.rl.over_provisioning = 4.0;
+    let p = plan::problem(&wide, &job.catalog, &mean, &Efficiency::default()).unwrap();
+    let plan = search::choose(&p).unwrap();
+    let pr = predict::predict(&p, &plan.candidate).unwrap();
+    assert!(pr.terms.chain_s > pr.terms.latency_s, "{:?}", pr.terms);
+    assert_eq!(pr.binding, predict::Binding::Staleness, "{:?}", pr.terms);
+    assert!(pr.step_s >= pr.terms.chain_s, "{pr:?}");
+}
+
+#[test]
 fn turns_wait_for_a_weight_update_only_when_every_replica_updates_at_once() {
     // Two H20 replicas of 4 GPUs and an 8-GPU trainer. The core updates as many replicas at
     // once as the trainer has nodes: with 4 GPUs a node that is both replicas together, so a

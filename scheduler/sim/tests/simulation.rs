@@ -754,6 +754,38 @@ fn max_staleness_overrides_the_job_and_refuses_absurd_bounds() {
     assert!(err.to_string().contains("--max-staleness"), "{err}");
 }
 
+/// No schedule of a job's trajectories beats its fixed yardstick, so a planner's figure below it
+/// is reported at the yardstick, with the model's own figure beside it.
+#[test]
+fn a_prediction_is_never_reported_below_the_fixed_yardstick() {
+    let mut raised = 0;
+    for job in ["holdout-moe-agent", "holdout-math-code", "quickstart"] {
+        let args = SimArgs {
+            job: std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join(format!("../../examples/jobs/{job}.yaml")),
+            baselines: vec![Baseline::Rollfleet],
+            steps: None,
+            ..quickstart_args()
+        };
+        let mut out = Vec::new();
+        rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+        let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        let predicted = report["predicted_step_s"].as_f64().unwrap();
+        let yardstick = report["reference"]["bound"]["step_s"].as_f64().unwrap();
+        assert!(
+            predicted >= yardstick,
+            "{job}: {predicted} s < {yardstick} s"
+        );
+        if let Some(model) = report["predicted_below_yardstick"].as_f64() {
+            assert!(model < yardstick, "{job}: {model} s");
+            assert_eq!(predicted, yardstick, "{job}");
+            raised += 1;
+        }
+    }
+    // The MoE job's model gives 65.0 s against a yardstick of 66.9 s at seed 0.
+    assert!(raised >= 1, "no prediction was below its yardstick");
+}
+
 fn quickstart_args() -> SimArgs {
     SimArgs {
         job: quickstart(),
