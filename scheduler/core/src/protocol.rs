@@ -203,6 +203,10 @@ pub enum Command {
         trajectories: Vec<TrajId>,
         /// Tokens in them (prompt, actions, observations).
         tokens: u64,
+        /// The query-key pairs of their causal attention: `L (L + 1) / 2` summed over
+        /// trajectories of `L` tokens, what training's attention FLOPs scale with.
+        #[serde(default)]
+        causal_pairs: u64,
     },
 }
 

@@ -148,12 +148,12 @@ impl JobPlan {
         (self.spec().network.cross_pool_gbps * 1e9 * self.hardware.link_efficiency).max(1.0)
     }
 
-    /// Modelled seconds the trainer takes for a batch of `tokens` on `gpus` of its pool (the
-    /// dense part of the simulator's formula: `6 x active parameters x tokens` at the train MFU
-    /// of those GPUs; the simulator also charges each trajectory's causal attention, which needs
-    /// the trajectories' lengths this caller does not have); `gpus` 0 means the size the job was
+    /// Modelled seconds the trainer takes for a batch of `tokens` whose causal attention spans
+    /// `causal_pairs` query-key pairs, on `gpus` of its pool, at the train MFU of those GPUs:
+    /// the simulator's formula, `6 x active parameters` a token plus three times the forward
+    /// attention (`rollfleet_spec::train_attention_flops`); `gpus` 0 means the size the job was
     /// planned with.
-    pub fn train_seconds(&self, tokens: u64, gpus: u32) -> f64 {
+    pub fn train_seconds(&self, tokens: u64, causal_pairs: u64, gpus: u32) -> f64 {
         let spec = self.spec();
         let (peak, _) = self.gpu_peaks(self.placement.trainer.pool);
         let gpus = if gpus == 0 {
@@ -163,7 +163,8 @@ impl JobPlan {
         };
         let gpus = gpus.max(1) as f64;
         let mfu = spec.rl.train_mfu.clamp(0.01, 1.0);
-        6.0 * spec.model.active() * tokens as f64 / (gpus * peak * mfu)
+        let attention = 3.0 * spec.model.attention_flops_per_token(1.0) * causal_pairs as f64;
+        (spec.model.train_flops_per_token() * tokens as f64 + attention) / (gpus * peak * mfu)
     }
 
     /// Every pool the job needs a worker in before it can start.
@@ -270,10 +271,34 @@ mod tests {
     fn training_on_twice_the_gpus_takes_half_the_time() {
         let plan = JobPlan::from_yaml(QUICKSTART, "quickstart.yaml", 0).unwrap();
         let planned = plan.placement.trainer.gpus;
-        let on_planned = plan.train_seconds(1_000_000, 0);
-        assert_eq!(on_planned, plan.train_seconds(1_000_000, planned));
-        let doubled = plan.train_seconds(1_000_000, 2 * planned);
+        let on_planned = plan.train_seconds(1_000_000, 5_000_000_000, 0);
+        assert_eq!(
+            on_planned,
+            plan.train_seconds(1_000_000, 5_000_000_000, planned)
+        );
+        let doubled = plan.train_seconds(1_000_000, 5_000_000_000, 2 * planned);
         assert!((doubled * 2.0 - on_planned).abs() <= 1e-9 * on_planned);
+    }
+
+    #[test]
+    fn training_pays_the_causal_attention_of_its_trajectories_as_the_simulator_charges_it() {
+        let plan = JobPlan::from_yaml(QUICKSTART, "quickstart.yaml", 0).unwrap();
+        let model = &plan.spec().model;
+        let tokens = 4096_u64;
+        let dense = plan.train_seconds(tokens, 0, 0);
+        let with_attention = plan.train_seconds(tokens, tokens * (tokens + 1) / 2, 0);
+        // One trajectory of 4,096 tokens: attention adds what the simulator's training charges
+        // for it, relative to the dense 6 FLOPs a parameter a token.
+        let expected = rollfleet_spec::train_attention_flops(
+            model.attention_flops_per_token(1.0),
+            tokens as f64,
+        ) / (model.train_flops_per_token() * tokens as f64);
+        let added = (with_attention - dense) / dense;
+        assert!(expected > 0.01, "{expected}");
+        assert!(
+            (added - expected).abs() <= 1e-9 * expected,
+            "{added} {expected}"
+        );
     }
 
     #[test]

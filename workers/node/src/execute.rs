@@ -356,7 +356,10 @@ impl Node {
                 if role != Some(PoolRole::Gpu) {
                     return Err(invalid("training sent to a non-GPU pool".into()));
                 }
-                let secs = self.plan.train_seconds(t.tokens, t.trainer_gpus) * self.time_scale;
+                let secs = self
+                    .plan
+                    .train_seconds(t.tokens, t.causal_pairs, t.trainer_gpus)
+                    * self.time_scale;
                 tokio::time::sleep(Duration::from_secs_f64(secs.min(3600.0))).await;
                 Ok(StageOutput {
                     policy_version: t.from_version + u64::from(t.publishes),

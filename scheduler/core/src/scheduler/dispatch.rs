@@ -510,6 +510,7 @@ impl Core {
         }
         let mut trajectories = Vec::new();
         let mut tokens = 0;
+        let mut causal_pairs: u64 = 0;
         for g in &chosen {
             let group = &mut self.groups[g.0 as usize];
             if let Some(key) = group.ready_key.take() {
@@ -522,6 +523,8 @@ impl Core {
                 let traj = &mut self.trajs[t.0 as usize];
                 traj.phase = Phase::Consumed;
                 tokens += traj.context;
+                causal_pairs =
+                    causal_pairs.saturating_add(traj.context.saturating_mul(traj.context + 1) / 2);
                 let staleness =
                     traj.oldest().map_or(0, |v| self.version.saturating_sub(v)) as usize;
                 // Nothing reads a consumed trajectory's turns again: freed now, their memory
@@ -554,6 +557,7 @@ impl Core {
             publishes,
             trajectories,
             tokens,
+            causal_pairs,
         });
     }
 

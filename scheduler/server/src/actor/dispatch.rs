@@ -132,6 +132,7 @@ impl Actor {
                 publishes,
                 trajectories,
                 tokens,
+                causal_pairs,
             } => {
                 self.groups_given_up.trained();
                 for (i, t) in trajectories.iter().enumerate() {
@@ -225,6 +226,7 @@ impl Actor {
                         tokens,
                         publishes,
                         trainer_gpus: self.plan.placement.trainer.gpus,
+                        causal_pairs,
                     })),
                     ..Default::default()
                 };
