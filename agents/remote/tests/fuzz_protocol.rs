@@ -22,26 +22,10 @@ use std::time::{Duration, Instant};
 
 use rollfleet_environments::{EnvError, Environment};
 use rollfleet_remote_env::{MAX_RESPONSE_BYTES, RemoteEnvironment};
+use rollfleet_rng::SplitMix64;
 
 /// The client's own deadline per call; a call that outlives it by far is a hang.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// splitmix64: small, seeded, the same everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
 
 fn corpus() -> Vec<(String, Vec<u8>)> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz-corpus/protocol");
@@ -64,10 +48,10 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 /// Replaces the body after the head, fixing `content-length` half of the time.
-fn with_body(answer: &[u8], body: &[u8], rng: &mut Rng) -> Vec<u8> {
+fn with_body(answer: &[u8], body: &[u8], rng: &mut SplitMix64) -> Vec<u8> {
     let end = find(answer, b"\r\n\r\n").map_or(answer.len(), |i| i + 4);
     let head = String::from_utf8_lossy(&answer[..end]).into_owned();
-    let head = if rng.below(2) == 0 {
+    let head = if rng.index(2) == 0 {
         head.lines()
             .map(|l| {
                 if l.to_ascii_lowercase().starts_with("content-length:") {
@@ -91,34 +75,34 @@ fn with_body(answer: &[u8], body: &[u8], rng: &mut Rng) -> Vec<u8> {
 
 /// One answer: a corpus entry, `preferred` three times in four, left honest two times in five
 /// (so that many cases get past the start) and otherwise given 1 to 3 mutations.
-fn mutate(rng: &mut Rng, corpus: &[(String, Vec<u8>)], preferred: &str) -> Vec<u8> {
+fn mutate(rng: &mut SplitMix64, corpus: &[(String, Vec<u8>)], preferred: &str) -> Vec<u8> {
     let mut bytes = match corpus.iter().find(|(n, _)| n == preferred) {
-        Some((_, b)) if rng.below(4) != 0 => b.clone(),
-        _ => corpus[rng.below(corpus.len())].1.clone(),
+        Some((_, b)) if rng.index(4) != 0 => b.clone(),
+        _ => corpus[rng.index(corpus.len())].1.clone(),
     };
-    if rng.below(5) < 2 {
+    if rng.index(5) < 2 {
         return bytes; // an honest answer now and then keeps episodes going
     }
-    for _ in 0..1 + rng.below(3) {
+    for _ in 0..1 + rng.index(3) {
         let len = bytes.len().max(1);
-        match rng.below(9) {
+        match rng.index(9) {
             0 => {
-                let i = rng.below(len).min(bytes.len().saturating_sub(1));
+                let i = rng.index(len).min(bytes.len().saturating_sub(1));
                 if let Some(b) = bytes.get_mut(i) {
-                    *b ^= 1 << rng.below(8);
+                    *b ^= 1 << rng.index(8);
                 }
             }
             1 => {
-                let i = rng.below(len + 1).min(bytes.len());
-                let b = [b'"', b'{', b'}', b'\\', b',', 0, 0xff, b'\n'][rng.below(8)];
+                let i = rng.index(len + 1).min(bytes.len());
+                let b = [b'"', b'{', b'}', b'\\', b',', 0, 0xff, b'\n'][rng.index(8)];
                 bytes.insert(i, b);
             }
             2 => {
-                let i = rng.below(len).min(bytes.len());
-                let n = rng.below(16).min(bytes.len() - i);
+                let i = rng.index(len).min(bytes.len());
+                let n = rng.index(16).min(bytes.len() - i);
                 bytes.drain(i..i + n);
             }
-            3 => bytes.truncate(rng.below(len)),
+            3 => bytes.truncate(rng.index(len)),
             4 => {
                 let status = [
                     "HTTP/1.1 200 OK",
@@ -129,18 +113,18 @@ fn mutate(rng: &mut Rng, corpus: &[(String, Vec<u8>)], preferred: &str) -> Vec<u
                     "HTTP/9.9 200 OK",
                     "garbage",
                     "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK",
-                ][rng.below(8)];
+                ][rng.index(8)];
                 let end = find(&bytes, b"\r\n").unwrap_or(bytes.len());
                 bytes.splice(..end, status.bytes());
             }
             5 => {
-                let value = ["0", "-1", "99999999999999999999", "5, 6", "abc"][rng.below(5)];
+                let value = ["0", "-1", "99999999999999999999", "5, 6", "abc"][rng.index(5)];
                 let header = format!("content-length: {value}\r\n");
                 let at = find(&bytes, b"\r\n").map_or(0, |i| i + 2);
                 bytes.splice(at..at, header.into_bytes());
             }
             6 => {
-                let body: Vec<u8> = match rng.below(10) {
+                let body: Vec<u8> = match rng.index(10) {
                     0 => br#"{"observation": "x", "reward": NaN, "done": false}"#.to_vec(),
                     1 => br#"{"observation": "x", "reward": 1e999, "done": false}"#.to_vec(),
                     2 => br#"{"observation": 7, "reward": "1", "done": "yes"}"#.to_vec(),
@@ -159,15 +143,15 @@ fn mutate(rng: &mut Rng, corpus: &[(String, Vec<u8>)], preferred: &str) -> Vec<u
                 bytes = with_body(&bytes, &body, rng);
             }
             7 => {
-                let other = &corpus[rng.below(corpus.len())].1;
-                let cut = rng.below(other.len().max(1)).min(other.len());
+                let other = &corpus[rng.index(corpus.len())].1;
+                let cut = rng.index(other.len().max(1)).min(other.len());
                 bytes.extend_from_slice(&other[cut..]);
             }
             _ => {
-                let i = rng.below(len).min(bytes.len());
-                let n = rng.below(8).min(bytes.len() - i);
+                let i = rng.index(len).min(bytes.len());
+                let n = rng.index(8).min(bytes.len() - i);
                 for b in &mut bytes[i..i + n] {
-                    *b = rng.next() as u8;
+                    *b = rng.next_u64() as u8;
                 }
             }
         }
@@ -273,7 +257,7 @@ fn mutated_environment_server_answers_give_an_error_naming_the_server_and_never_
             "case {seed} (reproduce with: ROLLFLEET_FUZZ_SEED={seed} cargo test -p \
              rollfleet-remote-env --test fuzz_protocol)"
         );
-        let mut rng = Rng(seed);
+        let mut rng = SplitMix64::new(seed);
         {
             let mut queue = answers.lock().unwrap();
             queue.clear();

@@ -14,7 +14,6 @@ use std::time::Duration;
 use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use crate::crd::RLJob;
@@ -136,46 +135,15 @@ impl Metrics {
 /// Scrapes answered at once; more wait in the kernel's backlog.
 const MAX_SCRAPES: usize = 16;
 
-/// How long one scrape may take, reading the request and writing the page.
-const SCRAPE_WITHIN: Duration = Duration::from_secs(10);
+impl rollfleet_scrape::Page for Metrics {
+    type Rendered = ();
+
+    fn render(&self) -> (String, ()) {
+        (Metrics::render(self), ())
+    }
+}
 
 /// Serves `metrics` over HTTP on `listener` (every path, plain text) until the task is dropped.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
-    let open = Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
-    let mut backoff = Duration::ZERO;
-    loop {
-        let Ok(permit) = open.clone().acquire_owned().await else {
-            return;
-        };
-        let mut socket = match listener.accept().await {
-            Ok((socket, _)) => {
-                backoff = Duration::ZERO;
-                socket
-            }
-            Err(_) => {
-                // Out of descriptors: retrying at once would spin.
-                backoff = (backoff * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
-                tokio::time::sleep(backoff).await;
-                continue;
-            }
-        };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let scrape = async {
-                // The request head's content does not matter: every path gets the metrics.
-                let mut buf = [0u8; 2048];
-                let _ = tokio::time::timeout(Duration::from_secs(2), socket.read(&mut buf)).await;
-                let body = metrics.render();
-                let head = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    body.len()
-                );
-                socket.write_all(head.as_bytes()).await?;
-                socket.write_all(body.as_bytes()).await?;
-                socket.shutdown().await
-            };
-            let _ = tokio::time::timeout(SCRAPE_WITHIN, scrape).await;
-        });
-    }
+    rollfleet_scrape::serve(listener, metrics, MAX_SCRAPES).await;
 }

@@ -56,6 +56,11 @@ impl SplitMix64 {
         ((self.next_u64() as u128 * n as u128) >> 64) as u64
     }
 
+    /// A uniform index in `[0, n)` (0 when `n` is 0).
+    pub fn index(&mut self, n: usize) -> usize {
+        self.below(n as u64) as usize
+    }
+
     /// A standard normal variate (Box-Muller).
     pub fn normal(&mut self) -> f64 {
         let u1 = self.next_f64().max(f64::MIN_POSITIVE);
@@ -93,6 +98,13 @@ mod tests {
     fn the_first_output_matches_the_reference_implementation() {
         // Reference value of splitmix64 seeded with 0 (Vigna's splitmix64.c).
         assert_eq!(SplitMix64::new(0).next_u64(), 0xe220_a839_7b1d_cdaf);
+    }
+
+    #[test]
+    fn an_index_stays_below_its_bound_and_an_empty_range_gives_zero() {
+        let mut rng = SplitMix64::new(3);
+        assert!((0..1000).all(|_| rng.index(7) < 7));
+        assert_eq!(rng.index(0), 0);
     }
 
     #[test]

@@ -13,7 +13,6 @@ use prometheus::{
     CounterVec, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
     IntGauge, IntGaugeVec, Opts, Registry,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 /// The scheduler's metrics.
@@ -621,61 +620,23 @@ impl Metrics {
 /// Scrapes answered at once; more wait in the kernel's backlog (Prometheus scrapes one at a time).
 const MAX_SCRAPES: usize = 64;
 
-/// How long one scrape may take, reading the request and writing the page: a client that stops
-/// reading does not hold its connection for good.
-const SCRAPE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+impl rollfleet_scrape::Page for Metrics {
+    /// Whether the job had ended when the page was rendered.
+    type Rendered = bool;
+
+    fn render(&self) -> (String, bool) {
+        let saw_end = self.ended.load(Ordering::SeqCst);
+        (Metrics::render(self), saw_end)
+    }
+
+    fn served(&self, peer: IpAddr, saw_end: bool) {
+        self.scraped(peer, saw_end);
+    }
+}
 
 /// Serves the metrics over HTTP on `listener` until the task is dropped.
 pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
-    let open = Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPES));
-    let mut backoff = std::time::Duration::ZERO;
-    loop {
-        let Ok(permit) = open.clone().acquire_owned().await else {
-            return;
-        };
-        let (mut socket, peer) = match listener.accept().await {
-            Ok((socket, peer)) => {
-                backoff = std::time::Duration::ZERO;
-                (socket, peer)
-            }
-            Err(_) => {
-                // Out of descriptors: retrying at once would spin.
-                backoff = (backoff * 2).clamp(
-                    std::time::Duration::from_millis(10),
-                    std::time::Duration::from_secs(1),
-                );
-                tokio::time::sleep(backoff).await;
-                continue;
-            }
-        };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let _permit = permit;
-            let scrape = async {
-                // Read the request head (its content does not matter: every path gets the
-                // metrics).
-                let mut buf = [0u8; 2048];
-                let _ =
-                    tokio::time::timeout(std::time::Duration::from_secs(2), socket.read(&mut buf))
-                        .await;
-                let saw_end = metrics.ended.load(Ordering::SeqCst);
-                let body = metrics.render();
-                let head = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                    body.len()
-                );
-                let written = async {
-                    socket.write_all(head.as_bytes()).await?;
-                    socket.write_all(body.as_bytes()).await?;
-                    socket.shutdown().await
-                };
-                if written.await.is_ok() {
-                    metrics.scraped(peer.ip(), saw_end);
-                }
-            };
-            let _ = tokio::time::timeout(SCRAPE_WITHIN, scrape).await;
-        });
-    }
+    rollfleet_scrape::serve(listener, metrics, MAX_SCRAPES).await;
 }
 
 /// Binds the metrics endpoint.

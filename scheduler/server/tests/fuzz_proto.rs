@@ -21,23 +21,7 @@ use std::time::Instant;
 
 use prost::Message;
 use rollfleet_proto::v1::*;
-
-/// splitmix64: small, seeded, the same everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
+use rollfleet_rng::SplitMix64;
 
 fn corpus_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz-corpus/proto")
@@ -192,48 +176,48 @@ fn corpus() -> Vec<Vec<u8>> {
 }
 
 /// Random bytes, or a corpus entry with 1 or 2 mutations.
-fn input(rng: &mut Rng, corpus: &[Vec<u8>]) -> Vec<u8> {
-    if rng.below(8) == 0 {
-        let n = rng.below(64);
-        return (0..n).map(|_| rng.next() as u8).collect();
+fn input(rng: &mut SplitMix64, corpus: &[Vec<u8>]) -> Vec<u8> {
+    if rng.index(8) == 0 {
+        let n = rng.index(64);
+        return (0..n).map(|_| rng.next_u64() as u8).collect();
     }
-    let mut bytes = corpus[rng.below(corpus.len())].clone();
-    for _ in 0..1 + rng.below(2) {
+    let mut bytes = corpus[rng.index(corpus.len())].clone();
+    for _ in 0..1 + rng.index(2) {
         let len = bytes.len().max(1);
-        match rng.below(7) {
+        match rng.index(7) {
             0 => {
-                let i = rng.below(len).min(bytes.len().saturating_sub(1));
+                let i = rng.index(len).min(bytes.len().saturating_sub(1));
                 if let Some(b) = bytes.get_mut(i) {
-                    *b ^= 1 << rng.below(8);
+                    *b ^= 1 << rng.index(8);
                 }
             }
             1 => {
-                let i = rng.below(len + 1).min(bytes.len());
+                let i = rng.index(len + 1).min(bytes.len());
                 // Bytes that are tags, wire types and varint continuations.
-                let b = [0x08, 0x0a, 0x12, 0x1a, 0x80, 0xff, 0x00, 0x7f][rng.below(8)];
+                let b = [0x08, 0x0a, 0x12, 0x1a, 0x80, 0xff, 0x00, 0x7f][rng.index(8)];
                 bytes.insert(i, b);
             }
             2 => {
-                let i = rng.below(len).min(bytes.len());
-                let n = rng.below(8).min(bytes.len() - i);
+                let i = rng.index(len).min(bytes.len());
+                let n = rng.index(8).min(bytes.len() - i);
                 bytes.drain(i..i + n);
             }
-            3 => bytes.truncate(rng.below(len)),
+            3 => bytes.truncate(rng.index(len)),
             4 => {
                 // A length-delimited field claiming far more than there is.
-                let at = rng.below(len + 1).min(bytes.len());
+                let at = rng.index(len + 1).min(bytes.len());
                 bytes.splice(at..at, [0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f]);
             }
             5 => {
-                let i = rng.below(len).min(bytes.len());
-                let n = rng.below(32).min(bytes.len() - i);
+                let i = rng.index(len).min(bytes.len());
+                let n = rng.index(32).min(bytes.len() - i);
                 let copy = bytes[i..i + n].to_vec();
-                let at = rng.below(bytes.len() + 1);
+                let at = rng.index(bytes.len() + 1);
                 bytes.splice(at..at, copy);
             }
             _ => {
-                let other = &corpus[rng.below(corpus.len())];
-                let cut = rng.below(other.len().max(1)).min(other.len());
+                let other = &corpus[rng.index(corpus.len())];
+                let cut = rng.index(other.len().max(1)).min(other.len());
                 bytes.extend_from_slice(&other[cut..]);
             }
         }
@@ -394,7 +378,7 @@ fn random_and_mutated_bytes_decode_as_every_message_or_are_refused_and_pass_the_
     let started = Instant::now();
     let (mut decoded, mut checked) = (0, 0);
     for &seed in &seeds {
-        let bytes = input(&mut Rng(seed), &corpus);
+        let bytes = input(&mut SplitMix64::new(seed), &corpus);
         let outcome = catch_unwind(AssertUnwindSafe(|| {
             (
                 decode_as_every_type(&bytes),

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use prost::Message;
 use rollfleet_proto::v1::{JournalHeader, JournalRecord, journal_record};
+use rollfleet_rng::SplitMix64;
 use rollfleet_server::journal::{FORMAT, JournalError, JournalReader, JournalWriter};
 
 /// A directory of its own for one test, removed when the test ends (passing or not).
@@ -403,23 +404,6 @@ fn a_damaged_journal_of_a_real_job_is_refused_by_the_replay_a_restart_runs_and_i
     assert_eq!(std::fs::read(&path).unwrap(), bytes);
 }
 
-/// splitmix64, for the seeded corruptions below.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 /// Seeded corruptions of more than one bit (runs of random bytes, inserted and deleted bytes,
 /// a huge length written anywhere, zeroed spans), 1 to 3 at once: each is refused as damage or
 /// read as the header and some first records exactly as written, never a panic and never a
@@ -448,25 +432,25 @@ fn random_corruptions_of_a_journal_are_refused_or_read_as_a_prefix_of_what_was_w
             "reproduce with: ROLLFLEET_FUZZ_SEED={seed} cargo test -p rollfleet-server --test \
              journal_integrity random_corruptions"
         );
-        let mut rng = Rng(seed);
+        let mut rng = SplitMix64::new(seed);
         let mut bytes = clean.clone();
-        for _ in 0..1 + rng.below(3) {
+        for _ in 0..1 + rng.index(3) {
             let len = bytes.len().max(1);
-            let at = rng.below(len).min(bytes.len());
-            match rng.below(5) {
+            let at = rng.index(len).min(bytes.len());
+            match rng.index(5) {
                 0 => {
-                    let n = (1 + rng.below(16)).min(bytes.len() - at);
+                    let n = (1 + rng.index(16)).min(bytes.len() - at);
                     for b in &mut bytes[at..at + n] {
-                        *b = rng.next() as u8;
+                        *b = rng.next_u64() as u8;
                     }
                 }
                 1 => {
-                    let n = 1 + rng.below(8);
-                    let junk: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+                    let n = 1 + rng.index(8);
+                    let junk: Vec<u8> = (0..n).map(|_| rng.next_u64() as u8).collect();
                     bytes.splice(at..at, junk);
                 }
                 2 => {
-                    let n = (1 + rng.below(8)).min(bytes.len() - at);
+                    let n = (1 + rng.index(8)).min(bytes.len() - at);
                     bytes.drain(at..at + n);
                 }
                 3 => {
@@ -474,7 +458,7 @@ fn random_corruptions_of_a_journal_are_refused_or_read_as_a_prefix_of_what_was_w
                     bytes[at..at + n].copy_from_slice(&[0xff; 4][..n]);
                 }
                 _ => {
-                    let n = (1 + rng.below(64)).min(bytes.len() - at);
+                    let n = (1 + rng.index(64)).min(bytes.len() - at);
                     bytes[at..at + n].fill(0);
                 }
             }

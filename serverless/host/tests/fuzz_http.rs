@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rollfleet_lambda_host::{FunctionCode, FunctionConfig, HostConfig, LocalHost};
+use rollfleet_rng::SplitMix64;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -23,23 +24,6 @@ use tokio::net::TcpStream;
 const DEADLINE: Duration = Duration::from_secs(5);
 
 static PANICS: AtomicUsize = AtomicUsize::new(0);
-
-/// splitmix64: small, seeded, the same everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
 
 fn corpus() -> Vec<Vec<u8>> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fuzz-corpus/http");
@@ -52,40 +36,40 @@ fn corpus() -> Vec<Vec<u8>> {
 }
 
 /// One mutated request: 1 to 4 mutations of one corpus entry.
-fn mutate(rng: &mut Rng, corpus: &[Vec<u8>]) -> Vec<u8> {
-    let mut bytes = corpus[rng.below(corpus.len())].clone();
-    for _ in 0..1 + rng.below(4) {
+fn mutate(rng: &mut SplitMix64, corpus: &[Vec<u8>]) -> Vec<u8> {
+    let mut bytes = corpus[rng.index(corpus.len())].clone();
+    for _ in 0..1 + rng.index(4) {
         let len = bytes.len().max(1);
-        match rng.below(10) {
+        match rng.index(10) {
             0 => {
-                let i = rng.below(len);
+                let i = rng.index(len);
                 if let Some(b) = bytes.get_mut(i) {
-                    *b ^= 1 << rng.below(8);
+                    *b ^= 1 << rng.index(8);
                 }
             }
             1 => {
-                let i = rng.below(len + 1).min(bytes.len());
+                let i = rng.index(len + 1).min(bytes.len());
                 let b = *[b'\r', b'\n', b':', b' ', 0, 0xff, b'0', b'9']
-                    .get(rng.below(8))
+                    .get(rng.index(8))
                     .unwrap();
                 bytes.insert(i, b);
             }
             2 => {
-                let i = rng.below(len).min(bytes.len());
-                let n = rng.below(16).min(bytes.len() - i);
+                let i = rng.index(len).min(bytes.len());
+                let n = rng.index(16).min(bytes.len() - i);
                 bytes.drain(i..i + n);
             }
             3 => {
-                let i = rng.below(len).min(bytes.len());
-                let n = rng.below(64).min(bytes.len() - i);
+                let i = rng.index(len).min(bytes.len());
+                let n = rng.index(64).min(bytes.len() - i);
                 let copy = bytes[i..i + n].to_vec();
-                let at = rng.below(bytes.len() + 1);
+                let at = rng.index(bytes.len() + 1);
                 bytes.splice(at..at, copy);
             }
-            4 => bytes.truncate(rng.below(len)),
+            4 => bytes.truncate(rng.index(len)),
             5 => {
                 // An oversized header, past the host's connection buffer.
-                let n = [100, 8_000, 70_000, 500_000][rng.below(4)];
+                let n = [100, 8_000, 70_000, 500_000][rng.index(4)];
                 let header = format!("x-big: {}\r\n", "a".repeat(n));
                 let at = find(&bytes, b"\r\n").map_or(0, |i| i + 2);
                 bytes.splice(at..at, header.into_bytes());
@@ -100,7 +84,7 @@ fn mutate(rng: &mut Rng, corpus: &[Vec<u8>]) -> Vec<u8> {
                     " 7 ",
                     "0x10",
                     "",
-                ][rng.below(8)];
+                ][rng.index(8)];
                 let header = format!("content-length: {value}\r\n");
                 let at = find(&bytes, b"\r\n").map_or(0, |i| i + 2);
                 bytes.splice(at..at, header.into_bytes());
@@ -111,21 +95,21 @@ fn mutate(rng: &mut Rng, corpus: &[Vec<u8>]) -> Vec<u8> {
                     "transfer-encoding: chunked\r\n\r\n3;ext=\"\r\nab\r\n0\r\n",
                     "transfer-encoding: gzip, chunked\r\n\r\n-1\r\n\r\n",
                     "transfer-encoding: chunked\r\n\r\n10000000\r\nabc",
-                ][rng.below(4)];
+                ][rng.index(4)];
                 let at = find(&bytes, b"\r\n\r\n").unwrap_or(bytes.len());
                 bytes.truncate(at + 2.min(bytes.len() - at));
                 bytes.extend_from_slice(garbage.as_bytes());
             }
             8 => {
-                let other = &corpus[rng.below(corpus.len())];
-                let cut = rng.below(other.len().max(1)).min(other.len());
+                let other = &corpus[rng.index(corpus.len())];
+                let cut = rng.index(other.len().max(1)).min(other.len());
                 bytes.extend_from_slice(&other[cut..]);
             }
             _ => {
-                let i = rng.below(len).min(bytes.len());
-                let n = rng.below(8).min(bytes.len() - i);
+                let i = rng.index(len).min(bytes.len());
+                let n = rng.index(8).min(bytes.len() - i);
                 for b in &mut bytes[i..i + n] {
-                    *b = rng.next() as u8;
+                    *b = rng.next_u64() as u8;
                 }
             }
         }
@@ -202,7 +186,7 @@ async fn mutated_and_truncated_http_requests_get_an_answer_or_a_close_and_never_
             "reproduce with: ROLLFLEET_FUZZ_SEED={seed} cargo test -p rollfleet-lambda-host \
              --test fuzz_http"
         );
-        let request = mutate(&mut Rng(seed), &corpus);
+        let request = mutate(&mut SplitMix64::new(seed), &corpus);
         let Some(reply) = exchange(host.addr(), &request).await else {
             panic!(
                 "case {seed}: the host neither answered nor closed within {DEADLINE:?}; {reproduce}"
