@@ -314,19 +314,7 @@ fn an_environment_answering_with_megabytes_of_text_fails_its_stages_and_no_worke
 /// of planning (the search grows with every pool).
 fn slow_to_plan_job(dir: &Path) -> PathBuf {
     let path = job_file(dir, 1);
-    let yaml = std::fs::read_to_string(&path).unwrap();
-    let pools: String = (0..200)
-        .map(|i| {
-            let gpu = ["H800", "H20"][i % 2];
-            format!(
-                "    - name: g{i}\n      gpu: {gpu}\n      count: {}\n",
-                8 * (i % 5 + 1)
-            )
-        })
-        .collect();
-    assert!(yaml.contains("    - name: envs\n"));
-    let yaml = yaml.replace("    - name: envs\n", &format!("{pools}    - name: envs\n"));
-    std::fs::write(&path, yaml).unwrap();
+    add_gpu_pools(&path, 200);
     path
 }
 

@@ -408,19 +408,7 @@ fn the_workers_replicas_measure_profiles_that_the_planner_then_plans_with() {
 /// included, takes seconds or more (the search grows with every pool).
 fn slow_to_replan_job(dir: &Path, extra: usize) -> (PathBuf, Vec<String>) {
     let job = job_file(dir, 24);
-    let yaml = std::fs::read_to_string(&job).unwrap();
-    let pools: String = (0..extra)
-        .map(|i| {
-            let gpu = ["H800", "H20"][i % 2];
-            format!(
-                "    - name: g{i}\n      gpu: {gpu}\n      count: {}\n",
-                8 * (i % 5 + 1)
-            )
-        })
-        .collect();
-    assert!(yaml.contains("    - name: envs\n"));
-    let yaml = yaml.replace("    - name: envs\n", &format!("{pools}    - name: envs\n"));
-    std::fs::write(&job, yaml).unwrap();
+    add_gpu_pools(&job, extra);
     let names = ["prefill", "decode", "train", "envs", "rewards"]
         .into_iter()
         .map(str::to_owned)
