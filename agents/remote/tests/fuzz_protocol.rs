@@ -232,16 +232,7 @@ fn check<T>(
 
 #[test]
 fn mutated_environment_server_answers_give_an_error_naming_the_server_and_never_a_panic() {
-    let seeds: Vec<u64> = match std::env::var("ROLLFLEET_FUZZ_SEED") {
-        Ok(seed) => vec![seed.parse().expect("ROLLFLEET_FUZZ_SEED is a number")],
-        Err(_) => {
-            let cases = std::env::var("ROLLFLEET_FUZZ_CASES")
-                .ok()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(200);
-            (0..cases).collect()
-        }
-    };
+    let seeds = rollfleet_rng::test_seeds("ROLLFLEET_FUZZ", 200);
     let corpus = corpus();
     assert!(
         corpus.len() >= 5,

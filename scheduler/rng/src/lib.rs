@@ -90,6 +90,26 @@ impl SplitMix64 {
     }
 }
 
+/// The seeds a seeded randomized test runs: the one `{prefix}_SEED` names in the environment (to
+/// reproduce a failure), else `0..{prefix}_CASES` (`default_cases` when unset or not a number).
+/// For tests only: it panics on a `{prefix}_SEED` that is not a number.
+pub fn test_seeds(prefix: &str, default_cases: u64) -> Vec<u64> {
+    let seed_var = format!("{prefix}_SEED");
+    match std::env::var(&seed_var) {
+        Ok(seed) => match seed.parse() {
+            Ok(seed) => vec![seed],
+            Err(_) => panic!("{seed_var} is a number, not {seed:?}"),
+        },
+        Err(_) => {
+            let cases = std::env::var(format!("{prefix}_CASES"))
+                .ok()
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(default_cases);
+            (0..cases).collect()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

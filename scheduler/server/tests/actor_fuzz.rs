@@ -294,16 +294,7 @@ fn run_case(seed: u64) -> Case {
 
 #[test]
 fn replaying_journals_of_random_hostile_events_never_panics_and_always_finishes() {
-    let seeds: Vec<u64> = match std::env::var("ROLLFLEET_FUZZ_SEED") {
-        Ok(seed) => vec![seed.parse().expect("ROLLFLEET_FUZZ_SEED is a number")],
-        Err(_) => {
-            let cases = std::env::var("ROLLFLEET_FUZZ_CASES")
-                .ok()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(60);
-            (0..cases).collect()
-        }
-    };
+    let seeds = rollfleet_rng::test_seeds("ROLLFLEET_FUZZ", 60);
     let mut slowest = (Duration::ZERO, 0);
     let (mut replayed, mut completed) = (0, 0);
     for &seed in &seeds {

@@ -493,16 +493,7 @@ fn run_case(seed: u64) -> Ran {
 
 #[test]
 fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
-    let seeds: Vec<u64> = match std::env::var("ROLLFLEET_FAULT_SEED") {
-        Ok(seed) => vec![seed.parse().expect("ROLLFLEET_FAULT_SEED is a number")],
-        Err(_) => {
-            let cases = std::env::var("ROLLFLEET_FAULT_CASES")
-                .ok()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(1000);
-            (0..cases).collect()
-        }
-    };
+    let seeds = rollfleet_rng::test_seeds("ROLLFLEET_FAULT", 1000);
     let started = std::time::Instant::now();
     let mut restarts = 0;
     for &seed in &seeds {

@@ -358,16 +358,7 @@ fn decode_as_every_type(bytes: &[u8]) -> usize {
 #[test]
 fn random_and_mutated_bytes_decode_as_every_message_or_are_refused_and_pass_the_checks_without_a_panic()
  {
-    let seeds: Vec<u64> = match std::env::var("ROLLFLEET_FUZZ_SEED") {
-        Ok(seed) => vec![seed.parse().expect("ROLLFLEET_FUZZ_SEED is a number")],
-        Err(_) => {
-            let cases = std::env::var("ROLLFLEET_FUZZ_CASES")
-                .ok()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(20_000);
-            (0..cases).collect()
-        }
-    };
+    let seeds = rollfleet_rng::test_seeds("ROLLFLEET_FUZZ", 20_000);
     let corpus = corpus();
     assert!(
         corpus.len() >= 5,

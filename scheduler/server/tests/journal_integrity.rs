@@ -416,16 +416,7 @@ fn random_corruptions_of_a_journal_are_refused_or_read_as_a_prefix_of_what_was_w
     write_journal(&path, 12);
     let clean = std::fs::read(&path).unwrap();
     let written: Vec<JournalRecord> = (1..=12).map(record).collect();
-    let seeds: Vec<u64> = match std::env::var("ROLLFLEET_FUZZ_SEED") {
-        Ok(seed) => vec![seed.parse().expect("ROLLFLEET_FUZZ_SEED is a number")],
-        Err(_) => {
-            let cases = std::env::var("ROLLFLEET_FUZZ_CASES")
-                .ok()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(400);
-            (0..cases).collect()
-        }
-    };
+    let seeds = rollfleet_rng::test_seeds("ROLLFLEET_FUZZ", 400);
     let (mut refused, mut prefixes) = (0, 0);
     for &seed in &seeds {
         let reproduce = format!(

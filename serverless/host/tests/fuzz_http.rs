@@ -162,16 +162,7 @@ async fn mutated_and_truncated_http_requests_get_an_answer_or_a_close_and_never_
         PANICS.fetch_add(1, Ordering::SeqCst);
         default_hook(info);
     }));
-    let seeds: Vec<u64> = match std::env::var("ROLLFLEET_FUZZ_SEED") {
-        Ok(seed) => vec![seed.parse().expect("ROLLFLEET_FUZZ_SEED is a number")],
-        Err(_) => {
-            let cases = std::env::var("ROLLFLEET_FUZZ_CASES")
-                .ok()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(300);
-            (0..cases).collect()
-        }
-    };
+    let seeds = rollfleet_rng::test_seeds("ROLLFLEET_FUZZ", 300);
     let corpus = corpus();
     assert!(
         corpus.len() >= 5,
