@@ -95,26 +95,30 @@ fn a_trajectory_goes_from_reset_through_its_turns_to_its_reward_and_is_trained_o
     assert_eq!(core.trajectory_counts(), (0, 0, 1));
 }
 
+/// Groups of one started at once on one idle replica, for a rollout batch of 4 under the
+/// continuous discipline: how many the admission window lets start.
+fn groups_started_at_once(max_staleness: u64, over_provisioning: f64) -> u64 {
+    let cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        policy(
+            Discipline::Continuous,
+            max_staleness,
+            over_provisioning,
+            SyncMode::Rolling,
+        ),
+        1,
+        4,
+        10,
+    );
+    let mut core = Core::new(cfg);
+    core.handle_timeout(Time::ZERO);
+    drain(&mut core);
+    core.stats().groups_started
+}
+
 #[test]
 fn a_loose_staleness_bound_keeps_at_most_two_batches_started_and_untrained() {
-    let started = |max_staleness: u64| {
-        let cfg = config(
-            vec![replica(ServeRole::Generate, 10_000)],
-            policy(
-                Discipline::Continuous,
-                max_staleness,
-                0.0,
-                SyncMode::Rolling,
-            ),
-            1,
-            4,
-            10,
-        );
-        let mut core = Core::new(cfg);
-        core.handle_timeout(Time::ZERO);
-        drain(&mut core);
-        core.stats().groups_started
-    };
+    let started = |max_staleness: u64| groups_started_at_once(max_staleness, 0.0);
     // `S x B / 2` while that is under two batches ...
     assert_eq!(started(2), 4);
     assert_eq!(started(3), 6);
@@ -127,24 +131,7 @@ fn a_loose_staleness_bound_keeps_at_most_two_batches_started_and_untrained() {
 
 #[test]
 fn over_provisioning_never_starts_more_than_max_staleness_batches_ahead_of_the_trainer() {
-    let started = |max_staleness: u64, over_provisioning: f64| {
-        let cfg = config(
-            vec![replica(ServeRole::Generate, 10_000)],
-            policy(
-                Discipline::Continuous,
-                max_staleness,
-                over_provisioning,
-                SyncMode::Rolling,
-            ),
-            1,
-            4,
-            10,
-        );
-        let mut core = Core::new(cfg);
-        core.handle_timeout(Time::ZERO);
-        drain(&mut core);
-        core.stats().groups_started
-    };
+    let started = groups_started_at_once;
     // A window of one batch plus a quarter of one over-provisioned: under the budget of two.
     assert_eq!(started(2, 0.25), 5);
     // Four batches over-provisioned would put the mean trajectory past the bound: cut at two.
