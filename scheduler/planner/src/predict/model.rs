@@ -2,6 +2,8 @@
 //! and the per-token time they serve at, the spread of action lengths, the prefill queues, the
 //! regeneration a staleness bound causes, and the closed-loop step of a job's trajectories.
 
+use std::cell::RefCell;
+
 use crate::workload::{Workload, normal_cdf, normal_pdf, normal_quantile};
 
 use rollfleet_spec::WeightReads;
@@ -83,66 +85,149 @@ pub(super) fn router_weight(max_seqs: f64, reserved_context: f64, kv_tokens: f64
     1.0 / (1.0 / max_seqs + reserved_context.max(1.0) / kv_tokens)
 }
 
-/// Per-token time of one replica holding `alive` trajectories, each decoding a share `tau / (tau
-/// + other)` of the time it is alive (`other`: seconds it spends on anything but decoding, per
-/// token it decodes). An iteration takes `max((W + b kv) / bandwidth, b flops / FLOP/s)` for a
-/// batch of `b = alive tau / (tau + other)`: the fixed point of each roof is a root of a
-/// quadratic (bandwidth) or linear (compute) equation in `tau`, and the time is the larger.
-///
-/// A mixture of experts reads more weights the larger its batch ([`WeightReads::bytes`]): the
-/// time is then the fixed point of the batch's weight read, reached from one token's (the
-/// iteration only grows, to the smallest fixed point).
-pub(super) fn replica_token_time(
+/// One iteration of a decode replica at a batch of `b`: `max((W(b) + b kv) / bandwidth, b flops /
+/// FLOP/s)`, the simulator's roofline, where `W(b)` is what the batch's tokens route to (all
+/// active weights of a dense model).
+pub(super) fn iteration_time(
     k: &DecodeKind,
-    alive: f64,
-    other: f64,
+    b: f64,
     weights: &WeightReads,
     kv_per_seq: f64,
     flops_per_seq: f64,
 ) -> f64 {
-    let mut w = weights.single_token_bytes();
-    let mut tau = fixed_weights_token_time(k, alive, other, w, kv_per_seq, flops_per_seq);
-    for _ in 0..50 {
-        let batch = if tau + other > 0.0 {
-            alive * tau / (tau + other)
-        } else {
-            alive
-        };
-        let next = weights.bytes(batch);
-        if (next - w).abs() <= 1e-12 * w.max(1.0) {
-            break;
-        }
-        w = next;
-        tau = fixed_weights_token_time(k, alive, other, w, kv_per_seq, flops_per_seq);
-    }
-    tau
+    let by_bandwidth = (weights.bytes(b.max(1.0)) + b * kv_per_seq) / k.bandwidth.max(1e-30);
+    let by_compute = b * flops_per_seq / k.flops.max(1e-30);
+    by_bandwidth.max(by_compute)
 }
 
-/// [`replica_token_time`] for a pass that reads `weights` bytes whatever its batch.
-fn fixed_weights_token_time(
-    k: &DecodeKind,
-    alive: f64,
-    other: f64,
-    weights: f64,
+/// [`iteration_time`] of one kind of replica, remembered batch by batch: the router's level
+/// search evaluates every kind's occupancy about a hundred times at the same batches.
+pub(super) struct IterationTimes<'a> {
+    kind: &'a DecodeKind,
+    weights: &'a WeightReads,
     kv_per_seq: f64,
     flops_per_seq: f64,
-) -> f64 {
-    let bw = k.bandwidth.max(1e-30);
-    // bw tau^2 + (bw o - W - kv n) tau - W o = 0; the positive root, computed without the
-    // cancellation of its textbook form when `b` is positive.
-    let b = bw * other - weights - kv_per_seq * alive;
-    let disc = (b * b + 4.0 * bw * weights * other).sqrt();
-    let by_bandwidth = if b >= 0.0 {
-        if b + disc > 0.0 {
-            2.0 * weights * other / (b + disc)
-        } else {
-            0.0
+    known: RefCell<Vec<f64>>,
+}
+
+impl<'a> IterationTimes<'a> {
+    pub(super) fn new(
+        kind: &'a DecodeKind,
+        weights: &'a WeightReads,
+        kv_per_seq: f64,
+        flops_per_seq: f64,
+    ) -> Self {
+        IterationTimes {
+            kind,
+            weights,
+            kv_per_seq,
+            flops_per_seq,
+            known: RefCell::new(Vec::new()),
         }
-    } else {
-        (disc - b) / (2.0 * bw)
-    };
-    let by_compute = alive * flops_per_seq / k.flops.max(1e-30) - other;
-    by_bandwidth.max(by_compute)
+    }
+
+    /// The iteration time at a whole batch of `b >= 1`.
+    fn at(&self, b: usize) -> f64 {
+        let mut known = self.known.borrow_mut();
+        while known.len() < b {
+            let next = known.len() as f64 + 1.0;
+            known.push(self.between(next));
+        }
+        known[b - 1]
+    }
+
+    /// The iteration time at any batch, whole or not.
+    fn between(&self, b: f64) -> f64 {
+        iteration_time(
+            self.kind,
+            b,
+            self.weights,
+            self.kv_per_seq,
+            self.flops_per_seq,
+        )
+    }
+}
+
+/// What one decode replica holding `alive` trajectories runs at, on average over its states.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Occupancy {
+    /// Mean sequences decoding.
+    pub(super) batch: f64,
+    /// Tokens it makes a second.
+    pub(super) tokens_per_s: f64,
+    /// Mean seconds a token takes, over the tokens it makes (`batch / tokens_per_s`).
+    pub(super) tau: f64,
+}
+
+/// The decode batch of one replica as the random variable it is. Each of the `alive`
+/// trajectories the router keeps on the replica alternates between decoding and everything
+/// else (`other` seconds per token it decodes), and the replica shares its iterations among
+/// the `b` decoding, `b / t(b)` tokens a second for the iteration time `t(b)` of
+/// `times`. That is a closed network of an infinite server and a
+/// processor-sharing station whose speed depends on its population, so its batch has the product
+/// form `P(b) ~ C(alive, b) prod_{k <= b} t(k) / other` (BCMP; insensitive to the lengths'
+/// distributions), and a token takes `E[b] / throughput` on average (Little's law at the
+/// station; the arrival theorem makes the sequence's own KV read and routed experts part of
+/// it). Where `t(b)` grows with the batch the batch spreads out: a mixture of experts reads
+/// about `experts per token` more experts per sequence at small batches, so its busy states
+/// are slow and last, and a token sees a larger batch than the mean-field fixed point `b =
+/// alive tau / (tau + other)` gives (holdout-moe-agent at `maxStaleness` 2: 0.94 ms a token
+/// against 0.77 ms at that fixed point; the simulator shows 1.33 ms, a mean batch of 4.7 and a
+/// token-weighted one of 8.8, as admissions arrive a training batch at a time, which this
+/// leaves out). A fractional `alive` takes `C(alive, b)` through its falling product.
+pub(super) fn replica_occupancy(alive: f64, other: f64, times: &IterationTimes) -> Occupancy {
+    if alive <= 0.0 {
+        return Occupancy {
+            batch: 0.0,
+            tokens_per_s: 0.0,
+            tau: times.at(1),
+        };
+    }
+    if other <= 0.0 {
+        // Always decoding: the whole of it is the batch.
+        let tau = times.between(alive).max(1e-30);
+        return Occupancy {
+            batch: alive,
+            tokens_per_s: alive / tau,
+            tau,
+        };
+    }
+    // log P(b) up to a constant, normalised from its largest term (no overflow). Past the mode
+    // the terms only fall; once they are e^-40 of the peak the rest cannot move a sum.
+    let mut log_p = vec![0.0];
+    let (mut last, mut peak) = (0.0_f64, 0.0_f64);
+    for b in 1..=alive.ceil() as usize {
+        let room = alive - b as f64 + 1.0;
+        let ratio = room / b as f64 * times.at(b) / other;
+        if room <= 0.0 || ratio <= 0.0 {
+            break;
+        }
+        last += ratio.ln();
+        peak = peak.max(last);
+        log_p.push(last);
+        if ratio < 1.0 && last < peak - 40.0 {
+            break;
+        }
+    }
+    let (mut total, mut batch, mut tokens) = (0.0, 0.0, 0.0);
+    for (b, lp) in log_p.iter().enumerate() {
+        let p = (lp - peak).exp();
+        total += p;
+        if b > 0 {
+            batch += p * b as f64;
+            tokens += p * b as f64 / times.at(b);
+        }
+    }
+    let (batch, tokens) = (batch / total, tokens / total);
+    Occupancy {
+        batch,
+        tokens_per_s: tokens,
+        tau: if tokens > 0.0 {
+            batch / tokens
+        } else {
+            times.at(1)
+        },
+    }
 }
 
 /// Where the router puts the decoding sequences, and what each kind of replica then runs at.
@@ -160,9 +245,8 @@ pub(super) struct Served {
 /// The router's split of a decode load over the replicas (in proportion to [`router_weight`],
 /// every kind capped by its batch), at the load level that decodes `rate` tokens a second;
 /// `None` if even full replicas cannot. `other` is the seconds a trajectory is alive without
-/// decoding, per token it decodes: each trajectory alive on a replica makes a token every
-/// `tau + other` seconds, so `sum_i replicas_i n_i / (tau_i + other) = rate`, which is
-/// increasing in the load level; bisection on it.
+/// decoding, per token it decodes; each kind makes the tokens of its [`replica_occupancy`],
+/// which grow with the trajectories it holds: bisection on the level.
 pub(super) fn routed(
     kinds: &[DecodeKind],
     rate: f64,
@@ -172,25 +256,23 @@ pub(super) fn routed(
     flops_per_seq: f64,
 ) -> Option<Served> {
     let other = other.max(0.0);
+    let tables: Vec<IterationTimes> = kinds
+        .iter()
+        .map(|k| IterationTimes::new(k, weights, kv_per_seq, flops_per_seq))
+        .collect();
     let at = |level: f64| -> (Vec<(f64, f64, f64)>, f64) {
         let mut made = 0.0;
         let per: Vec<(f64, f64, f64)> = kinds
             .iter()
-            .map(|k| {
+            .zip(&tables)
+            .map(|(k, table)| {
                 if k.replicas <= 0.0 || k.weight <= 0.0 || k.bandwidth <= 0.0 {
                     return (0.0, 0.0, 0.0);
                 }
                 let alive = (level * k.weight).min(k.cap.max(0.0));
-                let tau = replica_token_time(k, alive, other, weights, kv_per_seq, flops_per_seq);
-                let batch = if tau + other > 0.0 {
-                    alive * tau / (tau + other)
-                } else {
-                    alive
-                };
-                if tau > 0.0 {
-                    made += k.replicas * alive / (tau + other);
-                }
-                (alive, batch, tau)
+                let o = replica_occupancy(alive, other, table);
+                made += k.replicas * o.tokens_per_s;
+                (alive, o.batch, o.tau)
             })
             .collect();
         (per, made)
@@ -228,9 +310,9 @@ pub(super) fn routed(
     let token_share: Vec<f64> = kinds
         .iter()
         .zip(&per)
-        .map(|(k, &(alive, _, tau))| {
+        .map(|(k, &(_, batch, tau))| {
             if made > 0.0 && tau > 0.0 {
-                k.replicas * alive / (tau + other) / made
+                k.replicas * batch / tau / made
             } else {
                 0.0
             }
@@ -249,25 +331,14 @@ pub(super) fn routed(
 }
 
 impl Served {
-    /// The token-weighted mean and variance of the per-token time a sequence sees: its replica's
-    /// at the mean batch, plus its own KV cache read (Poisson occupancy: an arriving sequence
-    /// sees one more than the mean batch).
-    pub(super) fn seen(
-        &self,
-        kinds: &[DecodeKind],
-        weights: &WeightReads,
-        kv_per_seq: f64,
-        flops_per_seq: f64,
-    ) -> (f64, f64) {
+    /// The token-weighted mean and variance of the per-token time a sequence sees, over the
+    /// kinds of replica it may land on ([`replica_occupancy`] already counts its own KV read and
+    /// experts).
+    pub(super) fn seen(&self) -> (f64, f64) {
         let (mut mean, mut second) = (0.0, 0.0);
-        for ((k, &(_, b, tau)), q) in kinds.iter().zip(&self.kinds).zip(&self.token_share) {
-            // Its own KV cache, and the experts its token routes to that the batch had not.
-            let extra = weights.bytes(b + 1.0) - weights.bytes(b);
-            let own = ((kv_per_seq + extra) / k.bandwidth.max(1e-30))
-                .max(flops_per_seq / k.flops.max(1e-30));
-            let seen = tau + own;
-            mean += q * seen;
-            second += q * seen * seen;
+        for (&(_, _, tau), q) in self.kinds.iter().zip(&self.token_share) {
+            mean += q * tau;
+            second += q * tau * tau;
         }
         (mean, (second - mean * mean).max(0.0))
     }

@@ -92,10 +92,8 @@ pub(super) fn predict_caps(
                 flops_per_seq,
             )?;
             let tau = served.tau;
-            // A sequence decodes alongside the others on its replica: Poisson occupancy makes
-            // the batch it sees one larger than the mean (PASTA), one more KV cache to read per
-            // token than the mean batch pays.
-            let (seen_tau, seen_var) = served.seen(&scaled, weights, kv_per_seq, flops_per_seq);
+            // What a token sees on its replica, and how that varies over the replicas.
+            let (seen_tau, seen_var) = served.seen();
             // Draining waits for the longest of the replica's running actions, caught on
             // average half-way; a turn that arrives meanwhile (probability `offline / T`) waits
             // half of it.
@@ -232,6 +230,28 @@ pub(super) fn predict_caps(
                     t,
                     w.steps * t / 2.0,
                 );
+                if std::env::var("DBG_PLAN").is_ok() {
+                    eprintln!(
+                        "PLAN t={:.1} share={} turns={:.1} plain={:.1} refill_s={:.2} stretch={:.3} mean_life={:.1} fresh_sd={:.1} lasting_sd={:.1} attempt={:.1} wait={:.1} slot={:.1} attempts={:.3} first_s={:.2} later_s={:.3} tau_ms={:.3} env={:.2}",
+                        t,
+                        task.share,
+                        turns,
+                        plain_life,
+                        refill_s,
+                        stretch,
+                        mean_life,
+                        fresh_var.sqrt(),
+                        lasting_var.sqrt(),
+                        attempt,
+                        wait,
+                        regen.slot_s,
+                        regen.attempts,
+                        first_s,
+                        later_s,
+                        seen_tau * 1e3,
+                        task.env_step_s
+                    );
+                }
                 slots += task.share * regen.slot_s;
                 regenerated += task.share * (regen.slot_s - attempt).max(0.0);
                 tokens_with_retries += task.share * turns * task.action * regen.attempts;
