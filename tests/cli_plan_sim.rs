@@ -53,6 +53,42 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
     assert!(plan_s < search_s, "{plan_s} against {search_s}");
 }
 
+#[test]
+fn plan_never_predicts_a_step_below_the_fixed_yardstick_and_keeps_the_models_own_figure() {
+    for job in [
+        "rollart-agentic",
+        "holdout-math-code",
+        "holdout-web-agent",
+        "holdout-moe-agent",
+    ] {
+        let path = format!("examples/jobs/{job}.yaml");
+        let out = rollfleet(&["plan", &path, "--compare", "-o", "json"]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let predicted = value["predicted_step_s"].as_f64().unwrap();
+        let yardstick = value["yardstick"]["step_s"].as_f64().unwrap();
+        let model = value["plan"]["prediction"]["step_s"].as_f64().unwrap();
+        assert!(predicted >= yardstick, "{job}: {predicted} < {yardstick}");
+        assert_eq!(predicted, model.max(yardstick), "{job}");
+        match value["predicted_below_yardstick"].as_f64() {
+            Some(below) => assert!(below == model && below < yardstick, "{job}: {value}"),
+            None => assert!(model >= yardstick, "{job}: {value}"),
+        }
+        for compared in value["compared"].as_array().unwrap() {
+            let step = compared["step_s"].as_f64().unwrap();
+            assert!(step >= yardstick, "{job}: {compared}");
+        }
+    }
+    // The web agent's model sits a few percent under its yardstick: the table says it was raised,
+    // and by how much.
+    let out = rollfleet(&["plan", "examples/jobs/holdout-web-agent.yaml"]);
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("raised to the fixed yardstick") && stdout.contains("the model said"),
+        "{stdout}"
+    );
+}
+
 /// `rollfleet plan` of the RollArt-like job on the inventory file `inventory`.
 fn plan_rollart_on(inventory: &Path) -> Output {
     rollfleet(&[
@@ -317,6 +353,8 @@ fn sim_writes_measured_profiles_that_plan_uses_and_names_as_measured() {
     );
     // A pool the run never served on keeps the model's figure, and says so.
     assert!(stdout.contains("model assumption"), "{stdout}");
+    // The yardstick assumes the model's shares of peak, so it does not judge measured ones.
+    assert!(stdout.contains("no fixed yardstick"), "{stdout}");
 
     // Without the rollfleet policy there is nothing to write: a clear error, not an empty file.
     let out = rollfleet(&[

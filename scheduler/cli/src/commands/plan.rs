@@ -11,6 +11,7 @@ use anyhow::Result;
 use rollfleet_planner::plan::{self, Inventory, Plan};
 use rollfleet_planner::roofline::Efficiency;
 use rollfleet_planner::{compare, search};
+use rollfleet_sim::hardware::HardwareModel;
 use rollfleet_sim::workload::mean;
 use rollfleet_spec::load_job_file;
 use serde::Serialize;
@@ -36,6 +37,16 @@ pub struct PlanArgs {
     pub profiles: Option<PathBuf>,
 }
 
+/// The fixed yardstick `rollfleet sim` measures every policy against (seed 0, the simulator's
+/// default shares of peak): a bound on any schedule of the job's trajectories as first sampled.
+#[derive(Serialize)]
+struct Yardstick {
+    /// The bound, seconds per step.
+    step_s: f64,
+    /// What binds it: `gpu`, `cpu`, `serverless` or `latency`.
+    binding: String,
+}
+
 #[derive(Serialize)]
 struct Comparison {
     placement: &'static str,
@@ -47,6 +58,15 @@ struct Comparison {
 #[derive(Serialize)]
 struct Output<'a> {
     job: String,
+    /// The plan's predicted step, seconds: the model's, raised to the yardstick when below it.
+    predicted_step_s: f64,
+    /// The model's own figure, when it was below the yardstick and raised to it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    predicted_below_yardstick: Option<f64>,
+    /// Left out when the prediction uses measured or probed shares of peak, which the
+    /// yardstick's assumed ones would not match.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    yardstick: Option<Yardstick>,
     plan: &'a Plan,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     compared: Vec<Comparison>,
@@ -145,6 +165,24 @@ pub fn run(
             return Ok(exit::INVALID_INPUT);
         }
     };
+    // No schedule of the job's trajectories beats the yardstick, so a model figure below it is
+    // wrong by at least the gap: it is raised to it, as `rollfleet sim` does. The yardstick
+    // assumes the simulator's shares of peak, so a plan on measured ones is left as it is.
+    let measured = planned
+        .profiles
+        .iter()
+        .any(|f| f.source != rollfleet_planner::profile::Source::Model);
+    let yardstick = (!measured).then(|| {
+        let reference =
+            rollfleet_sim::reference::reference(&spec, &job.catalog, &HardwareModel::default(), 0);
+        Yardstick {
+            step_s: reference.bound.step_s,
+            binding: reference.bound.binding,
+        }
+    });
+    let floor = yardstick.as_ref().map_or(0.0, |y| y.step_s);
+    let model_step_s = planned.prediction.step_s;
+    let predicted_step_s = model_step_s.max(floor);
     let mut compared = Vec::new();
     if args.compare {
         for (name, other) in [
@@ -154,13 +192,13 @@ pub fn run(
             // Compared by the same prediction as the plan's, not by the search's objective.
             if let Some(step_s) = other
                 .and_then(|o| rollfleet_planner::predict::predict(&problem, &o.candidate))
-                .map(|prediction| prediction.step_s)
+                .map(|prediction| prediction.step_s.max(floor))
             {
                 compared.push(Comparison {
                     placement: name,
                     step_s,
                     trajectories_per_s: problem.workload.batch / step_s,
-                    plan_speedup: step_s / planned.prediction.step_s,
+                    plan_speedup: step_s / predicted_step_s,
                 });
             }
         }
@@ -177,6 +215,9 @@ pub fn run(
     });
     let output = Output {
         job: job.manifest.metadata.name.clone(),
+        predicted_step_s,
+        predicted_below_yardstick: (model_step_s < floor).then_some(model_step_s),
+        yardstick,
         plan: &planned,
         compared,
         affinity_over_search_s,
@@ -193,11 +234,10 @@ pub fn run(
 fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
     let p = o.plan;
     let pr = &p.prediction;
-    let measured = p
-        .profiles
-        .iter()
-        .any(|f| f.source != rollfleet_planner::profile::Source::Model);
-    if measured {
+    // A prediction raised to the yardstick runs fewer trajectories a second, each step costing
+    // more GPU time.
+    let raised = pr.step_s / o.predicted_step_s.max(1e-12);
+    if o.yardstick.is_none() {
         writeln!(
             out,
             "job {}: planned placement (predicted by the planner's roofline model, with the \
@@ -240,12 +280,31 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
         out,
         "\npredicted step: {:.1} s ({:.2} trajectories/s), bound by {:?}; {:.1} ms per decoded \
          token; ${:.2} per step",
-        pr.step_s,
-        pr.trajectories_per_s,
+        o.predicted_step_s,
+        pr.trajectories_per_s * raised,
         pr.binding,
         pr.token_s * 1e3,
-        pr.cost_per_step_usd
+        pr.cost_per_step_usd / raised
     )?;
+    match (&o.yardstick, o.predicted_below_yardstick) {
+        (Some(y), Some(model)) => writeln!(
+            out,
+            "raised to the fixed yardstick ({} binds it): no schedule that trains the job's \
+             trajectories as first sampled beats {:.1} s a step, and the model said {model:.1} s",
+            y.binding, y.step_s
+        )?,
+        (Some(y), None) => writeln!(
+            out,
+            "fixed yardstick: {:.1} s a step ({} binds it), what no schedule that trains the \
+             job's trajectories as first sampled beats",
+            y.step_s, y.binding
+        )?,
+        (None, _) => writeln!(
+            out,
+            "no fixed yardstick: it assumes the simulator's shares of peak, and this plan uses \
+             measured or probed ones"
+        )?,
+    }
     let t = &pr.terms;
     writeln!(
         out,
