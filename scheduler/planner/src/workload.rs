@@ -28,6 +28,11 @@ pub struct TaskLoad {
     pub env_step_var: f64,
     /// Variance of the action tokens of one turn.
     pub action_var: f64,
+    /// Third cumulant (central moment) of one environment step, seconds cubed: how far its
+    /// right tail reaches ([`third_cumulant`]).
+    pub env_step_k3: f64,
+    /// Third cumulant of the action tokens of one turn.
+    pub action_k3: f64,
     /// Mean prompt tokens.
     pub prompt: f64,
     /// Mean action tokens per turn.
@@ -78,7 +83,7 @@ pub struct Workload {
 impl Workload {
     /// Takes the measured mean of each task's environment step and of each reward function's
     /// latency in place of the job spec's distribution, where `profiles` has enough samples of
-    /// it. (Their variances stay the spec's: a window of a few hundred samples of a heavy tail
+    /// it. (Their variances and skews stay the spec's: a window of a few hundred samples of a heavy tail
     /// says little about it.)
     pub fn measured(&mut self, spec: &JobSpec, profiles: &ProfileStore) {
         for (t, task) in self.tasks.iter_mut().zip(&spec.tasks) {
@@ -136,6 +141,8 @@ impl Workload {
                     turns_var,
                     env_step_var: variance(&task.env_step_ms, mean) / 1e6,
                     action_var: variance(&task.action_tokens, mean),
+                    env_step_k3: third_cumulant(&task.env_step_ms) / 1e9,
+                    action_k3: third_cumulant(&task.action_tokens),
                     prompt,
                     action,
                     observation,
@@ -219,6 +226,12 @@ pub fn variance(dist: &Distribution, mean: &dyn Fn(&Distribution) -> f64) -> f64
         Some(v) => v,
         None => mean(dist).powi(2),
     }
+}
+
+/// The third cumulant of a distribution ([`Distribution::third_cumulant`]); none for a trace,
+/// whose variance the planner does not know either.
+pub fn third_cumulant(dist: &Distribution) -> f64 {
+    dist.third_cumulant().unwrap_or(0.0)
 }
 
 /// The standard deviation of the largest of `n` standard normal draws, by integrating its density

@@ -14,8 +14,8 @@
 //!
 //! The slot lifetime `L` is built from the job's distributions:
 //!
-//! - a group is done when its slowest member is (mean lifetime plus `E[max of n normals]`
-//!   standard deviations), then waits for a training batch to fill;
+//! - a group is done when its slowest member is (the largest of `n` lifetimes of their mean,
+//!   spread and skew: [`model::skewed_expected_max`]), then waits for a training batch to fill;
 //! - each turn decodes at the per-token time of the replica it is on: replicas batch every
 //!   running sequence, so each token takes `max((W + b x KV x c) / bandwidth, b x FLOPs /
 //!   FLOP/s)` for a batch of `b`. The core's router fills replicas by their room (batch slots
@@ -519,8 +519,9 @@ pub fn decode_work_at(p: &Problem, batch: f64, context: f64) -> roofline::Work {
 #[cfg(test)]
 mod tests {
     use super::model::{
-        IterationTimes, action_spread, closed_loop_step, iteration_time, job_average,
-        mean_survival, prefill_queue, queue, regeneration, replica_occupancy, routed, token_time,
+        IterationTimes, action_spread, closed_loop_step, expected_max_z, iteration_time,
+        job_average, mean_survival, prefill_queue, queue, regeneration, replica_occupancy, routed,
+        skewed_expected_max, token_time,
     };
     use super::*;
     use rollfleet_spec::WeightReads;
@@ -803,6 +804,34 @@ mod tests {
     }
 
     #[test]
+    fn the_slowest_of_a_skewed_lot_lies_where_a_log_normal_puts_it_and_a_symmetric_one_where_a_normal_does()
+     {
+        // A log-normal of median 2,500 and p99 12,000: the largest of two has the closed form
+        // 2 E[X] Phi(sigma / sqrt 2).
+        let sigma = (12_000.0_f64 / 2_500.0).ln() / 2.326_347_874_040_841;
+        let w = (sigma * sigma).exp();
+        let mean = 2_500.0 * w.sqrt();
+        let sd = mean * (w - 1.0).sqrt();
+        let skew = (w + 2.0) * (w - 1.0).sqrt();
+        let two = skewed_expected_max(mean, sd, skew, 2.0);
+        let hand = 2.0 * mean * crate::workload::normal_cdf(sigma / 2.0_f64.sqrt());
+        assert!((two - hand).abs() < 1e-3 * hand, "{two} vs {hand}");
+        // The largest of 16: 8,830 tokens, where the normal's 1.77 standard deviations say 7,350.
+        let sixteen = skewed_expected_max(mean, sd, skew, 16.0);
+        assert!((sixteen - 8_832.0).abs() < 10.0, "{sixteen}");
+        assert!(sixteen > mean + expected_max_z(16.0) * sd + 1_000.0);
+        // No skew: the normal's; and a shift moves the largest draw with the mean.
+        assert_eq!(
+            skewed_expected_max(100.0, 10.0, 0.0, 16.0),
+            100.0 + expected_max_z(16.0) * 10.0
+        );
+        let shifted = skewed_expected_max(mean + 1_000.0, sd, skew, 16.0);
+        assert!((shifted - sixteen - 1_000.0).abs() < 1e-6, "{shifted}");
+        // One draw is its mean.
+        assert_eq!(skewed_expected_max(mean, sd, skew, 1.0), mean);
+    }
+
+    #[test]
     fn the_mean_survival_function_matches_its_antiderivative_by_hand() {
         // Over [0, 1]: (1 x Q(1) - phi(1)) - (0 - phi(0)) = 0.158655 - 0.241971 + 0.398942.
         assert!((mean_survival(0.0, 1.0) - 0.315_626).abs() < 1e-5);
@@ -855,6 +884,8 @@ mod tests {
             turns_var: 0.0,
             env_step_var: 0.0,
             action_var,
+            env_step_k3: 0.0,
+            action_k3: 0.0,
             prompt: 0.0,
             action,
             observation: 0.0,

@@ -192,30 +192,32 @@ pub(super) fn replica_occupancy(alive: f64, other: f64, times: &IterationTimes) 
             tau,
         };
     }
-    // log P(b) up to a constant, normalised from its largest term (no overflow). Past the mode
-    // the terms only fall; once they are e^-40 of the peak the rest cannot move a sum.
-    let mut log_p = vec![0.0];
-    let (mut last, mut peak) = (0.0_f64, 0.0_f64);
+    // P(b) up to a constant, term by term from P(0) = 1, rescaled before it overflows. The
+    // ratio of successive terms falls with `b`, so past the mode the terms only fall; once they
+    // are 1e-17 of the largest the rest cannot move a sum.
+    const RESCALE: f64 = 1e-200;
+    let (mut p, mut peak, mut total, mut batch, mut tokens) = (1.0, 1.0_f64, 1.0, 0.0, 0.0);
     for b in 1..=alive.ceil() as usize {
         let room = alive - b as f64 + 1.0;
-        let ratio = room / b as f64 * times.at(b) / other;
+        let t = times.at(b);
+        let ratio = room / b as f64 * t / other;
         if room <= 0.0 || ratio <= 0.0 {
             break;
         }
-        last += ratio.ln();
-        peak = peak.max(last);
-        log_p.push(last);
-        if ratio < 1.0 && last < peak - 40.0 {
-            break;
+        p *= ratio;
+        if p > 1.0 / RESCALE {
+            p *= RESCALE;
+            peak *= RESCALE;
+            total *= RESCALE;
+            batch *= RESCALE;
+            tokens *= RESCALE;
         }
-    }
-    let (mut total, mut batch, mut tokens) = (0.0, 0.0, 0.0);
-    for (b, lp) in log_p.iter().enumerate() {
-        let p = (lp - peak).exp();
         total += p;
-        if b > 0 {
-            batch += p * b as f64;
-            tokens += p * b as f64 / times.at(b);
+        batch += p * b as f64;
+        tokens += p * b as f64 / t;
+        peak = peak.max(p);
+        if ratio < 1.0 && p < 1e-17 * peak {
+            break;
         }
     }
     let (batch, tokens) = (batch / total, tokens / total);
@@ -288,17 +290,39 @@ pub(super) fn routed(
     }
     let (mut lo, mut hi) = (0.0, full);
     if rate > 0.0 {
-        if at(hi).1 < rate * (1.0 - 1e-9) {
+        let at_full = at(hi).1;
+        if at_full < rate * (1.0 - 1e-9) {
             return None;
         }
-        for _ in 0..100 {
-            let mid = 0.5 * (lo + hi);
-            if at(mid).1 >= rate {
-                hi = mid;
-            } else {
-                lo = mid;
-            }
+        // Regula falsi with the Illinois rule: the tokens made grow smoothly with the level
+        // between the kinds' caps, so it takes a fraction of bisection's evaluations, each of
+        // which sums every kind's occupancy.
+        let (mut f_lo, mut f_hi) = (-rate, at_full - rate);
+        let mut kept = 0_i8;
+        for _ in 0..200 {
             if hi - lo <= 1e-12 * hi {
+                break;
+            }
+            let mut x = (lo * f_hi - hi * f_lo) / (f_hi - f_lo);
+            if !(x > lo && x < hi) {
+                x = 0.5 * (lo + hi);
+            }
+            let fx = at(x).1 - rate;
+            if fx >= 0.0 {
+                (hi, f_hi) = (x, fx);
+                if kept > 0 {
+                    f_lo *= 0.5;
+                }
+                kept = 1;
+            } else {
+                (lo, f_lo) = (x, fx);
+                if kept < 0 {
+                    f_hi *= 0.5;
+                }
+                kept = -1;
+            }
+            if fx.abs() <= 1e-12 * rate {
+                hi = x;
                 break;
             }
         }
@@ -485,6 +509,95 @@ pub(super) fn expected_max_z(n: f64) -> f64 {
     } else {
         normal_quantile((n - 0.375) / (n + 0.25))
     }
+}
+
+/// The mean of the largest of `n` draws of a distribution with this `mean`, standard deviation
+/// `sd` and skewness `skew`: a shifted log-normal matched on the three (its skewness `(w + 2)
+/// sqrt(w - 1)` for `w = e^(sigma^2)`), whose largest draw is found by quadrature of `E[e^(mu +
+/// sigma Z_(n))]` over the density `n Phi(z)^(n-1) phi(z)` of the largest of `n` standard
+/// normals; a normal's, `mean + z_n sd`, when it has no skew. A lifetime is a sum of positive,
+/// right-skewed parts: one long-tailed action (median 2,500 and p99 12,000 tokens, skewness
+/// 2.7) puts the largest of 16 at 8,830 tokens on average, where the normal says 7,350; the sum
+/// of many turns has little skew left (a sum of `k` like parts has `1 / sqrt(k)` of theirs), and
+/// its largest draw stays near the normal's.
+pub(super) fn skewed_expected_max(mean: f64, sd: f64, skew: f64, n: f64) -> f64 {
+    if n <= 1.0 || sd <= 0.0 {
+        return mean;
+    }
+    if skew <= 1e-6 {
+        return mean + expected_max_z(n) * sd;
+    }
+    let skew_of = |w: f64| (w + 2.0) * (w - 1.0).max(0.0).sqrt();
+    let (mut lo, mut hi) = (1.0_f64, 2.0_f64);
+    while skew_of(hi) < skew && hi < 1e12 {
+        hi *= 2.0;
+    }
+    for _ in 0..100 {
+        let mid = 0.5 * (lo + hi);
+        if skew_of(mid) < skew {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let w = 0.5 * (lo + hi);
+    let sigma = w.ln().sqrt();
+    // The log-normal part: its variance is `m^2 (w - 1)`, the whole spread; the shift carries
+    // the rest of the mean.
+    let part_mean = sd / (w - 1.0).sqrt();
+    let mu = part_mean.ln() - sigma * sigma / 2.0;
+    let (weight, total) = MAX_OF_NORMALS.with(|grids| {
+        let mut grids = grids.borrow_mut();
+        let grid = max_of_normals_grid(&mut grids, n);
+        grid.iter().fold((0.0, 0.0), |(w, t), &(z, density)| {
+            (w + density, t + density * (mu + sigma * z).exp())
+        })
+    });
+    let largest_part = if weight > 0.0 {
+        total / weight
+    } else {
+        part_mean
+    };
+    mean - part_mean + largest_part
+}
+
+/// Points `z` and weights of a quadrature, by the bits of the `n` they are for.
+type Grids = Vec<(u64, Vec<(f64, f64)>)>;
+
+thread_local! {
+    /// [`max_of_normals_grid`]'s grids by `n`: the planner asks for a few sizes (a group, a
+    /// step's share of each task) thousands of times a plan.
+    static MAX_OF_NORMALS: RefCell<Grids> = const { RefCell::new(Vec::new()) };
+}
+
+/// Points `z` and weights of the density `n Phi(z)^(n-1) phi(z)` of the largest of `n` standard
+/// normals, for a midpoint rule: it lies within a few units of its Blom point (its spread is at
+/// most one), and a tenth of a unit is exact to a few parts in 10^5 on the smooth integrands it
+/// weighs.
+fn max_of_normals_grid(grids: &mut Grids, n: f64) -> &[(f64, f64)] {
+    let key = n.to_bits();
+    let at = match grids.iter().position(|(k, _)| *k == key) {
+        Some(i) => i,
+        None => {
+            const POINTS: usize = 120;
+            let centre = expected_max_z(n);
+            let (from, to) = (centre - 6.0, centre + 6.0);
+            let dz = (to - from) / POINTS as f64;
+            let grid = (0..POINTS)
+                .map(|i| {
+                    let z = from + (i as f64 + 0.5) * dz;
+                    (z, n * normal_cdf(z).powf(n - 1.0) * normal_pdf(z))
+                })
+                .collect();
+            // A plan asks for a handful of sizes; a long-lived scheduler re-plans with the same.
+            if grids.len() >= 64 {
+                grids.remove(0);
+            }
+            grids.push((key, grid));
+            grids.len() - 1
+        }
+    };
+    &grids[at].1
 }
 
 /// FLOPs of prefilling a whole context of `c` tokens from nothing.
