@@ -83,8 +83,8 @@ pub struct Workload {
 impl Workload {
     /// Takes the measured mean of each task's environment step and of each reward function's
     /// latency in place of the job spec's distribution, where `profiles` has enough samples of
-    /// it. (Their variances and skews stay the spec's: a window of a few hundred samples of a heavy tail
-    /// says little about it.)
+    /// it. (Their variances and skews stay the spec's: a window of a few hundred samples of a
+    /// heavy tail says little about it.)
     pub fn measured(&mut self, spec: &JobSpec, profiles: &ProfileStore) {
         for (t, task) in self.tasks.iter_mut().zip(&spec.tasks) {
             if let Some(s) = profiles.timed_mean(Timed::EnvironmentStep, &task.name) {
