@@ -78,10 +78,12 @@ impl WorkerService for Workers {
         if let Some(problem) = r.load.as_ref().and_then(oversized_load) {
             return Err(Status::invalid_argument(problem));
         }
+        let heard = tokio::time::Instant::now();
         ask(&self.inbox, |reply| Event::Heartbeat {
             worker_id: r.worker_id,
             epoch: r.epoch,
             load: r.load,
+            heard,
             identity,
             reply,
         })

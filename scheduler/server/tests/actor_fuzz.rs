@@ -220,6 +220,11 @@ fn journal(seed: u64, events: usize) -> (JournalHeader, Vec<JournalRecord>) {
                 worker_id: hello(&mut rng, &leases).worker_id,
                 epoch: rng.below(3),
                 load: None,
+                heard_at_ns: if rng.chance(50) {
+                    0
+                } else {
+                    rng.below(u64::MAX)
+                },
             }),
             5 => journal_record::Event::Detach(JournalDetach {
                 worker: rng.below(8),

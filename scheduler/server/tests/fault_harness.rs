@@ -308,6 +308,7 @@ async fn heartbeat(inbox: mpsc::UnboundedSender<Event>, worker_id: String, epoch
                 worker_id: worker_id.clone(),
                 epoch,
                 load: None,
+                heard: tokio::time::Instant::now(),
                 identity: None,
                 reply,
             })

@@ -142,6 +142,9 @@ pub enum Event {
         epoch: u64,
         /// Its load, with GPU telemetry where it has any.
         load: Option<WorkerLoad>,
+        /// When it reached the scheduler: its lease is judged then, not when the actor gets to
+        /// it (a long re-plan would otherwise expire the leases of workers that kept time).
+        heard: Instant,
         /// The SHA-256 of the client certificate of the call, if any.
         identity: Option<[u8; 32]>,
         /// The answer.
@@ -797,6 +800,10 @@ impl Actor {
                     None => break,
                 }
             }
+            // A tick that fell due while the actor was busy (a long re-plan) comes after the
+            // events that waited with it: the heartbeats among them renew their leases before
+            // the tick looks for expired ones.
+            steps.sort_by_key(|step| matches!(step, Step::Tick));
             self.take(steps);
             while !self.interrupted
                 && let Some(event) = self.loopback.pop_front()
@@ -944,10 +951,12 @@ impl Actor {
                 worker_id,
                 epoch,
                 load,
+                heard,
                 reply,
                 ..
             } => {
-                let _ = reply.send(self.heartbeat(&worker_id, epoch, load));
+                let heard_at = self.clock_at(heard);
+                let _ = reply.send(self.heartbeat(&worker_id, epoch, load, heard_at));
             }
             Event::Attach {
                 worker_id,

@@ -40,7 +40,12 @@ impl Actor {
                     let _ = self.register(r.inventory.unwrap_or_default(), r.lease_secret);
                 }
                 journal_record::Event::Heartbeat(h) => {
-                    let _ = self.heartbeat(&h.worker_id, h.epoch, h.load);
+                    // Never after the record itself, as live (`clock_at`).
+                    let heard_at = match h.heard_at_ns {
+                        0 => self.at,
+                        ns => Duration::from_nanos(ns).min(self.at),
+                    };
+                    let _ = self.heartbeat(&h.worker_id, h.epoch, h.load, heard_at);
                 }
                 journal_record::Event::Attach(hello) => {
                     let _ = self.attach_stream(&hello.worker_id, hello.epoch, Sink::Replayed);
@@ -69,6 +74,11 @@ impl Actor {
     /// The job's clock now (live only: a replay takes each record's time).
     pub(super) fn wall(&self) -> Duration {
         self.base + self.origin.elapsed()
+    }
+
+    /// What the job's clock read at `instant` (live only), never past the clock's reading now.
+    pub(super) fn clock_at(&self, instant: Instant) -> Duration {
+        (self.base + instant.saturating_duration_since(self.origin)).min(self.at)
     }
 
     /// The instant at which the job's clock reads `offset`.
@@ -146,6 +156,7 @@ impl Actor {
             Step::Event(Event::Heartbeat {
                 worker_id,
                 epoch,
+                heard,
                 identity,
                 reply,
                 ..
@@ -153,6 +164,7 @@ impl Actor {
                 worker_id,
                 epoch,
                 load: None,
+                heard,
                 identity,
                 reply,
             })),
@@ -293,6 +305,7 @@ impl Actor {
                         worker_id,
                         epoch,
                         load,
+                        heard,
                         ..
                     } => journal_record::Event::Heartbeat(JournalHeartbeat {
                         worker_id: worker_id.clone(),
@@ -301,6 +314,9 @@ impl Actor {
                             self.journaled_load(self.worker_number(worker_id), &mut load);
                             load
                         }),
+                        heard_at_ns: u64::try_from(self.clock_at(*heard).as_nanos())
+                            .unwrap_or(u64::MAX)
+                            .max(1),
                     }),
                     Event::Attach {
                         worker_id, epoch, ..

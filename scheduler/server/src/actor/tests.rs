@@ -78,11 +78,43 @@ fn a_worker_whose_lease_expired_or_that_left_is_forgotten_with_its_hostname_and_
     assert!(!actor.metrics.render().contains("node-"));
     // Worker w6 was the sixth to register (secret 5).
     let lease = format!("w6-{:032x}", 5);
-    let refused = actor.heartbeat(&lease, 1, None).unwrap_err();
+    let at = actor.at;
+    let refused = actor.heartbeat(&lease, 1, None, at).unwrap_err();
     assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
     let report = actor.report();
     assert_eq!(report.workers_left.len(), 1, "{:?}", report.workers_left);
     assert_eq!(report.workers_lost.len(), 99);
+}
+
+#[test]
+fn a_heartbeat_the_actor_gets_to_late_renews_the_lease_from_when_it_was_heard() {
+    let mut actor = waiting_actor();
+    let inventory = HardwareInventory {
+        hostname: "node-0".into(),
+        pool: "decode".into(),
+        ..Default::default()
+    };
+    let lease = actor
+        .register(inventory, format!("{:032x}", 0))
+        .expect("registered")
+        .lease
+        .expect("a lease")
+        .worker_id;
+    // Leases of 2 s from 0. A heartbeat heard at 1.5 s reaches the actor only at 3 s (it was
+    // busy re-planning): the lease runs on from 1.5 s, and the tick at 3 s keeps the worker.
+    actor.at = Duration::from_secs(3);
+    actor
+        .heartbeat(&lease, 1, None, Duration::from_millis(1500))
+        .expect("renewed from when it was heard");
+    actor.on_tick();
+    assert_eq!(actor.workers.len(), 1, "the worker was cut off");
+    // By 3.6 s, with nothing heard since 1.5 s, it has run out; a heartbeat heard after that
+    // is refused, however soon the actor takes it.
+    actor.at = Duration::from_millis(3600);
+    let refused = actor
+        .heartbeat(&lease, 1, None, Duration::from_millis(3600))
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::NotFound, "{refused:?}");
 }
 
 #[test]

@@ -195,11 +195,14 @@ impl Actor {
         }
     }
 
+    /// A worker's heartbeat, heard at `heard_at` on the job's clock: it renews the lease from
+    /// then, unless the lease had run out by then.
     pub(super) fn heartbeat(
         &mut self,
         worker_id: &str,
         epoch: u64,
         load: Option<WorkerLoad>,
+        heard_at: Duration,
     ) -> Result<HeartbeatResponse, Status> {
         let ttl = self.opts.lease_ttl;
         let id = self.worker_number(worker_id);
@@ -208,14 +211,15 @@ impl Actor {
             && self
                 .workers
                 .get(&id)
-                .is_some_and(|w| w.alive && w.lease_until < self.at)
+                .is_some_and(|w| w.alive && w.lease_until < heard_at)
         {
             self.cut_off(id, &format!("lease expired: no heartbeat within {ttl:?}"));
             self.pump();
         }
         match id.and_then(|id| self.workers.get_mut(&id).map(|w| (id, w))) {
             Some((id, w)) if w.alive && epoch == 1 => {
-                w.lease_until = self.at + ttl;
+                // A heartbeat the actor gets to late never shortens a lease a later one set.
+                w.lease_until = w.lease_until.max(heard_at + ttl);
                 if let Some(load) = load
                     && let Err(reason) = self.load_report(id, &load)
                 {
