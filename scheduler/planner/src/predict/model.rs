@@ -101,7 +101,7 @@ pub(super) fn iteration_time(
 }
 
 /// [`iteration_time`] of one kind of replica, remembered batch by batch: the router's level
-/// search evaluates every kind's occupancy about a hundred times at the same batches.
+/// search evaluates every kind's occupancy many times over the same batches.
 pub(super) struct IterationTimes<'a> {
     kind: &'a DecodeKind,
     weights: &'a WeightReads,
@@ -183,8 +183,9 @@ pub(super) fn replica_occupancy(alive: f64, other: f64, times: &IterationTimes) 
             tau: times.at(1),
         };
     }
-    if other <= 0.0 {
-        // Always decoding: the whole of it is the batch.
+    if other <= 1e-50 * times.at(1) {
+        // Always decoding (or as good as: other work a vanishing share of one iteration, whose
+        // product-form terms would overflow): the whole of it is the batch.
         let tau = times.between(alive).max(1e-30);
         return Occupancy {
             batch: alive,
@@ -248,7 +249,7 @@ pub(super) struct Served {
 /// every kind capped by its batch), at the load level that decodes `rate` tokens a second;
 /// `None` if even full replicas cannot. `other` is the seconds a trajectory is alive without
 /// decoding, per token it decodes; each kind makes the tokens of its [`replica_occupancy`],
-/// which grow with the trajectories it holds: bisection on the level.
+/// which grow with the trajectories it holds: a root search on the level.
 pub(super) fn routed(
     kinds: &[DecodeKind],
     rate: f64,
