@@ -41,23 +41,12 @@ pub fn job_file(dir: &Path, steps: u32) -> PathBuf {
     path
 }
 
-/// Adds `extra` GPU pools of assorted sizes (`g0`, `g1`, ...; H800 and H20 in turn, 8 to 40
-/// GPUs) to the quick-start job at `job`: every plan of it takes longer (the search grows with
-/// every pool).
+include!("pools.rs");
+
+/// Adds `extra` GPU pools to the quick-start job at `job` ([`with_gpu_pools`]).
 pub fn add_gpu_pools(job: &Path, extra: usize) {
     let yaml = std::fs::read_to_string(job).unwrap();
-    let pools: String = (0..extra)
-        .map(|i| {
-            let gpu = ["H800", "H20"][i % 2];
-            format!(
-                "    - name: g{i}\n      gpu: {gpu}\n      count: {}\n",
-                8 * (i % 5 + 1)
-            )
-        })
-        .collect();
-    assert!(yaml.contains("    - name: envs\n"));
-    let yaml = yaml.replace("    - name: envs\n", &format!("{pools}    - name: envs\n"));
-    std::fs::write(job, yaml).unwrap();
+    std::fs::write(job, with_gpu_pools(&yaml, extra)).unwrap();
 }
 
 /// Starts a scheduler on a free port; returns it and its URL.

@@ -10,21 +10,12 @@ use rollfleet_server::ServerOptions;
 mod common;
 use common::quickstart_yaml;
 
+include!("../../../tests/common/pools.rs");
+
 /// The quick-start job with 200 more GPU pools of assorted sizes: valid, and a minute or more
 /// of planning (the search grows with every pool).
 fn slow_to_plan_yaml() -> String {
-    let pools: String = (0..200)
-        .map(|i| {
-            let gpu = ["H800", "H20"][i % 2];
-            format!(
-                "    - name: g{i}\n      gpu: {gpu}\n      count: {}\n",
-                8 * (i % 5 + 1)
-            )
-        })
-        .collect();
-    let yaml = quickstart_yaml();
-    assert!(yaml.contains("    - name: envs\n"));
-    yaml.replace("    - name: envs\n", &format!("{pools}    - name: envs\n"))
+    with_gpu_pools(&quickstart_yaml(), 200)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
