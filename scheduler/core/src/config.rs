@@ -62,6 +62,12 @@ pub struct Policy {
     /// `Core::admission_terms`). Off, every over-provisioned trajectory starts.
     #[serde(default)]
     pub cap_over_provisioning: bool,
+    /// Whether the job as a whole starts at most its steps' rollout batches plus one
+    /// over-provisioning margin (continuous discipline; see `Core::admit_groups`). Off, the
+    /// window stays full until the last batch goes to the trainer, and the groups still running
+    /// then, the slowest ones, are dropped untrained.
+    #[serde(default)]
+    pub sample_within_job_budget: bool,
 }
 
 impl Policy {
@@ -78,6 +84,7 @@ impl Policy {
             interrupt_generation: spec.rl.interrupt_generation,
             restart_late_groups: true,
             cap_over_provisioning: true,
+            sample_within_job_budget: true,
         }
     }
 }

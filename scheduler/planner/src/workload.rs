@@ -177,6 +177,15 @@ impl Workload {
     /// (`Core::admit_groups`: `max(min(S x B / 2, 2 B), 3 B / 4, trainBatch, groupSize)` plus the
     /// over-provisioning), rounded down to whole groups as the core admits them.
     pub fn window(&self) -> f64 {
+        let (core, extra) = self.admission_terms();
+        let n = self.group_size.max(1.0);
+        (((core + extra) / n).floor() * n).max(n)
+    }
+
+    /// The core's admission window and the over-provisioning it admits beyond it, in
+    /// trajectories (`Core::admission_terms`): the over-provisioning stops at `maxStaleness`
+    /// batches (at least one) started and not yet trained.
+    pub fn admission_terms(&self) -> (f64, f64) {
         let b = self.batch;
         let core = (self.max_staleness * b / 2.0)
             .floor()
@@ -185,9 +194,10 @@ impl Workload {
             .max(self.train_batch)
             .max(self.group_size);
         let extra = (self.over_provisioning * b).ceil();
-        let budget = core + extra.min((self.max_staleness.max(1.0) * b - core).max(0.0));
-        let n = self.group_size.max(1.0);
-        ((budget / n).floor() * n).max(n)
+        (
+            core,
+            extra.min((self.max_staleness.max(1.0) * b - core).max(0.0)),
+        )
     }
 
     /// Mean tokens trained on per trajectory.

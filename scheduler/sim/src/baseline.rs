@@ -85,6 +85,7 @@ impl Baseline {
             interrupt_generation: false,
             restart_late_groups: false,
             cap_over_provisioning: false,
+            sample_within_job_budget: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -103,6 +104,9 @@ impl Baseline {
                 interrupt_generation: true,
                 restart_late_groups: false,
                 cap_over_provisioning: false,
+                // AReaL's rollout keeps generating until training ends, and what is still
+                // running then is never trained.
+                sample_within_job_budget: false,
             },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
@@ -126,6 +130,7 @@ impl Baseline {
             interrupt_generation: false,
             restart_late_groups: false,
             cap_over_provisioning: false,
+            sample_within_job_budget: false,
         };
         Ok(match self {
             Baseline::Sync => (

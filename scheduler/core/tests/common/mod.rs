@@ -22,6 +22,7 @@ pub fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncM
         interrupt_generation: false,
         restart_late_groups: true,
         cap_over_provisioning: true,
+        sample_within_job_budget: true,
     }
 }
 

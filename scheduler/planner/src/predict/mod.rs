@@ -41,9 +41,9 @@
 //!
 //! The step time is the smallest `T` at least every term evaluated at the throughput `B / T`
 //! (bisection). The job's average ([`model::job_average`]) is that step over every step of a job of
-//! several (the core keeps its window full through the last step, so the last batch takes the
-//! first groups to finish, as every other does), the slowest groups of its one batch for a job of
-//! one step, and at least the trainer's work after the first groups are done.
+//! several plus the wait of its last step for the groups the job started last
+//! ([`model::drain_wait`]), the slowest groups of its one batch for a job of one step, and at
+//! least the trainer's work after the first groups are done.
 //!
 //! The staleness term does not model the core's regeneration of a lone expired finished member
 //! at a publication (`Core::regenerate_lone_expired`): in the simulator a miss regenerates
@@ -519,9 +519,9 @@ pub fn decode_work_at(p: &Problem, batch: f64, context: f64) -> roofline::Work {
 #[cfg(test)]
 mod tests {
     use super::model::{
-        IterationTimes, action_spread, closed_loop_step, expected_max_z, iteration_time,
-        job_average, mean_survival, prefill_queue, queue, regeneration, replica_occupancy, routed,
-        skewed_expected_max, token_time,
+        IterationTimes, SlotLife, action_spread, closed_loop_step, drain_wait, expected_max_z,
+        iteration_time, job_average, mean_survival, prefill_queue, queue, regeneration,
+        replica_occupancy, routed, skewed_expected_max, token_time,
     };
     use super::*;
     use rollfleet_spec::WeightReads;
@@ -778,20 +778,94 @@ mod tests {
     }
 
     #[test]
-    fn a_job_of_several_steps_averages_its_steady_step_because_the_window_stays_full_to_the_end() {
-        // 20 steps of 110 s: the slowest groups of a batch started at once (260 s) do not set
-        // the last step, whose batch takes the first groups to finish (charging them made it
-        // (19 x 110 + 260) / 20 = 117.5 s). The trainer's floor, 20 + 20 x 70 = 1,420 s, is
-        // under 20 x 110 = 2,200 s.
-        assert_eq!(job_average(110.0, 20.0, 260.0, 20.0, 70.0), 110.0);
+    fn a_job_of_several_steps_averages_its_steady_steps_and_the_drain_of_its_last() {
+        // 20 steps of 110 s, the last 40 s longer: (19 x 110 + 150) / 20 = 112 s. The slowest
+        // groups of a batch started at once (260 s) do not set it. The trainer's floor, 20 + 20
+        // x 70 = 1,420 s, is under 20 x 110 = 2,200 s.
+        assert_eq!(job_average(110.0, 20.0, 260.0, 20.0, 70.0, 40.0), 112.0);
+        assert_eq!(job_average(110.0, 20.0, 260.0, 20.0, 70.0, 0.0), 110.0);
     }
 
     #[test]
     fn a_job_of_one_step_waits_for_the_slowest_groups_of_its_batch() {
-        // Its one batch is started at once: 260 s, not the steady 110 s.
-        assert_eq!(job_average(110.0, 1.0, 260.0, 20.0, 70.0), 260.0);
+        // Its one batch is started at once: 260 s, not the steady 110 s (nor a drain).
+        assert_eq!(job_average(110.0, 1.0, 260.0, 20.0, 70.0, 40.0), 260.0);
         // A batch quicker than the steady step still takes a steady step.
-        assert_eq!(job_average(110.0, 1.0, 90.0, 20.0, 70.0), 110.0);
+        assert_eq!(job_average(110.0, 1.0, 90.0, 20.0, 70.0, 0.0), 110.0);
+    }
+
+    /// Ten steps of 512 trajectories in groups of 8 at a staleness bound of 2: a window of one
+    /// batch and 25% over-provisioning, 128 trajectories.
+    fn drained_workload(over_provisioning: f64) -> crate::workload::Workload {
+        crate::workload::Workload {
+            tasks: Vec::new(),
+            batch: 512.0,
+            group_size: 8.0,
+            train_batch: 128.0,
+            max_staleness: 2.0,
+            over_provisioning,
+            train_mfu: 0.4,
+            steps: 10.0,
+            group_max_z: 0.0,
+            group_max_sd: 1.0,
+        }
+    }
+
+    fn fixed_life(share: f64, mean_s: f64) -> SlotLife {
+        SlotLife {
+            share,
+            mean_s,
+            sd_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn groups_that_all_live_alike_end_the_job_when_a_full_window_would_have() {
+        // Every group holds its slot 100 s: 640 running make a step of 512 x 100 / 640 = 80 s,
+        // and what is left of a life caught at random is uniform on (0, 100 s), so the last 512
+        // of the 640 are done at its 80th percentile, 80 s: one steady step, no drain.
+        let w = drained_workload(0.25);
+        assert_eq!(w.admission_terms(), (512.0, 128.0));
+        let drain = drain_wait(&[fixed_life(1.0, 100.0)], &w, 80.0);
+        assert!(drain.abs() < 1e-6, "{drain}");
+    }
+
+    #[test]
+    fn the_drain_waits_for_the_long_lives_a_full_window_would_have_dropped() {
+        // Half the groups live 50 s, half 150 s (mean 100 s, the same 80 s step). A group is
+        // caught in proportion to its life, and what it has left integrates the survival:
+        // `0.5 min(r, 50) + 0.5 min(r, 150)` reaches 80% of the mean life, 80 s, at r = 110 s,
+        // 30 s after the steady step.
+        let w = drained_workload(0.25);
+        let lives = [fixed_life(0.5, 50.0), fixed_life(0.5, 150.0)];
+        let drain = drain_wait(&lives, &w, 80.0);
+        assert!((drain - 30.0).abs() < 1e-6, "{drain}");
+        // Normal lives of the same means and a little spread wait a little longer still.
+        let spread = [
+            SlotLife {
+                share: 0.5,
+                mean_s: 50.0,
+                sd_s: 5.0,
+            },
+            SlotLife {
+                share: 0.5,
+                mean_s: 150.0,
+                sd_s: 15.0,
+            },
+        ];
+        let wider = drain_wait(&spread, &w, 80.0);
+        assert!(wider > drain && wider < drain + 5.0, "{wider}");
+    }
+
+    #[test]
+    fn without_over_provisioning_or_with_the_whole_job_in_one_window_there_is_no_drain() {
+        let lives = [fixed_life(0.5, 50.0), fixed_life(0.5, 150.0)];
+        // No margin: the window kept full and the job budget are the same admissions.
+        assert_eq!(drain_wait(&lives, &drained_workload(0.0), 80.0), 0.0);
+        // One step, one window: everything starts at once (`one_batch` takes it).
+        let mut one = drained_workload(0.25);
+        one.steps = 1.0;
+        assert_eq!(drain_wait(&lives, &one, 80.0), 0.0);
     }
 
     #[test]
@@ -799,8 +873,8 @@ mod tests {
         // 5 steps of 0.9 s, training 0.8 s a step: with the first groups done at 0.5 s the
         // trainer's 5 x 0.8 s after them end at 4.5 s, 0.9 s a step; done at 0.6 s, they end at
         // 4.6 s, 0.92 s a step, above the steady 0.9 s.
-        assert!((job_average(0.9, 5.0, 1.2, 0.5, 0.8) - 0.9).abs() < 1e-12);
-        assert!((job_average(0.9, 5.0, 1.2, 0.6, 0.8) - 0.92).abs() < 1e-12);
+        assert!((job_average(0.9, 5.0, 1.2, 0.5, 0.8, 0.0) - 0.9).abs() < 1e-12);
+        assert!((job_average(0.9, 5.0, 1.2, 0.6, 0.8, 0.0) - 0.92).abs() < 1e-12);
     }
 
     #[test]

@@ -773,27 +773,94 @@ pub(super) fn regeneration(
 }
 
 /// Seconds per step averaged over a job of `steps` steps, what a finite run measures, from the
-/// steady step `t`. The core keeps its window full through the last step (`Core::admit_groups`),
-/// so the last batch takes the first groups to finish, as every earlier one does: the last step
-/// of a job of several steps is a steady one (simulated on the RollArt-like job at
-/// `maxStaleness` 2 to 8 and on its uniform placement, seeds 0 and 1: last steps of 56-143 s
-/// against steady steps of 67-130 s). Charging it as the wait for the slowest groups admitted,
-/// `one_batch` (the core's rule before that change: 258 s against about 120 s simulated), put
-/// the prediction 6-10% high there, when the rule was chosen. A job of one step is all start: its batch
-/// is started at once, so it waits for `one_batch`. The first step is taken as a steady one
-/// (not quite: with a window of two batches or more, at `maxStaleness` 4 and 8, it simulates
-/// twice as long, the whole window starting at once; not modelled); but the trainer, idle until
-/// the first groups are done (`first_ready`), must still train every step after.
+/// steady step `t`. Every step but the last is a steady one; the last also pays `drain_s`, the
+/// wait for the groups the job started last ([`drain_wait`]). The first step is taken as a
+/// steady one (not quite: with a window of two batches or more, at `maxStaleness` 4 and 8, it
+/// simulates twice as long, the whole window starting at once; not modelled); but the trainer,
+/// idle until the first groups are done (`first_ready`), must still train every step after. A
+/// job of one step is all start: its batch is started at once, so it waits for `one_batch`, the
+/// slowest groups of the batch.
 pub(super) fn job_average(
     t: f64,
     steps: f64,
     one_batch: f64,
     first_ready: f64,
     train_s: f64,
+    drain_s: f64,
 ) -> f64 {
     let steps = steps.max(1.0);
-    let last = if steps > 1.0 { t } else { one_batch.max(t) };
+    let last = if steps > 1.0 {
+        t + drain_s
+    } else {
+        one_batch.max(t)
+    };
     ((steps - 1.0) * t + last).max(first_ready + steps * train_s) / steps
+}
+
+/// How long the groups of one task hold an admission slot (start to being taken by the
+/// trainer, every attempt included): a normal of this mean and spread, for this share of the
+/// groups.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct SlotLife {
+    pub(super) share: f64,
+    pub(super) mean_s: f64,
+    pub(super) sd_s: f64,
+}
+
+/// What the end of a job adds to its last step. The core starts the job's batches and one
+/// over-provisioning margin `E` and no more (`Core::admit_groups`), so once the window `W` is
+/// all that is left to train, nothing new starts: the job ends when `W` of the `W + E`
+/// trajectories then running are done. Those are a steady window's groups caught at a random
+/// moment, so what each has left to live follows the equilibrium law of slot lives (a group
+/// holds its slot in proportion to its life, and is caught uniformly within it): `P(R <= r) =
+/// int_0^r S(x) dx / E[L]`, `S` the survival of a life. The end comes at the `W / (W + E)`
+/// quantile of `R`, where a window kept full would have taken `W / B` steady steps; the excess
+/// is the drain. Equal lives make the two the same; spread lives make the drain wait for the long
+/// ones, which a full window would have dropped. A job that starts all it will ever start at
+/// once (`steps x B <= W`) is left to `one_batch`.
+pub(super) fn drain_wait(lives: &[SlotLife], w: &Workload, t: f64) -> f64 {
+    let (window, margin) = w.admission_terms();
+    let running = window + margin;
+    if margin <= 0.0 || w.steps * w.batch <= window || running <= 0.0 {
+        return 0.0;
+    }
+    // The survival of a life integrated from 0 to `r`, by `x Q(x) - phi(x)`, the standard normal
+    // survival's antiderivative.
+    let antiderivative = |z: f64| z * (1.0 - normal_cdf(z)) - normal_pdf(z);
+    let lived = |r: f64| -> f64 {
+        lives
+            .iter()
+            .map(|l| {
+                let integral = if l.sd_s > 1e-12 {
+                    l.sd_s
+                        * (antiderivative((r - l.mean_s) / l.sd_s)
+                            - antiderivative(-l.mean_s / l.sd_s))
+                } else {
+                    r.min(l.mean_s).max(0.0)
+                };
+                l.share * integral
+            })
+            .sum()
+    };
+    let longest = lives
+        .iter()
+        .map(|l| l.mean_s + 10.0 * l.sd_s)
+        .fold(0.0_f64, f64::max);
+    let mean_life = lived(longest);
+    if mean_life <= 0.0 {
+        return 0.0;
+    }
+    let wanted = window / running;
+    let (mut lo, mut hi) = (0.0, longest);
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if lived(mid) / mean_life < wanted {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    (0.5 * (lo + hi) - window / w.batch * t).max(0.0)
 }
 
 /// Seconds per step of a closed network of `customers` groups, each spending `think_s` in

@@ -3,9 +3,9 @@
 //! ([`least_fitting_step`]) for the full prediction and for the search's cheaper objective.
 
 use super::model::{
-    DecodeKind, action_spread, closed_loop_step, context_prefill_flops, expected_max_z,
-    job_average, prefill_queue, queue, regeneration, remote_prefill, routed, skewed_expected_max,
-    step_prefills, step_work, token_time,
+    DecodeKind, SlotLife, action_spread, closed_loop_step, context_prefill_flops, drain_wait,
+    expected_max_z, job_average, prefill_queue, queue, regeneration, remote_prefill, routed,
+    skewed_expected_max, step_prefills, step_work, token_time,
 };
 use super::{
     Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, Terms, TokenTimes,
@@ -54,7 +54,7 @@ pub(super) fn predict_caps(
         / plain_tokens_per_traj.max(1e-12);
     // Everything that depends on the step time T (through the throughput asked for).
     let (action_mean, action_sd) = action_spread(w);
-    let evaluate = |t: f64| -> Option<(Terms, TokenTimes, f64, (f64, f64))> {
+    let evaluate = |t: f64| -> Option<(Terms, TokenTimes, f64, (f64, f64, Vec<SlotLife>))> {
         let prefill_kinds = [(
             prefill_flops / prefill_fastest.max(1e-30),
             prefill_fastest,
@@ -169,6 +169,7 @@ pub(super) fn predict_caps(
             let mut chain: f64 = 0.0;
             let mut first_ready = f64::INFINITY;
             let mut not_decoding = 0.0;
+            let mut lives = Vec::with_capacity(w.tasks.len());
             for (task, alive) in w.tasks.iter().zip(alive_s.iter_mut()) {
                 let first_tokens = task.prompt;
                 let first = p.prefill_flops(first_tokens, 0.0);
@@ -241,6 +242,11 @@ pub(super) fn predict_caps(
                     w.steps * t / 2.0,
                 );
                 slots += task.share * regen.slot_s;
+                lives.push(SlotLife {
+                    share: task.share,
+                    mean_s: regen.slot_s,
+                    sd_s: w.group_max_sd * sd_life,
+                });
                 regenerated += task.share * (regen.slot_s - attempt).max(0.0);
                 tokens_with_retries += task.share * turns * task.action * regen.attempts;
                 tail = tail.max(attempt);
@@ -270,9 +276,11 @@ pub(super) fn predict_caps(
                 first_ready,
                 local_load,
                 remote.load_s,
+                lives,
             ));
         }
-        let (tau, slots, regenerated, tail, chain, first_ready, local_load, remote_load) = outcome?;
+        let (tau, slots, regenerated, tail, chain, first_ready, local_load, remote_load, lives) =
+            outcome?;
         // The window's groups circulate between generation (each holds its slot `slots`, the
         // fill wait included) and the trainer, a single server taking `train_s / (B / n)` per
         // group: a closed network, solved exactly by mean value analysis. It is at least both
@@ -307,7 +315,7 @@ pub(super) fn predict_caps(
         } else {
             0.0
         };
-        Some((terms, tau, slots, (one_batch, first_ready)))
+        Some((terms, tau, slots, (one_batch, first_ready, lives)))
     };
     let fixed = [train_s, env_s, serverless_s]
         .into_iter()
@@ -324,9 +332,10 @@ pub(super) fn predict_caps(
         })
     };
     let t = least_fitting_step(fixed, fits)?;
-    let (mut terms, (tau, batches), slot, (one_batch, first_ready)) = evaluate(t)?;
+    let (mut terms, (tau, batches), slot, (one_batch, first_ready, lives)) = evaluate(t)?;
 
-    let job_step_s = job_average(t, w.steps, one_batch, first_ready, train_s);
+    let drain_s = drain_wait(&lives, w, t);
+    let job_step_s = job_average(t, w.steps, one_batch, first_ready, train_s, drain_s);
     // The decode capacity term: the step time below which no per-token time serves the tokens.
     let mut dlo = 0.0;
     let mut dhi = t;
