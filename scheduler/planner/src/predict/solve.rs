@@ -12,6 +12,16 @@ use super::{
     cpu_terms,
 };
 
+/// What a job's start and end take beside its steady steps ([`job_average`]).
+struct JobEnds {
+    /// A batch started at once: its slowest groups, then its training.
+    one_batch: f64,
+    /// When the first groups are done and the trainer can start.
+    first_ready: f64,
+    /// How long each task's groups hold their slots, for the last step's drain.
+    lives: Vec<SlotLife>,
+}
+
 pub(super) fn predict_caps(
     p: &Problem,
     caps: &Caps,
@@ -54,7 +64,7 @@ pub(super) fn predict_caps(
         / plain_tokens_per_traj.max(1e-12);
     // Everything that depends on the step time T (through the throughput asked for).
     let (action_mean, action_sd) = action_spread(w);
-    let evaluate = |t: f64| -> Option<(Terms, TokenTimes, f64, (f64, f64, Vec<SlotLife>))> {
+    let evaluate = |t: f64| -> Option<(Terms, TokenTimes, f64, JobEnds)> {
         let prefill_kinds = [(
             prefill_flops / prefill_fastest.max(1e-30),
             prefill_fastest,
@@ -315,7 +325,16 @@ pub(super) fn predict_caps(
         } else {
             0.0
         };
-        Some((terms, tau, slots, (one_batch, first_ready, lives)))
+        Some((
+            terms,
+            tau,
+            slots,
+            JobEnds {
+                one_batch,
+                first_ready,
+                lives,
+            },
+        ))
     };
     let fixed = [train_s, env_s, serverless_s]
         .into_iter()
@@ -332,10 +351,17 @@ pub(super) fn predict_caps(
         })
     };
     let t = least_fitting_step(fixed, fits)?;
-    let (mut terms, (tau, batches), slot, (one_batch, first_ready, lives)) = evaluate(t)?;
+    let (mut terms, (tau, batches), slot, ends) = evaluate(t)?;
 
-    let drain_s = drain_wait(&lives, w, t);
-    let job_step_s = job_average(t, w.steps, one_batch, first_ready, train_s, drain_s);
+    let drain_s = drain_wait(&ends.lives, w, t);
+    let job_step_s = job_average(
+        t,
+        w.steps,
+        ends.one_batch,
+        ends.first_ready,
+        train_s,
+        drain_s,
+    );
     // The decode capacity term: the step time below which no per-token time serves the tokens.
     let mut dlo = 0.0;
     let mut dhi = t;
