@@ -822,8 +822,9 @@ mod tests {
     #[test]
     fn groups_that_all_live_alike_end_the_job_when_a_full_window_would_have() {
         // Every group holds its slot 100 s: 640 running make a step of 512 x 100 / 640 = 80 s,
-        // and what is left of a life caught at random is uniform on (0, 100 s), so the last 512
-        // of the 640 are done at its 80th percentile, 80 s: one steady step, no drain.
+        // and what is left of a life caught at random is uniform on (0, 100 s), so the 64th
+        // of the 80 groups is done near its 80th percentile (Blom's (64 - 3/8) / (80 + 1/4),
+        // 79.3 s): within one steady step, no drain.
         let w = drained_workload(0.25);
         assert_eq!(w.admission_terms(), (512.0, 128.0));
         let drain = drain_wait(&[fixed_life(1.0, 100.0)], &w, 80.0);
@@ -834,12 +835,13 @@ mod tests {
     fn the_drain_waits_for_the_long_lives_a_full_window_would_have_dropped() {
         // Half the groups live 50 s, half 150 s (mean 100 s, the same 80 s step). A group is
         // caught in proportion to its life, and what it has left integrates the survival:
-        // `0.5 min(r, 50) + 0.5 min(r, 150)` reaches 80% of the mean life, 80 s, at r = 110 s,
-        // 30 s after the steady step.
+        // `0.5 min(r, 50) + 0.5 min(r, 150)` reaches the quantile p = 63.625 / 80.25 of the
+        // mean life at r = 200 p - 50 = 108.57 s, 28.57 s after the steady step.
         let w = drained_workload(0.25);
         let lives = [fixed_life(0.5, 50.0), fixed_life(0.5, 150.0)];
         let drain = drain_wait(&lives, &w, 80.0);
-        assert!((drain - 30.0).abs() < 1e-6, "{drain}");
+        let expected = 200.0 * 63.625 / 80.25 - 50.0 - 80.0;
+        assert!((drain - expected).abs() < 1e-6, "{drain}");
         // Normal lives of the same means and a little spread wait a little longer still.
         let spread = [
             SlotLife {
@@ -858,11 +860,22 @@ mod tests {
     }
 
     #[test]
-    fn without_over_provisioning_or_with_the_whole_job_in_one_window_there_is_no_drain() {
+    fn without_over_provisioning_the_last_step_waits_for_about_the_longest_of_the_last_groups() {
+        // The same lives, no margin: 512 running make a step of 100 s, and the last step ends
+        // with the 64th of 64 groups, near the quantile p = 63.625 / 64.25 of what they have
+        // left, r = 200 p - 50 = 148.05 s: 48.05 s after the steady step.
         let lives = [fixed_life(0.5, 50.0), fixed_life(0.5, 150.0)];
-        // No margin: the window kept full and the job budget are the same admissions.
-        assert_eq!(drain_wait(&lives, &drained_workload(0.0), 80.0), 0.0);
+        let w = drained_workload(0.0);
+        assert_eq!(w.admission_terms(), (512.0, 0.0));
+        let drain = drain_wait(&lives, &w, 100.0);
+        let expected = 200.0 * 63.625 / 64.25 - 50.0 - 100.0;
+        assert!((drain - expected).abs() < 1e-6, "{drain}");
+    }
+
+    #[test]
+    fn a_job_whose_whole_budget_starts_at_once_has_no_drain_but_its_one_batch() {
         // One step, one window: everything starts at once (`one_batch` takes it).
+        let lives = [fixed_life(0.5, 50.0), fixed_life(0.5, 150.0)];
         let mut one = drained_workload(0.25);
         one.steps = 1.0;
         assert_eq!(drain_wait(&lives, &one, 80.0), 0.0);

@@ -813,15 +813,17 @@ pub(super) struct SlotLife {
 /// trajectories then running are done. Those are a steady window's groups caught at a random
 /// moment, so what each has left to live follows the equilibrium law of slot lives (a group
 /// holds its slot in proportion to its life, and is caught uniformly within it): `P(R <= r) =
-/// int_0^r S(x) dx / E[L]`, `S` the survival of a life. The end comes at the `W / (W + E)`
-/// quantile of `R`, where a window kept full would have taken `W / B` steady steps; the excess
-/// is the drain. Equal lives make the two the same; spread lives make the drain wait for the long
-/// ones, which a full window would have dropped. A job that starts all it will ever start at
-/// once (`steps x B <= W`) is left to `one_batch`.
+/// int_0^r S(x) dx / E[L]`, `S` the survival of a life. The end comes when the `W / n`-th of the
+/// `(W + E) / n` groups' remaining lives is over, near `R`'s `W / (W + E)` quantile (without a
+/// margin, the longest of them), where a window kept full would have taken `W / B` steady steps;
+/// the excess is the drain. Equal lives make the two about the same; spread lives make the drain
+/// wait for the long ones, which a full window would have dropped. A job that starts all it will
+/// ever start at once (`steps x B <= W`) is left to `one_batch`.
 pub(super) fn drain_wait(lives: &[SlotLife], w: &Workload, t: f64) -> f64 {
     let (window, margin) = w.admission_terms();
-    let running = window + margin;
-    if margin <= 0.0 || w.steps * w.batch <= window || running <= 0.0 {
+    let n = w.group_size.max(1.0);
+    let (needed, running) = ((window / n).floor(), ((window + margin) / n).floor());
+    if w.steps * w.batch <= window || needed < 1.0 {
         return 0.0;
     }
     // The survival of a life integrated from 0 to `r`, by `x Q(x) - phi(x)`, the standard normal
@@ -850,7 +852,9 @@ pub(super) fn drain_wait(lives: &[SlotLife], w: &Workload, t: f64) -> f64 {
     if mean_life <= 0.0 {
         return 0.0;
     }
-    let wanted = window / running;
+    // The `needed`-th shortest of `running` remaining lives lies near this quantile (Blom's
+    // approximation of an order statistic): without a margin, the longest of them.
+    let wanted = (needed - 0.375) / (running + 0.25);
     let (mut lo, mut hi) = (0.0, longest);
     for _ in 0..60 {
         let mid = 0.5 * (lo + hi);
