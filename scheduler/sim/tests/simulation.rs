@@ -421,6 +421,51 @@ fn a_trajectory_rewound_at_admission_is_dispatched_in_the_same_pass() {
     assert!(run.core.regenerated_at_admission > 0);
 }
 
+#[test]
+fn rollfleet_starts_the_jobs_batches_and_one_over_provisioning_margin_and_no_more() {
+    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
+    let mut spec = job.spec().clone();
+    spec.rl.steps = 6;
+    // At a bound of 2 the window is one batch and the whole margin fits under the bound's
+    // budget of two batches.
+    spec.rl.max_staleness = 2;
+    spec.rl.over_provisioning = 0.5;
+    let (b, n) = (spec.rl.rollout_batch_size as u64, spec.rl.group_size as u64);
+    let margin = (0.5 * b as f64).ceil() as u64;
+    let run = |within_budget: bool| {
+        let (placement, mut policy) = Baseline::Rollfleet
+            .setup(&spec, &job.catalog, &workload_means(&spec))
+            .unwrap();
+        assert!(policy.sample_within_job_budget, "rollfleet's own policy");
+        policy.sample_within_job_budget = within_budget;
+        simulate(
+            &spec,
+            &job.catalog,
+            placement,
+            policy,
+            &SimOptions::default(),
+            &mut |_, _| {},
+        )
+        .unwrap()
+    };
+    let budgeted = run(true);
+    assert_eq!(budgeted.core.trajectories_consumed, 6 * b);
+    let started = budgeted.core.groups_started * n;
+    assert!(
+        started > 6 * b && started <= 6 * b + margin,
+        "{started} trajectories started for {} and a margin of {margin}",
+        6 * b
+    );
+    // A window kept full to the end starts more, and drops them untrained.
+    let full = run(false);
+    assert_eq!(full.core.trajectories_consumed, 6 * b);
+    assert!(
+        full.core.groups_started * n > 6 * b + margin,
+        "{} trajectories started with the window kept full",
+        full.core.groups_started * n
+    );
+}
+
 /// Regression: with no over-provisioning, the in-flight window (three quarters of a rollout
 /// batch at a small staleness bound) was smaller than one training batch, so the trainer never
 /// got a batch and the run stalled at version 0.

@@ -95,7 +95,8 @@ pub struct RlSpec {
     /// Hard bound on how many policy versions behind the trainer any turn of a consumed
     /// trajectory may be (0 = fully on-policy).
     pub max_staleness: i64,
-    /// Extra fraction of trajectories started beyond what a step needs (APRIL-style), e.g. 0.25.
+    /// Extra fraction of a rollout batch started beyond what the trainer needs (APRIL-style),
+    /// e.g. 0.25: a margin of the job, whose last groups still running are dropped.
     #[serde(default)]
     pub over_provisioning: f64,
     /// RL steps to run.
