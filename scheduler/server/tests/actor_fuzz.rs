@@ -182,7 +182,7 @@ fn hello(rng: &mut Rng, leases: &[String]) -> WorkerHello {
 /// A journal of `events` records for the case `seed`: the header of the quick-start job, then a
 /// mix of events that a real run, a faulty worker and a hostile one would produce.
 fn journal(seed: u64, events: usize) -> (JournalHeader, Vec<JournalRecord>) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let header = JournalHeader {
         format: FORMAT.into(),
         job_yaml: quickstart_yaml(),

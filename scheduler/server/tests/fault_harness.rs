@@ -138,7 +138,7 @@ fn result(assignment_id: u64, outcome: work_result::Outcome) -> WorkerMessage {
 /// Registers, attaches and serves until the job drains it; registers again when it vanishes,
 /// leaves, or is cut off.
 async fn worker(inbox: mpsc::UnboundedSender<Event>, pool: &'static str, seed: u64) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     for life in 0..20u32 {
         let (reply, answer) = oneshot::channel();
         // No device: the scheduler gives a node of the pool's own shape, as to emulated workers.
@@ -352,7 +352,7 @@ fn plan_for(seed: u64) -> rollfleet_server::JobPlan {
 /// When case `seed`'s scheduler is killed and restarted from its journal, if it is: one case
 /// in four, at a seeded moment of job time (a case that has ended by then runs without one).
 fn restart_at(seed: u64) -> Option<Duration> {
-    let mut rng = Rng(seed ^ 0x0005_eed0_f4e5_7a27);
+    let mut rng = Rng::new(seed ^ 0x0005_eed0_f4e5_7a27);
     rng.next()
         .is_multiple_of(4)
         .then(|| Duration::from_millis(500 + rng.next() % 20_000))
