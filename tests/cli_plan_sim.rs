@@ -70,6 +70,15 @@ fn plan_never_predicts_a_step_below_the_fixed_yardstick_and_keeps_the_models_own
         let model = value["plan"]["prediction"]["step_s"].as_f64().unwrap();
         assert!(predicted >= yardstick, "{job}: {predicted} < {yardstick}");
         assert_eq!(predicted, model.max(yardstick), "{job}");
+        // The job's average adds its start and its end to the steady step, held at the
+        // yardstick as well.
+        let job_average = value["predicted_job_step_s"].as_f64().unwrap();
+        let model_average = value["plan"]["prediction"]["job_step_s"].as_f64().unwrap();
+        assert_eq!(job_average, model_average.max(yardstick), "{job}");
+        assert!(
+            job_average >= predicted,
+            "{job}: {job_average} < {predicted}"
+        );
         match value["predicted_below_yardstick"].as_f64() {
             Some(below) => assert!(below == model && below < yardstick, "{job}: {value}"),
             None => assert!(model >= yardstick, "{job}: {value}"),

@@ -63,6 +63,11 @@ struct Output<'a> {
     /// The model's own figure, when it was below the yardstick and raised to it.
     #[serde(skip_serializing_if = "Option::is_none")]
     predicted_below_yardstick: Option<f64>,
+    /// Seconds per step averaged over the job's steps, its start and its last step's drain
+    /// included (what `rollfleet sim` measures), held at the yardstick too.
+    predicted_job_step_s: f64,
+    /// The job's steps.
+    steps: u64,
     /// Left out when the prediction uses measured or probed shares of peak, which the
     /// yardstick's assumed ones would not match.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -217,6 +222,8 @@ pub fn run(
         job: job.manifest.metadata.name.clone(),
         predicted_step_s,
         predicted_below_yardstick: (model_step_s < floor).then_some(model_step_s),
+        predicted_job_step_s: planned.prediction.job_step_s.max(floor),
+        steps: spec.rl.steps.max(1) as u64,
         yardstick,
         plan: &planned,
         compared,
@@ -285,6 +292,12 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
         pr.binding,
         pr.token_s * 1e3,
         pr.cost_per_step_usd / raised
+    )?;
+    writeln!(
+        out,
+        "over the job's {} steps: {:.1} s a step on average, its start and the last step's \
+         wait for the groups it started last included (what `rollfleet sim` measures)",
+        o.steps, o.predicted_job_step_s
     )?;
     match (&o.yardstick, o.predicted_below_yardstick) {
         (Some(y), Some(model)) => writeln!(
