@@ -267,8 +267,9 @@ pub struct Prediction {
     /// Seconds per RL step, in steady state.
     pub step_s: f64,
     /// Seconds per RL step averaged over the job's steps, what a finite run measures
-    /// (`job_average`): the steady step, the slowest groups of the batch for a job of one
-    /// step, and at least the trainer's work after the first groups are done.
+    /// (`job_average`): the steady step and the last step's wait for the groups the job
+    /// started last, the slowest groups of the batch for a job of one step, and at least the
+    /// trainer's work after the first groups are done.
     pub job_step_s: f64,
     /// Trajectories per second.
     pub trajectories_per_s: f64,
