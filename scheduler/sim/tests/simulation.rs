@@ -191,6 +191,24 @@ fn quickstart() -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/jobs/quickstart.yaml")
 }
 
+/// rollfleet on the quick-start job as `edit_spec` changes it, with its policy as `edit_policy`
+/// changes it, on the placement its rules choose; the spec it ran, and the run.
+fn quickstart_rollfleet(
+    edit_spec: impl FnOnce(&mut rollfleet_spec::JobSpec),
+    edit_policy: impl FnOnce(&mut rollfleet_core::Policy),
+    opts: &SimOptions,
+) -> (rollfleet_spec::JobSpec, RunResult) {
+    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
+    let mut spec = job.spec().clone();
+    edit_spec(&mut spec);
+    let (placement, mut policy) = Baseline::Rollfleet
+        .setup(&spec, &job.catalog, &workload_means(&spec))
+        .unwrap();
+    edit_policy(&mut policy);
+    let run = simulate(&spec, &job.catalog, placement, policy, opts, &mut |_, _| {}).unwrap();
+    (spec, run)
+}
+
 fn json(seed: u64) -> Vec<u8> {
     let args = SimArgs {
         seed,
@@ -363,27 +381,13 @@ proptest! {
 
 #[test]
 fn replica_failures_are_survived_without_losing_or_duplicating_a_trajectory() {
-    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
-    let mut spec = job.spec().clone();
-    spec.rl.steps = 4;
-    let (placement, policy) = Baseline::Rollfleet
-        .setup(&spec, &job.catalog, &workload_means(&spec))
-        .unwrap();
     let opts = SimOptions {
         seed: 3,
         failure_mtbf_s: Some(0.2),
         repair_s: 1.0,
         ..SimOptions::default()
     };
-    let run = simulate(
-        &spec,
-        &job.catalog,
-        placement,
-        policy,
-        &opts,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let (_, run) = quickstart_rollfleet(|spec| spec.rl.steps = 4, |_| {}, &opts);
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     assert!(run.core.stage_retries > 0, "no failure hit a stage");
     assert_eq!(run.trajectories, 4 * 32);
@@ -393,62 +397,46 @@ fn replica_failures_are_survived_without_losing_or_duplicating_a_trajectory() {
 /// flight, used to wait for an event that never came.
 #[test]
 fn a_trajectory_rewound_at_admission_is_dispatched_in_the_same_pass() {
-    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
-    let mut spec = job.spec().clone();
-    spec.rl.steps = 3;
-    // Twice a batch of over-provisioning, past the staleness budget the policy would cut it
-    // at: admission rarely lets a turn fall out of the bound, so the test makes it happen by
-    // starting far more than a step needs.
-    spec.rl.over_provisioning = 2.0;
-    let (placement, mut policy) = Baseline::Rollfleet
-        .setup(&spec, &job.catalog, &workload_means(&spec))
-        .unwrap();
-    policy.cap_over_provisioning = false;
     let opts = SimOptions {
         seed: 15397575574545266249,
         ..SimOptions::default()
     };
-    let run = simulate(
-        &spec,
-        &job.catalog,
-        placement,
-        policy,
+    let (_, run) = quickstart_rollfleet(
+        |spec| {
+            spec.rl.steps = 3;
+            // Twice a batch of over-provisioning, past the staleness budget the policy would
+            // cut it at: admission rarely lets a turn fall out of the bound, so the test makes
+            // it happen by starting far more than a step needs.
+            spec.rl.over_provisioning = 2.0;
+        },
+        |policy| policy.cap_over_provisioning = false,
         &opts,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    );
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     assert!(run.core.regenerated_at_admission > 0);
 }
 
 #[test]
 fn rollfleet_starts_the_jobs_batches_and_one_over_provisioning_margin_and_no_more() {
-    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
-    let mut spec = job.spec().clone();
-    spec.rl.steps = 6;
-    // At a bound of 2 the window is one batch and the whole margin fits under the bound's
-    // budget of two batches.
-    spec.rl.max_staleness = 2;
-    spec.rl.over_provisioning = 0.5;
+    let run = |within_budget: bool| {
+        quickstart_rollfleet(
+            |spec| {
+                spec.rl.steps = 6;
+                // At a bound of 2 the window is one batch and the whole margin fits under the
+                // bound's budget of two batches.
+                spec.rl.max_staleness = 2;
+                spec.rl.over_provisioning = 0.5;
+            },
+            |policy| {
+                assert!(policy.sample_within_job_budget, "rollfleet's own policy");
+                policy.sample_within_job_budget = within_budget;
+            },
+            &SimOptions::default(),
+        )
+    };
+    let (spec, budgeted) = run(true);
     let (b, n) = (spec.rl.rollout_batch_size as u64, spec.rl.group_size as u64);
     let margin = (0.5 * b as f64).ceil() as u64;
-    let run = |within_budget: bool| {
-        let (placement, mut policy) = Baseline::Rollfleet
-            .setup(&spec, &job.catalog, &workload_means(&spec))
-            .unwrap();
-        assert!(policy.sample_within_job_budget, "rollfleet's own policy");
-        policy.sample_within_job_budget = within_budget;
-        simulate(
-            &spec,
-            &job.catalog,
-            placement,
-            policy,
-            &SimOptions::default(),
-            &mut |_, _| {},
-        )
-        .unwrap()
-    };
-    let budgeted = run(true);
     assert_eq!(budgeted.core.trajectories_consumed, 6 * b);
     let started = budgeted.core.groups_started * n;
     assert!(
@@ -457,7 +445,7 @@ fn rollfleet_starts_the_jobs_batches_and_one_over_provisioning_margin_and_no_mor
         6 * b
     );
     // A window kept full to the end starts more, and drops them untrained.
-    let full = run(false);
+    let (_, full) = run(false);
     assert_eq!(full.core.trajectories_consumed, 6 * b);
     assert!(
         full.core.groups_started * n > 6 * b + margin,
@@ -471,24 +459,16 @@ fn rollfleet_starts_the_jobs_batches_and_one_over_provisioning_margin_and_no_mor
 /// got a batch and the run stalled at version 0.
 #[test]
 fn a_training_batch_as_large_as_the_rollout_batch_is_always_filled() {
-    let job = rollfleet_spec::load_job_file(&quickstart()).unwrap();
-    let mut spec = job.spec().clone();
-    spec.rl.steps = 3;
-    spec.rl.train_batch_size = spec.rl.rollout_batch_size;
-    spec.rl.over_provisioning = 0.0;
-    spec.rl.max_staleness = 1;
-    let (placement, policy) = Baseline::Rollfleet
-        .setup(&spec, &job.catalog, &workload_means(&spec))
-        .unwrap();
-    let run = simulate(
-        &spec,
-        &job.catalog,
-        placement,
-        policy,
+    let (spec, run) = quickstart_rollfleet(
+        |spec| {
+            spec.rl.steps = 3;
+            spec.rl.train_batch_size = spec.rl.rollout_batch_size;
+            spec.rl.over_provisioning = 0.0;
+            spec.rl.max_staleness = 1;
+        },
+        |_| {},
         &SimOptions::default(),
-        &mut |_, _| {},
-    )
-    .unwrap();
+    );
     assert!(run.violations.is_empty(), "{:?}", run.violations);
     assert_eq!(run.trajectories, 3 * spec.rl.rollout_batch_size as u64);
 }
