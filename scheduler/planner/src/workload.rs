@@ -183,21 +183,19 @@ impl Workload {
     }
 
     /// The core's admission window and the over-provisioning it admits beyond it, in
-    /// trajectories (`Core::admission_terms`): the over-provisioning stops at `maxStaleness`
-    /// batches (at least one) started and not yet trained.
+    /// trajectories, by the core's own rule (`Core::admission_window`, rollfleet's policy): the
+    /// over-provisioning stops at `maxStaleness` batches (at least one) started and not yet
+    /// trained.
     pub fn admission_terms(&self) -> (f64, f64) {
-        let b = self.batch;
-        let core = (self.max_staleness * b / 2.0)
-            .floor()
-            .min(rollfleet_core::Core::MAX_WINDOW_BATCHES as f64 * b)
-            .max((3.0 * b / 4.0).floor())
-            .max(self.train_batch)
-            .max(self.group_size);
-        let extra = (self.over_provisioning * b).ceil();
-        (
-            core,
-            extra.min((self.max_staleness.max(1.0) * b - core).max(0.0)),
-        )
+        let (core, extra) = rollfleet_core::Core::admission_window(
+            self.batch as u64,
+            self.train_batch as u64,
+            self.group_size as u64,
+            self.max_staleness as u64,
+            self.over_provisioning,
+            true,
+        );
+        (core as f64, extra as f64)
     }
 
     /// Mean tokens trained on per trajectory.

@@ -168,9 +168,27 @@ impl Core {
     /// (see [`Core::admit_groups`]): they depend on the configuration alone, so they are worked
     /// out once, not on every admission pass (which runs on every input).
     pub(super) fn admission_terms(cfg: &Config) -> (u64, u64) {
-        let n = cfg.group_size as u64;
-        let b = cfg.rollout_batch_size as u64;
-        let extra = (cfg.policy.over_provisioning * b as f64).ceil().max(0.0) as u64;
+        Self::admission_window(
+            cfg.rollout_batch_size as u64,
+            cfg.train_batch_size as u64,
+            cfg.group_size as u64,
+            cfg.policy.max_staleness,
+            cfg.policy.over_provisioning,
+            cfg.policy.cap_over_provisioning,
+        )
+    }
+
+    /// [`Core::admission_terms`] on plain numbers (`b` trajectories a rollout batch, `n` a
+    /// group, staleness bound `s`), for whoever models the core (the planner).
+    pub fn admission_window(
+        b: u64,
+        train_batch: u64,
+        n: u64,
+        s: u64,
+        over_provisioning: f64,
+        cap_over_provisioning: bool,
+    ) -> (u64, u64) {
+        let extra = (over_provisioning * b as f64).ceil().max(0.0) as u64;
         // Little's law: with N trajectories generating, a step takes about B / (N / L) for a
         // lifetime L, so a trajectory spans N / B versions; to finish within the bound, N must
         // stay below S * B, and a group lives as long as the slowest of its members (about
@@ -178,10 +196,10 @@ impl Core {
         // small bound still keeps the trainer fed (both measured on the RollArt-like job), and never
         // less than one training batch, or the trainer would wait for trajectories that are
         // never started. A loose bound does not widen it past `MAX_WINDOW_BATCHES`: see there.
-        let window = (cfg.policy.max_staleness * b / 2)
+        let window = (s * b / 2)
             .min(Self::MAX_WINDOW_BATCHES * b)
             .max(3 * b / 4)
-            .max(cfg.train_batch_size as u64)
+            .max(train_batch)
             .max(n);
         // The same law caps the over-provisioning: with more than `maxStaleness` batches
         // started and not yet trained, the mean trajectory waits past the bound, so most
@@ -189,8 +207,8 @@ impl Core {
         // `overProvisioning` 4 on the RollArt-like job: 278 s per step and 20% fewer tokens
         // per trained trajectory than sampled, against 121 s and 5% with the cap, when the cap
         // was chosen).
-        let extra = if cfg.policy.cap_over_provisioning {
-            let budget = cfg.policy.max_staleness.max(1) * b;
+        let extra = if cap_over_provisioning {
+            let budget = s.max(1) * b;
             extra.min(budget.saturating_sub(window))
         } else {
             extra

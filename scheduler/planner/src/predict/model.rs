@@ -713,14 +713,19 @@ pub(super) struct Regeneration {
 /// regeneration does not redraw), for averaging over groups.
 pub(super) const LAG_POINTS: usize = 16;
 
+/// `x Q(x) - phi(x)`, an antiderivative of the standard normal survival function `Q(x) = 1 -
+/// Phi(x)`.
+fn survival_antiderivative(x: f64) -> f64 {
+    x * (1.0 - normal_cdf(x)) - normal_pdf(x)
+}
+
 /// The mean of the standard normal survival function `Q(x) = 1 - Phi(x)` over `[a, b]`:
-/// `x Q(x) - phi(x)` is its antiderivative.
+/// `x Q(x) - phi(x)` is its antiderivative ([`survival_antiderivative`]).
 pub(super) fn mean_survival(a: f64, b: f64) -> f64 {
-    let antiderivative = |x: f64| x * (1.0 - normal_cdf(x)) - normal_pdf(x);
     if b - a < 1e-12 {
         return 1.0 - normal_cdf(a);
     }
-    ((antiderivative(b) - antiderivative(a)) / (b - a)).clamp(0.0, 1.0)
+    ((survival_antiderivative(b) - survival_antiderivative(a)) / (b - a)).clamp(0.0, 1.0)
 }
 
 /// The cost of the staleness bound to a task's groups. An attempt (first turn to being taken by
@@ -826,17 +831,15 @@ pub(super) fn drain_wait(lives: &[SlotLife], w: &Workload, t: f64) -> f64 {
     if w.steps * w.batch <= window || needed < 1.0 {
         return 0.0;
     }
-    // The survival of a life integrated from 0 to `r`, by `x Q(x) - phi(x)`, the standard normal
-    // survival's antiderivative.
-    let antiderivative = |z: f64| z * (1.0 - normal_cdf(z)) - normal_pdf(z);
+    // The survival of a life integrated from 0 to `r`.
     let lived = |r: f64| -> f64 {
         lives
             .iter()
             .map(|l| {
                 let integral = if l.sd_s > 1e-12 {
                     l.sd_s
-                        * (antiderivative((r - l.mean_s) / l.sd_s)
-                            - antiderivative(-l.mean_s / l.sd_s))
+                        * (survival_antiderivative((r - l.mean_s) / l.sd_s)
+                            - survival_antiderivative(-l.mean_s / l.sd_s))
                 } else {
                     r.min(l.mean_s).max(0.0)
                 };
