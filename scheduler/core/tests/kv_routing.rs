@@ -173,3 +173,112 @@ fn no_replica_is_given_more_kv_cache_than_it_holds() {
     );
     assert!(core.stats().kv_evictions <= 1);
 }
+
+#[test]
+fn a_first_turn_waits_for_a_decode_replica_taking_its_prefills_weights_instead_of_decoding_on_older_ones()
+ {
+    // Staleness 1: a first turn decoded on version 0 once version 1 is out would leave its
+    // group one step to be trained in instead of two.
+    let cfg = config(
+        vec![
+            replica(ServeRole::Prefill, 10_000),
+            replica(ServeRole::Decode, 10_000),
+            replica(ServeRole::Decode, 10_000),
+        ],
+        policy(Discipline::Continuous, 1, 0.0, SyncMode::Rolling),
+        1,
+        1,
+        2,
+    );
+    let (mut core, resets) = started(cfg);
+    let prefill = runs(&finish(&mut core, resets[0].stage, observed(2_000, false)));
+    let decode = runs(&finish(
+        &mut core,
+        prefill[0].stage,
+        StageOutcome::Prefilled,
+    ));
+    let step = runs(&finish(
+        &mut core,
+        decode[0].stage,
+        StageOutcome::Generated { tokens: 10 },
+    ));
+    let reward = runs(&finish(&mut core, step[0].stage, observed(5, true)));
+    let out = finish(
+        &mut core,
+        reward[0].stage,
+        StageOutcome::Rewarded { score: 0.0 },
+    );
+    let batch = trained_batch(&out);
+    // The trainer took the first trajectory, which let the second one start (its reset).
+    let second = runs(&out)
+        .into_iter()
+        .find(|s| matches!(s.work, StageWork::EnvReset { .. }))
+        .unwrap();
+    core.handle_input(Time(5), Input::TrainFinished { batch });
+    // One replica at a time: the prefill replica first, then decode replica 1, while decode
+    // replica 2 still serves version 0 and has room.
+    let (first, version) = weight_update(&drain(&mut core));
+    assert_eq!((first, version), (ReplicaId(0), 1));
+    core.handle_input(
+        Time(6),
+        Input::WeightsUpdated {
+            replica: first,
+            version,
+        },
+    );
+    let (updating, _) = weight_update(&drain(&mut core));
+    assert_eq!(updating, ReplicaId(1));
+
+    let prefill = runs(&finish_when(
+        &mut core,
+        Time(7),
+        second.stage,
+        observed(2_000, false),
+    ));
+    assert!(
+        matches!(
+            prefill[0].work,
+            StageWork::Prefill {
+                replica: ReplicaId(0),
+                ..
+            }
+        ),
+        "{prefill:?}"
+    );
+    let waiting = runs(&finish_when(
+        &mut core,
+        Time(8),
+        prefill[0].stage,
+        StageOutcome::Prefilled,
+    ));
+    assert!(
+        !waiting
+            .iter()
+            .any(|s| matches!(s.work, StageWork::Generate { .. })),
+        "decoded on version 0 while a decode replica was taking version 1: {waiting:?}"
+    );
+    core.handle_input(
+        Time(9),
+        Input::WeightsUpdated {
+            replica: updating,
+            version: 1,
+        },
+    );
+    let decode = runs(&drain(&mut core));
+    let generate = decode
+        .iter()
+        .find(|s| matches!(s.work, StageWork::Generate { .. }))
+        .unwrap_or_else(|| panic!("no decode once replica 1 had version 1: {decode:?}"));
+    assert_eq!(generate.version, 1);
+    assert!(
+        matches!(
+            generate.work,
+            StageWork::Generate {
+                replica: ReplicaId(1),
+                kv_from: Some(ReplicaId(0)),
+                ..
+            }
+        ),
+        "{generate:?}"
+    );
+}
