@@ -68,6 +68,12 @@ pub struct Policy {
     /// then, the slowest ones, are dropped untrained.
     #[serde(default)]
     pub sample_within_job_budget: bool,
+    /// Whether finished groups waiting for the trainer, up to one training batch, leave the
+    /// admission window to running ones, within the cap of `maxStaleness` batches (continuous
+    /// discipline; see `Core::admit_groups`). Off, every started and untrained trajectory holds
+    /// its place.
+    #[serde(default)]
+    pub window_excludes_waiting_batch: bool,
 }
 
 impl Policy {
@@ -85,6 +91,7 @@ impl Policy {
             restart_late_groups: true,
             cap_over_provisioning: true,
             sample_within_job_budget: true,
+            window_excludes_waiting_batch: true,
         }
     }
 }

@@ -142,6 +142,39 @@ fn over_provisioning_never_starts_more_than_max_staleness_batches_ahead_of_the_t
 }
 
 #[test]
+fn a_finished_group_waiting_for_a_training_batch_leaves_its_place_in_the_window_to_a_new_one() {
+    // Groups of one, a rollout batch of 4, training batches of 2, bound 2: a window of 4 and
+    // room for 4 more under the bound's budget of two batches.
+    let started_after_one_finishes = |excludes_waiting: bool| {
+        let mut cfg = config(
+            vec![replica(ServeRole::Generate, 10_000)],
+            policy(Discipline::Continuous, 2, 0.0, SyncMode::Rolling),
+            1,
+            4,
+            10,
+        );
+        cfg.train_batch_size = 2;
+        cfg.policy.window_excludes_waiting_batch = excludes_waiting;
+        let (mut core, resets) = started(cfg);
+        assert_eq!(core.stats().groups_started, 4);
+        let out = complete_one(&mut core, &resets[0]);
+        assert!(
+            !out.iter().any(|c| matches!(c, Command::Train { .. })),
+            "one finished group is half a training batch: {out:?}"
+        );
+        let new_resets = runs(&out)
+            .iter()
+            .filter(|s| matches!(s.work, StageWork::EnvReset { .. }))
+            .count() as u64;
+        assert_eq!(core.stats().groups_started, 4 + new_resets);
+        core.stats().groups_started
+    };
+    assert_eq!(started_after_one_finishes(true), 5);
+    // Counted in the window, it holds its place until the trainer takes it.
+    assert_eq!(started_after_one_finishes(false), 4);
+}
+
+#[test]
 fn the_synchronous_discipline_starts_a_batch_only_after_training_and_a_global_sync() {
     let cfg = config(
         vec![

@@ -86,6 +86,7 @@ impl Baseline {
             restart_late_groups: false,
             cap_over_provisioning: false,
             sample_within_job_budget: false,
+            window_excludes_waiting_batch: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -107,6 +108,8 @@ impl Baseline {
                 // AReaL's rollout keeps generating until training ends, and what is still
                 // running then is never trained.
                 sample_within_job_budget: false,
+                // AReaL counts every started trajectory against its budget.
+                window_excludes_waiting_batch: false,
             },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
@@ -131,6 +134,7 @@ impl Baseline {
             restart_late_groups: false,
             cap_over_provisioning: false,
             sample_within_job_budget: false,
+            window_excludes_waiting_batch: false,
         };
         Ok(match self {
             Baseline::Sync => (

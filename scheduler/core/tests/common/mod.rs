@@ -23,6 +23,7 @@ pub fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncM
         restart_late_groups: true,
         cap_over_provisioning: true,
         sample_within_job_budget: true,
+        window_excludes_waiting_batch: true,
     }
 }
 
