@@ -113,6 +113,15 @@ fn rollfleet_job_list_and_logs_show_the_job_and_the_schedulers_log_lines_and_fol
 fn a_scheduler_started_without_a_job_runs_the_first_valid_one_submitted_and_refuses_others() {
     let dir = temp_dir("submit");
     let job = job_file(&dir, 3);
+    // Its first task's actions come from a CSV file beside the job, named by a relative path:
+    // the scheduler, whose working directory is elsewhere, must read that file.
+    std::fs::write(dir.join("actions.csv"), "tokens\n20\n48\n64\n120\n").unwrap();
+    let yaml = std::fs::read_to_string(&job).unwrap();
+    let from_csv = "actionTokens: { distribution: csv, path: actions.csv, column: tokens }";
+    let lognormal = "actionTokens: { distribution: lognormal, median: 48, p99: 200, max: 256 }";
+    assert!(yaml.contains(lognormal));
+    std::fs::write(&job, yaml.replacen(lognormal, from_csv, 1)).unwrap();
+    assert_ne!(std::env::current_dir().unwrap(), dir);
     let report = dir.join("report.json");
     let mut command = Command::new(BIN);
     command.arg("scheduler");

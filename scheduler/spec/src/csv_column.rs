@@ -117,28 +117,7 @@ pub(crate) fn load_csv_distributions(
 ) -> Vec<Problem> {
     let mut files: BTreeMap<PathBuf, Result<Arc<String>, String>> = BTreeMap::new();
     let mut problems = Vec::new();
-    let spec = &mut manifest.spec;
-    let mut fields: Vec<(String, &mut Distribution)> = Vec::new();
-    for (i, task) in spec.tasks.iter_mut().enumerate() {
-        let path = format!("spec.tasks[{i}]");
-        if let Some(turns) = task.turns.as_mut() {
-            fields.push((format!("{path}.turns"), &mut turns.0));
-        }
-        fields.push((format!("{path}.promptTokens"), &mut task.prompt_tokens.0));
-        fields.push((format!("{path}.actionTokens"), &mut task.action_tokens.0));
-        fields.push((
-            format!("{path}.observationTokens"),
-            &mut task.observation_tokens.0,
-        ));
-        fields.push((format!("{path}.envStepMs"), &mut task.env_step_ms.0));
-    }
-    for (i, reward) in spec.rewards.iter_mut().enumerate() {
-        fields.push((
-            format!("spec.rewards[{i}].latencyMs"),
-            &mut reward.latency_ms.0,
-        ));
-    }
-    for (field, dist) in fields {
+    for (field, dist) in distributions(manifest) {
         let Distribution::Csv {
             path, column, rows, ..
         } = dist
@@ -151,7 +130,7 @@ pub(crate) fn load_csv_distributions(
         };
         let text = files
             .entry(resolved.clone())
-            .or_insert_with(|| read_csv_file(&resolved).map(Arc::new));
+            .or_insert_with(|| read_csv_file(&resolved, base.is_some()).map(Arc::new));
         let outcome = match text {
             Ok(text) => read_column(text, column).map_err(|(parameter, reason)| {
                 let reason = if parameter == "path" {
@@ -174,15 +153,66 @@ pub(crate) fn load_csv_distributions(
     problems
 }
 
+/// Rewrites the relative path of every CSV distribution of `manifest` as an absolute one,
+/// resolved against `dir` (the job file's directory), so that the job reads the same files
+/// wherever it is parsed again: a scheduler it is submitted to resolves a relative path against
+/// its own working directory. Whether any path changed.
+pub fn absolute_csv_paths(manifest: &mut JobManifest, dir: &Path) -> std::io::Result<bool> {
+    let mut changed = false;
+    for (_, dist) in distributions(manifest) {
+        if let Distribution::Csv { path, .. } = dist
+            && Path::new(path.as_str()).is_relative()
+        {
+            *path = std::path::absolute(dir.join(path.as_str()))?
+                .to_string_lossy()
+                .into_owned();
+            changed = true;
+        }
+    }
+    Ok(changed)
+}
+
+/// Every distribution of `manifest`, with the path of its field.
+fn distributions(manifest: &mut JobManifest) -> Vec<(String, &mut Distribution)> {
+    let spec = &mut manifest.spec;
+    let mut fields: Vec<(String, &mut Distribution)> = Vec::new();
+    for (i, task) in spec.tasks.iter_mut().enumerate() {
+        let path = format!("spec.tasks[{i}]");
+        if let Some(turns) = task.turns.as_mut() {
+            fields.push((format!("{path}.turns"), &mut turns.0));
+        }
+        fields.push((format!("{path}.promptTokens"), &mut task.prompt_tokens.0));
+        fields.push((format!("{path}.actionTokens"), &mut task.action_tokens.0));
+        fields.push((
+            format!("{path}.observationTokens"),
+            &mut task.observation_tokens.0,
+        ));
+        fields.push((format!("{path}.envStepMs"), &mut task.env_step_ms.0));
+    }
+    for (i, reward) in spec.rewards.iter_mut().enumerate() {
+        fields.push((
+            format!("spec.rewards[{i}].latencyMs"),
+            &mut reward.latency_ms.0,
+        ));
+    }
+    fields
+}
+
 /// The text of a CSV file, bounded by [`MAX_CSV_BYTES`]; only a regular file is opened (not a
-/// device or a pipe, which might never end).
-fn read_csv_file(path: &Path) -> Result<String, String> {
+/// device or a pipe, which might never end). `beside_job`: whether a relative path was resolved
+/// against the job file's directory (else against the current one), for the error.
+fn read_csv_file(path: &Path, beside_job: bool) -> Result<String, String> {
     use std::io::Read;
     let shown = path.display();
+    let base = if beside_job {
+        "the job file's directory"
+    } else {
+        "the working directory of the process that reads the job"
+    };
     let cannot = |e: std::io::Error| match e.kind() {
-        std::io::ErrorKind::NotFound => format!(
-            "{shown}: no such file (a relative path is resolved against the job file's directory)"
-        ),
+        std::io::ErrorKind::NotFound => {
+            format!("{shown}: no such file (a relative path is resolved against {base})")
+        }
         _ => format!("{shown}: cannot read: {e}"),
     };
     if path.extension().and_then(|e| e.to_str()) != Some("csv") {

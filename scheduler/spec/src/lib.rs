@@ -24,7 +24,7 @@ mod validate;
 
 use std::path::Path;
 
-pub use csv_column::{CsvRows, MAX_CSV_BYTES, MAX_CSV_ROWS};
+pub use csv_column::{CsvRows, MAX_CSV_BYTES, MAX_CSV_ROWS, absolute_csv_paths};
 pub use distribution::{
     Dist, Distribution, TraceColumn, TraceName, lognormal_moment, lognormal_sigma, normal_cdf,
 };

@@ -118,7 +118,19 @@ fn a_missing_file_is_named_with_its_field_and_where_it_was_looked_for() {
     assert_one_problem(
         &problems_of(&with_csv_actions("no/such/lengths.csv", "tokens")),
         "spec.tasks[0].actionTokens.path: no/such/lengths.csv: no such file (a relative path \
-         is resolved against the job file's directory)",
+         is resolved against the working directory of the process that reads the job)",
+    );
+    // Read from a job file, it was looked for beside it.
+    let dir = scratch_dir("missing");
+    let job = dir.join("job.yaml");
+    std::fs::write(&job, with_csv_actions("no/such/lengths.csv", "tokens")).unwrap();
+    let error = load_job_file(&job).unwrap_err().to_string();
+    assert!(
+        error.contains(&format!(
+            "{}: no such file (a relative path is resolved against the job file's directory)",
+            dir.join("no/such/lengths.csv").display()
+        )),
+        "{error}"
     );
 }
 
@@ -268,4 +280,24 @@ fn a_distribution_of_a_job_built_in_code_without_reading_its_file_is_refused() {
             .contains("the job's spec.tasks[0].actionTokens.path: the CSV file was not read"),
         "{error}"
     );
+}
+
+#[test]
+fn a_job_sent_elsewhere_names_its_csv_files_by_their_absolute_paths_beside_the_job_file() {
+    let mut job = load_job_file(&data().join("csv-lengths.yaml")).unwrap();
+    assert!(rollfleet_spec::absolute_csv_paths(&mut job.manifest, &data()).unwrap());
+    let yaml = serde_yaml_ng::to_string(&job.manifest).unwrap();
+    let beside = data().join("action_tokens.csv");
+    assert!(
+        yaml.contains(&format!("path: {}", beside.display())),
+        "{yaml}"
+    );
+    // Parsed as text anywhere, it reads the same rows.
+    let again = parse_job(yaml.as_bytes(), "sent").unwrap();
+    assert_eq!(
+        again.spec().tasks[0].action_tokens.mean(),
+        job.spec().tasks[0].action_tokens.mean()
+    );
+    // Paths already absolute are left as they are.
+    assert!(!rollfleet_spec::absolute_csv_paths(&mut job.manifest, &data()).unwrap());
 }
