@@ -404,7 +404,7 @@ impl Core {
     /// replica then has no update to drain for, so the wait cannot close on itself. Only when
     /// no decode replica will have them does it take an older one. Held-out math and code job
     /// (disaggregated, `maxStaleness: 1`), seeds 0-2: 51.9 / 54.9 / 50.6 s per step against
-    /// 56.3 / 58.7 / 54.9 s, with 17 groups regenerated at consumption at seed 0 against 31;
+    /// 56.3 / 58.7 / 54.9 s, with 15 groups regenerated at consumption at seed 0 against 31;
     /// the RollArt-like job within 1% (staleness 2) and 197.7 against 196.4 s on average at
     /// staleness 1, when the rule was chosen.
     fn pick_decode(&mut self, t: TrajId, need: u64, p_version: Version) -> DecodePick {
