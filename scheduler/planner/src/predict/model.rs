@@ -780,8 +780,10 @@ pub(super) fn regeneration(
 /// Seconds per step averaged over a job of `steps` steps, what a finite run measures, from the
 /// steady step `t`. Every step but the last is a steady one; the last also pays `drain_s`, the
 /// wait for the groups the job started last ([`drain_wait`]). The first step is taken as a
-/// steady one (not quite: with a window of two batches or more, at `maxStaleness` 4 and 8, it
-/// simulates twice as long, the whole window starting at once; not modelled); but the trainer,
+/// steady one, which it is not: the whole window starts at once, so the first step ends with
+/// the first groups to finish of a fresh window. Near one batch of window it simulates shorter
+/// than a steady step (RollArt-like job: 72-79 s against 106-111 s), at two batches or more
+/// (`maxStaleness` 4 and 8) about twice as long; not modelled. The trainer,
 /// idle until the first groups are done (`first_ready`), must still train every step after. A
 /// job of one step is all start: its batch is started at once, so it waits for `one_batch`, the
 /// slowest groups of the batch.
