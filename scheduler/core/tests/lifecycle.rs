@@ -175,6 +175,39 @@ fn a_finished_group_waiting_for_a_training_batch_leaves_its_place_in_the_window_
 }
 
 #[test]
+fn the_jobs_last_groups_all_start_once_what_is_left_fits_within_the_staleness_cap() {
+    // Groups of one, rollout and training batches of 4, bound 2: a window of 4 and a cap of 8
+    // started and not yet trained.
+    let job = |steps: u64, within_budget: bool| {
+        let mut cfg = config(
+            vec![replica(ServeRole::Generate, 10_000)],
+            policy(Discipline::Continuous, 2, 0.0, SyncMode::Rolling),
+            1,
+            4,
+            steps,
+        );
+        cfg.train_batch_size = 4;
+        cfg.policy.sample_within_job_budget = within_budget;
+        cfg.policy.window_excludes_waiting_batch = false;
+        started(cfg)
+    };
+    // Two steps are 8 trajectories: all of the job fits within the cap, so all of it starts.
+    assert_eq!(job(2, true).0.stats().groups_started, 8);
+    // Three steps are 12: the window's 4 start, and the job's last 8 once a batch is trained.
+    let (mut core, resets) = job(3, true);
+    assert_eq!(core.stats().groups_started, 4);
+    for reset in &resets[..3] {
+        complete_one(&mut core, reset);
+    }
+    assert_eq!(core.stats().groups_started, 4);
+    let out = complete_one(&mut core, &resets[3]);
+    trained_batch(&out);
+    assert_eq!(core.stats().groups_started, 12);
+    // Without the job's budget the window alone decides, whatever is left.
+    assert_eq!(job(2, false).0.stats().groups_started, 4);
+}
+
+#[test]
 fn the_synchronous_discipline_starts_a_batch_only_after_training_and_a_global_sync() {
     let cfg = config(
         vec![

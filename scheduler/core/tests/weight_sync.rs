@@ -13,7 +13,8 @@ use common::*;
 #[test]
 fn weights_are_updated_one_replica_at_a_time_while_the_others_keep_serving() {
     // Bound 2: at version 1 a new trajectory may still start on a version-0 replica (it has two
-    // more steps to finish in); with bound 1 it would wait for new weights (next test).
+    // more steps to finish in); with bound 1 it would wait for new weights (next test). Three
+    // steps, so that the job's last trajectories do not all start at once.
     let cfg = config(
         vec![
             replica(ServeRole::Generate, 10_000),
@@ -23,7 +24,7 @@ fn weights_are_updated_one_replica_at_a_time_while_the_others_keep_serving() {
         policy(Discipline::Continuous, 2, 0.0, SyncMode::Rolling),
         1,
         1,
-        2,
+        3,
     );
     let (mut core, resets) = started(cfg);
     let before = complete_one(&mut core, &resets[0]);
