@@ -198,6 +198,18 @@ impl Workload {
         (core as f64, extra as f64)
     }
 
+    /// [`rollfleet_core::Core::last_starts`]: trajectories started and not yet trained once the
+    /// job's last ones start.
+    pub fn last_starts(&self) -> f64 {
+        let (window, extra) = self.admission_terms();
+        rollfleet_core::Core::last_starts(
+            self.batch as u64,
+            self.max_staleness as u64,
+            window as u64,
+            extra as u64,
+        ) as f64
+    }
+
     /// Mean tokens trained on per trajectory.
     pub fn train_tokens(&self) -> f64 {
         self.tasks

@@ -216,6 +216,14 @@ impl Core {
         (window, extra)
     }
 
+    /// How many trajectories may be started and not yet trained once the job's last ones start
+    /// (see [`Core::admit_groups`]): one rollout batch `b` more than the `window` and its
+    /// over-provisioning `extra`, within the cap of `maxStaleness` (`s`) batches; for whoever
+    /// models the core (the planner).
+    pub fn last_starts(b: u64, s: u64, window: u64, extra: u64) -> u64 {
+        (s.max(1) * b).min(window + extra + b)
+    }
+
     pub(super) fn admit_groups(&mut self) {
         let n = self.cfg.group_size as u64;
         let b = self.cfg.rollout_batch_size as u64;
@@ -265,7 +273,8 @@ impl Core {
                 // regenerated more and was slower on the MoE job).
                 if self.cfg.policy.sample_within_job_budget {
                     let job_budget = self.cfg.steps * b + extra;
-                    let last_starts = cap.min(window + extra + b);
+                    let last_starts =
+                        Self::last_starts(b, self.cfg.policy.max_staleness, window, extra);
                     if job_budget <= self.stats.trajectories_consumed + last_starts {
                         budget = job_budget;
                     }

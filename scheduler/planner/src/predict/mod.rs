@@ -797,13 +797,13 @@ mod tests {
 
     /// Ten steps of 512 trajectories in groups of 8 at a staleness bound of 2: a window of one
     /// batch and 25% over-provisioning, 128 trajectories.
-    fn drained_workload(over_provisioning: f64) -> crate::workload::Workload {
+    fn drained_workload(max_staleness: f64, over_provisioning: f64) -> crate::workload::Workload {
         crate::workload::Workload {
             tasks: Vec::new(),
             batch: 512.0,
             group_size: 8.0,
             train_batch: 128.0,
-            max_staleness: 2.0,
+            max_staleness,
             over_provisioning,
             train_mfu: 0.4,
             steps: 10.0,
@@ -822,26 +822,31 @@ mod tests {
 
     #[test]
     fn groups_that_all_live_alike_end_the_job_when_a_full_window_would_have() {
-        // Every group holds its slot 100 s: 640 running make a step of 512 x 100 / 640 = 80 s,
-        // and what is left of a life caught at random is uniform on (0, 100 s), so the 64th
-        // of the 80 groups is done near its 80th percentile (Blom's (64 - 3/8) / (80 + 1/4),
-        // 79.3 s): within one steady step, no drain.
-        let w = drained_workload(0.25);
+        // Every group holds its slot 100 s: 640 running make a step of 512 x 100 / 640 = 80 s.
+        // The job's last 384 trajectories start one batch early, with the cap of two batches
+        // (1,024 started and not yet trained): the 112th of the 128 groups is one of those, done
+        // 100 s later, where a full window would have taken 896 / 512 steps (140 s): no drain.
+        let w = drained_workload(2.0, 0.25);
         assert_eq!(w.admission_terms(), (512.0, 128.0));
+        assert_eq!(w.last_starts(), 1024.0);
         let drain = drain_wait(&[fixed_life(1.0, 100.0)], &w, 80.0);
         assert!(drain.abs() < 1e-6, "{drain}");
     }
 
     #[test]
     fn the_drain_waits_for_the_long_lives_a_full_window_would_have_dropped() {
-        // Half the groups live 50 s, half 150 s (mean 100 s, the same 80 s step). A group is
-        // caught in proportion to its life, and what it has left integrates the survival:
-        // `0.5 min(r, 50) + 0.5 min(r, 150)` reaches the quantile p = 63.625 / 80.25 of the
-        // mean life at r = 200 p - 50 = 108.57 s, 28.57 s after the steady step.
-        let w = drained_workload(0.25);
+        // Bound 1: a window of 384 and a margin of 128 fill the cap of one batch, so nothing
+        // starts early. Half the groups live 50 s, half 150 s (mean 100 s; 512 running make a
+        // step of 100 s). A group is caught in proportion to its life, and what it has left
+        // integrates the survival: `0.5 min(r, 50) + 0.5 min(r, 150)` reaches the quantile p =
+        // 47.625 / 64.25 of the mean life (the 48th of 64 groups) at r = 200 p - 50 = 98.25 s,
+        // 23.25 s after the 0.75 steps a full window would have taken.
+        let w = drained_workload(1.0, 0.25);
+        assert_eq!(w.admission_terms(), (384.0, 128.0));
+        assert_eq!(w.last_starts(), 512.0);
         let lives = [fixed_life(0.5, 50.0), fixed_life(0.5, 150.0)];
-        let drain = drain_wait(&lives, &w, 80.0);
-        let expected = 200.0 * 63.625 / 80.25 - 50.0 - 80.0;
+        let drain = drain_wait(&lives, &w, 100.0);
+        let expected = 200.0 * 47.625 / 64.25 - 50.0 - 75.0;
         assert!((drain - expected).abs() < 1e-6, "{drain}");
         // Normal lives of the same means and a little spread wait a little longer still.
         let spread = [
@@ -856,28 +861,43 @@ mod tests {
                 sd_s: 15.0,
             },
         ];
-        let wider = drain_wait(&spread, &w, 80.0);
+        let wider = drain_wait(&spread, &w, 100.0);
         assert!(wider > drain && wider < drain + 5.0, "{wider}");
     }
 
     #[test]
-    fn without_over_provisioning_the_last_step_waits_for_about_the_longest_of_the_last_groups() {
-        // The same lives, no margin: 512 running make a step of 100 s, and the last step ends
-        // with the 64th of 64 groups, near the quantile p = 63.625 / 64.25 of what they have
-        // left, r = 200 p - 50 = 148.05 s: 48.05 s after the steady step.
+    fn without_over_provisioning_the_last_step_waits_for_the_longest_of_the_last_groups() {
+        // The same lives at bound 1, no margin: a window of 384 (a step of 512 x 100 / 384 s),
+        // and the job's last batch's 128 more start when 512 are left to train: every group
+        // left must be done, so the last step ends with the longest life, 150 s after, where a
+        // full window would have taken one step.
         let lives = [fixed_life(0.5, 50.0), fixed_life(0.5, 150.0)];
-        let w = drained_workload(0.0);
-        assert_eq!(w.admission_terms(), (512.0, 0.0));
-        let drain = drain_wait(&lives, &w, 100.0);
-        let expected = 200.0 * 63.625 / 64.25 - 50.0 - 100.0;
-        assert!((drain - expected).abs() < 1e-6, "{drain}");
+        let w = drained_workload(1.0, 0.0);
+        assert_eq!(w.admission_terms(), (384.0, 0.0));
+        assert_eq!(w.last_starts(), 512.0);
+        let step = 512.0 * 100.0 / 384.0;
+        let drain = drain_wait(&lives, &w, step);
+        assert!((drain - (150.0 - step)).abs() < 1e-6, "{drain}");
+    }
+
+    #[test]
+    fn the_jobs_last_groups_started_a_batch_early_end_it_with_whole_lives() {
+        // Bound 2, lives of 50 s and 150 s, a step of 80 s: the last 384 start with 896 left to
+        // train, the 112th of the 128 groups then running or just started. Just before 150 s
+        // the 80 running ones are all done and half the 48 fresh ones (the 50-s ones): 104, so
+        // the end waits for the fresh 150-s groups, 150 s on, where a full window would have
+        // taken 896 / 512 steps (140 s): 10 s of drain.
+        let w = drained_workload(2.0, 0.25);
+        let lives = [fixed_life(0.5, 50.0), fixed_life(0.5, 150.0)];
+        let drain = drain_wait(&lives, &w, 80.0);
+        assert!((drain - 10.0).abs() < 1e-6, "{drain}");
     }
 
     #[test]
     fn a_job_whose_whole_budget_starts_at_once_has_no_drain_but_its_one_batch() {
         // One step, one window: everything starts at once (`one_batch` takes it).
         let lives = [fixed_life(0.5, 50.0), fixed_life(0.5, 150.0)];
-        let mut one = drained_workload(0.25);
+        let mut one = drained_workload(2.0, 0.25);
         one.steps = 1.0;
         assert_eq!(drain_wait(&lives, &one, 80.0), 0.0);
     }

@@ -815,21 +815,26 @@ pub(super) struct SlotLife {
 }
 
 /// What the end of a job adds to its last step. The core starts the job's batches and one
-/// over-provisioning margin `E` and no more (`Core::admit_groups`), so once the window `W` is
-/// all that is left to train, nothing new starts: the job ends when `W` of the `W + E`
-/// trajectories then running are done. Those are a steady window's groups caught at a random
-/// moment, so what each has left to live follows the equilibrium law of slot lives (a group
-/// holds its slot in proportion to its life, and is caught uniformly within it): `P(R <= r) =
-/// int_0^r S(x) dx / E[L]`, `S` the survival of a life. The end comes when the `W / n`-th of the
-/// `(W + E) / n` groups' remaining lives is over, near `R`'s `W / (W + E)` quantile (without a
-/// margin, the longest of them), where a window kept full would have taken `W / B` steady steps;
-/// the excess is the drain. Equal lives make the two about the same; spread lives make the drain
-/// wait for the long ones, which a full window would have dropped. A job that starts all it will
-/// ever start at once (`steps x B <= W`) is left to `one_batch`.
+/// over-provisioning margin `E` and no more (`Core::admit_groups`), and once what is left to
+/// start fits within `F` more than the window and its margin (`Core::last_starts`: one batch,
+/// within the cap of `maxStaleness` batches) it starts all of it: `W + F` are then left to train,
+/// of the `W + E` running and the `F` just started, and the job ends when those are done. The
+/// running ones are a steady window's groups caught at a random moment, so what each has left to
+/// live follows the equilibrium law of slot lives (a group holds its slot in proportion to its
+/// life, and is caught uniformly within it): `P(R <= r) = int_0^r S(x) dx / E[L]`, `S` the
+/// survival of a life; the fresh ones have whole lives ahead. The end comes when the `(W + F) /
+/// n`-th of the `(W + E + F) / n` groups' remaining lives is over, near the mixture's `(W + F) /
+/// (W + E + F)` quantile (without a margin or fresh starts, the longest of them), where a window
+/// kept full would have taken `(W + F) / B` steady steps; the excess is the drain. Equal lives
+/// make the two about the same; spread lives make the drain wait for the long ones, which a full
+/// window would have dropped. A job that starts all it will ever start at once (`steps x B <=
+/// W`) is left to `one_batch`.
 pub(super) fn drain_wait(lives: &[SlotLife], w: &Workload, t: f64) -> f64 {
     let (window, margin) = w.admission_terms();
+    let fresh = (w.last_starts() - window - margin).max(0.0);
     let n = w.group_size.max(1.0);
-    let (needed, running) = ((window / n).floor(), ((window + margin) / n).floor());
+    let (running, started) = ((window + margin) / n, fresh / n);
+    let needed = ((window + fresh) / n).floor();
     if w.steps * w.batch <= window || needed < 1.0 {
         return 0.0;
     }
@@ -849,6 +854,22 @@ pub(super) fn drain_wait(lives: &[SlotLife], w: &Workload, t: f64) -> f64 {
             })
             .sum()
     };
+    // The share of whole lives over by `r`.
+    let over = |r: f64| -> f64 {
+        lives
+            .iter()
+            .map(|l| {
+                let done = if l.sd_s > 1e-12 {
+                    normal_cdf((r - l.mean_s) / l.sd_s)
+                } else if r >= l.mean_s {
+                    1.0
+                } else {
+                    0.0
+                };
+                l.share * done
+            })
+            .sum()
+    };
     let longest = lives
         .iter()
         .map(|l| l.mean_s + 10.0 * l.sd_s)
@@ -857,19 +878,20 @@ pub(super) fn drain_wait(lives: &[SlotLife], w: &Workload, t: f64) -> f64 {
     if mean_life <= 0.0 {
         return 0.0;
     }
-    // The `needed`-th shortest of `running` remaining lives lies near this quantile (Blom's
+    let done = |r: f64| (running * lived(r) / mean_life + started * over(r)) / (running + started);
+    // The `needed`-th shortest of the remaining lives lies near this quantile (Blom's
     // approximation of an order statistic): without a margin, the longest of them.
-    let wanted = (needed - 0.375) / (running + 0.25);
+    let wanted = (needed - 0.375) / ((running + started).floor() + 0.25);
     let (mut lo, mut hi) = (0.0, longest);
     for _ in 0..60 {
         let mid = 0.5 * (lo + hi);
-        if lived(mid) / mean_life < wanted {
+        if done(mid) < wanted {
             lo = mid;
         } else {
             hi = mid;
         }
     }
-    (0.5 * (lo + hi) - window / w.batch * t).max(0.0)
+    (0.5 * (lo + hi) - (window + fresh) / w.batch * t).max(0.0)
 }
 
 /// Seconds per step of a closed network of `customers` groups, each spending `think_s` in
