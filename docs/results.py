@@ -38,6 +38,7 @@ HOLDOUT = (
     "examples/jobs/holdout-math-code.yaml",
     "examples/jobs/holdout-web-agent.yaml",
     "examples/jobs/holdout-moe-agent.yaml",
+    "examples/jobs/holdout-mixtral-search.yaml",
 )
 SEEDS = (0, 1, 2)
 MEASURED_MARK = "<!-- measured: kept unless regenerated with --benchmarks -->"
@@ -210,7 +211,9 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
         "and kept untouched since (their headers say so): a dense 14B policy on long "
         "single-turn math and multi-turn coding on H100 + L40S, an 8B policy on "
         "long-horizon web tasks on H200 + H20 at staleness 3, and a mixture-of-experts policy "
-        "(Qwen3-30B-A3B-like) on a coding agent, tool use and math on H800 + H20. "
+        "(Qwen3-30B-A3B-like) on a coding agent, tool use and math on H800 + H20, and a "
+        "Mixtral-8x7B-like policy on a search agent, text-to-SQL and math on H800 + H20 at "
+        "staleness 1. "
         "\"Predicted\" is the planner's step for rollfleet on its placement (held at the "
         "fixed yardstick at least: an asterisk marks a model figure below it). **At the "
         "yardstick** is the speed-up a policy running at the fixed yardstick would show over "

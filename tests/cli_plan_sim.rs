@@ -60,6 +60,7 @@ fn plan_never_predicts_a_step_below_the_fixed_yardstick_and_keeps_the_models_own
         "holdout-math-code",
         "holdout-web-agent",
         "holdout-moe-agent",
+        "holdout-mixtral-search",
     ] {
         let path = format!("examples/jobs/{job}.yaml");
         let out = rollfleet(&["plan", &path, "--compare", "-o", "json"]);
