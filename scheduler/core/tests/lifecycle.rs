@@ -175,9 +175,9 @@ fn a_finished_group_waiting_for_a_training_batch_leaves_its_place_in_the_window_
 }
 
 #[test]
-fn the_jobs_last_groups_all_start_once_what_is_left_fits_within_the_staleness_cap() {
-    // Groups of one, rollout and training batches of 4, bound 2: a window of 4 and a cap of 8
-    // started and not yet trained.
+fn the_jobs_last_groups_all_start_once_what_is_left_fits_within_one_batch_more_than_the_window() {
+    // Groups of one, rollout and training batches of 4, bound 2: a window of 4, and one batch
+    // more is 8, the cap of two batches started and not yet trained.
     let job = |steps: u64, within_budget: bool| {
         let mut cfg = config(
             vec![replica(ServeRole::Generate, 10_000)],
@@ -191,7 +191,7 @@ fn the_jobs_last_groups_all_start_once_what_is_left_fits_within_the_staleness_ca
         cfg.policy.window_excludes_waiting_batch = false;
         started(cfg)
     };
-    // Two steps are 8 trajectories: all of the job fits within the cap, so all of it starts.
+    // Two steps are 8 trajectories: all of the job fits, so all of it starts.
     assert_eq!(job(2, true).0.stats().groups_started, 8);
     // Three steps are 12: the window's 4 start, and the job's last 8 once a batch is trained.
     let (mut core, resets) = job(3, true);

@@ -247,9 +247,10 @@ impl Core {
                 // ones finished and waiting starts nothing until a long one ends, and the trainer
                 // waits for it too: the held-out MoE job waited 73 s for four coding-agent groups
                 // with twelve finished groups in hand. So up to one training batch of finished
-                // groups leaves its place to running ones, within the cap. Eight seeds, mean step: held-out math and code -3.9%, web agent -2.1%,
-                // RollArt-like and MoE within 0.2%, the quick-start unchanged (its window is at
-                // the cap), when the rule was chosen.
+                // groups leaves its place to running ones, within the cap. Eight seeds, mean
+                // step: held-out math and code -3.9%, web agent -2.1%, RollArt-like and MoE
+                // within 0.2%, the quick-start unchanged (its window is at the cap), when the
+                // rule was chosen.
                 if self.cfg.policy.window_excludes_waiting_batch {
                     let waiting = self.ready.len() as u64 * n;
                     let room = cap.saturating_sub(window + extra);

@@ -795,8 +795,9 @@ mod tests {
         assert_eq!(job_average(110.0, 1.0, 90.0, 20.0, 70.0, 0.0), 110.0);
     }
 
-    /// Ten steps of 512 trajectories in groups of 8 at a staleness bound of 2: a window of one
-    /// batch and 25% over-provisioning, 128 trajectories.
+    /// Ten steps of 512 trajectories in groups of 8, training batches of 128, at a staleness
+    /// bound and an over-provisioning of the caller's (at bound 2 and 25%: a window of one batch
+    /// and a margin of 128 trajectories).
     fn drained_workload(max_staleness: f64, over_provisioning: f64) -> crate::workload::Workload {
         crate::workload::Workload {
             tasks: Vec::new(),
