@@ -827,8 +827,10 @@ pub(super) struct SlotLife {
 /// (W + E + F)` quantile (without a margin or fresh starts, the longest of them), where a window
 /// kept full would have taken `(W + F) / B` steady steps; the excess is the drain. Equal lives
 /// make the two about the same; spread lives make the drain wait for the long ones, which a full
-/// window would have dropped. A job that starts all it will ever start at once (`steps x B <=
-/// W`) is left to `one_batch`.
+/// window would have dropped. A job of no more than one window (`steps x B <= W`) is left to
+/// `one_batch`. A job a little longer, which the core starts whole at once because its budget
+/// fits within `W + E + F`, is still taken as a running window here: such jobs of two or three
+/// steps have no steady state for the model to describe.
 pub(super) fn drain_wait(lives: &[SlotLife], w: &Workload, t: f64) -> f64 {
     let (window, margin) = w.admission_terms();
     let fresh = (w.last_starts() - window - margin).max(0.0);
