@@ -74,6 +74,12 @@ pub struct Policy {
     /// its place.
     #[serde(default)]
     pub window_excludes_waiting_batch: bool,
+    /// Whether a turn without its KV cache goes only to a serving replica holding fewer than
+    /// twice its share of the turns running and waiting, by batch slots (see
+    /// `Core::cold_slot_limit`). Off, the least loaded replica that fits takes it, however many
+    /// it already took.
+    #[serde(default)]
+    pub spread_cold_turns: bool,
 }
 
 impl Policy {
@@ -92,6 +98,7 @@ impl Policy {
             cap_over_provisioning: true,
             sample_within_job_budget: true,
             window_excludes_waiting_batch: true,
+            spread_cold_turns: true,
         }
     }
 }

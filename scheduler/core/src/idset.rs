@@ -24,7 +24,6 @@ impl IdSet {
     }
 
     /// Ids in the set.
-    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.len
     }

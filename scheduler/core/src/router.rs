@@ -11,7 +11,9 @@
 //!   replica first and to a decode replica after;
 //! - **load-aware**: among admissible replicas, the least loaded (batch slots and KV memory in
 //!   use, see [`load_key`]) that has room wins, among the [`CANDIDATES`] least loaded; ties go
-//!   to the lowest id, so the choice is deterministic;
+//!   to the lowest id, so the choice is deterministic; a turn without its KV cache skips a
+//!   replica past the caller's slot limit ([`RouteRequest::cold_slot_limit`]) and waits if every
+//!   admissible one is past it;
 //! - **health-aware**: lost, draining or weight-less replicas are not candidates, and every
 //!   stage that timed out on a replica adds a penalty to its load.
 
@@ -247,6 +249,9 @@ pub struct RouteRequest {
     pub sticky_sessions: bool,
     /// Whether prefill replicas exist.
     pub disaggregated: bool,
+    /// Most batch slots in use, in parts per million of its own, a replica may have to take
+    /// this turn when it goes there without its KV cache ([`u64::MAX`]: no limit).
+    pub cold_slot_limit: u64,
 }
 
 /// Where the work goes.
@@ -305,6 +310,17 @@ impl<L: ReplicaLookup + ?Sized> RouterView<'_, L> {
         floor: Version,
         allow_evict: bool,
     ) -> Option<(ReplicaId, bool)> {
+        self.least_loaded_within(set, kv_tokens, floor, allow_evict, u64::MAX)
+    }
+
+    fn least_loaded_within(
+        &self,
+        set: &LoadOrder,
+        kv_tokens: u64,
+        floor: Version,
+        allow_evict: bool,
+        slot_limit: u64,
+    ) -> Option<(ReplicaId, bool)> {
         // One walk answers both questions: the first fit without eviction wins outright, and
         // the first fit with eviction seen on the way is the answer when there is none. (When
         // the fleet is full every routing attempt fails the first question, and looking every
@@ -314,6 +330,11 @@ impl<L: ReplicaLookup + ?Sized> RouterView<'_, L> {
             let Some(view) = self.view(id) else {
                 continue;
             };
+            if slot_limit != u64::MAX
+                && view.in_flight as u64 * 1_000_000 >= slot_limit * view.max_seqs.max(1) as u64
+            {
+                continue;
+            }
             if view.fits(kv_tokens, floor, false) {
                 return Some((id, false));
             }
@@ -340,8 +361,14 @@ impl<L: ReplicaLookup + ?Sized> RouterView<'_, L> {
                 .least_loaded(self.prefill, req.context + req.input, req.floor, false)
                 .map(|(id, _)| Route::Prefill(id));
         }
-        self.least_loaded(self.decode, full, req.floor, allow_evict)
-            .map(|(id, evict)| Route::Generate(id, evict))
+        self.least_loaded_within(
+            self.decode,
+            full,
+            req.floor,
+            allow_evict,
+            req.cold_slot_limit,
+        )
+        .map(|(id, evict)| Route::Generate(id, evict))
     }
 }
 
@@ -388,6 +415,7 @@ mod tests {
             floor: 2,
             pd_min_prefill_tokens: 1_000_000,
             sticky_sessions: true,
+            cold_slot_limit: u64::MAX,
             disaggregated: false,
         }
     }
@@ -466,6 +494,36 @@ mod tests {
         assert_eq!(
             view.route(&request(None), false),
             Some(Route::Generate(ReplicaId(1), false))
+        );
+    }
+
+    #[test]
+    fn a_turn_without_its_cache_waits_rather_than_go_past_the_slot_limit_but_a_sticky_one_goes() {
+        // Only replica 1 serves the admissible version, and it holds 4 of its 8 slots.
+        let mut replicas = vec![
+            replica(ServeRole::Decode, 0, 0),
+            replica(ServeRole::Decode, 4, 100),
+        ];
+        replicas[0].version = Some(1);
+        let (prefill, decode) = sets(&replicas);
+        let view = RouterView {
+            lookup: &|id: ReplicaId| replicas.get(id.0 as usize).cloned(),
+            prefill: &prefill,
+            decode: &decode,
+        };
+        let within = |limit: u64, sticky: Option<ReplicaId>| RouteRequest {
+            cold_slot_limit: limit,
+            ..request(sticky)
+        };
+        // Half its slots is the limit: a cold turn finds no replica under it.
+        assert_eq!(view.route(&within(500_000, None), false), None);
+        assert_eq!(
+            view.route(&within(500_001, None), false),
+            Some(Route::Generate(ReplicaId(1), false))
+        );
+        assert_eq!(
+            view.route(&within(500_000, Some(ReplicaId(1))), false),
+            Some(Route::Sticky(ReplicaId(1)))
         );
     }
 

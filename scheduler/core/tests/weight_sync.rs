@@ -5,7 +5,8 @@
 mod common;
 
 use rollfleet_core::{
-    Command, Discipline, Input, ReplicaId, ServeRole, StageOutcome, StageWork, SyncMode, Time,
+    Command, Discipline, Input, ReplicaConfig, ReplicaId, ServeRole, StageOutcome, StageWork,
+    SyncMode, Time,
 };
 
 use common::*;
@@ -174,4 +175,73 @@ fn with_interrupts_a_replica_due_for_new_weights_cuts_its_generation_which_resum
     // not part of what is trained).
     assert_eq!(*tokens, 100 + 50);
     assert_eq!(core.stats().staleness_histogram, vec![1, 1]);
+}
+
+/// At staleness 1 the first turns of the groups started after a publication wait for a replica
+/// on the new weights; the replica updated first takes them. How many it takes, with the rule
+/// spreading turns without a KV cache on or off.
+fn first_turns_taken_by_the_replica_updated_first(spread: bool) -> (usize, usize) {
+    let mut policy = policy(Discipline::Continuous, 1, 0.0, SyncMode::Rolling);
+    policy.spread_cold_turns = spread;
+    let roomy = |_| ReplicaConfig {
+        max_seqs: 16,
+        ..replica(ServeRole::Generate, 100_000)
+    };
+    let cfg = config((0..3).map(roomy).collect(), policy, 6, 6, 3);
+    let (mut core, resets) = started(cfg);
+    let trained = run_until_trained(&mut core, resets);
+    let mut resets: Vec<_> = runs(&trained)
+        .into_iter()
+        .filter(|s| matches!(s.work, StageWork::EnvReset { .. }))
+        .collect();
+    core.handle_input(
+        Time(100),
+        Input::TrainFinished {
+            batch: trained_batch(&trained),
+        },
+    );
+    let (first, version) = weight_update(&drain(&mut core));
+    assert_eq!(version, 1);
+    // The next group's six resets (four at a time on the four vCPUs) end, and no first turn
+    // starts on the old weights.
+    let mut ended = 0;
+    while let Some(reset) = resets.pop() {
+        ended += 1;
+        for next in finish_at(&mut core, 101.0, reset.stage, observed(300, false)) {
+            assert!(
+                matches!(next.work, StageWork::EnvReset { .. }),
+                "a first turn started on old weights: {next:?}"
+            );
+            resets.push(next);
+        }
+    }
+    assert_eq!(ended, 6);
+    core.handle_input(
+        Time::from_secs_f64(102.0),
+        Input::WeightsUpdated {
+            replica: first,
+            version: 1,
+        },
+    );
+    let generated: Vec<_> = runs(&drain(&mut core))
+        .into_iter()
+        .filter(|s| matches!(s.work, StageWork::Generate { .. }))
+        .collect();
+    let on_first = generated
+        .iter()
+        .filter(|s| matches!(s.work, StageWork::Generate { replica, .. } if replica == first))
+        .count();
+    (on_first, generated.len())
+}
+
+#[test]
+fn a_replica_back_from_a_weight_update_takes_at_most_twice_its_share_of_the_turns_waiting_for_it() {
+    // Six first turns wait and none runs; the fleet has 48 batch slots, so a replica's even
+    // share is 2 of its 16, and it takes turns while it holds fewer than twice that.
+    assert_eq!(first_turns_taken_by_the_replica_updated_first(true), (4, 4));
+    // Without the rule it takes them all, though the other two replicas follow it at once.
+    assert_eq!(
+        first_turns_taken_by_the_replica_updated_first(false),
+        (6, 6)
+    );
 }

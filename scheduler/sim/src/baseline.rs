@@ -87,6 +87,7 @@ impl Baseline {
             cap_over_provisioning: false,
             sample_within_job_budget: false,
             window_excludes_waiting_batch: false,
+            spread_cold_turns: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -110,6 +111,9 @@ impl Baseline {
                 sample_within_job_budget: false,
                 // AReaL counts every started trajectory against its budget.
                 window_excludes_waiting_batch: false,
+                // Its weight updates reach every replica at once: none comes back first to
+                // take every waiting turn.
+                spread_cold_turns: false,
             },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
@@ -135,6 +139,7 @@ impl Baseline {
             cap_over_provisioning: false,
             sample_within_job_budget: false,
             window_excludes_waiting_batch: false,
+            spread_cold_turns: false,
         };
         Ok(match self {
             Baseline::Sync => (

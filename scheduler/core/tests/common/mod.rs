@@ -24,6 +24,7 @@ pub fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncM
         cap_over_provisioning: true,
         sample_within_job_budget: true,
         window_excludes_waiting_batch: true,
+        spread_cold_turns: true,
     }
 }
 
