@@ -198,6 +198,18 @@ impl Workload {
         (core as f64, extra as f64)
     }
 
+    /// Trajectories finished and waiting for a training batch that the core does not count in
+    /// its window (`Policy::window_excludes_waiting_batch`): up to one training batch of them,
+    /// within the cap of `maxStaleness` batches (at least one) started and not yet trained. A
+    /// finished group waits half the time a training batch takes to fill, so half a training
+    /// batch of trajectories waits on average (Little's law), and the room under the cap bounds
+    /// how many of those the window leaves out.
+    pub fn waiting_outside_window(&self) -> f64 {
+        let (window, extra) = self.admission_terms();
+        let room = (self.max_staleness.max(1.0) * self.batch - window - extra).max(0.0);
+        room.min(self.train_batch / 2.0)
+    }
+
     /// [`rollfleet_core::Core::last_starts`]: trajectories started and not yet trained once the
     /// job's last ones start.
     pub fn last_starts(&self) -> f64 {
@@ -426,6 +438,35 @@ mod tests {
         w.train_batch = 1024.0;
         w.over_provisioning = 0.0;
         assert_eq!(w.window(), 1024.0);
+    }
+
+    #[test]
+    fn half_a_training_batch_waits_outside_the_window_where_the_cap_leaves_room() {
+        let mut w = Workload {
+            tasks: Vec::new(),
+            batch: 1024.0,
+            group_size: 8.0,
+            train_batch: 256.0,
+            max_staleness: 2.0,
+            over_provisioning: 0.25,
+            train_mfu: 0.4,
+            steps: 20.0,
+            group_max_z: 0.0,
+            group_max_sd: 1.0,
+        };
+        // The cap of 2048 leaves 768 over the window of 1280: half of 256 fits.
+        assert_eq!(w.waiting_outside_window(), 128.0);
+        // At staleness 1 the window (768) and its margin (256) fill the cap.
+        w.max_staleness = 1.0;
+        assert_eq!(w.waiting_outside_window(), 0.0);
+        // Without a margin, 256 of room are left, more than half a training batch.
+        w.over_provisioning = 0.0;
+        assert_eq!(w.waiting_outside_window(), 128.0);
+        // With a margin of a tenth of a batch (103 trajectories), 153 are left, and a larger
+        // training batch's half no longer fits.
+        w.over_provisioning = 0.1;
+        w.train_batch = 512.0;
+        assert_eq!(w.waiting_outside_window(), 1024.0 - 768.0 - 103.0);
     }
 
     #[test]

@@ -8,9 +8,11 @@
 //!   concurrency-seconds);
 //! - the latency term: the core keeps at most `N` trajectories started and not yet trained on
 //!   (its admission window, [`Workload::window`]), and a trajectory holds its slot until its whole
-//!   group is taken by the trainer. The window's groups circulate between generation and the
-//!   trainer, a closed network solved by mean value analysis: at least Little's law, `B x L /
-//!   N` for a mean slot lifetime `L`, and at least the trainer's capacity.
+//!   group is taken by the trainer, but for the finished groups waiting for a training batch that
+//!   the core leaves out of it ([`Workload::waiting_outside_window`]). The window's groups
+//!   circulate between generation and the trainer, a closed network solved by mean value
+//!   analysis: at least Little's law, `B x L / N` for a mean slot lifetime `L`, and at least the
+//!   trainer's capacity.
 //!
 //! The slot lifetime `L` is built from the job's distributions:
 //!

@@ -291,15 +291,16 @@ pub(super) fn predict_caps(
         }
         let (tau, slots, regenerated, tail, chain, first_ready, local_load, remote_load, lives) =
             outcome?;
-        // The window's groups circulate between generation (each holds its slot `slots`, the
-        // fill wait included) and the trainer, a single server taking `train_s / (B / n)` per
+        // The window's groups, and the finished ones waiting for a training batch that the core
+        // lets out of it, circulate between generation (each holds its slot `slots`, the fill
+        // wait included) and the trainer, a single server taking `train_s / (B / n)` per
         // group: a closed network, solved exactly by mean value analysis. It is at least both
         // Little's law through the window (`B x slots / N`) and the trainer's capacity, and
         // above both near the knee, where the trainer sometimes waits for data and groups
         // sometimes wait for the trainer.
         let groups_per_step = w.batch / w.group_size.max(1.0);
         let latency_s = closed_loop_step(
-            window / w.group_size.max(1.0),
+            (window + w.waiting_outside_window()) / w.group_size.max(1.0),
             slots,
             train_s / groups_per_step.max(1e-12),
             groups_per_step,
