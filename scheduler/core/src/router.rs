@@ -313,7 +313,9 @@ impl<L: ReplicaLookup + ?Sized> RouterView<'_, L> {
         self.least_loaded_within(set, kv_tokens, floor, allow_evict, u64::MAX)
     }
 
-    fn least_loaded_within(
+    /// [`RouterView::least_loaded`] among the replicas holding fewer than `slot_limit` parts
+    /// per million of their batch slots ([`u64::MAX`]: no limit).
+    pub fn least_loaded_within(
         &self,
         set: &LoadOrder,
         kv_tokens: u64,

@@ -245,3 +245,119 @@ fn a_replica_back_from_a_weight_update_takes_at_most_twice_its_share_of_the_turn
         (6, 6)
     );
 }
+
+/// The same on a disaggregated placement: the first turns are prefilled on the prefill replica
+/// once it has the new weights, and wait to decode on a decode replica that has them too. How
+/// many decode on the decode replica updated first, and how many decode in all.
+fn prefilled_first_turns_decoded_by_the_decode_replica_updated_first(
+    spread: bool,
+) -> (usize, usize) {
+    let mut policy = policy(Discipline::Continuous, 1, 0.0, SyncMode::Rolling);
+    policy.spread_cold_turns = spread;
+    let roomy = |role| ReplicaConfig {
+        max_seqs: 16,
+        ..replica(role, 100_000)
+    };
+    let replicas = vec![
+        roomy(ServeRole::Prefill),
+        roomy(ServeRole::Decode),
+        roomy(ServeRole::Decode),
+        roomy(ServeRole::Decode),
+    ];
+    let cfg = config(replicas, policy, 6, 6, 3);
+    let (mut core, resets) = started(cfg);
+    let trained = run_until_trained(&mut core, resets);
+    let mut resets: Vec<_> = runs(&trained)
+        .into_iter()
+        .filter(|s| matches!(s.work, StageWork::EnvReset { .. }))
+        .collect();
+    core.handle_input(
+        Time(100),
+        Input::TrainFinished {
+            batch: trained_batch(&trained),
+        },
+    );
+    let mut updates: Vec<ReplicaId> = drain(&mut core)
+        .iter()
+        .filter_map(|c| match c {
+            Command::UpdateWeights { replica, .. } => Some(*replica),
+            _ => None,
+        })
+        .collect();
+    // Prompts long enough for the prefill replica; none starts on the old weights.
+    while let Some(reset) = resets.pop() {
+        for next in finish_at(&mut core, 101.0, reset.stage, observed(2_000, false)) {
+            assert!(
+                matches!(next.work, StageWork::EnvReset { .. }),
+                "a first turn started on old weights: {next:?}"
+            );
+            resets.push(next);
+        }
+    }
+    // The replicas take the new weights one at a time; every prefill ends at once, and the
+    // decodes are counted where they go until the first decode replica on the new weights has
+    // taken what it will take.
+    let mut decoded: Vec<ReplicaId> = Vec::new();
+    let mut first_decode_replica = None;
+    let mut now = 102.0;
+    while let Some(replica) = updates.pop() {
+        now += 1.0;
+        core.handle_input(
+            Time::from_secs_f64(now),
+            Input::WeightsUpdated {
+                replica,
+                version: 1,
+            },
+        );
+        let mut out = drain(&mut core);
+        loop {
+            let mut more = Vec::new();
+            for c in &out {
+                match c {
+                    Command::UpdateWeights { replica, .. } => updates.insert(0, *replica),
+                    Command::Run(s) => match s.work {
+                        StageWork::Prefill { .. } => more.extend(finish_when(
+                            &mut core,
+                            Time::from_secs_f64(now),
+                            s.stage,
+                            StageOutcome::Prefilled,
+                        )),
+                        StageWork::Generate { replica, .. } => decoded.push(replica),
+                        _ => {}
+                    },
+                    _ => {}
+                }
+            }
+            if more.is_empty() {
+                break;
+            }
+            out = more;
+        }
+        if first_decode_replica.is_none() {
+            first_decode_replica = decoded.first().copied();
+        }
+        if first_decode_replica.is_some() {
+            break;
+        }
+    }
+    let first = first_decode_replica.expect("no first turn was decoded");
+    (
+        decoded.iter().filter(|&&r| r == first).count(),
+        decoded.len(),
+    )
+}
+
+#[test]
+fn a_decode_replica_back_from_a_weight_update_takes_at_most_twice_its_share_of_the_prefilled_turns()
+{
+    // Six prefilled turns wait to decode; the decode replicas have 48 slots, so a replica's
+    // even share is 2 of its 16: it takes four, and the other two wait for the next replica.
+    assert_eq!(
+        prefilled_first_turns_decoded_by_the_decode_replica_updated_first(true),
+        (4, 4)
+    );
+    assert_eq!(
+        prefilled_first_turns_decoded_by_the_decode_replica_updated_first(false),
+        (6, 6)
+    );
+}

@@ -220,13 +220,14 @@ impl Core {
     }
 
     /// The most batch slots in use, in parts per million of its own, that a serving replica
-    /// may have to take a turn without its KV cache: twice the share every serving replica
-    /// would have if the turns running and waiting were spread over all of them by their slots,
-    /// those loading new weights included.
+    /// may have to take a turn without its KV cache there (a first turn, one whose cache went
+    /// with old weights, or a turn prefilled on a prefill replica): twice the share every
+    /// serving replica would have if the turns running and waiting (to generate or to decode)
+    /// were spread over all of them by their slots, those loading new weights included.
     ///
     /// Without it the first replica back from a weight update is both the least loaded and the
     /// only one on the newest weights, and takes every turn waiting: at `maxStaleness: 1` a
-    /// whole batch of first turns, whose prefills then queue behind one another for seconds
+    /// whole batch of first turns, whose prefills (or decodes) then queue behind one another
     /// while the replicas updated a moment later take none. Held back, those turns go to the
     /// next replicas as they come back (`docs/simulator.md` has what it changes).
     fn cold_slot_limit(&self) -> u64 {
@@ -244,7 +245,8 @@ impl Core {
         if slots == 0 {
             return u64::MAX;
         }
-        let waiting = self.queues[Queue::Gen as usize].len() as u64;
+        let waiting = (self.queues[Queue::Gen as usize].len()
+            + self.queues[Queue::Decode as usize].len()) as u64;
         ((running + waiting) * COLD_SLOT_SLACK * 1_000_000).div_ceil(slots)
     }
 
@@ -356,6 +358,7 @@ impl Core {
         if self.gpu_gate_closed() {
             return;
         }
+        let cold_slot_limit = self.cold_slot_limit();
         self.scan(Queue::Decode, |core, t| {
             if core.check_admission(t) {
                 // Rewound (and re-queued, maybe elsewhere): look again in another pass.
@@ -376,7 +379,7 @@ impl Core {
                 .min(task.context_limit.saturating_sub(context))
                 .max(1);
             let need = context + max_new;
-            let (d, evict) = match core.pick_decode(t, need, p_version) {
+            let (d, evict) = match core.pick_decode(t, need, p_version, cold_slot_limit) {
                 DecodePick::Replica(d, evict) => (d, evict),
                 DecodePick::WaitForNewWeights => return Visit::Missed,
                 DecodePick::Full => return Visit::Stop,
@@ -443,14 +446,22 @@ impl Core {
     /// (disaggregated, `maxStaleness: 1`), seeds 0-2: 51.9 / 54.9 / 50.6 s per step against
     /// 56.3 / 58.7 / 54.9 s, with 15 groups regenerated at consumption at seed 0 against 31;
     /// the RollArt-like job within 1% (staleness 2) and 197.7 against 196.4 s on average at
-    /// staleness 1, when the rule was chosen.
-    fn pick_decode(&mut self, t: TrajId, need: u64, p_version: Version) -> DecodePick {
+    /// staleness 1, when the rule was chosen. Such a turn also skips a decode replica past the
+    /// cold-turn limit ([`Core::cold_slot_limit`]) while others are taking the new weights.
+    fn pick_decode(
+        &mut self,
+        t: TrajId,
+        need: u64,
+        p_version: Version,
+        cold_slot_limit: u64,
+    ) -> DecodePick {
         let floor = self.floor();
         let group_oldest = self.groups[self.trajs[t.0 as usize].group.0 as usize].oldest;
         let wanted = p_version.min(group_oldest);
         if wanted > floor {
-            let pick =
-                self.with_router(|router| router.least_loaded(router.decode, need, wanted, true));
+            let pick = self.with_router(|router| {
+                router.least_loaded_within(router.decode, need, wanted, true, cold_slot_limit)
+            });
             if let Some((d, evict)) = pick {
                 return DecodePick::Replica(d, evict);
             }
