@@ -1,11 +1,12 @@
-//! Weight sync: replicas take new weights one at a time while the others keep serving, and a
-//! generation interrupted for new weights resumes from its tokens on them.
+//! Weight sync: replicas take new weights one at a time while the others keep serving, a
+//! generation interrupted for new weights resumes from its tokens on them, and the first replica
+//! back on new weights does not take every turn waiting for them.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
 use rollfleet_core::{
-    Command, Discipline, Input, ReplicaConfig, ReplicaId, ServeRole, StageOutcome, StageWork,
+    Command, Core, Discipline, Input, ReplicaConfig, ReplicaId, ServeRole, StageOutcome, StageWork,
     SyncMode, Time,
 };
 
@@ -177,17 +178,22 @@ fn with_interrupts_a_replica_due_for_new_weights_cuts_its_generation_which_resum
     assert_eq!(core.stats().staleness_histogram, vec![1, 1]);
 }
 
-/// At staleness 1 the first turns of the groups started after a publication wait for a replica
-/// on the new weights; the replica updated first takes them. How many it takes, with the rule
-/// spreading turns without a KV cache on or off.
-fn first_turns_taken_by_the_replica_updated_first(spread: bool) -> (usize, usize) {
+/// A staleness-1 job of one group of six a step on `roles` (16 batch slots each), with the
+/// cold-turn rule on or off, run until the trainer has published version 1 and the next group
+/// has reset with prompts of `prompt` tokens. The core, and the replicas the rolling update
+/// takes first.
+fn published_with_the_next_group_reset(
+    roles: &[ServeRole],
+    spread: bool,
+    prompt: u64,
+) -> (Core, Vec<ReplicaId>) {
     let mut policy = policy(Discipline::Continuous, 1, 0.0, SyncMode::Rolling);
     policy.spread_cold_turns = spread;
-    let roomy = |_| ReplicaConfig {
+    let roomy = |&role: &ServeRole| ReplicaConfig {
         max_seqs: 16,
-        ..replica(ServeRole::Generate, 100_000)
+        ..replica(role, 100_000)
     };
-    let cfg = config((0..3).map(roomy).collect(), policy, 6, 6, 3);
+    let cfg = config(roles.iter().map(roomy).collect(), policy, 6, 6, 3);
     let (mut core, resets) = started(cfg);
     let trained = run_until_trained(&mut core, resets);
     let mut resets: Vec<_> = runs(&trained)
@@ -200,14 +206,27 @@ fn first_turns_taken_by_the_replica_updated_first(spread: bool) -> (usize, usize
             batch: trained_batch(&trained),
         },
     );
-    let (first, version) = weight_update(&drain(&mut core));
-    assert_eq!(version, 1);
+    let updates: Vec<ReplicaId> = drain(&mut core)
+        .iter()
+        .filter_map(|c| match c {
+            Command::UpdateWeights {
+                replica,
+                version: 1,
+                ..
+            } => Some(*replica),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        !updates.is_empty(),
+        "no weight update after the publication"
+    );
     // The next group's six resets (four at a time on the four vCPUs) end, and no first turn
     // starts on the old weights.
     let mut ended = 0;
     while let Some(reset) = resets.pop() {
         ended += 1;
-        for next in finish_at(&mut core, 101.0, reset.stage, observed(300, false)) {
+        for next in finish_at(&mut core, 101.0, reset.stage, observed(prompt, false)) {
             assert!(
                 matches!(next.work, StageWork::EnvReset { .. }),
                 "a first turn started on old weights: {next:?}"
@@ -216,6 +235,16 @@ fn first_turns_taken_by_the_replica_updated_first(spread: bool) -> (usize, usize
         }
     }
     assert_eq!(ended, 6);
+    (core, updates)
+}
+
+/// At staleness 1 the first turns of the groups started after a publication wait for a replica
+/// on the new weights; the replica updated first takes them. How many it takes, with the rule
+/// spreading turns without a KV cache on or off.
+fn first_turns_taken_by_the_replica_updated_first(spread: bool) -> (usize, usize) {
+    let (mut core, updates) =
+        published_with_the_next_group_reset(&[ServeRole::Generate; 3], spread, 300);
+    let first = updates[0];
     core.handle_input(
         Time::from_secs_f64(102.0),
         Input::WeightsUpdated {
@@ -252,48 +281,14 @@ fn a_replica_back_from_a_weight_update_takes_at_most_twice_its_share_of_the_turn
 fn prefilled_first_turns_decoded_by_the_decode_replica_updated_first(
     spread: bool,
 ) -> (usize, usize) {
-    let mut policy = policy(Discipline::Continuous, 1, 0.0, SyncMode::Rolling);
-    policy.spread_cold_turns = spread;
-    let roomy = |role| ReplicaConfig {
-        max_seqs: 16,
-        ..replica(role, 100_000)
-    };
-    let replicas = vec![
-        roomy(ServeRole::Prefill),
-        roomy(ServeRole::Decode),
-        roomy(ServeRole::Decode),
-        roomy(ServeRole::Decode),
+    let roles = [
+        ServeRole::Prefill,
+        ServeRole::Decode,
+        ServeRole::Decode,
+        ServeRole::Decode,
     ];
-    let cfg = config(replicas, policy, 6, 6, 3);
-    let (mut core, resets) = started(cfg);
-    let trained = run_until_trained(&mut core, resets);
-    let mut resets: Vec<_> = runs(&trained)
-        .into_iter()
-        .filter(|s| matches!(s.work, StageWork::EnvReset { .. }))
-        .collect();
-    core.handle_input(
-        Time(100),
-        Input::TrainFinished {
-            batch: trained_batch(&trained),
-        },
-    );
-    let mut updates: Vec<ReplicaId> = drain(&mut core)
-        .iter()
-        .filter_map(|c| match c {
-            Command::UpdateWeights { replica, .. } => Some(*replica),
-            _ => None,
-        })
-        .collect();
-    // Prompts long enough for the prefill replica; none starts on the old weights.
-    while let Some(reset) = resets.pop() {
-        for next in finish_at(&mut core, 101.0, reset.stage, observed(2_000, false)) {
-            assert!(
-                matches!(next.work, StageWork::EnvReset { .. }),
-                "a first turn started on old weights: {next:?}"
-            );
-            resets.push(next);
-        }
-    }
+    // Prompts long enough for the prefill replica.
+    let (mut core, mut updates) = published_with_the_next_group_reset(&roles, spread, 2_000);
     // The replicas take the new weights one at a time; every prefill ends at once, and the
     // decodes are counted where they go until the first decode replica on the new weights has
     // taken what it will take.

@@ -406,9 +406,10 @@ mod tests {
         assert!((eight * eight - 0.3729).abs() < 5e-4, "{eight}");
     }
 
-    #[test]
-    fn the_window_follows_the_cores_admission_rule() {
-        let mut w = Workload {
+    /// No tasks: what the core's admission rule alone makes of a batch of 1024 in groups of 8,
+    /// training batches of 256, staleness bound 2 and a quarter batch of over-provisioning.
+    fn admission_workload() -> Workload {
+        Workload {
             tasks: Vec::new(),
             batch: 1024.0,
             group_size: 8.0,
@@ -419,7 +420,12 @@ mod tests {
             steps: 20.0,
             group_max_z: 0.0,
             group_max_sd: 1.0,
-        };
+        }
+    }
+
+    #[test]
+    fn the_window_follows_the_cores_admission_rule() {
+        let mut w = admission_workload();
         // max(2 x 1024 / 2, 768, 256, 8) + 256.
         assert_eq!(w.window(), 1280.0);
         // A loose bound keeps two batches, not `S / 2` of them.
@@ -442,18 +448,7 @@ mod tests {
 
     #[test]
     fn half_a_training_batch_waits_outside_the_window_where_the_cap_leaves_room() {
-        let mut w = Workload {
-            tasks: Vec::new(),
-            batch: 1024.0,
-            group_size: 8.0,
-            train_batch: 256.0,
-            max_staleness: 2.0,
-            over_provisioning: 0.25,
-            train_mfu: 0.4,
-            steps: 20.0,
-            group_max_z: 0.0,
-            group_max_sd: 1.0,
-        };
+        let mut w = admission_workload();
         // The cap of 2048 leaves 768 over the window of 1280: half of 256 fits.
         assert_eq!(w.waiting_outside_window(), 128.0);
         // At staleness 1 the window (768) and its margin (256) fill the cap.
