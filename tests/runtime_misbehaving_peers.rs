@@ -423,10 +423,20 @@ fn a_silent_worker_loses_its_lease_and_garbage_on_the_port_harms_nothing() {
         let submit = |job_yaml: String| rollfleet_proto::v1::SubmitJobRequest {
             job_yaml,
             request_id: String::new(),
+            job_dir: String::new(),
         };
         let invalid = jobs.submit(submit("spec: [".into())).await.unwrap_err();
         assert_eq!(invalid.code(), tonic::Code::InvalidArgument, "{invalid:?}");
         assert!(invalid.message().starts_with("job_yaml: "), "{invalid:?}");
+        // A directory for its CSV paths must be absolute: a relative one would be the
+        // scheduler's, not the submitter's.
+        let relative = rollfleet_proto::v1::SubmitJobRequest {
+            job_dir: "jobs/here".into(),
+            ..submit("name: j\n".into())
+        };
+        let invalid = jobs.submit(relative).await.unwrap_err();
+        assert_eq!(invalid.code(), tonic::Code::InvalidArgument, "{invalid:?}");
+        assert!(invalid.message().starts_with("job_dir: "), "{invalid:?}");
         // A problem that quotes a 100 KB name is cut short (an error travels in a header).
         let yaml = std::fs::read_to_string(&job).unwrap();
         assert!(yaml.contains("name: quickstart"));

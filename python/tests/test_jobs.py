@@ -69,6 +69,34 @@ def test_an_invalid_job_is_refused_with_its_problems_and_a_valid_one_is_taken_af
             jobs.status("another-job")
 
 
+def test_a_job_file_naming_a_csv_beside_it_is_taken_from_another_directory_and_its_yaml_alone_is_not(
+    clusters: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    # The scheduler runs in its own working directory; the job and its CSV are elsewhere.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "lengths.csv").write_text("output_tokens\n40\n48\n56\n")
+    action = "actionTokens: { distribution: lognormal, median: 48, p99: 200, max: 256 }"
+    text = EMULATED_JOB.read_text()
+    assert action in text
+    job = elsewhere / "job.yaml"
+    job.write_text(
+        text.replace(
+            action, "actionTokens: { distribution: csv, path: lengths.csv, column: output_tokens }"
+        )
+    )
+    cluster = clusters(job=None, pools=())
+    with JobClient(cluster.url) as jobs:
+        # As YAML, the relative path is the scheduler's own, where no such file is.
+        with pytest.raises(rollfleet.InvalidJob) as refused:
+            jobs.submit(job.read_text())
+        assert "spec.tasks[0].actionTokens.path" in refused.value.reason
+        assert jobs.submit(job) == "quickstart"
+        # The scheduler keeps the job with the file's absolute path: the same file resubmitted
+        # is the same job.
+        assert jobs.submit(str(job)) == "quickstart"
+
+
 def test_a_cancelled_job_ends_cancelled_and_its_watch_ends_with_it(
     clusters: Callable[..., Cluster],
 ) -> None:

@@ -114,10 +114,25 @@ class JobStatus:
         )
 
 
+def _is_yaml(job: str | os.PathLike[str]) -> bool:
+    """Whether ``job`` is the YAML itself (a ``str`` of several lines, or an empty one) rather
+    than the path of its file."""
+    return isinstance(job, str) and ("\n" in job or not job.strip())
+
+
+def job_dir(job: str | os.PathLike[str]) -> str:
+    """The absolute directory of ``job``'s file, against which the scheduler resolves the
+    relative CSV paths it names; empty for a job given as its YAML (they are then resolved
+    against the scheduler's working directory)."""
+    if _is_yaml(job):
+        return ""
+    return os.path.dirname(os.path.abspath(os.fspath(job)))
+
+
 def read_job(job: str | os.PathLike[str]) -> str:
     """The YAML of ``job``: a path (``os.PathLike``, or a ``str`` of one line) is read; a
     ``str`` of several lines is taken as the YAML itself."""
-    if isinstance(job, str) and ("\n" in job or not job.strip()):
+    if isinstance(job, str) and _is_yaml(job):
         if not job.strip():
             raise ConfigError("job: empty (pass the job's YAML or the path of its file)")
         return job
@@ -185,6 +200,10 @@ class JobClient:
     def submit(self, job: str | PathLike) -> str:
         """Submits a job (its YAML, or the path of its file); returns the job's name.
 
+        A job given by the path of its file has the relative CSV paths it names resolved against
+        that file's directory, which the scheduler must see at the same path (a shared file
+        system); a job given as its YAML, against the scheduler's working directory.
+
         Submitting the job the scheduler already runs answers with its name and changes nothing.
         ``InvalidJob`` when the scheduler refuses it (an invalid spec, with its problems; or
         another job already running there).
@@ -192,7 +211,8 @@ class JobClient:
         yaml = read_job(job)
         try:
             answer = self._conn.submit(
-                pb.SubmitJobRequest(job_yaml=yaml, request_id=""), timeout=self._timeout
+                pb.SubmitJobRequest(job_yaml=yaml, request_id="", job_dir=job_dir(job)),
+                timeout=self._timeout,
             )
         except grpc.RpcError as e:
             error = rpc_error(self._conn.url, "submit", e)

@@ -229,12 +229,29 @@ impl JobService for Jobs {
         &self,
         request: Request<SubmitJobRequest>,
     ) -> Result<Response<SubmitJobResponse>, Status> {
-        let yaml = request.into_inner().job_yaml;
+        let SubmitJobRequest {
+            job_yaml, job_dir, ..
+        } = request.into_inner();
+        let dir = (!job_dir.is_empty()).then(|| std::path::PathBuf::from(&job_dir));
+        if dir.as_ref().is_some_and(|d| !d.is_absolute()) {
+            return Err(Status::invalid_argument(format!(
+                "job_dir: {:?} is not an absolute path (send the job file's directory as the \
+                 scheduler's file system names it, or no directory)",
+                crate::first_chars(&job_dir, MAX_ERROR_CHARS)
+            )));
+        }
         let slot = self.slot.clone();
         let stopping = self.stopping.clone();
         // Planning a job takes up to a few hundred milliseconds of CPU (a big one, more), and
-        // stops when the scheduler does.
+        // stops when the scheduler does; so does reading the CSV files a job names.
         let accepted = tokio::task::spawn_blocking(move || {
+            // A job sent with its directory is kept with its CSV paths made absolute, so that
+            // it reads the same files when the scheduler reads its journal again.
+            let yaml = match &dir {
+                Some(dir) => rollfleet_spec::job_yaml_for_dir(job_yaml.as_bytes(), "job_yaml", dir)
+                    .map_err(|e| SubmitError::Invalid(crate::PlanError::from(e)))?,
+                None => job_yaml,
+            };
             rollfleet_planner::cancel::within(&stopping, || slot.accept(&yaml, "job_yaml"))
         })
         .await

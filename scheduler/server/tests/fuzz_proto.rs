@@ -127,6 +127,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             SubmitJobRequest {
                 job_yaml: common_yaml(),
                 request_id: "r1".into(),
+                job_dir: "/jobs".into(),
             }
             .encode_to_vec(),
         ),

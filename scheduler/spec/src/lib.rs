@@ -286,6 +286,30 @@ pub fn parse_job(bytes: &[u8], origin: &str) -> Result<ValidatedJob, SpecError> 
     parse_job_in(bytes, origin, None)
 }
 
+/// The job `yaml` as a scheduler elsewhere should be sent it: parsed and validated with its
+/// relative CSV paths resolved against `dir` (the job file's directory), and written again with
+/// those paths absolute when it names any; otherwise exactly as given. A scheduler resolves a
+/// relative path against its own working directory.
+pub fn job_yaml_for_dir(yaml: &[u8], origin: &str, dir: &Path) -> Result<String, SpecError> {
+    let mut manifest = parse_job_in(yaml, origin, Some(dir))?.manifest;
+    let rewritten = absolute_csv_paths(&mut manifest, dir).map_err(|source| SpecError::Read {
+        origin: format!("{origin}: its CSV paths against {}", dir.display()),
+        source,
+    })?;
+    if rewritten {
+        return serde_yaml_ng::to_string(&manifest).map_err(|e| SpecError::Syntax {
+            origin: origin.to_owned(),
+            path: ".".to_owned(),
+            message: e.to_string(),
+        });
+    }
+    // Validated, so UTF-8.
+    String::from_utf8(yaml.to_vec()).map_err(|e| SpecError::NotUtf8 {
+        origin: origin.to_owned(),
+        offset: e.utf8_error().valid_up_to(),
+    })
+}
+
 /// Parses and validates a job from bytes, reading the CSV files its distributions name (the
 /// only I/O besides [`load_job_file`]): a relative path is resolved against `dir`, or the current
 /// directory when `None`. A file that cannot be used is a problem of the distribution's field.

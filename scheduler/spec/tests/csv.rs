@@ -301,3 +301,29 @@ fn a_job_sent_elsewhere_names_its_csv_files_by_their_absolute_paths_beside_the_j
     // Paths already absolute are left as they are.
     assert!(!rollfleet_spec::absolute_csv_paths(&mut job.manifest, &data()).unwrap());
 }
+
+#[test]
+fn a_job_sent_with_its_directory_is_rewritten_with_absolute_csv_paths_and_any_other_is_kept_as_written()
+ {
+    let file = data().join("csv-lengths.yaml");
+    let text = std::fs::read(&file).unwrap();
+    let sent = rollfleet_spec::job_yaml_for_dir(&text, "job_yaml", &data()).unwrap();
+    let beside = data().join("action_tokens.csv");
+    assert!(
+        sent.contains(&format!("path: {}", beside.display())),
+        "{sent}"
+    );
+    // Resolved against another directory, the file is not there: the field says so.
+    let elsewhere = data().join("no-such-directory");
+    let error = rollfleet_spec::job_yaml_for_dir(&text, "job_yaml", &elsewhere).unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("spec.tasks[0].actionTokens.path"),
+        "{error}"
+    );
+    // A job naming no CSV file is sent byte for byte.
+    let plain = std::fs::read(repo_root().join("examples/jobs/quickstart.yaml")).unwrap();
+    let kept = rollfleet_spec::job_yaml_for_dir(&plain, "job_yaml", &data()).unwrap();
+    assert_eq!(kept.as_bytes(), &plain[..]);
+}

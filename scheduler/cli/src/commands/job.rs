@@ -427,27 +427,19 @@ async fn submit(
     // The file is read once: parsed as `rollfleet_spec::load_job_file` does, and sent as read.
     let bytes = rollfleet_spec::read_limited(job).map_err(|e| Failure::input(e.to_string()))?;
     let dir = job.parent().unwrap_or(Path::new(""));
-    let loaded = rollfleet_spec::parse_job_in(&bytes, &job.display().to_string(), Some(dir))
-        .map_err(|e| Failure::input(e.to_string()))?;
     // A CSV file the job names by a relative path is next to the job file, not in the
     // scheduler's working directory: such a job is sent with the paths made absolute (the
     // scheduler reads them from its own file system), any other exactly as written.
-    let mut manifest = loaded.manifest;
-    let rewritten = rollfleet_spec::absolute_csv_paths(&mut manifest, dir)
-        .map_err(|e| Failure::input(format!("{}: its CSV paths: {e}", job.display())))?;
-    let yaml = if rewritten {
-        serde_yaml_ng::to_string(&manifest)
-            .map_err(|e| Failure::input(format!("{}: {e}", job.display())))?
-    } else {
-        String::from_utf8(bytes)
-            .map_err(|_| Failure::input(format!("{}: not UTF-8", job.display())))?
-    };
+    let yaml = rollfleet_spec::job_yaml_for_dir(&bytes, &job.display().to_string(), dir)
+        .map_err(|e| Failure::input(e.to_string()))?;
     let url = target.at.scheduler.as_str();
     let mut client = connect(target).await?;
     // No request key: a scheduler takes one job ever, and recognises it resubmitted.
     let request = SubmitJobRequest {
         job_yaml: yaml,
         request_id: String::new(),
+        // The paths are absolute already.
+        job_dir: String::new(),
     };
     let name = client
         .submit(request)
