@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
-from typing import Iterator
+from typing import Iterator, TypeGuard
 
 import grpc
 
@@ -114,7 +114,7 @@ class JobStatus:
         )
 
 
-def _is_yaml(job: str | os.PathLike[str]) -> bool:
+def _is_yaml(job: str | os.PathLike[str]) -> TypeGuard[str]:
     """Whether ``job`` is the YAML itself (a ``str`` of several lines, or an empty one) rather
     than the path of its file."""
     return isinstance(job, str) and ("\n" in job or not job.strip())
@@ -132,7 +132,7 @@ def job_dir(job: str | os.PathLike[str]) -> str:
 def read_job(job: str | os.PathLike[str]) -> str:
     """The YAML of ``job``: a path (``os.PathLike``, or a ``str`` of one line) is read; a
     ``str`` of several lines is taken as the YAML itself."""
-    if isinstance(job, str) and _is_yaml(job):
+    if _is_yaml(job):
         if not job.strip():
             raise ConfigError("job: empty (pass the job's YAML or the path of its file)")
         return job

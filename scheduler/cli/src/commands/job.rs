@@ -424,7 +424,8 @@ async fn submit(
     stderr: &mut dyn Write,
 ) -> Result<u8, Failure> {
     // Checked here first: an invalid job is reported as `rollfleet validate` would, unsent.
-    // The file is read once: parsed as `rollfleet_spec::load_job_file` does, and sent as read.
+    // The file is read once: parsed as `rollfleet_spec::load_job_file` does, and sent as read
+    // but for its CSV paths (below).
     let bytes = rollfleet_spec::read_limited(job).map_err(|e| Failure::input(e.to_string()))?;
     let dir = job.parent().unwrap_or(Path::new(""));
     // A CSV file the job names by a relative path is next to the job file, not in the
