@@ -12,6 +12,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+use rollfleet_proto::v1::JobRef;
+use rollfleet_proto::v1::job_service_client::JobServiceClient;
 use serde_json::Value;
 
 #[path = "common/runtime.rs"]
@@ -538,6 +540,22 @@ fn a_scheduler_told_to_stop_while_it_re_plans_exits_within_seconds_and_a_restart
     wait_log(&log, "(g4@g4-0) is cut off");
     // Well into the re-plan, which takes as long as a plan of the job.
     std::thread::sleep(Duration::from_millis(1000));
+    // The scheduler serves while the actor re-plans: the re-plan holds no thread that polls
+    // the network or the stop signal.
+    let answered = runtime.block_on(async {
+        let call = async {
+            let mut client = JobServiceClient::connect(url.clone()).await?;
+            let job = JobRef {
+                job: "quickstart".into(),
+            };
+            anyhow::Ok(client.status(job).await?.into_inner())
+        };
+        tokio::time::timeout(Duration::from_secs(5), call).await
+    });
+    assert!(
+        matches!(answered, Ok(Ok(_))),
+        "no status within 5 s while the scheduler re-plans: {answered:?}"
+    );
     let (code, took) = terminate(&mut procs.0[0]);
     drop(peers);
     let lines: Vec<String> = log.try_iter().collect();

@@ -502,7 +502,13 @@ pub async fn serve_until(
                 actor
             }
         };
-        if let Ok(report) = tokio::spawn(actor.run(events)).await {
+        // The actor acts on a step at a time, synchronously, and a step can hold it for long (a
+        // re-plan of a big job plans for seconds or more). On a thread of its own, it never
+        // holds one of the runtime's workers: those keep polling the network and the stop
+        // signal, so peers are served and a stop reaches the re-plan meanwhile.
+        let runtime = tokio::runtime::Handle::current();
+        let acting = tokio::task::spawn_blocking(move || runtime.block_on(actor.run(events)));
+        if let Ok(report) = acting.await {
             let _ = done_tx.send(report);
         }
     };
