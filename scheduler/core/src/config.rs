@@ -80,6 +80,11 @@ pub struct Policy {
     /// it already took.
     #[serde(default)]
     pub spread_cold_turns: bool,
+    /// Whether a finished group found past the staleness bound when the trainer takes it is
+    /// restarted on the current weights (every turn older than them generated again) rather
+    /// than rewound to the bound's floor (see `Core::dispatch_train`). Continuous discipline.
+    #[serde(default)]
+    pub restart_expired_groups: bool,
 }
 
 impl Policy {
@@ -99,6 +104,7 @@ impl Policy {
             sample_within_job_budget: true,
             window_excludes_waiting_batch: true,
             spread_cold_turns: true,
+            restart_expired_groups: true,
         }
     }
 }

@@ -5,7 +5,8 @@
 mod common;
 
 use rollfleet_core::{
-    Command, Core, Discipline, Input, ServeRole, StageOutcome, StageWork, SyncMode, Time, TrajId,
+    Command, Core, Discipline, Input, ServeRole, StageCommand, StageOutcome, StageWork, SyncMode,
+    Time, TrajId,
 };
 
 use common::*;
@@ -250,4 +251,106 @@ fn uncapped(policy: rollfleet_core::Policy) -> rollfleet_core::Policy {
         cap_over_provisioning: false,
         ..policy
     }
+}
+
+/// Bound 1, groups of two, one replica. Group 1 (trajectories 2 and 3) runs across two
+/// publications: trajectory 2's only turn comes from version 0, trajectory 3's from version 1;
+/// group 2 finishes first and publishes version 2. Group 1 is then found past the bound when the
+/// trainer takes it. Returns the core then, with `restart` as its policy's
+/// `restart_expired_groups`, and the commands of that moment.
+fn a_group_found_expired_when_taken(restart: bool) -> (Core, Vec<Command>) {
+    let cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        rollfleet_core::Policy {
+            restart_expired_groups: restart,
+            ..uncapped(policy(Discipline::Continuous, 1, 1.0, SyncMode::Rolling))
+        },
+        2,
+        2,
+        10,
+    );
+    let (mut core, resets) = started(cfg);
+    assert_eq!(resets.len(), 4, "two groups started: {resets:?}");
+    // Trajectory 2 generates its only turn on version 0; its environment step stays open.
+    let g2 = stage_of(
+        &finish_at(&mut core, 1.0, resets[2].stage, observed(100, false)),
+        2,
+    );
+    assert_eq!(g2.version, 0);
+    let step2 = generated_at(&mut core, 2.0, g2.stage, 2);
+    // Group 0 is trained on: version 1, and group 2 (trajectories 4 and 5) starts.
+    complete_one(&mut core, &resets[0]);
+    let taken = complete_one(&mut core, &resets[1]);
+    let batch = trained_batch(&taken);
+    core.handle_input(Time::from_secs_f64(3.0), Input::TrainFinished { batch });
+    let (replica, version) = weight_update(&drain(&mut core));
+    assert_eq!(version, 1);
+    let group2: Vec<StageCommand> = runs(&taken)
+        .into_iter()
+        .filter(|s| matches!(s.work, StageWork::EnvReset { .. }))
+        .collect();
+    assert_eq!(
+        group2.iter().map(|s| s.traj).collect::<Vec<_>>(),
+        [TrajId(4), TrajId(5)]
+    );
+    core.handle_input(
+        Time::from_secs_f64(4.0),
+        Input::WeightsUpdated { replica, version },
+    );
+    drain(&mut core);
+    // Trajectory 3 generates its only turn on version 1; its environment step stays open.
+    let g3 = stage_of(
+        &finish_at(&mut core, 5.0, resets[3].stage, observed(100, false)),
+        3,
+    );
+    assert_eq!(g3.version, 1);
+    let step3 = generated_at(&mut core, 6.0, g3.stage, 3);
+    // Group 2 is trained on: version 2, which puts trajectory 2's turn out of the bound.
+    complete_one(&mut core, &group2[0]);
+    let batch = trained_batch(&complete_one(&mut core, &group2[1]));
+    core.handle_input(Time::from_secs_f64(7.0), Input::TrainFinished { batch });
+    let (replica, version) = weight_update(&drain(&mut core));
+    assert_eq!(version, 2);
+    core.handle_input(
+        Time::from_secs_f64(8.0),
+        Input::WeightsUpdated { replica, version },
+    );
+    drain(&mut core);
+    // Group 1 finishes and is taken: found past the bound.
+    let mut out = Vec::new();
+    for (t, step) in [(2, step2), (3, step3)] {
+        let reward = stage_of(&finish_at(&mut core, 9.0, step.stage, observed(5, true)), t);
+        out = finish_when(
+            &mut core,
+            Time::from_secs_f64(10.0),
+            reward.stage,
+            StageOutcome::Rewarded { score: 0.0 },
+        );
+    }
+    (core, out)
+}
+
+#[test]
+fn a_group_found_past_the_bound_when_taken_starts_over_on_the_current_weights_not_on_the_oldest_allowed()
+ {
+    // Rewound to the bound's floor (version 1), the group would keep trajectory 3's version-1
+    // turn and have only the current step to finish in; restarted, both members start over on
+    // version 2.
+    let (core, out) = a_group_found_expired_when_taken(true);
+    assert_eq!(core.stats().regenerated_at_consumption, 2);
+    let again = runs(&out);
+    for t in [2, 3] {
+        let regen = stage_of(&again, t);
+        assert_eq!(
+            (regen.turn, regen.attempt, regen.version),
+            (0, 1, 2),
+            "{again:?}"
+        );
+    }
+    // Without the rule, only the member with a turn out of the bound is rewound.
+    let (core, out) = a_group_found_expired_when_taken(false);
+    assert_eq!(core.stats().regenerated_at_consumption, 1);
+    let again = runs(&out);
+    assert_eq!(stage_of(&again, 2).attempt, 1, "{again:?}");
+    assert!(!again.iter().any(|s| s.traj == TrajId(3)), "{again:?}");
 }

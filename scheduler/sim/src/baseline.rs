@@ -88,6 +88,7 @@ impl Baseline {
             sample_within_job_budget: false,
             window_excludes_waiting_batch: false,
             spread_cold_turns: false,
+            restart_expired_groups: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -114,6 +115,7 @@ impl Baseline {
                 // Its weight updates reach every replica at once: none comes back first to
                 // take every waiting turn.
                 spread_cold_turns: false,
+                restart_expired_groups: false,
             },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
@@ -140,6 +142,7 @@ impl Baseline {
             sample_within_job_budget: false,
             window_excludes_waiting_batch: false,
             spread_cold_turns: false,
+            restart_expired_groups: false,
         };
         Ok(match self {
             Baseline::Sync => (

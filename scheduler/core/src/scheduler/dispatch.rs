@@ -565,13 +565,28 @@ impl Core {
             .take_while(|(v, _)| *v < floor)
             .copied()
             .collect();
+        // Rewound only to the bound's floor, a group keeps turns of the floor's version, the
+        // oldest the current step may train: it has what is left of that step to finish in
+        // again, which a multi-turn group rarely does, so it is rewound again a step later, and
+        // again (a coding group of the held-out math and code job went round eight times).
+        // Restarted on the current weights, it has the whole bound. Eight seeds, mean step:
+        // RollArt-like -2.6%, held-out MoE -2.7%, math and code -1.2%, web agent -0.9%,
+        // Mixtral unchanged, when the rule was chosen.
+        let restart = self.cfg.policy.restart_expired_groups
+            && self.cfg.policy.discipline == Discipline::Continuous;
+        let keep_from = if restart { self.version } else { floor };
         for (_, g) in stale {
+            if restart {
+                let group = &mut self.groups[g.0 as usize];
+                group.restart_floor = group.restart_floor.max(self.version);
+                group.first_turn = None;
+            }
             let members = self.groups[g.0 as usize].members.clone();
             for t in members {
                 let first_bad = self.trajs[t.0 as usize]
                     .turns
                     .iter()
-                    .position(|turn| turn.version < floor);
+                    .position(|turn| turn.version < keep_from);
                 if let Some(k) = first_bad {
                     self.regenerate(t, k);
                     self.stats.regenerated_at_consumption += 1;

@@ -25,6 +25,7 @@ pub fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncM
         sample_within_job_budget: true,
         window_excludes_waiting_batch: true,
         spread_cold_turns: true,
+        restart_expired_groups: false,
     }
 }
 
