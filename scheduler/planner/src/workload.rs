@@ -24,6 +24,8 @@ pub struct TaskLoad {
     pub group_turns: f64,
     /// Variance of the turns per trajectory.
     pub turns_var: f64,
+    /// The most turns a trajectory may take (`maxTurns`).
+    pub max_turns: f64,
     /// Variance of one environment step, seconds squared.
     pub env_step_var: f64,
     /// Variance of the action tokens of one turn.
@@ -139,6 +141,7 @@ impl Workload {
                     turns,
                     group_turns,
                     turns_var,
+                    max_turns,
                     env_step_var: variance(&task.env_step_ms, mean) / 1e6,
                     action_var: variance(&task.action_tokens, mean),
                     env_step_k3: third_cumulant(&task.env_step_ms) / 1e9,

@@ -38,8 +38,10 @@
 //!   (`maxStaleness: 1`): then it waits. Prefills queue (M/G/1) where they run;
 //! - the staleness bound: a group must be taken by the trainer within `maxStaleness + 1`
 //!   versions of its start, less the share of a step it started into; an attempt that misses is
-//!   thrown away and the group starts again (regeneration), so by Wald's identity it holds its
-//!   slot for its expected attempts times its mean attempt.
+//!   thrown away and the group starts again (regeneration). A group of a multi-turn task whose
+//!   long chain does not fit its deadline is restarted at the first publication after its start,
+//!   as the core does (`Core::restart_late_groups`), and then has the whole bound; by renewal
+//!   over its attempts it holds its slot for the time each attempt held it.
 //!
 //! The step time is the smallest `T` at least every term evaluated at the throughput `B / T`
 //! (bisection). The job's average ([`model::job_average`]) is that step over every step of a job of
@@ -749,7 +751,7 @@ mod tests {
     #[test]
     fn a_group_whose_attempt_fits_the_earliest_deadline_is_never_regenerated() {
         // S = 2, T = 100 s: deadlines fall in [200, 300] s; a fixed 150 s attempt makes all.
-        let r = regeneration(150.0, 0.0, 0.0, 2.0, 100.0, 1e9);
+        let r = regeneration(150.0, 0.0, 0.0, 2.0, 100.0, 1e9, None, 0.0);
         assert_eq!(r.attempts, 1.0);
         assert_eq!(r.slot_s, 150.0);
     }
@@ -758,7 +760,7 @@ mod tests {
     fn a_fixed_attempt_misses_the_share_of_deadlines_it_outlives_and_retries_by_wald() {
         // A 250 s attempt outlives deadlines in [200, 250): half of them. Expected attempts
         // 1 / (1 - 0.5) = 2, each holding the slot 250 s: 500 s.
-        let r = regeneration(250.0, 0.0, 0.0, 2.0, 100.0, 1e9);
+        let r = regeneration(250.0, 0.0, 0.0, 2.0, 100.0, 1e9, None, 0.0);
         assert!((r.attempts - 2.0).abs() < 1e-12, "{r:?}");
         assert!((r.slot_s - 500.0).abs() < 1e-9, "{r:?}");
     }
@@ -766,7 +768,7 @@ mod tests {
     #[test]
     fn a_group_that_never_makes_its_deadline_holds_its_slot_until_the_limit() {
         // S = 0, T = 100: every deadline is under 100 s; a 1,000 s attempt always misses.
-        let r = regeneration(1000.0, 0.0, 0.0, 0.0, 100.0, 5000.0);
+        let r = regeneration(1000.0, 0.0, 0.0, 0.0, 100.0, 5000.0, None, 0.0);
         assert!((r.slot_s - 5000.0).abs() < 1e-9, "{r:?}");
         assert!((r.attempts - 5.0).abs() < 1e-9, "{r:?}");
     }
@@ -775,9 +777,37 @@ mod tests {
     fn a_fresh_spread_misses_by_the_mean_normal_survival_over_the_deadlines() {
         // Attempt Normal(250, 50) against deadlines uniform on [200, 300]: the mean of Q(x) for
         // x in [-1, 1] is 1/2 by symmetry, so 2 attempts of 250 s on average.
-        let r = regeneration(250.0, 0.0, 50.0, 2.0, 100.0, 1e9);
+        let r = regeneration(250.0, 0.0, 50.0, 2.0, 100.0, 1e9, None, 0.0);
         assert!((r.attempts - 2.0).abs() < 1e-6, "{r:?}");
         assert!((r.slot_s - 500.0).abs() < 1e-4, "{r:?}");
+    }
+
+    #[test]
+    fn a_group_the_core_restarts_early_holds_its_slot_for_the_share_of_a_step_it_lived_then_has_the_whole_bound()
+     {
+        // S = 2, T = 100 s, a long chain of 250 s: groups started in the last half of a step
+        // (deadlines under 250 s) are restarted at the next publication, after 25 s on average,
+        // and start again with the whole 300 s. The others' deadlines are in [250, 300] s, which
+        // a fixed 220 s attempt makes: (220 + 0.5^2 x 100 / 2) / 1 = 232.5 s.
+        let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, Some(250.0), 0.0);
+        assert!((r.slot_s - 232.5).abs() < 1e-9, "{r:?}");
+        assert!((r.attempts - 232.5 / 220.0).abs() < 1e-12, "{r:?}");
+        // Without the rule the same attempt misses the deadlines in [200, 220): a fifth of
+        // them, each a whole attempt lost: 220 / 0.8 = 275 s.
+        let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, None, 0.0);
+        assert!((r.slot_s - 275.0).abs() < 1e-9, "{r:?}");
+        // A chain longer than the whole bound restarts nothing (the core lets such a group run).
+        let beyond = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, Some(350.0), 0.0);
+        assert_eq!(beyond, r);
+        // A restart that waits 10 s for the running members holds the slot 10 s more, and leaves
+        // 290 s, which the attempt still makes: 220 + 0.5 x (25 + 10) = 237.5 s.
+        let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, Some(250.0), 10.0);
+        assert!((r.slot_s - 237.5).abs() < 1e-9, "{r:?}");
+        // An attempt longer than what is left after the delay misses it every time: 295 s
+        // against 290 s. The others' deadlines in [250, 300] miss 0.9 of the time, so
+        // (295 + 17.5) / (1 - 0.5 x 0.9 - 0.5 x 1) = 6,250 s.
+        let r = regeneration(295.0, 0.0, 0.0, 2.0, 100.0, 1e9, Some(250.0), 10.0);
+        assert!((r.slot_s - 6250.0).abs() < 1e-6, "{r:?}");
     }
 
     #[test]
@@ -993,6 +1023,7 @@ mod tests {
             turns,
             group_turns: turns,
             turns_var: 0.0,
+            max_turns: turns,
             env_step_var: 0.0,
             action_var,
             env_step_k3: 0.0,

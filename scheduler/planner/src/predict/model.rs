@@ -734,12 +734,24 @@ pub(super) fn mean_survival(a: f64, b: f64) -> f64 {
 /// (environment steps, actions), both standard normal. A group started a share `phi` into a
 /// version's step (uniform) must be taken by the trainer before `maxStaleness + 1` more versions
 /// are published, `(S + 1 - phi) T` after it started; an attempt that misses is thrown away
-/// whole (every member's first turn is then too old) and the group starts again. Each attempt
-/// holds the slot for its own length, so by Wald's identity a group holds it for its expected
-/// attempts `1 / (1 - miss)` times its mean attempt; a group that almost never makes it holds
-/// its slot until the job ends, on average half of the job (`hold_limit_s`). The core's
-/// regeneration of a lone expired finished member at a publication is left out on purpose (the
-/// module doc says why).
+/// whole (every member's first turn is then too old) and the group starts again, at a share of
+/// a step as random as the first.
+///
+/// `restart_chain`, the long chain of the task by which the core restarts a group early
+/// (`Core::restart_late_groups`), when it has one: a group whose deadline is shorter than it,
+/// but not a whole bound `(S + 1) T` shorter, is restarted at the first publication after its
+/// start, having held its slot `(1 - phi) T`. Those are the groups started in the last share `p =
+/// (chain - S T) / T` of a step (clamped to [0, 1]). It starts again on the weights just
+/// published once its running members reach their next generation, `restart_delay` later (the
+/// slot held meanwhile), with the whole bound less that delay ahead. With `q1` the mean miss of
+/// an attempt over the deadlines of the groups left running and `q0` its miss with the whole
+/// bound, a group holds its slot, by renewal over its attempts, `E = (mean + p (p T / 2 + delay))
+/// / (1 - (1 - p) q1 - p q0)`; without the rule (`p = 0`) that is Wald's identity, its expected
+/// attempts `1 / (1 - q1)` times its mean attempt. A group that almost never makes it holds its slot until the job ends, on average
+/// half of the job (`hold_limit_s`). The attempts a group makes are its slot over its mean
+/// attempt: a restarted one generated as much as the time it held. The core's regeneration of
+/// a lone expired finished member at a publication is left out on purpose (the module doc says
+/// why).
 pub(super) fn regeneration(
     mean: f64,
     lasting: f64,
@@ -747,7 +759,18 @@ pub(super) fn regeneration(
     max_staleness: f64,
     t: f64,
     hold_limit_s: f64,
+    restart_chain: Option<f64>,
+    restart_delay: f64,
 ) -> Regeneration {
+    let (earliest, latest) = (max_staleness * t, (max_staleness + 1.0) * t);
+    let restarted = match restart_chain {
+        Some(chain) if max_staleness > 0.0 && chain <= latest => {
+            ((chain - earliest) / t.max(1e-12)).clamp(0.0, 1.0)
+        }
+        _ => 0.0,
+    };
+    // The deadlines of the groups the rule lets run.
+    let lowest = earliest + restarted * t;
     let (mut slot_s, mut attempts) = (0.0, 0.0);
     for j in 0..LAG_POINTS {
         let lag = if lasting > 0.0 {
@@ -756,18 +779,26 @@ pub(super) fn regeneration(
             0.0
         };
         let attempt = (mean + lag).max(0.0);
-        let (earliest, latest) = (max_staleness * t, (max_staleness + 1.0) * t);
-        let miss = if fresh > 0.0 {
-            mean_survival((earliest - attempt) / fresh, (latest - attempt) / fresh)
+        let whole = latest - restart_delay;
+        let (miss_running, miss_whole) = if fresh > 0.0 {
+            (
+                mean_survival((lowest - attempt) / fresh, (latest - attempt) / fresh),
+                1.0 - normal_cdf((whole - attempt) / fresh),
+            )
         } else {
-            ((attempt - earliest) / (latest - earliest).max(1e-12)).clamp(0.0, 1.0)
+            (
+                ((attempt - lowest) / (latest - lowest).max(1e-12)).clamp(0.0, 1.0),
+                if attempt > whole { 1.0 } else { 0.0 },
+            )
         };
-        let expected = if miss < 1.0 {
-            1.0 / (1.0 - miss)
+        let made = 1.0 - (1.0 - restarted) * miss_running - restarted * miss_whole;
+        let expected = attempt + restarted * (restarted * t / 2.0 + restart_delay);
+        let held = if made > 0.0 {
+            expected / made
         } else {
             f64::INFINITY
         };
-        let held = (attempt * expected).min(hold_limit_s.max(attempt));
+        let held = held.min(hold_limit_s.max(attempt));
         slot_s += held;
         attempts += held / attempt.max(1e-12);
     }

@@ -243,6 +243,12 @@ pub(super) fn predict_caps(
                 let skew = k3_life / var_life.powf(1.5).max(1e-30);
                 let sd_life = var_life.sqrt();
                 let attempt = skewed_expected_max(mean_life, sd_life, skew, w.group_size) + wait;
+                // The core's long chain of a multi-turn task (`maxTurns` turns at the mean turn
+                // time it measures, plus one standard deviation of their sum), by which it
+                // restarts groups early; a single-turn task measures no turn time, so has none.
+                let restart_chain = (task.max_turns > 1.0).then(|| {
+                    (task.max_turns * per_turn + (task.max_turns * turn_var).sqrt()) * stretch
+                });
                 let regen = regeneration(
                     attempt,
                     w.group_max_sd * lasting_var.sqrt(),
@@ -250,6 +256,9 @@ pub(super) fn predict_caps(
                     w.max_staleness,
                     t,
                     w.steps * t / 2.0,
+                    restart_chain,
+                    // The slowest running member ends its turn first: about a whole turn.
+                    per_turn * stretch,
                 );
                 slots += task.share * regen.slot_s;
                 lives.push(SlotLife {
