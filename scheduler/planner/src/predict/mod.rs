@@ -524,9 +524,9 @@ pub fn decode_work_at(p: &Problem, batch: f64, context: f64) -> roofline::Work {
 #[cfg(test)]
 mod tests {
     use super::model::{
-        IterationTimes, SlotLife, action_spread, closed_loop_step, drain_wait, expected_max_z,
-        iteration_time, job_average, mean_survival, prefill_queue, queue, regeneration,
-        replica_occupancy, routed, skewed_expected_max, token_time,
+        EarlyRestart, IterationTimes, SlotLife, action_spread, closed_loop_step, drain_wait,
+        expected_max_z, iteration_time, job_average, mean_survival, prefill_queue, queue,
+        regeneration, replica_occupancy, routed, skewed_expected_max, token_time,
     };
     use super::*;
     use rollfleet_spec::WeightReads;
@@ -751,7 +751,7 @@ mod tests {
     #[test]
     fn a_group_whose_attempt_fits_the_earliest_deadline_is_never_regenerated() {
         // S = 2, T = 100 s: deadlines fall in [200, 300] s; a fixed 150 s attempt makes all.
-        let r = regeneration(150.0, 0.0, 0.0, 2.0, 100.0, 1e9, None, 0.0);
+        let r = regeneration(150.0, 0.0, 0.0, 2.0, 100.0, 1e9, None);
         assert_eq!(r.attempts, 1.0);
         assert_eq!(r.slot_s, 150.0);
     }
@@ -760,7 +760,7 @@ mod tests {
     fn a_fixed_attempt_misses_the_share_of_deadlines_it_outlives_and_retries_by_wald() {
         // A 250 s attempt outlives deadlines in [200, 250): half of them. Expected attempts
         // 1 / (1 - 0.5) = 2, each holding the slot 250 s: 500 s.
-        let r = regeneration(250.0, 0.0, 0.0, 2.0, 100.0, 1e9, None, 0.0);
+        let r = regeneration(250.0, 0.0, 0.0, 2.0, 100.0, 1e9, None);
         assert!((r.attempts - 2.0).abs() < 1e-12, "{r:?}");
         assert!((r.slot_s - 500.0).abs() < 1e-9, "{r:?}");
     }
@@ -768,7 +768,7 @@ mod tests {
     #[test]
     fn a_group_that_never_makes_its_deadline_holds_its_slot_until_the_limit() {
         // S = 0, T = 100: every deadline is under 100 s; a 1,000 s attempt always misses.
-        let r = regeneration(1000.0, 0.0, 0.0, 0.0, 100.0, 5000.0, None, 0.0);
+        let r = regeneration(1000.0, 0.0, 0.0, 0.0, 100.0, 5000.0, None);
         assert!((r.slot_s - 5000.0).abs() < 1e-9, "{r:?}");
         assert!((r.attempts - 5.0).abs() < 1e-9, "{r:?}");
     }
@@ -777,9 +777,13 @@ mod tests {
     fn a_fresh_spread_misses_by_the_mean_normal_survival_over_the_deadlines() {
         // Attempt Normal(250, 50) against deadlines uniform on [200, 300]: the mean of Q(x) for
         // x in [-1, 1] is 1/2 by symmetry, so 2 attempts of 250 s on average.
-        let r = regeneration(250.0, 0.0, 50.0, 2.0, 100.0, 1e9, None, 0.0);
+        let r = regeneration(250.0, 0.0, 50.0, 2.0, 100.0, 1e9, None);
         assert!((r.attempts - 2.0).abs() < 1e-6, "{r:?}");
         assert!((r.slot_s - 500.0).abs() < 1e-4, "{r:?}");
+    }
+
+    fn early(chain: f64, delay: f64) -> Option<EarlyRestart> {
+        Some(EarlyRestart { chain, delay })
     }
 
     #[test]
@@ -789,24 +793,24 @@ mod tests {
         // (deadlines under 250 s) are restarted at the next publication, after 25 s on average,
         // and start again with the whole 300 s. The others' deadlines are in [250, 300] s, which
         // a fixed 220 s attempt makes: (220 + 0.5^2 x 100 / 2) / 1 = 232.5 s.
-        let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, Some(250.0), 0.0);
+        let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, early(250.0, 0.0));
         assert!((r.slot_s - 232.5).abs() < 1e-9, "{r:?}");
         assert!((r.attempts - 232.5 / 220.0).abs() < 1e-12, "{r:?}");
         // Without the rule the same attempt misses the deadlines in [200, 220): a fifth of
         // them, each a whole attempt lost: 220 / 0.8 = 275 s.
-        let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, None, 0.0);
+        let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, None);
         assert!((r.slot_s - 275.0).abs() < 1e-9, "{r:?}");
         // A chain longer than the whole bound restarts nothing (the core lets such a group run).
-        let beyond = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, Some(350.0), 0.0);
+        let beyond = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, early(350.0, 0.0));
         assert_eq!(beyond, r);
         // A restart that waits 10 s for the running members holds the slot 10 s more, and leaves
         // 290 s, which the attempt still makes: 220 + 0.5 x (25 + 10) = 237.5 s.
-        let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, Some(250.0), 10.0);
+        let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, early(250.0, 10.0));
         assert!((r.slot_s - 237.5).abs() < 1e-9, "{r:?}");
         // An attempt longer than what is left after the delay misses it every time: 295 s
         // against 290 s. The others' deadlines in [250, 300] miss 0.9 of the time, so
         // (295 + 17.5) / (1 - 0.5 x 0.9 - 0.5 x 1) = 6,250 s.
-        let r = regeneration(295.0, 0.0, 0.0, 2.0, 100.0, 1e9, Some(250.0), 10.0);
+        let r = regeneration(295.0, 0.0, 0.0, 2.0, 100.0, 1e9, early(250.0, 10.0));
         assert!((r.slot_s - 6250.0).abs() < 1e-6, "{r:?}");
     }
 

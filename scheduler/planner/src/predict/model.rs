@@ -709,6 +709,15 @@ pub(super) struct Regeneration {
     pub(super) attempts: f64,
 }
 
+/// How the core restarts a task's late groups early ([`regeneration`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct EarlyRestart {
+    /// The task's long chain, seconds: a group whose deadline is shorter is restarted.
+    pub(super) chain: f64,
+    /// Seconds from the publication to the restarted attempt's start.
+    pub(super) delay: f64,
+}
+
 /// Equal-probability points of a group's lasting lag (its members' turn counts, which a
 /// regeneration does not redraw), for averaging over groups.
 pub(super) const LAG_POINTS: usize = 16;
@@ -737,12 +746,12 @@ pub(super) fn mean_survival(a: f64, b: f64) -> f64 {
 /// whole (every member's first turn is then too old) and the group starts again, at a share of
 /// a step as random as the first.
 ///
-/// `restart_chain`, the long chain of the task by which the core restarts a group early
+/// `restart`, the long chain of the task by which the core restarts a group early
 /// (`Core::restart_late_groups`), when it has one: a group whose deadline is shorter than it,
 /// but not a whole bound `(S + 1) T` shorter, is restarted at the first publication after its
 /// start, having held its slot `(1 - phi) T`. Those are the groups started in the last share `p =
 /// (chain - S T) / T` of a step (clamped to [0, 1]). It starts again on the weights just
-/// published once its running members reach their next generation, `restart_delay` later (the
+/// published once its running members reach their next generation, the restart's delay later (the
 /// slot held meanwhile), with the whole bound less that delay ahead. With `q1` the mean miss of
 /// an attempt over the deadlines of the groups left running and `q0` its miss with the whole
 /// bound, a group holds its slot, by renewal over its attempts, `E = (mean + p (p T / 2 + delay))
@@ -759,15 +768,14 @@ pub(super) fn regeneration(
     max_staleness: f64,
     t: f64,
     hold_limit_s: f64,
-    restart_chain: Option<f64>,
-    restart_delay: f64,
+    restart: Option<EarlyRestart>,
 ) -> Regeneration {
     let (earliest, latest) = (max_staleness * t, (max_staleness + 1.0) * t);
-    let restarted = match restart_chain {
-        Some(chain) if max_staleness > 0.0 && chain <= latest => {
-            ((chain - earliest) / t.max(1e-12)).clamp(0.0, 1.0)
+    let (restarted, restart_delay) = match restart {
+        Some(EarlyRestart { chain, delay }) if max_staleness > 0.0 && chain <= latest => {
+            (((chain - earliest) / t.max(1e-12)).clamp(0.0, 1.0), delay)
         }
-        _ => 0.0,
+        _ => (0.0, 0.0),
     };
     // The deadlines of the groups the rule lets run.
     let lowest = earliest + restarted * t;

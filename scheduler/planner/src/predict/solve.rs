@@ -3,9 +3,9 @@
 //! ([`least_fitting_step`]) for the full prediction and for the search's cheaper objective.
 
 use super::model::{
-    DecodeKind, SlotLife, action_spread, closed_loop_step, context_prefill_flops, drain_wait,
-    expected_max_z, job_average, prefill_queue, queue, regeneration, remote_prefill, routed,
-    skewed_expected_max, step_prefills, step_work, token_time,
+    DecodeKind, EarlyRestart, SlotLife, action_spread, closed_loop_step, context_prefill_flops,
+    drain_wait, expected_max_z, job_average, prefill_queue, queue, regeneration, remote_prefill,
+    routed, skewed_expected_max, step_prefills, step_work, token_time,
 };
 use super::{
     Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, Terms, TokenTimes,
@@ -246,8 +246,11 @@ pub(super) fn predict_caps(
                 // The core's long chain of a multi-turn task (`maxTurns` turns at the mean turn
                 // time it measures, plus one standard deviation of their sum), by which it
                 // restarts groups early; a single-turn task measures no turn time, so has none.
-                let restart_chain = (task.max_turns > 1.0).then(|| {
-                    (task.max_turns * per_turn + (task.max_turns * turn_var).sqrt()) * stretch
+                let restart = (task.max_turns > 1.0).then(|| EarlyRestart {
+                    chain: (task.max_turns * per_turn + (task.max_turns * turn_var).sqrt())
+                        * stretch,
+                    // The slowest running member ends its turn first: about a whole turn.
+                    delay: per_turn * stretch,
                 });
                 let regen = regeneration(
                     attempt,
@@ -256,9 +259,7 @@ pub(super) fn predict_caps(
                     w.max_staleness,
                     t,
                     w.steps * t / 2.0,
-                    restart_chain,
-                    // The slowest running member ends its turn first: about a whole turn.
-                    per_turn * stretch,
+                    restart,
                 );
                 slots += task.share * regen.slot_s;
                 lives.push(SlotLife {
