@@ -756,11 +756,11 @@ pub(super) fn mean_survival(a: f64, b: f64) -> f64 {
 /// an attempt over the deadlines of the groups left running and `q0` its miss with the whole
 /// bound, a group holds its slot, by renewal over its attempts, `E = (mean + p (p T / 2 + delay))
 /// / (1 - (1 - p) q1 - p q0)`; without the rule (`p = 0`) that is Wald's identity, its expected
-/// attempts `1 / (1 - q1)` times its mean attempt. A group that almost never makes it holds its slot until the job ends, on average
-/// half of the job (`hold_limit_s`). The attempts a group makes are its slot over its mean
-/// attempt: a restarted one generated as much as the time it held. The core's regeneration of
-/// a lone expired finished member at a publication is left out on purpose (the module doc says
-/// why).
+/// attempts `1 / (1 - q1)` times its mean attempt. A group that almost never makes it holds its
+/// slot until the job ends, on average half of the job (`hold_limit_s`). The attempts a group
+/// makes are its slot over its mean attempt: a restarted one generated as much as the time it
+/// held. The core's regeneration of a lone expired finished member at a publication is left out
+/// on purpose (the module doc says why).
 pub(super) fn regeneration(
     mean: f64,
     lasting: f64,
