@@ -496,16 +496,19 @@ fn run_case(seed: u64) -> Ran {
 fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
     let seeds = rollfleet_rng::test_seeds("ROLLFLEET_FAULT", 1000);
     let started = std::time::Instant::now();
-    let mut restarts = 0;
+    let (mut restarts, mut gave_up_hung) = (0, 0);
     for &seed in &seeds {
         let reproduce = format!(
             "reproduce with: ROLLFLEET_FAULT_SEED={seed} cargo test -p rollfleet-server --test \
              fault_harness"
         );
         let Ran {
-            report, restarted, ..
+            report,
+            restarted,
+            metrics,
         } = run_case(seed);
         restarts += usize::from(restarted);
+        gave_up_hung += metrics.hung_assignments.get();
         assert_eq!(report.phase, "Succeeded", "case {seed}: {reproduce}");
         assert_eq!(report.policy_version, STEPS, "case {seed}: {reproduce}");
         assert_eq!(
@@ -528,7 +531,8 @@ fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
         );
     }
     eprintln!(
-        "{} cases ({restarts} with the scheduler killed and restarted from its journal) in {:?}",
+        "{} cases ({restarts} with the scheduler killed and restarted from its journal, \
+         {gave_up_hung} trainings or weight updates given up as hung) in {:?}",
         seeds.len(),
         started.elapsed()
     );
@@ -536,6 +540,13 @@ fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
         assert!(
             restarts * 8 >= seeds.len(),
             "only {restarts} of {} cases restarted the scheduler before the job ended",
+            seeds.len()
+        );
+        // A training batch or a weight update that never gets an answer is given up after its
+        // bound (`Actor::give_up_hung`), and the job still succeeds.
+        assert!(
+            gave_up_hung > 0,
+            "no training or weight update went unanswered in {} cases",
             seeds.len()
         );
     }
