@@ -777,8 +777,9 @@ pub(super) fn regeneration(
         }
         _ => (0.0, 0.0),
     };
-    // The deadlines of the groups the rule lets run.
+    // The deadlines of the groups the rule lets run, and of a restarted attempt.
     let lowest = earliest + restarted * t;
+    let whole = latest - restart_delay;
     let (mut slot_s, mut attempts) = (0.0, 0.0);
     for j in 0..LAG_POINTS {
         let lag = if lasting > 0.0 {
@@ -787,7 +788,6 @@ pub(super) fn regeneration(
             0.0
         };
         let attempt = (mean + lag).max(0.0);
-        let whole = latest - restart_delay;
         let (miss_running, miss_whole) = if fresh > 0.0 {
             (
                 mean_survival((lowest - attempt) / fresh, (latest - attempt) / fresh),
