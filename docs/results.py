@@ -230,8 +230,10 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
         "bias: tokens / task share | areal-like token bias |"
     )
     add("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    holdout: list[dict[str, Any]] = []
     for job in HOLDOUT:
         report = sim(rollfleet, job, "--seed", "0")
+        holdout.append(report)
         run = policy(report, "rollfleet")
         syncs = [policy(report, n)["step_time_s"] for n in ("sync", "sync-disaggregated")]
         areal = policy(report, "areal-like")["step_time_s"]
@@ -250,6 +252,35 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
             f"{run['reference_efficiency']:.2f} | {run['bias']['tokens'] * 100:+.1f}% / "
             f"{run['bias']['task_share'] * 100:.1f} | "
             f"{policy(report, 'areal-like')['bias']['tokens'] * 100:+.1f}% |"
+        )
+    add("")
+
+    add("## Simulated: how much of the distance from the yardstick is decode speed")
+    add("")
+    add(
+        "The same runs (seed 0). The yardstick's chains decode every token as a lone sequence "
+        "on the largest replica; a run batches its sequences, and a batched token takes its "
+        "batch's iteration time (a mixture of experts reads more experts for a batch). **At "
+        "its decode** replays the yardstick with every token of its chains at the run's own "
+        "mean time a token (over the tokens, as the sequences decoding them saw it): a "
+        "diagnostic, not a bound (a schedule could decode a critical chain alone). What is "
+        "left between it and the step is the rest of the schedule: the admission window, "
+        "waits for the trainer and the weights, regeneration."
+    )
+    add("")
+    add(
+        "| job | lone ms per token | rollfleet ms per token | yardstick s | at its decode s | "
+        "reference efficiency | efficiency at its decode |"
+    )
+    add("|---|---:|---:|---:|---:|---:|---:|")
+    for report in [first, *holdout]:
+        run = policy(report, "rollfleet")
+        ref = report["reference"]
+        at = run["yardstick_at_its_decode_s"]
+        add(
+            f"| {report['job']} | {ref['lone_decode_s_per_token'] * 1000:.2f} | "
+            f"{run['decode_s_per_token'] * 1000:.2f} | {ref['bound']['step_s']:.1f} | "
+            f"{at:.1f} | {run['reference_efficiency']:.2f} | {at / run['step_time_s']:.2f} |"
         )
     add("")
 

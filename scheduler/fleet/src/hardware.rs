@@ -188,6 +188,12 @@ pub struct Engine {
     pub tokens_generated: u64,
     /// Prefilled tokens so far.
     pub tokens_prefilled: u64,
+    /// Seconds sequences spent in a decode batch, summed over the sequences (a batch of 4 for
+    /// a second adds 4), and the tokens they decoded meanwhile: their ratio is the mean time a
+    /// token took, over the tokens, as a sequence saw it.
+    pub decode_sequence_s: f64,
+    /// See [`Engine::decode_sequence_s`] (fractional: a stretch ends mid-iteration).
+    pub decode_tokens_timed: f64,
 }
 
 impl Engine {
@@ -230,6 +236,8 @@ impl Engine {
             sum_ctx_base: 0.0,
             tokens_generated: 0,
             tokens_prefilled: 0,
+            decode_sequence_s: 0.0,
+            decode_tokens_timed: 0.0,
         }
     }
 
@@ -272,6 +280,9 @@ impl Engine {
         if !self.seqs.is_empty() && self.t_iter > 0.0 {
             let dt = now.since(self.last).as_secs_f64();
             self.progress += dt / self.t_iter;
+            let batch = self.seqs.len() as f64;
+            self.decode_sequence_s += batch * dt;
+            self.decode_tokens_timed += batch * dt / self.t_iter;
             // One sample per stretch at a constant batch: the iteration time the batch ran at.
             if dt > 0.0 {
                 self.measured.push(Measured {
@@ -652,6 +663,29 @@ mod tests {
         assert_eq!(e.wake(first), vec![EngineDone::Generated(StageId(2), 50)]);
         let second = e.next_wake().unwrap();
         assert!((second.as_secs_f64() - 0.2).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_decoded_token_is_timed_at_its_batchs_iteration_time_over_the_tokens() {
+        // Two sequences share 2 ms iterations for 0.1 s (50 tokens each), then one runs alone
+        // for 0.1 s more (50 tokens): 0.3 sequence-seconds over 150 tokens, 2 ms a token.
+        let mut e = Engine::new(1, 1e15, 1e12, &hw(), costs(), 1000);
+        e.add_decode(Time::ZERO, StageId(1), 10, 100);
+        e.add_decode(Time::ZERO, StageId(2), 10, 50);
+        let first = e.next_wake().unwrap();
+        e.wake(first);
+        let second = e.next_wake().unwrap();
+        e.wake(second);
+        assert!(
+            (e.decode_sequence_s - 0.3).abs() < 1e-9,
+            "{}",
+            e.decode_sequence_s
+        );
+        assert!(
+            (e.decode_tokens_timed - 150.0).abs() < 1e-6,
+            "{}",
+            e.decode_tokens_timed
+        );
     }
 
     #[test]

@@ -57,6 +57,22 @@ pub struct LatencyRates {
     pub flops_per_token: f64,
     /// Attention FLOPs per token per token of context.
     pub attention_flops_per_context: f64,
+    /// How many times a lone sequence's time each decoded token takes: 1 for the bound, more to
+    /// replay the chains at a run's own decode speed (`crate::reference::Reference::at_decode`).
+    pub decode_slowdown: f64,
+}
+
+impl LatencyRates {
+    /// Seconds one decoded token takes at a context of `context` tokens: a lone sequence reading
+    /// the weights and its own KV cache once (or its FLOPs, if compute binds), times
+    /// [`LatencyRates::decode_slowdown`].
+    pub fn decode_token_s(&self, context: f64) -> f64 {
+        let bandwidth = self.replica_bandwidth.max(1.0);
+        let compute = self.replica_compute.max(1.0);
+        ((self.weight_bytes + self.kv_bytes_per_token * context) / bandwidth)
+            .max((self.flops_per_token + self.attention_flops_per_context * context) / compute)
+            * self.decode_slowdown.max(1.0)
+    }
 }
 
 /// One generated turn of a trained trajectory, as the latency term needs it.
@@ -93,9 +109,7 @@ pub fn trajectory_latency(rates: &LatencyRates, turns: &[TurnTrace], reward_s: f
             let bytes = rates.weight_bytes + rates.kv_bytes_per_token * context;
             total += (flops / compute).max(bytes / bandwidth);
         }
-        let per_token = ((rates.weight_bytes + rates.kv_bytes_per_token * context) / bandwidth)
-            .max((rates.flops_per_token + rates.attention_flops_per_context * context) / compute);
-        total += turn.action as f64 * per_token + turn.env_s.max(0.0);
+        total += turn.action as f64 * rates.decode_token_s(context) + turn.env_s.max(0.0);
     }
     total
 }
@@ -262,6 +276,7 @@ mod tests {
             kv_bytes_per_token: 0.0,
             flops_per_token: 1.0,
             attention_flops_per_context: 0.0,
+            decode_slowdown: 1.0,
         }
     }
 

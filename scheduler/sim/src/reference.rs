@@ -21,6 +21,7 @@ use rollfleet_core::rng::SplitMix64;
 use rollfleet_spec::{JobSpec, RewardPlacement};
 use serde::Serialize;
 
+use crate::bound::LatencyRates;
 use crate::hardware::HardwareModel;
 use crate::report::{BoundReport, latency_rates, lower_bound};
 use crate::sim::{TrajLedger, TurnWork, Work, model_costs};
@@ -100,10 +101,45 @@ impl Bias {
 /// The fixed yardstick of a job and seed.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Reference {
+    /// The seed the episodes were sampled with.
+    pub seed: u64,
     /// The bound on the episodes as first sampled, at the job's staleness bound.
     pub bound: BoundReport,
     /// Their mix.
     pub mix: Mix,
+    /// The mean seconds a decoded token takes in the bound's chains (a lone sequence on the
+    /// largest replica, over the episodes' tokens).
+    pub lone_decode_s_per_token: f64,
+}
+
+impl Reference {
+    /// The same bound with every token of the chains decoded `decode_s_per_token /
+    /// lone_decode_s_per_token` times slower (never faster): the yardstick replayed at a run's
+    /// own decode speed. It is not a bound on every schedule (one could decode a group's critical
+    /// chain alone while batching the rest); it splits a run's distance from the yardstick into
+    /// what its decode speed costs the chains and what the rest of its schedule costs.
+    pub fn at_decode(
+        &self,
+        spec: &JobSpec,
+        catalog: &Catalog,
+        hw: &HardwareModel,
+        decode_s_per_token: f64,
+    ) -> BoundReport {
+        let slowdown = if self.lone_decode_s_per_token > 0.0 {
+            (decode_s_per_token / self.lone_decode_s_per_token).max(1.0)
+        } else {
+            1.0
+        };
+        let work = sampled_work(spec, catalog, hw, self.seed, slowdown);
+        lower_bound(
+            spec,
+            catalog,
+            hw,
+            &work,
+            spec.rl.steps.max(1) as u64,
+            spec.rl.max_staleness.max(0) as u64,
+        )
+    }
 }
 
 /// Visits the episodes a job's steps need, as first sampled with `seed`, in trajectory order
@@ -192,8 +228,35 @@ pub(crate) fn first_sampled(spec: &JobSpec, seed: u64, mut visit: impl FnMut(u64
 
 /// The fixed yardstick of `spec` with `seed`: the bound and mix of the episodes as first sampled.
 pub fn reference(spec: &JobSpec, catalog: &Catalog, hw: &HardwareModel, seed: u64) -> Reference {
+    let work = sampled_work(spec, catalog, hw, seed, 1.0);
+    let steps = spec.rl.steps.max(1) as u64;
+    let max_staleness = spec.rl.max_staleness.max(0) as u64;
+    Reference {
+        seed,
+        bound: lower_bound(spec, catalog, hw, &work, steps, max_staleness),
+        mix: Mix::of(&work, spec.tasks.len()),
+        lone_decode_s_per_token: if work.decode_tokens > 0.0 {
+            work.chain_decode_s / work.decode_tokens
+        } else {
+            0.0
+        },
+    }
+}
+
+/// The work of the episodes as first sampled, their chains decoding `decode_slowdown` times
+/// slower than a lone sequence.
+fn sampled_work(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    hw: &HardwareModel,
+    seed: u64,
+    decode_slowdown: f64,
+) -> Work {
     let costs = model_costs(spec);
-    let rates = latency_rates(spec, catalog, hw);
+    let rates = LatencyRates {
+        decode_slowdown,
+        ..latency_rates(spec, catalog, hw)
+    };
     let per_step = spec.rl.rollout_batch_size.max(1) as u64;
     let mut work = Work::default();
     let mut traces = Vec::new();
@@ -201,10 +264,5 @@ pub fn reference(spec: &JobSpec, catalog: &Catalog, hw: &HardwareModel, seed: u6
         let step = (t / per_step) as usize;
         work.add_trajectory(spec, &costs, &rates, step, episode, &mut traces);
     });
-    let steps = spec.rl.steps.max(1) as u64;
-    let max_staleness = spec.rl.max_staleness.max(0) as u64;
-    Reference {
-        bound: lower_bound(spec, catalog, hw, &work, steps, max_staleness),
-        mix: Mix::of(&work, spec.tasks.len()),
-    }
+    work
 }

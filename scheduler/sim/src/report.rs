@@ -63,6 +63,7 @@ pub fn latency_rates(spec: &JobSpec, catalog: &Catalog, hw: &HardwareModel) -> L
         kv_bytes_per_token: costs.kv_bytes_per_token,
         flops_per_token: costs.flops_per_token,
         attention_flops_per_context: costs.attention_flops_per_context,
+        decode_slowdown: 1.0,
     };
     for pool in &spec.pools {
         if pool.kind() != Some(PoolKind::Gpu) {
@@ -245,6 +246,14 @@ pub struct PolicyReport {
     pub efficiency: f64,
     /// The job's fixed reference bound (the same for every policy) over achieved step time.
     pub reference_efficiency: f64,
+    /// The mean seconds a decoded token took, as the sequence decoding it saw it (its batch's
+    /// iteration time, over the tokens); `None` if nothing decoded.
+    pub decode_s_per_token: Option<f64>,
+    /// The fixed yardstick replayed with every token of its chains decoded at this run's own
+    /// speed ([`Reference::at_decode`]): what is left between it and the step is the rest of
+    /// the schedule (queueing, waits for the trainer and the weights, regeneration). Not a
+    /// bound on every schedule.
+    pub yardstick_at_its_decode_s: Option<f64>,
     /// What it trained: tokens and environment time per trajectory, task shares.
     pub mix: Mix,
     /// How that mix differs from the episodes as first sampled.
@@ -395,6 +404,10 @@ pub fn policy_report(
             0.0
         },
         bias: Bias::between(&mix, &reference.mix),
+        decode_s_per_token: run.decode_s_per_token,
+        yardstick_at_its_decode_s: run
+            .decode_s_per_token
+            .map(|t| reference.at_decode(spec, catalog, hw, t).step_s),
         mix,
         usd_per_step: usd_per_step(spec, catalog, run, step_time),
         steps,
@@ -577,6 +590,47 @@ fn render_yardstick(report: &SimReport) -> String {
                 "{:.2}x",
                 s / p.usd_per_step.max(1e-12)
             )),
+        ));
+    }
+    out.push_str(&render_decode_split(report));
+    out
+}
+
+/// How much of each policy's distance from the yardstick its decode speed explains: the
+/// yardstick's chains decode every token as a lone sequence, and a run's batches are slower.
+fn render_decode_split(report: &SimReport) -> String {
+    let r = &report.reference;
+    if !report
+        .policies
+        .iter()
+        .any(|p| p.yardstick_at_its_decode_s.is_some())
+    {
+        return String::new();
+    }
+    let mut out = format!(
+        "\nthe yardstick's chains decode every token as a lone sequence on the largest replica \
+         ({:.2} ms a token on average); replayed at each run's own decode speed (a diagnostic, \
+         not a bound: a schedule could decode a critical chain alone):\n",
+        r.lone_decode_s_per_token * 1000.0
+    );
+    out.push_str(&format!(
+        "{:<20} {:>17} {:>19} {:>10}\n",
+        "policy", "decode (ms/token)", "yardstick at it (s)", "eff at it"
+    ));
+    for p in &report.policies {
+        let (Some(token), Some(at)) = (p.decode_s_per_token, p.yardstick_at_its_decode_s) else {
+            continue;
+        };
+        out.push_str(&format!(
+            "{:<20} {:>17.2} {:>19.1} {:>10.2}\n",
+            p.policy,
+            token * 1000.0,
+            at,
+            if p.step_time_s > 0.0 {
+                at / p.step_time_s
+            } else {
+                0.0
+            }
         ));
     }
     out

@@ -819,6 +819,64 @@ fn a_prediction_is_never_reported_below_the_fixed_yardstick() {
     assert!(raised >= 1, "no prediction was below its yardstick");
 }
 
+/// Replaying the yardstick at a decode speed only slows its chains: at a lone sequence's speed
+/// (or faster) it is the yardstick itself, and slower decoding lengthens a latency-bound bound.
+#[test]
+fn the_yardstick_replayed_at_a_lone_sequences_decode_speed_is_itself_and_slower_decode_lengthens_it()
+ {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/jobs/holdout-mixtral-search.yaml"
+    );
+    let job = rollfleet_spec::load_job_file(std::path::Path::new(path)).unwrap();
+    let spec = job.spec();
+    let hw = rollfleet_sim::hardware::HardwareModel::default();
+    let reference = rollfleet_sim::reference::reference(spec, &job.catalog, &hw, 3);
+    let lone = reference.lone_decode_s_per_token;
+    assert!(lone > 0.0);
+    assert_eq!(reference.bound.binding, "latency");
+    let at = |token_s: f64| reference.at_decode(spec, &job.catalog, &hw, token_s).step_s;
+    let bound = reference.bound.step_s;
+    assert!(
+        (at(lone) - bound).abs() <= 1e-9 * bound,
+        "{} vs {bound}",
+        at(lone)
+    );
+    assert!((at(lone / 2.0) - bound).abs() <= 1e-9 * bound);
+    assert!(at(2.0 * lone) > bound, "{} vs {bound}", at(2.0 * lone));
+    assert!(at(4.0 * lone) > at(2.0 * lone));
+}
+
+/// A mixture of experts reads more experts for a batch than for one sequence, so the tokens
+/// of a run that batches its decode take longer than the lone sequence's of the yardstick, and
+/// the report replays the yardstick at that speed.
+#[test]
+fn a_run_reports_its_decode_speed_and_the_yardstick_replayed_at_it() {
+    let args = SimArgs {
+        job: std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/jobs/holdout-mixtral-search.yaml"),
+        baselines: vec![Baseline::Rollfleet],
+        steps: Some(4),
+        ..quickstart_args()
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let policy = &report["policies"][0];
+    let token = policy["decode_s_per_token"].as_f64().unwrap();
+    let lone = report["reference"]["lone_decode_s_per_token"]
+        .as_f64()
+        .unwrap();
+    assert!(token > 1.5 * lone, "{token} s against {lone} s a token");
+    let yardstick = report["reference"]["bound"]["step_s"].as_f64().unwrap();
+    let at_its_decode = policy["yardstick_at_its_decode_s"].as_f64().unwrap();
+    assert!(at_its_decode > yardstick, "{at_its_decode} vs {yardstick}");
+    let mut table = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Table, &mut table, &mut std::io::sink()).unwrap();
+    let table = String::from_utf8(table).unwrap();
+    assert!(table.contains("yardstick at it (s)"), "{table}");
+}
+
 fn quickstart_args() -> SimArgs {
     SimArgs {
         job: quickstart(),

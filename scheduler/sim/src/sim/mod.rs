@@ -241,6 +241,10 @@ pub struct RunResult {
     pub trained_tokens: u64,
     /// Tokens generated (including thrown-away ones).
     pub generated_tokens: u64,
+    /// The mean seconds a decoded token took, as the sequence decoding it saw it (over the
+    /// tokens: a token in a batch of 20 counts its batch's iteration time); `None` if nothing
+    /// decoded.
+    pub decode_s_per_token: Option<f64>,
     /// Staleness histogram by the simulator's own books.
     pub staleness_histogram: Vec<u64>,
     /// Invariant breaches seen (empty when all held).
@@ -746,6 +750,9 @@ pub fn simulate(
     let cold_starts = sim.serverless.values().map(|s| s.cold_starts).sum();
     let max_staleness = sim.core.config().policy.max_staleness;
     let generated_tokens = sim.engines.iter().map(|e| e.tokens_generated).sum();
+    let decode_sequence_s: f64 = sim.engines.iter().map(|e| e.decode_sequence_s).sum();
+    let decode_tokens: f64 = sim.engines.iter().map(|e| e.decode_tokens_timed).sum();
+    let decode_s_per_token = (decode_tokens > 0.0).then(|| decode_sequence_s / decode_tokens);
     Ok(RunResult {
         makespan_s: end.as_secs_f64(),
         publish_times_s: sim.publish_times,
@@ -762,6 +769,7 @@ pub fn simulate(
         trajectories: sim.trajectories,
         trained_tokens: sim.trained_tokens,
         generated_tokens,
+        decode_s_per_token,
         staleness_histogram: sim.staleness,
         violations: sim.violations,
         scheduler_events: sim.scheduler_events,

@@ -14,6 +14,9 @@ pub struct Work {
     pub decode_kv_bytes: f64,
     /// Tokens decoded.
     pub decode_tokens: f64,
+    /// Seconds the trajectories' chains spend decoding at the latency term's rates (a lone
+    /// sequence on the largest replica, see [`crate::bound::LatencyRates::decode_token_s`]).
+    pub chain_decode_s: f64,
     /// Training FLOPs.
     pub train_flops: f64,
     /// Tokens trained on.
@@ -88,6 +91,10 @@ impl Work {
         let chain = &mut self.steps[step];
         chain.train_s += train_s;
         // A trajectory with no turns has no version to wait for (and is a violation anyway).
+        self.chain_decode_s += traces
+            .iter()
+            .map(|t| t.action as f64 * rates.decode_token_s((t.context_before + t.input) as f64))
+            .sum::<f64>();
         if !l.turns.is_empty() {
             let latency = trajectory_latency(rates, traces, l.reward_s);
             chain.longest_s = chain.longest_s.max(latency + train_s);
