@@ -33,7 +33,7 @@ pub struct Metrics {
     pub weight_update_failures: IntCounter,
     /// Training batches and weight updates a live worker held without answering past the
     /// bound: aborted there, the batch given again, the update counted as failed.
-    pub hung_assignments: IntCounter,
+    pub hung_assignments: IntCounterVec,
     /// Environment answers refused for their size (an observation longer than the task's
     /// context, or more text than a trajectory may hold): the stage failed, the worker stayed.
     pub oversized_environment_steps: IntCounter,
@@ -197,11 +197,15 @@ impl Metrics {
             "Weight updates a replica's engine failed, timed out or did not apply: the replica \
              left service and is updated again after a backoff.",
         )?;
-        let hung_assignments = IntCounter::new(
-            "hung_assignments_total",
-            "Training batches and weight updates a live worker held without an answer past the \
-             bound (10 minutes, or the stage timeout when longer): aborted there; the batch is \
-             given again, the update counts as failed.",
+        let hung_assignments = IntCounterVec::new(
+            Opts::new(
+                "hung_assignments_total",
+                "Training batches and weight updates a live worker held without an answer past \
+                 the bound (10 minutes, or the stage timeout when longer): aborted there; the \
+                 batch is given again, the update counts as failed. Per kind: `training` or \
+                 `weights`.",
+            ),
+            &["kind"],
         )?;
         let oversized_environment_steps = IntCounter::new(
             "oversized_environment_steps_total",

@@ -496,7 +496,7 @@ fn run_case(seed: u64) -> Ran {
 fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
     let seeds = rollfleet_rng::test_seeds("ROLLFLEET_FAULT", 1000);
     let started = std::time::Instant::now();
-    let (mut restarts, mut gave_up_hung) = (0, 0);
+    let (mut restarts, mut hung_training, mut hung_weights) = (0, 0, 0);
     for &seed in &seeds {
         let reproduce = format!(
             "reproduce with: ROLLFLEET_FAULT_SEED={seed} cargo test -p rollfleet-server --test \
@@ -508,7 +508,14 @@ fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
             metrics,
         } = run_case(seed);
         restarts += usize::from(restarted);
-        gave_up_hung += metrics.hung_assignments.get();
+        hung_training += metrics
+            .hung_assignments
+            .with_label_values(&["training"])
+            .get();
+        hung_weights += metrics
+            .hung_assignments
+            .with_label_values(&["weights"])
+            .get();
         assert_eq!(report.phase, "Succeeded", "case {seed}: {reproduce}");
         assert_eq!(report.policy_version, STEPS, "case {seed}: {reproduce}");
         assert_eq!(
@@ -532,7 +539,8 @@ fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
     }
     eprintln!(
         "{} cases ({restarts} with the scheduler killed and restarted from its journal, \
-         {gave_up_hung} trainings or weight updates given up as hung) in {:?}",
+         {hung_training} training batches and {hung_weights} weight updates given up as hung) \
+         in {:?}",
         seeds.len(),
         started.elapsed()
     );
@@ -542,11 +550,12 @@ fn seeded_faults_end_every_job_succeeded_with_every_trajectory_trained_once() {
             "only {restarts} of {} cases restarted the scheduler before the job ended",
             seeds.len()
         );
-        // A training batch or a weight update that never gets an answer is given up after its
-        // bound (`Actor::give_up_hung`), and the job still succeeds.
+        // A training batch and a weight update that never get an answer are each given up
+        // after the bound (`Actor::give_up_hung`), and the job still succeeds.
         assert!(
-            gave_up_hung > 0,
-            "no training or weight update went unanswered in {} cases",
+            hung_training > 0 && hung_weights > 0,
+            "{hung_training} training batches and {hung_weights} weight updates went \
+             unanswered in {} cases: both kinds must be given up at least once",
             seeds.len()
         );
     }

@@ -744,7 +744,15 @@ impl Actor {
                 .get(&worker)
                 .map_or_else(|| "?".to_owned(), |w| w.name.clone());
             self.abort_on(worker, id);
-            self.metrics.hung_assignments.inc();
+            let kind = if matches!(a.what, What::Train(_)) {
+                "training"
+            } else {
+                "weights"
+            };
+            self.metrics
+                .hung_assignments
+                .with_label_values(&[kind])
+                .inc();
             let waited = bound.as_secs();
             match a.what {
                 What::Train(batch) => {
