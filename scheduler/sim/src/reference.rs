@@ -137,7 +137,7 @@ impl Reference {
             hw,
             &work,
             spec.rl.steps.max(1) as u64,
-            spec.rl.max_staleness.max(0) as u64,
+            self.bound.max_staleness,
         )
     }
 }
