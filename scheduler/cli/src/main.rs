@@ -6,6 +6,7 @@
 
 mod commands;
 mod output;
+mod window;
 
 use std::io::Write;
 use std::process::ExitCode;

@@ -85,6 +85,12 @@ pub struct Policy {
     /// than rewound to the bound's floor (see `Core::dispatch_train`). Continuous discipline.
     #[serde(default)]
     pub restart_expired_groups: bool,
+    /// Quarters of a rollout batch by which the continuous discipline's admission window is
+    /// wider than its rule, its cap widened to match (see `Core::admission_window`): chosen per
+    /// job by simulating it, as the rule alone cannot tell whether a job's lives are tight
+    /// against the staleness bound.
+    #[serde(default)]
+    pub window_widening_quarters: u32,
 }
 
 impl Policy {
@@ -105,6 +111,7 @@ impl Policy {
             window_excludes_waiting_batch: true,
             spread_cold_turns: true,
             restart_expired_groups: true,
+            window_widening_quarters: 0,
         }
     }
 }

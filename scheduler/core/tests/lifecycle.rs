@@ -208,6 +208,30 @@ fn the_jobs_last_groups_all_start_once_what_is_left_fits_within_one_batch_more_t
 }
 
 #[test]
+fn a_widened_window_starts_its_quarters_of_a_batch_more_with_its_margin_past_the_staleness_cap() {
+    // Groups of one, rollout batches of 8, training batches of 2, bound 1, a quarter batch (2)
+    // of over-provisioning: the rule's window is 6, and the cap of one batch leaves its margin
+    // 2, so 8 start. Widened, the window grows by its quarters of a batch and the cap makes room
+    // for the margin and a training batch beside it, so the margin still starts.
+    let started_with = |quarters: u32| {
+        let mut cfg = config(
+            vec![replica(ServeRole::Generate, 10_000)],
+            policy(Discipline::Continuous, 1, 0.25, SyncMode::Rolling),
+            1,
+            8,
+            100,
+        );
+        cfg.train_batch_size = 2;
+        cfg.policy.window_excludes_waiting_batch = false;
+        cfg.policy.window_widening_quarters = quarters;
+        started(cfg).0.stats().groups_started
+    };
+    assert_eq!(started_with(0), 8);
+    assert_eq!(started_with(1), 10);
+    assert_eq!(started_with(2), 12);
+}
+
+#[test]
 fn the_synchronous_discipline_starts_a_batch_only_after_training_and_a_global_sync() {
     let cfg = config(
         vec![

@@ -20,5 +20,5 @@ pub mod placement;
 pub mod plan;
 pub mod workload;
 
-pub use placement::{ChoiceError, PlacementChoice, choose};
+pub use placement::{ChoiceError, PlacementChoice, choose, choose_widened};
 pub use plan::{JobPlan, PlanError, PoolRole};

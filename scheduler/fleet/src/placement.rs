@@ -59,19 +59,32 @@ pub fn choose(
     spec: &JobSpec,
     catalog: &Catalog,
 ) -> Result<(Placement, Option<Prediction>), ChoiceError> {
+    choose_widened(choice, spec, catalog, 0)
+}
+
+/// [`choose`], the prediction made for the core's admission window widened by
+/// `window_widening_quarters` (`Policy::window_widening_quarters`). The placement is the one
+/// chosen for the rule's window: the widening is chosen on it.
+pub fn choose_widened(
+    choice: PlacementChoice,
+    spec: &JobSpec,
+    catalog: &Catalog,
+    window_widening_quarters: u32,
+) -> Result<(Placement, Option<Prediction>), ChoiceError> {
     if choice == PlacementChoice::Default {
         return Ok((
             default_placement(spec, catalog, &workload_means(spec))?,
             None,
         ));
     }
-    let p = plan::problem(spec, catalog, &mean, &Efficiency::default())?;
+    let mut p = plan::problem(spec, catalog, &mean, &Efficiency::default())?;
     let found = match choice {
         PlacementChoice::Uniform => compare::uniform(&p),
         PlacementChoice::BestGpu => compare::best_gpu(&p),
         _ => search::choose(&p),
     }
     .ok_or_else(|| PlanError::Infeasible(format!("no {} placement can run it", choice.name())))?;
+    p.workload.window_widening_quarters = window_widening_quarters;
     let described = plan::describe(spec, &p, &found.candidate, found.nodes)?;
     Ok((described.placement, Some(described.prediction)))
 }

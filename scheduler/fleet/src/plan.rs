@@ -29,6 +29,9 @@ pub enum PlanError {
     /// The core refused the configuration.
     #[error("configuration: {0}")]
     Config(#[from] rollfleet_core::ConfigError),
+    /// The admission window could not be chosen (the simulation that chooses it failed).
+    #[error("admission window: {0}")]
+    Window(String),
 }
 
 /// What a pool is, as the runtime cares.
@@ -78,6 +81,13 @@ impl JobPlan {
             costs,
             hardware: HardwareModel::default(),
         })
+    }
+
+    /// The plan with the core's admission window widened by `quarters` quarters of a rollout
+    /// batch (`Policy::window_widening_quarters`), as a simulation of the job chose.
+    pub fn with_window_widening(mut self, quarters: u32) -> JobPlan {
+        self.config.policy.window_widening_quarters = quarters;
+        self
     }
 
     /// The job spec.

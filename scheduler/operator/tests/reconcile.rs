@@ -855,6 +855,7 @@ async fn a_cancelled_job_is_failed_and_complete_is_not_with_its_completion_time(
         journal_sync: false,
         until_stopped: true,
         weights_root: None,
+        window_chooser: None,
     };
     let _scheduler = tokio::spawn(rollfleet_server::serve(listener, opts));
     let before = pass(&job, url.clone(), &[]).await;

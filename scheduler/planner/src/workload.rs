@@ -80,6 +80,9 @@ pub struct Workload {
     /// Standard deviation of the largest of `groupSize` standard normal draws: how much the
     /// slowest member's lag varies from one group (or one attempt) to the next.
     pub group_max_sd: f64,
+    /// Quarters of a rollout batch the core's admission window is widened by
+    /// (`Policy::window_widening_quarters`): none unless a simulation of the job chose it.
+    pub window_widening_quarters: u32,
 }
 
 impl Workload {
@@ -173,12 +176,14 @@ impl Workload {
                 0.0
             },
             group_max_sd: max_of_normals_sd(group),
+            window_widening_quarters: 0,
         }
     }
 
     /// Trajectories the core lets be started and not yet consumed: the core's admission rule
-    /// (`Core::admit_groups`: `max(min(S x B / 2, 2 B), 3 B / 4, trainBatch, groupSize)` plus the
-    /// over-provisioning), rounded down to whole groups as the core admits them.
+    /// (`Core::admit_groups`: `max(min(S x B / 2, 2 B), 3 B / 4, trainBatch, groupSize)`, widened
+    /// by its quarters of a batch, plus the over-provisioning), rounded down to whole groups as
+    /// the core admits them.
     pub fn window(&self) -> f64 {
         let (core, extra) = self.admission_terms();
         let n = self.group_size.max(1.0);
@@ -187,42 +192,41 @@ impl Workload {
 
     /// The core's admission window and the over-provisioning it admits beyond it, in
     /// trajectories, by the core's own rule (`Core::admission_window`, rollfleet's policy): the
-    /// over-provisioning stops at `maxStaleness` batches (at least one) started and not yet
-    /// trained.
+    /// over-provisioning stops at the cap (`maxStaleness` batches, at least one, unless the
+    /// window is widened).
     pub fn admission_terms(&self) -> (f64, f64) {
-        let (core, extra) = rollfleet_core::Core::admission_window(
+        let terms = self.core_terms();
+        (terms.window as f64, terms.extra as f64)
+    }
+
+    fn core_terms(&self) -> rollfleet_core::AdmissionTerms {
+        rollfleet_core::Core::admission_window(
             self.batch as u64,
             self.train_batch as u64,
             self.group_size as u64,
             self.max_staleness as u64,
             self.over_provisioning,
             true,
-        );
-        (core as f64, extra as f64)
+            self.window_widening_quarters,
+        )
     }
 
     /// Trajectories finished and waiting for a training batch that the core does not count in
     /// its window (`Policy::window_excludes_waiting_batch`): up to one training batch of them,
-    /// within the cap of `maxStaleness` batches (at least one) started and not yet trained. A
-    /// finished group waits half the time a training batch takes to fill, so half a training
-    /// batch of trajectories waits on average (Little's law), and the room under the cap bounds
-    /// how many of those the window leaves out.
+    /// within the core's cap on trajectories started and not yet trained. A finished group
+    /// waits half the time a training batch takes to fill, so half a training batch of
+    /// trajectories waits on average (Little's law), and the room under the cap bounds how many
+    /// of those the window leaves out.
     pub fn waiting_outside_window(&self) -> f64 {
-        let (window, extra) = self.admission_terms();
-        let room = (self.max_staleness.max(1.0) * self.batch - window - extra).max(0.0);
+        let terms = self.core_terms();
+        let room = (terms.cap as f64 - terms.window as f64 - terms.extra as f64).max(0.0);
         room.min(self.train_batch / 2.0)
     }
 
     /// [`rollfleet_core::Core::last_starts`]: trajectories started and not yet trained once the
     /// job's last ones start.
     pub fn last_starts(&self) -> f64 {
-        let (window, extra) = self.admission_terms();
-        rollfleet_core::Core::last_starts(
-            self.batch as u64,
-            self.max_staleness as u64,
-            window as u64,
-            extra as u64,
-        ) as f64
+        rollfleet_core::Core::last_starts(self.batch as u64, self.core_terms()) as f64
     }
 
     /// Mean tokens trained on per trajectory.
@@ -423,6 +427,7 @@ mod tests {
             steps: 20.0,
             group_max_z: 0.0,
             group_max_sd: 1.0,
+            window_widening_quarters: 0,
         }
     }
 
@@ -465,6 +470,29 @@ mod tests {
         w.over_provisioning = 0.1;
         w.train_batch = 512.0;
         assert_eq!(w.waiting_outside_window(), 1024.0 - 768.0 - 103.0);
+    }
+
+    #[test]
+    fn a_widened_window_admits_its_quarters_of_a_batch_and_its_cap_keeps_room_for_the_margin_and_a_training_batch()
+     {
+        let mut w = admission_workload();
+        w.max_staleness = 1.0;
+        // The rule's 768, its margin of 256 and no room under the cap of one batch.
+        assert_eq!(w.admission_terms(), (768.0, 256.0));
+        assert_eq!(w.last_starts(), 1024.0);
+        w.window_widening_quarters = 1;
+        // 768 + 1024 / 4; the cap is 1024 + 256 + 256 = 1536, so the margin keeps its 256.
+        assert_eq!(w.admission_terms(), (1024.0, 256.0));
+        assert_eq!(w.window(), 1280.0);
+        // The 256 left under the cap hold half a training batch waiting.
+        assert_eq!(w.waiting_outside_window(), 128.0);
+        // The job's last starts stop at the cap, not one batch past the window and margin.
+        assert_eq!(w.last_starts(), 1536.0);
+        // At a loose bound the cap of `maxStaleness` batches still holds the widened window.
+        w.max_staleness = 4.0;
+        w.window_widening_quarters = 2;
+        assert_eq!(w.admission_terms(), (2048.0 + 512.0, 256.0));
+        assert_eq!(w.last_starts(), 2048.0 + 512.0 + 256.0 + 1024.0);
     }
 
     #[test]

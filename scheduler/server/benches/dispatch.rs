@@ -167,7 +167,7 @@ async fn instant_worker(
 /// replayed, the seconds it took, and the report the replay leaves.
 fn replay(path: &std::path::Path) -> (u64, f64, Report) {
     let started = Instant::now();
-    let replayed = rollfleet_server::replay_journal(path).expect("the journal replays");
+    let replayed = rollfleet_server::replay_journal(path, None).expect("the journal replays");
     (
         replayed.records,
         started.elapsed().as_secs_f64(),
@@ -348,6 +348,7 @@ fn run_once(
             journal_sync,
             until_stopped: false,
             weights_root: None,
+            window_chooser: None,
         };
         let server = tokio::spawn(serve(listener, opts));
         for pool in pools {

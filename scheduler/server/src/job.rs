@@ -39,11 +39,22 @@ pub enum SubmitError {
     },
 }
 
+/// Chooses the core's admission window for a planned job (`Policy::window_widening_quarters`),
+/// by simulating it: the `rollfleet` binary gives one, so that this server does not link the
+/// simulator. It must be a pure function of the plan (its seed included): a scheduler resumed
+/// from its journal plans the job again and must decide alike.
+pub trait WindowChooser: Send + Sync + std::fmt::Debug {
+    /// The widening, in quarters of a rollout batch; an error says why none could be chosen.
+    fn widening_quarters(&self, plan: &JobPlan) -> Result<u32, String>;
+}
+
 /// The slot a scheduler's job goes in, and how a job is planned for it.
 #[derive(Debug)]
 pub struct JobSlot {
     seed: u64,
     stage_timeout: Duration,
+    /// Without one, a job runs the core's rule for its admission window.
+    window: Option<Arc<dyn WindowChooser>>,
     chosen: watch::Sender<Option<Arc<AcceptedJob>>>,
 }
 
@@ -54,18 +65,20 @@ impl JobSlot {
         JobSlot {
             seed,
             stage_timeout,
+            window: None,
             chosen: watch::channel(None).0,
         }
     }
 
-    /// A slot holding the job `yaml` from the start (`rollfleet scheduler JOB.yaml`).
-    pub fn with_job(
-        seed: u64,
-        stage_timeout: Duration,
-        yaml: &str,
-        origin: &str,
-    ) -> Result<JobSlot, PlanError> {
-        let slot = JobSlot::new(seed, stage_timeout);
+    /// The slot, its jobs' admission windows chosen by `window` (`None`: the core's rule).
+    pub fn choosing_window(mut self, window: Option<Arc<dyn WindowChooser>>) -> JobSlot {
+        self.window = window;
+        self
+    }
+
+    /// The slot holding the job `yaml` from the start (`rollfleet scheduler JOB.yaml`).
+    pub fn with_job(self, yaml: &str, origin: &str) -> Result<JobSlot, PlanError> {
+        let slot = self;
         let plan = Arc::new(slot.plan(yaml, origin)?);
         slot.chosen.send_replace(Some(Arc::new(AcceptedJob {
             yaml: yaml.to_owned(),
@@ -79,7 +92,13 @@ impl JobSlot {
         let mut plan = JobPlan::from_yaml(yaml, origin, self.seed)?;
         plan.config.stage_timeout =
             rollfleet_core::Span::from_secs_f64(self.stage_timeout.as_secs_f64());
-        Ok(plan)
+        match &self.window {
+            Some(window) => {
+                let quarters = window.widening_quarters(&plan).map_err(PlanError::Window)?;
+                Ok(plan.with_window_widening(quarters))
+            }
+            None => Ok(plan),
+        }
     }
 
     /// Takes `yaml` as the job when the slot is empty (planning it first), or recognises it as

@@ -137,6 +137,8 @@ pub struct ServerOptions {
     /// Where an external trainer's published weights must be (`--weights-dir`); `None`: any
     /// absolute path the scheduler can read ([`feed::check_publication`]).
     pub weights_root: Option<PathBuf>,
+    /// Chooses the job's admission window ([`job::WindowChooser`]); `None`: the core's rule.
+    pub window_chooser: Option<Arc<dyn job::WindowChooser>>,
 }
 
 /// Counts a call refused for want of the token, and says so in the log at the 1st, 10th, 100th,
@@ -245,12 +247,11 @@ pub async fn serve_until(
         Some(yaml) => {
             // A big job plans for seconds or more: off the async threads, and stopped with the
             // scheduler.
-            let (seed, timeout) = (opts.seed, opts.stage_timeout);
+            let empty = job::JobSlot::new(opts.seed, opts.stage_timeout)
+                .choosing_window(opts.window_chooser.clone());
             let (yaml, from, flag) = (yaml.clone(), origin.clone(), stopping.clone());
             let planned = tokio::task::spawn_blocking(move || {
-                rollfleet_planner::cancel::within(&flag, || {
-                    job::JobSlot::with_job(seed, timeout, &yaml, &from)
-                })
+                rollfleet_planner::cancel::within(&flag, || empty.with_job(&yaml, &from))
             })
             .await
             .map_err(|e| ServerError::Io {
@@ -263,7 +264,8 @@ pub async fn serve_until(
             }
             planned?
         }
-        None => job::JobSlot::new(opts.seed, opts.stage_timeout),
+        None => job::JobSlot::new(opts.seed, opts.stage_timeout)
+            .choosing_window(opts.window_chooser.clone()),
     });
     let metrics = Arc::new(metrics::Metrics::new()?);
     if let Some(job) = slot.job() {
@@ -597,14 +599,20 @@ pub struct Replayed {
 }
 
 /// Replays the journal at `path` into a fresh actor, as a scheduler restarted on it would, but
-/// serving nothing and writing nothing: what the job had done when its scheduler stopped.
-pub fn replay_journal(path: &std::path::Path) -> Result<Replayed, ServerError> {
+/// serving nothing and writing nothing: what the job had done when its scheduler stopped. Give
+/// it the window chooser the scheduler ran with (`ServerOptions::window_chooser`), or the job is
+/// planned with another admission window and the replay diverges.
+pub fn replay_journal(
+    path: &std::path::Path,
+    window_chooser: Option<Arc<dyn job::WindowChooser>>,
+) -> Result<Replayed, ServerError> {
     let (header, mut reader) =
         journal::JournalReader::open(path)?.ok_or_else(|| journal::JournalError::Empty {
             path: path.to_owned(),
         })?;
     // Planned as a scheduler started with the journal's settings plans it.
     let plan = job::JobSlot::new(header.seed, Duration::from_millis(header.stage_timeout_ms))
+        .choosing_window(window_chooser)
         .plan(
             &header.job_yaml,
             &format!("the job of journal {}", path.display()),

@@ -281,7 +281,7 @@ fn run_case(seed: u64) -> Case {
     writer.flush().unwrap();
     drop(writer);
     let started = Instant::now();
-    let outcome = std::panic::catch_unwind(|| rollfleet_server::replay_journal(&path));
+    let outcome = std::panic::catch_unwind(|| rollfleet_server::replay_journal(&path, None));
     let took = started.elapsed();
     let _ = std::fs::remove_file(&path);
     match outcome {

@@ -63,6 +63,7 @@ async fn the_health_service_answers_a_probe_without_the_token_serving_until_the_
         journal_sync: false,
         until_stopped: false,
         weights_root: None,
+        window_chooser: None,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(rollfleet_server::serve_until(listener, opts, stopped));

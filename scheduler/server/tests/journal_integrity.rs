@@ -385,14 +385,14 @@ fn a_damaged_journal_of_a_real_job_is_refused_by_the_replay_a_restart_runs_and_i
         bounds.push(std::fs::metadata(&path).unwrap().len());
     }
     drop(w);
-    let replayed = rollfleet_server::replay_journal(&path).unwrap();
+    let replayed = rollfleet_server::replay_journal(&path, None).unwrap();
     assert_eq!(replayed.records, 6);
     assert_eq!(replayed.torn_bytes, 0);
 
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[bounds[2] as usize + 9] ^= 0x10;
     std::fs::write(&path, &bytes).unwrap();
-    let err = rollfleet_server::replay_journal(&path).err().unwrap();
+    let err = rollfleet_server::replay_journal(&path, None).err().unwrap();
     assert!(
         matches!(
             &err,

@@ -62,6 +62,7 @@ async fn scheduler(name: &str, lease_ttl: Duration) -> Scheduler {
         journal_sync: false,
         until_stopped: false,
         weights_root: None,
+        window_chooser: None,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(rollfleet_server::serve_until(listener, opts, stopped));

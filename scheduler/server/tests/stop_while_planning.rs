@@ -39,6 +39,7 @@ async fn a_scheduler_stopped_while_it_plans_its_job_returns_within_seconds_witho
         journal_sync: false,
         until_stopped: false,
         weights_root: None,
+        window_chooser: None,
     };
     let stop = tokio::time::sleep(Duration::from_secs(1));
     let started = tokio::time::Instant::now();

@@ -89,6 +89,7 @@ impl Baseline {
             window_excludes_waiting_batch: false,
             spread_cold_turns: false,
             restart_expired_groups: false,
+            window_widening_quarters: 0,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -116,6 +117,7 @@ impl Baseline {
                 // take every waiting turn.
                 spread_cold_turns: false,
                 restart_expired_groups: false,
+                window_widening_quarters: 0,
             },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
@@ -143,6 +145,7 @@ impl Baseline {
             window_excludes_waiting_batch: false,
             spread_cold_turns: false,
             restart_expired_groups: false,
+            window_widening_quarters: 0,
         };
         Ok(match self {
             Baseline::Sync => (

@@ -11,9 +11,10 @@ use rollfleet_spec::{Distribution, load_job_file};
 
 use crate::baseline::Baseline;
 use crate::hardware::HardwareModel;
-use crate::placement::{ChoiceError, PlacementChoice, choose};
+use crate::placement::{ChoiceError, PlacementChoice, choose, choose_widened};
 use crate::report::{SimReport, policy_report, render_table};
 use crate::sim::{RunError, SimOptions, simulate};
+use crate::window::{WindowChoice, choose_window, widening_label};
 use crate::workload::AZURE_ATTRIBUTION;
 
 /// How results are printed.
@@ -182,6 +183,7 @@ fn reference_run(
         migration: None,
         ..opts.clone()
     };
+    let policy = tuned(spec, catalog, &placement, policy, &reference_opts)?.0;
     let _ = writeln!(
         stderr,
         "simulating the {cluster} cluster on its own plan, for reference"
@@ -200,6 +202,27 @@ fn reference_run(
     })?;
     let bound = crate::report::run_bound(spec, catalog, &opts.hardware, &reference).step_s;
     Ok((reference, bound))
+}
+
+/// `policy` with its admission window chosen for `placement` by simulation (`crate::window`),
+/// and the choice.
+fn tuned(
+    spec: &rollfleet_spec::JobSpec,
+    catalog: &rollfleet_catalog::Catalog,
+    placement: &rollfleet_core::Placement,
+    policy: rollfleet_core::Policy,
+    opts: &SimOptions,
+) -> Result<(rollfleet_core::Policy, WindowChoice), SimError> {
+    let window =
+        choose_window(spec, catalog, placement, &policy, opts).map_err(|source| SimError::Run {
+            policy: "rollfleet (choosing its admission window)".into(),
+            source,
+        })?;
+    let policy = rollfleet_core::Policy {
+        window_widening_quarters: window.widening_quarters,
+        ..policy
+    };
+    Ok((policy, window))
 }
 
 /// Simulates the smaller cluster on its own plan and compares the run that lost part of a pool
@@ -385,6 +408,44 @@ pub fn run(
             .or(loss_migration),
         ..SimOptions::default()
     };
+    // rollfleet's admission window, chosen on its placement (its only candidate) before the
+    // runs, so that the planner's prediction is made for the window it runs with.
+    let rollfleet_window = if baselines.contains(&Baseline::Rollfleet) {
+        let (_, policy) = Baseline::Rollfleet
+            .setup_with(&spec, &job.catalog, chosen.clone())
+            .map_err(|source| SimError::Placement {
+                policy: Baseline::Rollfleet.name().into(),
+                source,
+            })?;
+        let (_, window) = tuned(&spec, &job.catalog, &chosen, policy, &opts)?;
+        let _ = writeln!(
+            stderr,
+            "rollfleet: admission window {} (per step over the first {} steps on {} seeds of its own: {})",
+            widening_label(window.widening_quarters),
+            spec.rl.steps.clamp(1, crate::window::TUNING_STEPS),
+            crate::window::TUNING_SEEDS,
+            window.describe()
+        );
+        Some(window)
+    } else {
+        None
+    };
+    let predicted = match (&rollfleet_window, predicted) {
+        (Some(window), Some(_)) if window.widening_quarters > 0 => {
+            choose_widened(
+                args.placement,
+                &spec,
+                &job.catalog,
+                window.widening_quarters,
+            )
+            .map_err(|source| SimError::Choice {
+                choice: args.placement.name(),
+                source,
+            })?
+            .1
+        }
+        (_, predicted) => predicted,
+    };
     if let Some(p) = &predicted {
         let _ = writeln!(
             stderr,
@@ -443,12 +504,15 @@ pub fn run(
             );
         }
         choices.push((candidate.label.clone(), probes));
-        let (placement, policy) = baseline
+        let (placement, mut policy) = baseline
             .setup_with(&spec, &job.catalog, candidate.placement)
             .map_err(|source| SimError::Placement {
                 policy: name.into(),
                 source,
             })?;
+        if let (Baseline::Rollfleet, Some(window)) = (baseline, &rollfleet_window) {
+            policy.window_widening_quarters = window.widening_quarters;
+        }
         let started = Instant::now();
         let steps = spec.rl.steps;
         let mut progress = |step: u64, at: f64| {
@@ -492,6 +556,9 @@ pub fn run(
             let mut report = policy_report(name, &spec, &job.catalog, &hw, r, &reference);
             report.placement = label;
             report.placement_probes = probes;
+            if name == Baseline::Rollfleet.name() {
+                report.admission_window = rollfleet_window.clone();
+            }
             report
         })
         .collect();

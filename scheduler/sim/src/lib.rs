@@ -21,6 +21,7 @@ pub mod reference;
 pub mod report;
 pub mod sim;
 pub mod svg;
+pub mod window;
 
 // The hardware model, the placement choice and the workload model are shared with the scheduler
 // and the workers (`rollfleet-fleet`); re-exported here for the simulator's own

@@ -240,6 +240,9 @@ pub struct PolicyReport {
     /// The candidates it chose from, each simulated for the job's first steps (empty when its
     /// rules allow one placement).
     pub placement_probes: Vec<crate::best::Probe>,
+    /// rollfleet's admission window, chosen by simulating the job at each width on seeds of its
+    /// own (`crate::window`); none for the other policies.
+    pub admission_window: Option<crate::window::WindowChoice>,
     /// The lower bound for this run's trained work.
     pub bound: BoundReport,
     /// Bound over achieved step time.
@@ -398,6 +401,7 @@ pub fn policy_report(
         max_staleness: run.max_staleness,
         placement: String::new(),
         placement_probes: Vec::new(),
+        admission_window: None,
         reference_efficiency: if step_time > 0.0 {
             reference.bound.step_s / step_time
         } else {

@@ -62,7 +62,10 @@ pub fn run(
     stderr: &mut dyn Write,
 ) -> Result<u8> {
     let JournalCommand::Show { file } = command;
-    let replayed = match rollfleet_server::replay_journal(file) {
+    let replayed = match rollfleet_server::replay_journal(
+        file,
+        Some(std::sync::Arc::new(crate::window::SimulatedWindow)),
+    ) {
         Ok(r) => r,
         Err(e) => {
             writeln!(stderr, "error: {e}")?;

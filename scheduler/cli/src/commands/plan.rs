@@ -11,7 +11,11 @@ use anyhow::Result;
 use rollfleet_planner::plan::{self, Inventory, Plan};
 use rollfleet_planner::roofline::Efficiency;
 use rollfleet_planner::{compare, search};
+use rollfleet_sim::SimOptions;
 use rollfleet_sim::hardware::HardwareModel;
+use rollfleet_sim::window::{
+    TUNING_SEEDS, WIDENINGS, WindowChoice, choose_rollfleet_window, widening_label,
+};
 use rollfleet_sim::workload::mean;
 use rollfleet_spec::load_job_file;
 use serde::Serialize;
@@ -88,6 +92,9 @@ struct Output<'a> {
     /// predictions of the placement it replaced and of the plan, seconds per step.
     #[serde(skip_serializing_if = "Option::is_none")]
     replaced: Option<Replaced>,
+    /// The core's admission window, chosen by simulating the job at each width
+    /// (`rollfleet_sim::window`); the prediction is made for it.
+    admission_window: WindowChoice,
 }
 
 #[derive(Serialize)]
@@ -151,7 +158,7 @@ pub fn run(
         },
         None => Default::default(),
     };
-    let problem =
+    let mut problem =
         match plan::problem_profiled(&spec, &job.catalog, &mean, &Efficiency::default(), &store) {
             Ok(p) => p,
             Err(e) => {
@@ -163,12 +170,35 @@ pub fn run(
         writeln!(stderr, "error: no placement can run the job")?;
         return Ok(exit::INVALID_INPUT);
     };
-    let planned = match plan::describe(&spec, &problem, &found.candidate, found.nodes) {
+    let describe = |problem: &rollfleet_planner::Problem| {
+        plan::describe(&spec, problem, &found.candidate, found.nodes)
+    };
+    let planned = match describe(&problem) {
         Ok(p) => p,
         Err(e) => {
             writeln!(stderr, "error: {e}")?;
             return Ok(exit::INVALID_INPUT);
         }
+    };
+    // The core's admission window for this placement, chosen by simulating the job as the
+    // scheduler does when it takes it; the prediction is then made for that window.
+    writeln!(
+        stderr,
+        "choosing the admission window: simulating {} widths on {} seeds...",
+        WIDENINGS.len(),
+        TUNING_SEEDS
+    )?;
+    let window = choose_rollfleet_window(
+        &spec,
+        &job.catalog,
+        &planned.placement,
+        &SimOptions::default(),
+    )?;
+    problem.workload.window_widening_quarters = window.widening_quarters;
+    let planned = if window.widening_quarters > 0 {
+        describe(&problem)?
+    } else {
+        planned
     };
     // No schedule of the job's trajectories beats the yardstick, so a model figure below it is
     // wrong by at least the gap: it is raised to it, as `rollfleet sim` does. The yardstick
@@ -230,6 +260,7 @@ pub fn run(
         affinity_over_search_s,
         affinity_plan_s,
         replaced,
+        admission_window: window,
     };
     match format {
         OutputFormat::Json | OutputFormat::Yaml => write_structured(format, &output, stdout)?,
@@ -332,6 +363,13 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
         t.latency_s,
         t.staleness_s,
         t.chain_s
+    )?;
+    writeln!(
+        out,
+        "admission window: {} (simulated seconds per step over the job's first steps, on seeds \
+         of the window's own: {})",
+        widening_label(o.admission_window.widening_quarters),
+        o.admission_window.describe()
     )?;
     writeln!(
         out,

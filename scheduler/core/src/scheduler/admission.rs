@@ -8,6 +8,18 @@ use crate::protocol::{GroupId, TrajId, Version};
 use crate::rng::SplitMix64;
 
 use super::Core;
+
+/// The continuous discipline's admission terms, in trajectories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AdmissionTerms {
+    /// Groups are started while fewer than this many trajectories are started and not trained
+    /// (beside the margin and the waiting batch, see [`Core::admit_groups`]).
+    pub window: u64,
+    /// The over-provisioning margin started beyond the window.
+    pub extra: u64,
+    /// The most trajectories ever started and not yet trained.
+    pub cap: u64,
+}
 use super::books::{Group, Kv, Phase, Queue, Traj, TurnRec};
 
 impl Core {
@@ -164,10 +176,10 @@ impl Core {
     /// with 2, when the rule was chosen).
     pub const MAX_WINDOW_BATCHES: u64 = 2;
 
-    /// The continuous discipline's admission window and over-provisioning, in trajectories
-    /// (see [`Core::admit_groups`]): they depend on the configuration alone, so they are worked
-    /// out once, not on every admission pass (which runs on every input).
-    pub(super) fn admission_terms(cfg: &Config) -> (u64, u64) {
+    /// The continuous discipline's admission terms (see [`Core::admit_groups`]): they depend on
+    /// the configuration alone, so they are worked out once, not on every admission pass (which
+    /// runs on every input).
+    pub(super) fn admission_terms(cfg: &Config) -> AdmissionTerms {
         Self::admission_window(
             cfg.rollout_batch_size as u64,
             cfg.train_batch_size as u64,
@@ -175,11 +187,13 @@ impl Core {
             cfg.policy.max_staleness,
             cfg.policy.over_provisioning,
             cfg.policy.cap_over_provisioning,
+            cfg.policy.window_widening_quarters,
         )
     }
 
     /// [`Core::admission_terms`] on plain numbers (`b` trajectories a rollout batch, `n` a
-    /// group, staleness bound `s`), for whoever models the core (the planner).
+    /// group, staleness bound `s`, the window widened by `widening_quarters` quarters of a
+    /// batch), for whoever models the core (the planner).
     pub fn admission_window(
         b: u64,
         train_batch: u64,
@@ -187,7 +201,8 @@ impl Core {
         s: u64,
         over_provisioning: f64,
         cap_over_provisioning: bool,
-    ) -> (u64, u64) {
+        widening_quarters: u32,
+    ) -> AdmissionTerms {
         let extra = (over_provisioning * b as f64).ceil().max(0.0) as u64;
         // Little's law: with N trajectories generating, a step takes about B / (N / L) for a
         // lifetime L, so a trajectory spans N / B versions; to finish within the bound, N must
@@ -196,32 +211,41 @@ impl Core {
         // small bound still keeps the trainer fed (both measured on the RollArt-like job), and never
         // less than one training batch, or the trainer would wait for trajectories that are
         // never started. A loose bound does not widen it past `MAX_WINDOW_BATCHES`: see there.
-        let window = (s * b / 2)
+        let rule = (s * b / 2)
             .min(Self::MAX_WINDOW_BATCHES * b)
             .max(3 * b / 4)
             .max(train_batch)
             .max(n);
-        // The same law caps the over-provisioning: with more than `maxStaleness` batches
-        // started and not yet trained, the mean trajectory waits past the bound, so most
-        // expire and regenerate, and the ones trained are the short ones (measured at
-        // `overProvisioning` 4 on the RollArt-like job: 278 s per step and 20% fewer tokens
-        // per trained trajectory than sampled, against 121 s and 5% with the cap, when the cap
-        // was chosen).
+        // Where lives are tight against the bound the rule is right, and a wider window only
+        // expires more groups; where they are not, the trainer waits for a window the rule keeps
+        // too narrow. Which one a job is depends on its lives' spread, which the rule cannot see:
+        // the widening is chosen per job by simulating it (the simulator's `window` module).
+        let window = rule + b * u64::from(widening_quarters) / 4;
+        // The same law caps what is started and not trained at `maxStaleness` batches: with
+        // more, the mean trajectory waits past the bound, so most expire and regenerate, and the
+        // ones trained are the short ones (measured at `overProvisioning` 4 on the RollArt-like
+        // job: 278 s per step and 20% fewer tokens per trained trajectory than sampled, against
+        // 121 s and 5% with the cap, when the cap was chosen). A widened window is chosen knowing
+        // it breaks that law, so its cap makes room for what the rule's cap holds beside its
+        // window: the over-provisioning and one training batch of finished groups waiting.
+        let cap = if widening_quarters > 0 {
+            (s.max(1) * b).max(window + extra + train_batch)
+        } else {
+            s.max(1) * b
+        };
         let extra = if cap_over_provisioning {
-            let budget = s.max(1) * b;
-            extra.min(budget.saturating_sub(window))
+            extra.min(cap.saturating_sub(window))
         } else {
             extra
         };
-        (window, extra)
+        AdmissionTerms { window, extra, cap }
     }
 
     /// How many trajectories may be started and not yet trained once the job's last ones start
-    /// (see [`Core::admit_groups`]): one rollout batch `b` more than the `window` and its
-    /// over-provisioning `extra`, within the cap of `maxStaleness` (`s`) batches; for whoever
-    /// models the core (the planner).
-    pub fn last_starts(b: u64, s: u64, window: u64, extra: u64) -> u64 {
-        (s.max(1) * b).min(window + extra + b)
+    /// (see [`Core::admit_groups`]): one rollout batch `b` more than the window and its
+    /// over-provisioning, within the cap; for whoever models the core (the planner).
+    pub fn last_starts(b: u64, terms: AdmissionTerms) -> u64 {
+        terms.cap.min(terms.window + terms.extra + b)
     }
 
     pub(super) fn admit_groups(&mut self) {
@@ -234,14 +258,13 @@ impl Core {
                 // over-provisioning, in the spirit of AReaL's `(version + maxStaleness + 1) *
                 // batch`. Nothing new starts once the last batch went to the trainer; groups
                 // still running then are dropped untrained.
-                let (window, extra) = self.admission_terms;
+                let AdmissionTerms { window, extra, cap } = self.admission_terms;
                 if self.stats.trajectories_consumed >= self.cfg.steps * b {
                     return;
                 }
                 let mut budget = self.stats.trajectories_consumed + window + extra;
-                // No more than `maxStaleness` batches started and not yet trained, the law that
-                // caps the over-provisioning.
-                let cap = self.cfg.policy.max_staleness.max(1) * b;
+                // No more than the cap started and not yet trained (`maxStaleness` batches, the
+                // law that caps the over-provisioning, unless the window is widened).
                 // A finished group waits for the trainer until a training batch of them is
                 // ready. Counted in the window, a window full of long groups with a few short
                 // ones finished and waiting starts nothing until a long one ends, and the trainer
@@ -274,8 +297,7 @@ impl Core {
                 // regenerated more and was slower on the MoE job).
                 if self.cfg.policy.sample_within_job_budget {
                     let job_budget = self.cfg.steps * b + extra;
-                    let last_starts =
-                        Self::last_starts(b, self.cfg.policy.max_staleness, window, extra);
+                    let last_starts = Self::last_starts(b, self.admission_terms);
                     if job_budget <= self.stats.trajectories_consumed + last_starts {
                         budget = job_budget;
                     }

@@ -43,6 +43,7 @@ mod dispatch;
 mod failure;
 mod sync;
 
+pub use admission::AdmissionTerms;
 use books::{Group, Phase, Replica, StageRec, TrainBatch, Traj, TurnBooks};
 
 /// Counters the core keeps about its own decisions.
@@ -97,9 +98,8 @@ pub struct Stats {
 #[derive(Debug, Clone)]
 pub struct Core {
     cfg: Config,
-    /// [`Core::admission_terms`] of `cfg`: `(window, over-provisioning)`, in trajectories
-    /// (continuous discipline; zeros, unused, otherwise).
-    admission_terms: (u64, u64),
+    /// [`Core::admission_terms`] of `cfg` (continuous discipline; zeros, unused, otherwise).
+    admission_terms: AdmissionTerms,
     now: Time,
     version: Version,
     trajs: Vec<Traj>,
@@ -155,7 +155,7 @@ impl Core {
         // Worked out for the discipline that uses them only, as before they were kept.
         let admission_terms = match cfg.policy.discipline {
             Discipline::Continuous => Self::admission_terms(&cfg),
-            Discipline::Batched { .. } => (0, 0),
+            Discipline::Batched { .. } => AdmissionTerms::default(),
         };
         let turn_time = vec![TurnBooks::default(); cfg.tasks.len()];
         let mut core = Core {

@@ -26,6 +26,7 @@ pub fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncM
         window_excludes_waiting_batch: true,
         spread_cold_turns: true,
         restart_expired_groups: false,
+        window_widening_quarters: 0,
     }
 }
 

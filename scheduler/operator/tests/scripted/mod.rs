@@ -74,6 +74,7 @@ pub async fn scheduler_serving(
         journal_sync: false,
         until_stopped: false,
         weights_root: None,
+        window_chooser: None,
     };
     (url, tokio::spawn(rollfleet_server::serve(listener, opts)))
 }

@@ -846,6 +846,7 @@ mod tests {
             steps: 10.0,
             group_max_z: 0.0,
             group_max_sd: 1.0,
+            window_widening_quarters: 0,
         }
     }
 
@@ -1053,6 +1054,7 @@ mod tests {
             steps: 1.0,
             group_max_z: 0.0,
             group_max_sd: 1.0,
+            window_widening_quarters: 0,
         };
         let (mean, sd) = action_spread(&w);
         assert!((mean - 175.0).abs() < 1e-9);

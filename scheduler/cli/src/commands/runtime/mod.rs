@@ -464,6 +464,7 @@ pub fn scheduler(args: &SchedulerArgs, stderr: &mut dyn Write) -> Result<u8> {
             journal_sync: args.journal_sync,
             until_stopped: args.until_stopped,
             weights_root: args.weights_dir.clone(),
+            window_chooser: Some(std::sync::Arc::new(crate::window::SimulatedWindow)),
         };
         let (cancel, cancelled) = tokio::sync::oneshot::channel();
         // Ctrl-C or SIGTERM cancels the job: workers are drained and the report written.

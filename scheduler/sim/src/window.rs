@@ -1,0 +1,164 @@
+//! The admission window rollfleet runs a job with: the core's rule (`Core::admission_window`),
+//! or the rule widened by a quarter or a half of a rollout batch, whichever simulates fastest
+//! for the job on its placement.
+//!
+//! The rule suits a job whose groups live close to the staleness bound: a wider window there
+//! only shortens the steps the long groups must fit in, so more of them expire and generate
+//! again. A job whose groups live well inside the bound is held back by it instead: the
+//! trainer waits for a window too narrow to feed it. Which of the two a job is depends on the
+//! spread of its lives against its step, which the rule does not see, and the planner's model
+//! ranks the widths wrongly on some jobs (it does not describe the expiries a wider window
+//! causes on a job bound by its longest chains), so neither decides.
+//!
+//! Each width is simulated for the job's first [`TUNING_STEPS`] steps (all of them in a shorter
+//! job) on [`TUNING_SEEDS`] seeds of its own, drawn from the run's seed but not equal to it, so
+//! the choice is not fitted to the trajectories the run then samples. The lowest mean step
+//! wins; on a tie, the narrower window (it regenerates less).
+
+use rollfleet_catalog::Catalog;
+use rollfleet_core::rng::SplitMix64;
+use rollfleet_core::{Discipline, Placement, Policy};
+use rollfleet_spec::JobSpec;
+use serde::Serialize;
+
+use crate::sim::{RunError, SimOptions, simulate};
+
+/// The widenings tried, in quarters of a rollout batch.
+pub const WIDENINGS: [u32; 3] = [0, 1, 2];
+
+/// Seeds each width is simulated on.
+pub const TUNING_SEEDS: u64 = 2;
+
+/// Steps each tuning run simulates at most. Fewer misled: over its first 10 of 20 steps the
+/// RollArt-like job looked faster with a wider window, and over all 20 it is slower.
+pub const TUNING_STEPS: i64 = 20;
+
+/// Keys the tuning seeds apart from every other draw made from the run's seed.
+const TUNING_KEY: u64 = 0x7769_6e64_6f77;
+
+/// One width's trial.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WindowProbe {
+    /// The widening, in quarters of a rollout batch.
+    pub widening_quarters: u32,
+    /// Simulated seconds per step, the mean over the tuning seeds.
+    pub step_s: f64,
+}
+
+/// The width chosen, and every trial.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WindowChoice {
+    /// The widening chosen, in quarters of a rollout batch.
+    pub widening_quarters: u32,
+    /// Each width's trial (none where nothing was chosen: a batched policy has no window).
+    pub probes: Vec<WindowProbe>,
+}
+
+impl WindowChoice {
+    /// How reports say it: the trials, the chosen one marked.
+    pub fn describe(&self) -> String {
+        self.probes
+            .iter()
+            .map(|p| {
+                let mark = if p.widening_quarters == self.widening_quarters {
+                    " (chosen)"
+                } else {
+                    ""
+                };
+                format!(
+                    "{} {:.1} s{mark}",
+                    widening_label(p.widening_quarters),
+                    p.step_s
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// `rule`, `rule + 1/4 batch`, `rule + 1/2 batch`.
+pub fn widening_label(quarters: u32) -> String {
+    match quarters {
+        0 => "rule".to_owned(),
+        2 => "rule + 1/2 batch".to_owned(),
+        q => format!("rule + {q}/4 batch"),
+    }
+}
+
+/// The run seeds the widths are tried on, for a run seeded `seed`.
+pub fn tuning_seeds(seed: u64) -> Vec<u64> {
+    (0..TUNING_SEEDS)
+        .map(|i| SplitMix64::keyed(seed, &[TUNING_KEY, i]).next_u64())
+        .collect()
+}
+
+/// [`choose_window`] for rollfleet's own policy with the job's RL settings.
+pub fn choose_rollfleet_window(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    placement: &Placement,
+    opts: &SimOptions,
+) -> Result<WindowChoice, RunError> {
+    choose_window(spec, catalog, placement, &Policy::rollfleet(spec), opts)
+}
+
+/// The widening of the admission window `policy` should run the job with on `placement` (see
+/// the module docs); `opts` gives the run's seed and hardware model (its failures, losses,
+/// migrations and slowdowns are left out of the trials).
+pub fn choose_window(
+    spec: &JobSpec,
+    catalog: &Catalog,
+    placement: &Placement,
+    policy: &Policy,
+    opts: &SimOptions,
+) -> Result<WindowChoice, RunError> {
+    if policy.discipline != Discipline::Continuous {
+        return Ok(WindowChoice {
+            widening_quarters: policy.window_widening_quarters,
+            probes: Vec::new(),
+        });
+    }
+    let mut trial_spec = spec.clone();
+    trial_spec.rl.steps = spec.rl.steps.clamp(1, TUNING_STEPS);
+    let seeds = tuning_seeds(opts.seed);
+    let mut probes = Vec::with_capacity(WIDENINGS.len());
+    for quarters in WIDENINGS {
+        let mut total = 0.0;
+        for &seed in &seeds {
+            let trial_opts = SimOptions {
+                seed,
+                hardware: opts.hardware,
+                max_virtual_s: opts.max_virtual_s,
+                ..SimOptions::default()
+            };
+            let trial_policy = Policy {
+                window_widening_quarters: quarters,
+                ..policy.clone()
+            };
+            let run = simulate(
+                &trial_spec,
+                catalog,
+                placement.clone(),
+                trial_policy,
+                &trial_opts,
+                &mut |_, _| {},
+            )?;
+            total += run.makespan_s / run.publish_times_s.len().max(1) as f64;
+        }
+        probes.push(WindowProbe {
+            widening_quarters: quarters,
+            step_s: total / seeds.len().max(1) as f64,
+        });
+    }
+    let best = probes
+        .iter()
+        .fold(None::<&WindowProbe>, |best, p| match best {
+            Some(b) if b.step_s <= p.step_s => Some(b),
+            _ => Some(p),
+        })
+        .map_or(0, |p| p.widening_quarters);
+    Ok(WindowChoice {
+        widening_quarters: best,
+        probes,
+    })
+}

@@ -1,0 +1,163 @@
+//! rollfleet's admission window, chosen per job by simulating it (`rollfleet_sim::window`): the
+//! choice, the seeds it is made on, and what `rollfleet sim` reports of it.
+#![allow(clippy::unwrap_used)]
+
+use rollfleet_sim::window::{WIDENINGS, choose_window, tuning_seeds};
+use rollfleet_sim::{Baseline, OutputFormat, PlacementChoice, SimArgs, SimOptions, simulate};
+
+fn example(name: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/jobs")
+        .join(name)
+}
+
+/// The job, the planner's placement of it and rollfleet's policy on it.
+fn planned(
+    name: &str,
+) -> (
+    rollfleet_spec::ValidatedJob,
+    rollfleet_core::Placement,
+    rollfleet_core::Policy,
+) {
+    let job = rollfleet_spec::load_job_file(&example(name)).unwrap();
+    let (placement, _) =
+        rollfleet_sim::placement::choose(PlacementChoice::Plan, job.spec(), &job.catalog).unwrap();
+    let (placement, policy) = Baseline::Rollfleet
+        .setup_with(job.spec(), &job.catalog, placement)
+        .unwrap();
+    (job, placement, policy)
+}
+
+#[test]
+fn the_window_chosen_is_the_width_that_simulated_fastest_on_seeds_other_than_the_runs() {
+    let (job, placement, policy) = planned("quickstart.yaml");
+    let opts = SimOptions {
+        seed: 3,
+        ..SimOptions::default()
+    };
+    let choice = choose_window(job.spec(), &job.catalog, &placement, &policy, &opts).unwrap();
+    let widths: Vec<u32> = choice.probes.iter().map(|p| p.widening_quarters).collect();
+    assert_eq!(widths, WIDENINGS);
+    let fastest = choice
+        .probes
+        .iter()
+        .map(|p| p.step_s)
+        .fold(f64::INFINITY, f64::min);
+    let chosen = choice
+        .probes
+        .iter()
+        .find(|p| p.widening_quarters == choice.widening_quarters)
+        .unwrap();
+    assert_eq!(chosen.step_s, fastest, "{choice:?}");
+    // The narrowest of equally fast widths.
+    assert!(
+        choice
+            .probes
+            .iter()
+            .all(|p| p.step_s > fastest || p.widening_quarters >= choice.widening_quarters),
+        "{choice:?}"
+    );
+    let seeds = tuning_seeds(3);
+    assert_eq!(seeds.len(), 2);
+    assert!(!seeds.contains(&3) && seeds[0] != seeds[1], "{seeds:?}");
+    assert_ne!(seeds, tuning_seeds(4));
+    // A pure function of the job and the seed.
+    assert_eq!(
+        choice,
+        choose_window(job.spec(), &job.catalog, &placement, &policy, &opts).unwrap()
+    );
+}
+
+#[test]
+fn a_job_whose_groups_live_well_inside_the_bound_runs_faster_on_the_wider_window_it_chooses() {
+    // The held-out math-and-code job: at `maxStaleness: 1` its trainer waits for the rule's
+    // window of three quarters of a batch.
+    let (job, placement, policy) = planned("holdout-math-code.yaml");
+    let opts = SimOptions::default();
+    let choice = choose_window(job.spec(), &job.catalog, &placement, &policy, &opts).unwrap();
+    assert!(choice.widening_quarters > 0, "{choice:?}");
+    let step = |quarters: u32| {
+        let policy = rollfleet_core::Policy {
+            window_widening_quarters: quarters,
+            ..policy.clone()
+        };
+        let run = simulate(
+            job.spec(),
+            &job.catalog,
+            placement.clone(),
+            policy,
+            &opts,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        assert!(run.violations.is_empty(), "{:?}", run.violations);
+        run.makespan_s / run.publish_times_s.len() as f64
+    };
+    // On the run's own seed, which the choice never saw.
+    let (rule, chosen) = (step(0), step(choice.widening_quarters));
+    assert!(chosen < 0.95 * rule, "{chosen} s against {rule} s");
+}
+
+#[test]
+fn a_batched_policy_has_no_window_to_choose() {
+    let job = rollfleet_spec::load_job_file(&example("quickstart.yaml")).unwrap();
+    let (placement, policy) = Baseline::OneStepOff
+        .setup(
+            job.spec(),
+            &job.catalog,
+            &rollfleet_sim::sim::workload_means(job.spec()),
+        )
+        .unwrap();
+    let choice = choose_window(
+        job.spec(),
+        &job.catalog,
+        &placement,
+        &policy,
+        &SimOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(choice.widening_quarters, 0);
+    assert!(choice.probes.is_empty());
+}
+
+#[test]
+fn the_report_gives_rollfleets_window_and_its_trials_and_no_window_to_the_baselines() {
+    let args = SimArgs {
+        job: example("quickstart.yaml"),
+        baselines: vec![Baseline::OneStepOff, Baseline::Rollfleet],
+        seed: 0,
+        timeline: None,
+        steps: None,
+        max_staleness: None,
+        failure_mtbf: None,
+        placement: PlacementChoice::Plan,
+        profiles_out: None,
+        sim_compute_efficiency: None,
+        sim_bandwidth_efficiency: None,
+        lose: None,
+        grow: None,
+        slow: None,
+        replan_on_drift: None,
+    };
+    let mut out = Vec::new();
+    let mut err = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut err).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let policies = report["policies"].as_array().unwrap();
+    let by_name = |name: &str| {
+        policies
+            .iter()
+            .find(|p| p["policy"] == name)
+            .unwrap()
+            .clone()
+    };
+    let window = &by_name("rollfleet")["admission_window"];
+    assert_eq!(window["probes"].as_array().unwrap().len(), WIDENINGS.len());
+    assert!(window["widening_quarters"].as_u64().is_some(), "{window}");
+    assert!(by_name("one-step-off")["admission_window"].is_null());
+    let progress = String::from_utf8(err).unwrap();
+    assert!(
+        progress.contains("rollfleet: admission window "),
+        "{progress}"
+    );
+}
