@@ -37,8 +37,16 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
         "{stdout}"
     );
     assert!(stdout.contains("RollArt's affinity mapping"), "{stdout}");
+    // The window the scheduler would run it with, and the trials that chose it.
+    let window = stdout
+        .lines()
+        .find(|l| l.starts_with("admission window: "))
+        .unwrap_or_default();
+    assert!(window.contains("(chosen)"), "{stdout}");
     let json = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "-o", "json"]);
     let value: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let probes = value["admission_window"]["probes"].as_array().unwrap();
+    assert_eq!(probes.len(), 3, "{}", value["admission_window"]);
     // Every GPU is used at most once: serving replicas plus the trainer fit in 192 + 320 GPUs.
     let replicas = value["plan"]["placement"]["replicas"].as_array().unwrap();
     assert!(!replicas.is_empty());

@@ -41,6 +41,16 @@ fn rollfleet_run_trains_every_step_and_says_the_gpus_are_emulated() {
         );
     }
     assert!(stderr.contains("GPUs are emulated"), "{stderr}");
+    // The scheduler chose the job's admission window by simulating it, as `rollfleet sim` does.
+    let log = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("rollfleet run: processes log to "))
+        .unwrap_or_default();
+    let log = std::fs::read_to_string(log.trim()).unwrap_or_default();
+    assert!(
+        log.contains("admission window: ") && log.contains("(chosen)"),
+        "{log}"
+    );
 }
 
 /// The rewards a quick-start task's episodes can end on: a Sokoban move scores -0.1, plus 1 for a

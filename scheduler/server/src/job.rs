@@ -251,6 +251,42 @@ mod tests {
         assert_eq!(slot.name().as_deref(), Some("quickstart"));
     }
 
+    /// A chooser that answers the same whatever the plan.
+    #[derive(Debug)]
+    struct Fixed(Result<u32, String>);
+
+    impl WindowChooser for Fixed {
+        fn widening_quarters(&self, _plan: &JobPlan) -> Result<u32, String> {
+            self.0.clone()
+        }
+    }
+
+    #[test]
+    fn a_job_runs_the_window_its_chooser_gives_and_a_failed_choice_is_refused_naming_the_window() {
+        let chosen = slot().choosing_window(Some(Arc::new(Fixed(Ok(2)))));
+        let job = chosen
+            .accept(&quickstart(), "submit")
+            .map_err(|e| e.to_string());
+        assert_eq!(job.map(|j| j.plan.policy().window_widening_quarters), Ok(2));
+        // Without a chooser, the core's rule.
+        let plain = slot()
+            .plan(&quickstart(), "submit")
+            .map_err(|e| e.to_string());
+        assert_eq!(plain.map(|p| p.policy().window_widening_quarters), Ok(0));
+        let failing =
+            slot().choosing_window(Some(Arc::new(Fixed(Err("the simulation stopped".into())))));
+        let err = failing
+            .accept(&quickstart(), "submit")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("admission window") && err.contains("the simulation stopped"),
+            "{err}"
+        );
+        assert!(failing.job().is_none());
+    }
+
     #[test]
     fn questions_about_another_job_are_answered_with_what_this_scheduler_runs() {
         let slot = slot();
