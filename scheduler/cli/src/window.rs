@@ -4,7 +4,7 @@
 use rollfleet_server::JobPlan;
 use rollfleet_server::job::WindowChooser;
 use rollfleet_sim::SimOptions;
-use rollfleet_sim::window::{choose_window, widening_label};
+use rollfleet_sim::window::{TUNING_SEEDS, WIDENINGS, choose_window, widening_label};
 
 /// Chooses a job's admission window by simulating it on its plan, with the plan's seed and
 /// modelled hardware, as `rollfleet sim` and `rollfleet plan` do.
@@ -18,6 +18,12 @@ impl WindowChooser for SimulatedWindow {
             hardware: plan.hardware,
             ..SimOptions::default()
         };
+        tracing::info!(
+            job = plan.name(),
+            "choosing the admission window: simulating the job at {} widths on {} seeds",
+            WIDENINGS.len(),
+            TUNING_SEEDS
+        );
         let choice = choose_window(
             plan.spec(),
             plan.catalog(),

@@ -102,8 +102,8 @@ impl JobSlot {
     }
 
     /// Takes `yaml` as the job when the slot is empty (planning it first), or recognises it as
-    /// the job already taken. Planning takes up to a few hundred milliseconds: call it off the
-    /// async threads.
+    /// the job already taken. Planning takes seconds (more on a large job: the window chooser
+    /// simulates it): call it off the async threads.
     pub fn accept(&self, yaml: &str, origin: &str) -> Result<Arc<AcceptedJob>, SubmitError> {
         if let Some(job) = self.job() {
             return Self::same(job, yaml, origin);

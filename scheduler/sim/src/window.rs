@@ -123,6 +123,11 @@ pub fn choose_window(
     let seeds = tuning_seeds(opts.seed);
     let mut probes = Vec::with_capacity(WIDENINGS.len());
     for quarters in WIDENINGS {
+        // A scheduler told to stop while it plans the job stops choosing too (the planner's
+        // flag, [`rollfleet_planner::cancel`]): what it chose is then thrown away.
+        if rollfleet_planner::cancel::requested() {
+            break;
+        }
         let mut total = 0.0;
         for &seed in &seeds {
             let trial_opts = SimOptions {
