@@ -94,6 +94,30 @@ pub struct SimArgs {
     pub replan_on_drift: Option<f64>,
 }
 
+impl SimArgs {
+    /// `rollfleet sim JOB` with every option at its default: every policy, seed 0, the
+    /// planner's placement.
+    pub fn new(job: PathBuf) -> SimArgs {
+        SimArgs {
+            job,
+            baselines: Vec::new(),
+            seed: 0,
+            timeline: None,
+            steps: None,
+            max_staleness: None,
+            failure_mtbf: None,
+            placement: PlacementChoice::Plan,
+            profiles_out: None,
+            sim_compute_efficiency: None,
+            sim_bandwidth_efficiency: None,
+            lose: None,
+            grow: None,
+            slow: None,
+            replan_on_drift: None,
+        }
+    }
+}
+
 /// Why `rollfleet sim` failed.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {

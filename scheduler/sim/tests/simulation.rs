@@ -879,21 +879,8 @@ fn a_run_reports_its_decode_speed_and_the_yardstick_replayed_at_it() {
 
 fn quickstart_args() -> SimArgs {
     SimArgs {
-        job: quickstart(),
-        baselines: Vec::new(),
-        seed: 0,
-        timeline: None,
         steps: Some(3),
-        max_staleness: None,
-        failure_mtbf: None,
-        placement: rollfleet_sim::PlacementChoice::Plan,
-        profiles_out: None,
-        sim_compute_efficiency: None,
-        sim_bandwidth_efficiency: None,
-        lose: None,
-        grow: None,
-        slow: None,
-        replan_on_drift: None,
+        ..SimArgs::new(quickstart())
     }
 }
 

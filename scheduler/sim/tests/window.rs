@@ -123,21 +123,8 @@ fn a_batched_policy_has_no_window_to_choose() {
 #[test]
 fn the_report_gives_rollfleets_window_and_its_trials_and_no_window_to_the_baselines() {
     let args = SimArgs {
-        job: example("quickstart.yaml"),
         baselines: vec![Baseline::OneStepOff, Baseline::Rollfleet],
-        seed: 0,
-        timeline: None,
-        steps: None,
-        max_staleness: None,
-        failure_mtbf: None,
-        placement: PlacementChoice::Plan,
-        profiles_out: None,
-        sim_compute_efficiency: None,
-        sim_bandwidth_efficiency: None,
-        lose: None,
-        grow: None,
-        slow: None,
-        replan_on_drift: None,
+        ..SimArgs::new(example("quickstart.yaml"))
     };
     let mut out = Vec::new();
     let mut err = Vec::new();
