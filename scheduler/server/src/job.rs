@@ -78,13 +78,12 @@ impl JobSlot {
 
     /// The slot holding the job `yaml` from the start (`rollfleet scheduler JOB.yaml`).
     pub fn with_job(self, yaml: &str, origin: &str) -> Result<JobSlot, PlanError> {
-        let slot = self;
-        let plan = Arc::new(slot.plan(yaml, origin)?);
-        slot.chosen.send_replace(Some(Arc::new(AcceptedJob {
+        let plan = Arc::new(self.plan(yaml, origin)?);
+        self.chosen.send_replace(Some(Arc::new(AcceptedJob {
             yaml: yaml.to_owned(),
             plan,
         })));
-        Ok(slot)
+        Ok(self)
     }
 
     /// Plans `yaml` as this scheduler runs it.

@@ -827,8 +827,14 @@ pub fn render_table(report: &SimReport) -> String {
             .filter(|x| x.kind == "gpu")
             .map(|x| format!("{}: {}", x.name, x.use_))
             .collect();
+        let window = p.admission_window.as_ref().map_or_else(String::new, |w| {
+            format!(
+                "; admission window {}",
+                crate::window::widening_label(w.widening_quarters)
+            )
+        });
         out.push_str(&format!(
-            "  {:<20} {}; bound binds on {} (capacity: {}; latency term {:.1} s at staleness {}); {} regenerated turns; invariants {}\n",
+            "  {:<20} {}{window}; bound binds on {} (capacity: {}; latency term {:.1} s at staleness {}); {} regenerated turns; invariants {}\n",
             p.policy,
             uses.join("; "),
             p.bound.binding,

@@ -8,6 +8,7 @@ use crate::protocol::{GroupId, TrajId, Version};
 use crate::rng::SplitMix64;
 
 use super::Core;
+use super::books::{Group, Kv, Phase, Queue, Traj, TurnRec};
 
 /// The continuous discipline's admission terms, in trajectories.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -20,7 +21,6 @@ pub struct AdmissionTerms {
     /// The most trajectories ever started and not yet trained.
     pub cap: u64,
 }
-use super::books::{Group, Kv, Phase, Queue, Traj, TurnRec};
 
 impl Core {
     pub(super) fn pump(&mut self) {
