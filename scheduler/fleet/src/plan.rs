@@ -29,9 +29,6 @@ pub enum PlanError {
     /// The core refused the configuration.
     #[error("configuration: {0}")]
     Config(#[from] rollfleet_core::ConfigError),
-    /// The admission window could not be chosen (the simulation that chooses it failed).
-    #[error("admission window: {0}")]
-    Window(String),
 }
 
 /// What a pool is, as the runtime cares.

@@ -242,8 +242,9 @@ impl JobService for Jobs {
         }
         let slot = self.slot.clone();
         let stopping = self.stopping.clone();
-        // Planning a job takes up to a few hundred milliseconds of CPU (a big one, more), and
-        // stops when the scheduler does; so does reading the CSV files a job names.
+        // Planning a job takes seconds of CPU (its admission window is chosen by simulating
+        // it; a big job, more), and stops when the scheduler does; so does reading the CSV
+        // files a job names.
         let accepted = tokio::task::spawn_blocking(move || {
             // A job sent with its directory is kept with its CSV paths made absolute, so that
             // it reads the same files when the scheduler reads its journal again.

@@ -41,8 +41,11 @@ const TUNING_KEY: u64 = 0x7769_6e64_6f77;
 pub struct WindowProbe {
     /// The widening, in quarters of a rollout batch.
     pub widening_quarters: u32,
-    /// Simulated seconds per step, the mean over the tuning seeds.
-    pub step_s: f64,
+    /// Simulated seconds per step, the mean over the tuning seeds; none when a run failed.
+    pub step_s: Option<f64>,
+    /// Why a run of this width failed (it is then not chosen).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
 }
 
 /// The width chosen, and every trial.
@@ -65,11 +68,12 @@ impl WindowChoice {
                 } else {
                     ""
                 };
-                format!(
-                    "{} {:.1} s{mark}",
-                    widening_label(p.widening_quarters),
-                    p.step_s
-                )
+                let result = match (p.step_s, &p.failed) {
+                    (Some(step_s), _) => format!("{step_s:.1} s"),
+                    (None, Some(why)) => format!("failed ({why})"),
+                    (None, None) => "not run".to_owned(),
+                };
+                format!("{} {result}{mark}", widening_label(p.widening_quarters))
             })
             .collect::<Vec<_>>()
             .join(", ")
@@ -104,7 +108,8 @@ pub fn choose_rollfleet_window(
 
 /// The widening of the admission window `policy` should run the job with on `placement` (see
 /// the module docs); `opts` gives the run's seed and hardware model (its failures, losses,
-/// migrations and slowdowns are left out of the trials).
+/// migrations and slowdowns are left out of the trials). A width whose run fails is not chosen
+/// (its trial says why); a failed run of the rule itself is the error.
 pub fn choose_window(
     spec: &JobSpec,
     catalog: &Catalog,
@@ -129,6 +134,7 @@ pub fn choose_window(
             break;
         }
         let mut total = 0.0;
+        let mut failed = None;
         for &seed in &seeds {
             let trial_opts = SimOptions {
                 seed,
@@ -140,28 +146,36 @@ pub fn choose_window(
                 window_widening_quarters: quarters,
                 ..policy.clone()
             };
-            let run = simulate(
+            match simulate(
                 &trial_spec,
                 catalog,
                 placement.clone(),
                 trial_policy,
                 &trial_opts,
                 &mut |_, _| {},
-            )?;
-            total += run.makespan_s / run.publish_times_s.len().max(1) as f64;
+            ) {
+                Ok(run) => total += run.makespan_s / run.publish_times_s.len().max(1) as f64,
+                Err(e) if quarters == 0 => return Err(e),
+                Err(e) => {
+                    failed = Some(e.to_string());
+                    break;
+                }
+            }
         }
         probes.push(WindowProbe {
             widening_quarters: quarters,
-            step_s: total / seeds.len().max(1) as f64,
+            step_s: failed.is_none().then(|| total / seeds.len().max(1) as f64),
+            failed,
         });
     }
     let best = probes
         .iter()
-        .fold(None::<&WindowProbe>, |best, p| match best {
-            Some(b) if b.step_s <= p.step_s => Some(b),
-            _ => Some(p),
+        .filter_map(|p| p.step_s.map(|s| (p.widening_quarters, s)))
+        .fold(None::<(u32, f64)>, |best, (q, s)| match best {
+            Some((_, b)) if b <= s => best,
+            _ => Some((q, s)),
         })
-        .map_or(0, |p| p.widening_quarters);
+        .map_or(0, |(q, _)| q);
     Ok(WindowChoice {
         widening_quarters: best,
         probes,

@@ -38,23 +38,21 @@ fn the_window_chosen_is_the_width_that_simulated_fastest_on_seeds_other_than_the
     let choice = choose_window(job.spec(), &job.catalog, &placement, &policy, &opts).unwrap();
     let widths: Vec<u32> = choice.probes.iter().map(|p| p.widening_quarters).collect();
     assert_eq!(widths, WIDENINGS);
-    let fastest = choice
-        .probes
-        .iter()
-        .map(|p| p.step_s)
-        .fold(f64::INFINITY, f64::min);
+    let steps: Vec<f64> = choice.probes.iter().map(|p| p.step_s.unwrap()).collect();
+    let fastest = steps.iter().copied().fold(f64::INFINITY, f64::min);
     let chosen = choice
         .probes
         .iter()
         .find(|p| p.widening_quarters == choice.widening_quarters)
         .unwrap();
-    assert_eq!(chosen.step_s, fastest, "{choice:?}");
+    assert_eq!(chosen.step_s, Some(fastest), "{choice:?}");
     // The narrowest of equally fast widths.
     assert!(
         choice
             .probes
             .iter()
-            .all(|p| p.step_s > fastest || p.widening_quarters >= choice.widening_quarters),
+            .zip(&steps)
+            .all(|(p, &s)| s > fastest || p.widening_quarters >= choice.widening_quarters),
         "{choice:?}"
     );
     let seeds = tuning_seeds(3);
