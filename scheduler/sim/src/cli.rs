@@ -435,12 +435,7 @@ pub fn run(
     // rollfleet's admission window, chosen on its placement (its only candidate) before the
     // runs, so that the planner's prediction is made for the window it runs with.
     let rollfleet_window = if baselines.contains(&Baseline::Rollfleet) {
-        let (_, policy) = Baseline::Rollfleet
-            .setup_with(&spec, &job.catalog, chosen.clone())
-            .map_err(|source| SimError::Placement {
-                policy: Baseline::Rollfleet.name().into(),
-                source,
-            })?;
+        let policy = rollfleet_core::Policy::rollfleet(&spec);
         let (_, window) = tuned(&spec, &job.catalog, &chosen, policy, &opts)?;
         let _ = writeln!(
             stderr,
