@@ -284,6 +284,41 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
         )
     add("")
 
+    add("## Simulated: how rollfleet's groups lived, beside the planner's model")
+    add("")
+    add(
+        "The same runs (seed 0), per task, means over the groups the trainer took: a member's "
+        "life (from its group's first turn to its reward), the slowest member's (when the group "
+        "is done), and the time from a group's admission to being done (restarted attempts "
+        "included), each simulated / as the planner's model has it (its error); and the "
+        "simulated wait for the trainer, which the model counts in its closed loop of groups "
+        "and trainer rather than per group. Where a predicted step and a simulated one part, "
+        "this says which part of a group's life the model misses."
+    )
+    add("")
+    add(
+        "| job | task | groups | member life s | slowest member s | admitted to done s | "
+        "trainer wait s |"
+    )
+    add("|---|---|---:|---:|---:|---:|---:|")
+
+    def pair(simulated: float, model: float | None) -> str:
+        if model is None or simulated <= 0:
+            return f"{simulated:.1f}"
+        return f"{simulated:.1f} / {model:.1f} ({(model / simulated - 1) * 100:+.0f}%)"
+
+    for report in [first, *holdout]:
+        for life in report["group_lives"]:
+            model = life.get("model") or {}
+            add(
+                f"| {report['job']} | {life['task']} | {life['groups']} | "
+                f"{pair(life['member_s'], model.get('member_s'))} | "
+                f"{pair(life['group_s'], model.get('group_s'))} | "
+                f"{pair(life['until_done_s'], model.get('until_done_s'))} | "
+                f"{life['trainer_wait_s']:.1f} |"
+            )
+    add("")
+
     add("## Simulated: the quick-start job")
     add("")
     add(f"`rollfleet sim {QUICKSTART} --seed N -o json`: seconds per RL step.")

@@ -39,5 +39,5 @@ pub use protocol::{
     BatchId, Command, GroupId, Input, PoolIndex, ReplicaId, StageCommand, StageId, StageOutcome,
     StageWork, SyncMode, TrajId, Version,
 };
-pub use scheduler::{AdmissionTerms, Core, Stats};
+pub use scheduler::{AdmissionTerms, Core, Stats, TaskLives};
 pub use time::{Span, Time};

@@ -6,8 +6,8 @@
 mod common;
 
 use rollfleet_core::{
-    Command, Core, Discipline, Input, ReplicaId, ServeRole, StageOutcome, StageWork, SyncMode,
-    Time, TrajId,
+    Command, Core, Discipline, Input, ReplicaId, ServeRole, StageCommand, StageOutcome, StageWork,
+    SyncMode, Time, TrajId,
 };
 
 use common::*;
@@ -93,6 +93,56 @@ fn a_trajectory_goes_from_reset_through_its_turns_to_its_reward_and_is_trained_o
     core.handle_input(Time(2), Input::TrainFinished { batch });
     assert!(core.finished());
     assert_eq!(core.trajectory_counts(), (0, 0, 1));
+}
+
+#[test]
+fn a_trained_groups_life_is_booked_from_its_admission_first_turn_and_members_finishes() {
+    // One group of two, admitted at 0, both members reset by 1 and generating from 1. One
+    // member is rewarded at 4, the other at 10, when the trainer takes the group at once: a
+    // slot of 10 s, a group done 9 s after its first turn, members living 3 and 9 s.
+    let cfg = config(
+        vec![replica(ServeRole::Generate, 10_000)],
+        policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling),
+        2,
+        2,
+        1,
+    );
+    let (mut core, resets) = started(cfg);
+    assert_eq!(resets.len(), 2);
+    let generations: Vec<StageCommand> = resets
+        .iter()
+        .map(|reset| {
+            stage_of(
+                &finish_at(&mut core, 1.0, reset.stage, observed(100, false)),
+                reset.traj.0,
+            )
+        })
+        .collect();
+    let mut live = |t: u64, generated: f64, stepped: f64, rewarded: f64| {
+        let step = generated_at(&mut core, generated, generations[t as usize].stage, t);
+        let reward = stage_of(
+            &finish_at(&mut core, stepped, step.stage, observed(5, true)),
+            t,
+        );
+        finish_when(
+            &mut core,
+            Time::from_secs_f64(rewarded),
+            reward.stage,
+            StageOutcome::Rewarded { score: 1.0 },
+        )
+    };
+    live(0, 2.0, 3.0, 4.0);
+    let out = live(1, 5.0, 8.0, 10.0);
+    trained_batch(&out);
+    let lives = &core.stats().task_lives;
+    assert_eq!(lives.len(), 1);
+    assert_eq!(lives[0].groups, 1);
+    assert_eq!(lives[0].members, 2);
+    let [slot, group, member, trainer_wait] = lives[0].means().unwrap();
+    assert!((slot - 10.0).abs() < 1e-9, "{slot}");
+    assert!((group - 9.0).abs() < 1e-9, "{group}");
+    assert!((member - 6.0).abs() < 1e-9, "{member}");
+    assert!(trainer_wait.abs() < 1e-9, "{trainer_wait}");
 }
 
 /// Groups of one started at once on one idle replica, for a rollout batch of 4 under the

@@ -603,6 +603,17 @@ pub fn run(
     let attribution = uses_trace(&spec).then(|| AZURE_ATTRIBUTION.to_owned());
     // No schedule of the job's trajectories beats the fixed yardstick, so a prediction below it
     // is wrong by at least the gap: it is raised to the yardstick, and the report says so.
+    let group_lives = runs
+        .iter()
+        .find(|(n, _)| n == Baseline::Rollfleet.name())
+        .map(|(_, r)| {
+            crate::report::group_lives(
+                &spec,
+                &r.core,
+                predicted.as_ref().map(|p| p.task_lives.as_slice()),
+            )
+        })
+        .unwrap_or_default();
     let model_step_s = predicted.map(|p| p.job_step_s);
     let predicted_step_s = model_step_s.map(|t| t.max(reference.bound.step_s));
     let report = SimReport {
@@ -615,6 +626,7 @@ pub fn run(
         data_attribution: attribution.clone(),
         reference,
         policies,
+        group_lives,
         loss_recovery,
         growth,
         drift_replans: runs

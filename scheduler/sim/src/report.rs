@@ -278,6 +278,57 @@ pub struct PolicyReport {
     pub sim_events: u64,
 }
 
+/// How rollfleet's groups of one task lived in a run (means over the groups the trainer took,
+/// seconds), beside the planner's model of them: where a predicted step and a simulated one part.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GroupLives {
+    /// The task.
+    pub task: String,
+    /// Its groups the trainer took.
+    pub groups: u64,
+    /// A member's life, from its group's first turn (of the attempt trained) to its reward.
+    pub member_s: f64,
+    /// The slowest member's life: when the group was done.
+    pub group_s: f64,
+    /// From its admission to being done: every attempt, restarted ones included.
+    pub until_done_s: f64,
+    /// The slot the group held in the admission window, from its admission to the trainer
+    /// taking it: `until_done_s` and `trainer_wait_s`.
+    pub slot_s: f64,
+    /// From the group being done to the trainer taking it.
+    pub trainer_wait_s: f64,
+    /// The planner's model of the same, when it predicted the run's placement.
+    pub model: Option<rollfleet_planner::predict::TaskLife>,
+}
+
+/// Each task's [`GroupLives`] in a run of `spec`, with the planner's model of them when given
+/// (parallel to the job's tasks, as the planner's workload lists them).
+pub fn group_lives(
+    spec: &JobSpec,
+    stats: &rollfleet_core::Stats,
+    model: Option<&[rollfleet_planner::predict::TaskLife]>,
+) -> Vec<GroupLives> {
+    let model = model.filter(|m| m.len() == spec.tasks.len());
+    spec.tasks
+        .iter()
+        .enumerate()
+        .filter_map(|(i, task)| {
+            let lives = stats.task_lives.get(i)?;
+            let [slot_s, group_s, member_s, trainer_wait_s] = lives.means()?;
+            Some(GroupLives {
+                task: task.name.clone(),
+                groups: lives.groups,
+                member_s,
+                group_s,
+                until_done_s: slot_s - trainer_wait_s,
+                slot_s,
+                trainer_wait_s,
+                model: model.map(|m| m[i]),
+            })
+        })
+        .collect()
+}
+
 /// A whole simulation: one job, one seed, several policies.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SimReport {
@@ -303,6 +354,9 @@ pub struct SimReport {
     pub reference: Reference,
     /// One report per policy.
     pub policies: Vec<PolicyReport>,
+    /// How rollfleet's groups lived, per task, beside the planner's model (empty when rollfleet
+    /// did not run).
+    pub group_lives: Vec<GroupLives>,
     /// With `--lose`: how rollfleet's throughput after the loss compares with the smaller
     /// cluster run on its own plan.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -849,8 +903,48 @@ pub fn render_table(report: &SimReport) -> String {
             }
         ));
     }
+    out.push_str(&render_group_lives(&report.group_lives));
     if let Some(attribution) = &report.data_attribution {
         out.push_str(&format!("\nworkload samples: {attribution}\n"));
+    }
+    out
+}
+
+/// The group-lives table: simulated, and the planner's model with its error where it has one.
+fn render_group_lives(lives: &[GroupLives]) -> String {
+    if lives.is_empty() {
+        return String::new();
+    }
+    let with_model = lives.iter().any(|l| l.model.is_some());
+    let mut out = format!(
+        "\nhow rollfleet's groups lived (seconds, means over the groups trained{}):\n",
+        if with_model {
+            "; simulated / the planner's model and its error; the model puts the wait for the trainer in its closed loop, not per group"
+        } else {
+            ""
+        }
+    );
+    out.push_str(&format!(
+        "  {:<18} {:>7} {:>24} {:>24} {:>24} {:>13}\n",
+        "task", "groups", "member life", "slowest member", "admitted to done", "trainer wait"
+    ));
+    let cell = |simulated: f64, model: Option<f64>| match model {
+        Some(m) if simulated > 0.0 => format!(
+            "{simulated:.1} / {m:.1} {:+.0}%",
+            100.0 * (m - simulated) / simulated
+        ),
+        _ => format!("{simulated:.1}"),
+    };
+    for l in lives {
+        out.push_str(&format!(
+            "  {:<18} {:>7} {:>24} {:>24} {:>24} {:>13.1}\n",
+            truncate(&l.task, 18),
+            l.groups,
+            cell(l.member_s, l.model.map(|m| m.member_s)),
+            cell(l.group_s, l.model.map(|m| m.group_s)),
+            cell(l.until_done_s, l.model.map(|m| m.until_done_s)),
+            l.trainer_wait_s
+        ));
     }
     out
 }

@@ -359,6 +359,7 @@ impl Core {
                 failures_in_a_row: 0,
                 turn_start: None,
                 partial: None,
+                finished: None,
             });
             members.push(t);
             self.active += 1;
@@ -371,6 +372,7 @@ impl Core {
             oldest: Version::MAX,
             first_turn: None,
             restart_floor: 0,
+            admitted: self.now,
         });
         self.stats.groups_started += 1;
         self.open_groups.insert(g);

@@ -89,6 +89,8 @@ pub(super) struct Traj {
     /// What its current turn generated before an interrupt, to resume from. Those tokens are
     /// counted in `input` too (the resumed generation prefills them).
     pub(super) partial: Option<PartialTurn>,
+    /// When it last finished (its reward in); read when the trainer takes its group.
+    pub(super) finished: Option<Time>,
 }
 
 /// The part of a turn generated before its generation was interrupted.
@@ -136,6 +138,8 @@ pub(super) struct Group {
     /// Oldest version its turns may come from, on top of the bound's floor: the version it was
     /// restarted on ([`Core::restart_late_groups`]; 0 otherwise).
     pub(super) restart_floor: Version,
+    /// When it was admitted (took its slot in the window).
+    pub(super) admitted: Time,
 }
 
 #[derive(Debug, Clone)]

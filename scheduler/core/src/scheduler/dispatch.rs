@@ -9,10 +9,10 @@ use crate::protocol::{
 };
 use crate::router::{Route, RouteRequest, RouterView};
 
-use super::Core;
 use super::books::{
     Kv, PartialTurn, Phase, Queue, Replicas, StageKind, StageRec, TrainBatch, TurnRec, Visit,
 };
+use super::{Core, TaskLives};
 
 /// How far past a blocked head the admission pass looks for work of another kind.
 const LOOKAHEAD: usize = 16;
@@ -627,6 +627,7 @@ impl Core {
         let mut tokens = 0;
         let mut causal_pairs: u64 = 0;
         for g in &chosen {
+            self.record_life(*g);
             let group = &mut self.groups[g.0 as usize];
             if let Some(key) = group.ready_key.take() {
                 self.ready.remove(&key);
@@ -674,6 +675,44 @@ impl Core {
             tokens,
             causal_pairs,
         });
+    }
+
+    /// Adds the life of a group the trainer takes now to its task's [`TaskLives`].
+    fn record_life(&mut self, g: GroupId) {
+        let group = &self.groups[g.0 as usize];
+        let Some(&first) = group.members.first() else {
+            return;
+        };
+        let task = self.trajs[first.0 as usize].task as usize;
+        let finishes = || {
+            group
+                .members
+                .iter()
+                .filter_map(|m| self.trajs[m.0 as usize].finished)
+        };
+        let last = finishes().max().unwrap_or(self.now);
+        let (mut member_s, mut members) = (0.0, 0);
+        if let Some(start) = group.first_turn {
+            for finish in finishes() {
+                member_s += finish.since(start).as_secs_f64();
+                members += 1;
+            }
+        }
+        let group_s = group
+            .first_turn
+            .map(|start| last.since(start).as_secs_f64());
+        let slot_s = self.now.since(group.admitted).as_secs_f64();
+        let lives = &mut self.stats.task_lives;
+        if lives.len() <= task {
+            lives.resize(task + 1, TaskLives::default());
+        }
+        let life = &mut lives[task];
+        life.groups += 1;
+        life.slot_s += slot_s;
+        life.trainer_wait_s += self.now.since(last).as_secs_f64();
+        life.group_s += group_s.unwrap_or(0.0);
+        life.member_s += member_s;
+        life.members += members;
     }
 
     pub(super) fn stage_finished(&mut self, stage: StageId, outcome: StageOutcome) {
@@ -870,6 +909,7 @@ impl Core {
         }
         self.dequeue(t);
         self.trajs[t.0 as usize].phase = Phase::Complete;
+        self.trajs[t.0 as usize].finished = Some(self.now);
         self.active = self.active.saturating_sub(1);
         self.stats.trajectories_completed += 1;
         // A finished batch can open the next one (an earlier step of the pass).

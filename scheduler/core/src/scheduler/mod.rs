@@ -92,6 +92,47 @@ pub struct Stats {
     pub interrupted_generations: u64,
     /// Training batches issued.
     pub train_batches: u64,
+    /// How the groups the trainer took lived, per task (indexed as the job's tasks).
+    #[serde(default)]
+    pub task_lives: Vec<TaskLives>,
+}
+
+/// How one task's groups lived, summed over the groups the trainer took, in seconds on the core's
+/// clock: the measured side of the planner's model of a group's life (its members' lives, the
+/// slowest of them, the slot it holds in the admission window), which `rollfleet sim` prints
+/// beside the model's.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TaskLives {
+    /// Groups of the task the trainer took.
+    pub groups: u64,
+    /// From a group's admission to the trainer taking it: its slot in the window, every attempt
+    /// and every wait included.
+    pub slot_s: f64,
+    /// From the first turn of the attempt that was trained to its last member's finish: the
+    /// slowest member's life.
+    pub group_s: f64,
+    /// From that first turn to each member's finish, over the members.
+    pub member_s: f64,
+    /// Members counted in `member_s`.
+    pub members: u64,
+    /// From a group's last member's finish to the trainer taking it.
+    pub trainer_wait_s: f64,
+}
+
+impl TaskLives {
+    /// Mean seconds of a slot, of the slowest member, of a member and of the wait for the
+    /// trainer; `None` before any group of the task was trained.
+    pub fn means(&self) -> Option<[f64; 4]> {
+        (self.groups > 0 && self.members > 0).then(|| {
+            let g = self.groups as f64;
+            [
+                self.slot_s / g,
+                self.group_s / g,
+                self.member_s / self.members as f64,
+                self.trainer_wait_s / g,
+            ]
+        })
+    }
 }
 
 /// The scheduler core. See the module docs.

@@ -265,6 +265,20 @@ pub enum Binding {
     Staleness,
 }
 
+/// How the model says one task's groups live, in seconds: what `rollfleet sim` compares with
+/// the core's measured `TaskLives`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TaskLife {
+    /// A member's mean life, from its group's first turn to its reward (one attempt).
+    pub member_s: f64,
+    /// The slowest member's life: when the group is done (one attempt).
+    pub group_s: f64,
+    /// From its admission to the end of the attempt the trainer takes: every attempt,
+    /// restarted ones included, but not the wait for the trainer after (the closed loop of
+    /// groups and trainer adds that to the step).
+    pub until_done_s: f64,
+}
+
 /// What the predictor says about a candidate.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Prediction {
@@ -290,6 +304,8 @@ pub struct Prediction {
     /// Mean lifetime of a group's slot (all its attempts, slowest member plus waiting for a
     /// training batch), seconds.
     pub slot_lifetime_s: f64,
+    /// How each task's groups live (parallel to the workload's tasks).
+    pub task_lives: Vec<TaskLife>,
     /// Predicted busy share per GPU pool (parallel to [`Problem::gpu_pools`]).
     pub gpu_utilisation: Vec<f64>,
     /// Predicted busy share of the environment vCPUs.

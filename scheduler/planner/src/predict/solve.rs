@@ -8,8 +8,8 @@ use super::model::{
     routed, skewed_expected_max, step_prefills, step_work, token_time,
 };
 use super::{
-    Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, Terms, TokenTimes,
-    cpu_terms,
+    Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, TaskLife, Terms,
+    TokenTimes, cpu_terms,
 };
 
 /// What a job's start and end take beside its steady steps ([`job_average`]).
@@ -20,6 +20,8 @@ struct JobEnds {
     first_ready: f64,
     /// How long each task's groups hold their slots, for the last step's drain.
     lives: Vec<SlotLife>,
+    /// How each task's groups live, as the prediction reports it.
+    task_lives: Vec<TaskLife>,
 }
 
 pub(super) fn predict_caps(
@@ -180,6 +182,7 @@ pub(super) fn predict_caps(
             let mut first_ready = f64::INFINITY;
             let mut not_decoding = 0.0;
             let mut lives = Vec::with_capacity(w.tasks.len());
+            let mut task_lives = Vec::with_capacity(w.tasks.len());
             for (task, alive) in w.tasks.iter().zip(alive_s.iter_mut()) {
                 let first_tokens = task.prompt;
                 let first = p.prefill_flops(first_tokens, 0.0);
@@ -262,6 +265,11 @@ pub(super) fn predict_caps(
                     restart,
                 );
                 slots += task.share * regen.slot_s;
+                task_lives.push(TaskLife {
+                    member_s: mean_life,
+                    group_s: attempt - wait,
+                    until_done_s: regen.slot_s - wait,
+                });
                 lives.push(SlotLife {
                     share: task.share,
                     mean_s: regen.slot_s,
@@ -297,10 +305,21 @@ pub(super) fn predict_caps(
                 local_load,
                 remote.load_s,
                 lives,
+                task_lives,
             ));
         }
-        let (tau, slots, regenerated, tail, chain, first_ready, local_load, remote_load, lives) =
-            outcome?;
+        let (
+            tau,
+            slots,
+            regenerated,
+            tail,
+            chain,
+            first_ready,
+            local_load,
+            remote_load,
+            lives,
+            task_lives,
+        ) = outcome?;
         // The window's groups, and the finished ones waiting for a training batch that the core
         // lets out of it, circulate between generation (each holds its slot `slots`, the fill
         // wait included) and the trainer, a single server taking `train_s / (B / n)` per
@@ -344,6 +363,7 @@ pub(super) fn predict_caps(
                 one_batch,
                 first_ready,
                 lives,
+                task_lives,
             },
         ))
     };
@@ -476,6 +496,7 @@ pub(super) fn predict_caps(
         token_s: tau,
         decode_batch,
         slot_lifetime_s: slot,
+        task_lives: ends.task_lives,
         gpu_utilisation,
         env_utilisation: (env_s / t).min(1.0),
         cost_per_step_usd,
