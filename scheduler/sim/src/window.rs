@@ -125,7 +125,38 @@ pub fn choose_window(
     }
     let mut trial_spec = spec.clone();
     trial_spec.rl.steps = spec.rl.steps.clamp(1, TUNING_STEPS);
-    let seeds = tuning_seeds(opts.seed);
+    let trial = |quarters: u32, seed: u64| {
+        let trial_opts = SimOptions {
+            seed,
+            hardware: opts.hardware,
+            max_virtual_s: opts.max_virtual_s,
+            ..SimOptions::default()
+        };
+        let trial_policy = Policy {
+            window_widening_quarters: quarters,
+            ..policy.clone()
+        };
+        simulate(
+            &trial_spec,
+            catalog,
+            placement.clone(),
+            trial_policy,
+            &trial_opts,
+            &mut |_, _| {},
+        )
+        .map(|run| run.makespan_s / run.publish_times_s.len().max(1) as f64)
+    };
+    choose_among(trial, &tuning_seeds(opts.seed))
+}
+
+/// The choice among [`WIDENINGS`], given `trial(quarters, seed)`, the simulated seconds per step
+/// of a width on a seed: the lowest mean over `seeds` wins, the narrower on a tie. A width whose
+/// trial fails on any seed is not chosen (its probe says why); a failed trial of the rule is the
+/// error, as the rule is what the job runs with when nothing else is.
+pub fn choose_among(
+    mut trial: impl FnMut(u32, u64) -> Result<f64, RunError>,
+    seeds: &[u64],
+) -> Result<WindowChoice, RunError> {
     let mut probes = Vec::with_capacity(WIDENINGS.len());
     for quarters in WIDENINGS {
         // A scheduler told to stop while it plans the job stops choosing too (the planner's
@@ -135,26 +166,9 @@ pub fn choose_window(
         }
         let mut total = 0.0;
         let mut failed = None;
-        for &seed in &seeds {
-            let trial_opts = SimOptions {
-                seed,
-                hardware: opts.hardware,
-                max_virtual_s: opts.max_virtual_s,
-                ..SimOptions::default()
-            };
-            let trial_policy = Policy {
-                window_widening_quarters: quarters,
-                ..policy.clone()
-            };
-            match simulate(
-                &trial_spec,
-                catalog,
-                placement.clone(),
-                trial_policy,
-                &trial_opts,
-                &mut |_, _| {},
-            ) {
-                Ok(run) => total += run.makespan_s / run.publish_times_s.len().max(1) as f64,
+        for &seed in seeds {
+            match trial(quarters, seed) {
+                Ok(step_s) => total += step_s,
                 Err(e) if quarters == 0 => return Err(e),
                 Err(e) => {
                     failed = Some(e.to_string());

@@ -2,7 +2,8 @@
 //! choice, the seeds it is made on, and what `rollfleet sim` reports of it.
 #![allow(clippy::unwrap_used)]
 
-use rollfleet_sim::window::{WIDENINGS, choose_window, tuning_seeds};
+use rollfleet_sim::sim::RunError;
+use rollfleet_sim::window::{WIDENINGS, choose_among, choose_window, tuning_seeds};
 use rollfleet_sim::{Baseline, OutputFormat, PlacementChoice, SimArgs, SimOptions, simulate};
 
 fn example(name: &str) -> std::path::PathBuf {
@@ -145,4 +146,61 @@ fn the_report_gives_rollfleets_window_and_its_trials_and_no_window_to_the_baseli
         progress.contains("rollfleet: admission window "),
         "{progress}"
     );
+}
+
+/// Trials that run `steps[q]` seconds a step for widening `q` on every seed, or fail where it
+/// is `None`.
+fn trials(steps: [Option<f64>; 3]) -> impl FnMut(u32, u64) -> Result<f64, RunError> {
+    move |quarters, _seed| steps[quarters as usize].ok_or(RunError::TooLong(1.0))
+}
+
+#[test]
+fn a_widened_width_whose_trial_fails_is_passed_over_and_its_probe_says_why() {
+    let choice = choose_among(trials([Some(10.0), None, Some(12.0)]), &[1, 2]).unwrap();
+    assert_eq!(choice.widening_quarters, 0, "{choice:?}");
+    let failed = &choice.probes[1];
+    assert_eq!(failed.step_s, None);
+    assert!(
+        failed.failed.as_deref().is_some_and(|why| !why.is_empty()),
+        "{failed:?}"
+    );
+    assert!(
+        choice.describe().contains("rule + 1/4 batch failed ("),
+        "{}",
+        choice.describe()
+    );
+
+    // Past the failed width, a faster one is still chosen.
+    let choice = choose_among(trials([Some(10.0), None, Some(9.0)]), &[1, 2]).unwrap();
+    assert_eq!(choice.widening_quarters, 2, "{choice:?}");
+}
+
+#[test]
+fn a_failed_trial_of_the_rule_is_the_error_and_a_tie_goes_to_the_narrower_window() {
+    assert!(choose_among(trials([None, Some(9.0), Some(9.0)]), &[1]).is_err());
+    let choice = choose_among(trials([Some(11.0), Some(9.0), Some(9.0)]), &[1]).unwrap();
+    assert_eq!(choice.widening_quarters, 1, "{choice:?}");
+}
+
+#[test]
+fn each_width_is_tried_on_every_seed_and_scored_by_its_mean() {
+    let mut tried = Vec::new();
+    let choice = choose_among(
+        |quarters, seed| {
+            tried.push((quarters, seed));
+            // The rule: 10 and 14 (mean 12); a quarter: 8 and 17 (mean 12.5); a half: 13.
+            Ok(match (quarters, seed) {
+                (0, 1) => 10.0,
+                (0, _) => 14.0,
+                (1, 1) => 8.0,
+                (1, _) => 17.0,
+                _ => 13.0,
+            })
+        },
+        &[1, 2],
+    )
+    .unwrap();
+    assert_eq!(tried.len(), WIDENINGS.len() * 2);
+    assert_eq!(choice.widening_quarters, 0, "{choice:?}");
+    assert_eq!(choice.probes[1].step_s, Some(12.5));
 }
