@@ -43,10 +43,30 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
         .find(|l| l.starts_with("admission window: "))
         .unwrap_or_default();
     assert!(window.contains("(chosen)"), "{stdout}");
+    // How the model has each task's groups live: a member, the slowest one, and to done.
+    let lives = stdout
+        .lines()
+        .find(|l| l.starts_with("group lives "))
+        .unwrap_or_default();
+    for task in ["swe-bench-style", "webshop", "sokoban", "math-with-tools"] {
+        assert!(lives.contains(&format!("{task} ")), "{stdout}");
+    }
+    assert_eq!(lives.matches(" / ").count(), 8, "{lives}");
     let json = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "-o", "json"]);
     let value: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     let probes = value["admission_window"]["probes"].as_array().unwrap();
     assert_eq!(probes.len(), 3, "{}", value["admission_window"]);
+    let task_lives = value["plan"]["prediction"]["task_lives"]
+        .as_array()
+        .unwrap();
+    assert_eq!(task_lives.len(), 4);
+    for life in task_lives {
+        let (member, group) = (
+            life["member_s"].as_f64().unwrap(),
+            life["group_s"].as_f64().unwrap(),
+        );
+        assert!(0.0 < member && member < group, "{life}");
+    }
     // Every GPU is used at most once: serving replicas plus the trainer fit in 192 + 320 GPUs.
     let replicas = value["plan"]["placement"]["replicas"].as_array().unwrap();
     assert!(!replicas.is_empty());

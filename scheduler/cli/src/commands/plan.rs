@@ -72,6 +72,8 @@ struct Output<'a> {
     predicted_job_step_s: f64,
     /// The job's steps.
     steps: u64,
+    /// The job's tasks, in the order of the prediction's `task_lives`.
+    tasks: Vec<String>,
     /// Left out when the prediction uses measured or probed shares of peak, which the
     /// yardstick's assumed ones would not match.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -254,6 +256,7 @@ pub fn run(
         predicted_below_yardstick: (model_step_s < floor).then_some(model_step_s),
         predicted_job_step_s: planned.prediction.job_step_s.max(floor),
         steps: spec.rl.steps.max(1) as u64,
+        tasks: spec.tasks.iter().map(|t| t.name.clone()).collect(),
         yardstick,
         plan: &planned,
         compared,
@@ -364,6 +367,25 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
         t.staleness_s,
         t.chain_s
     )?;
+    if pr.task_lives.len() == o.tasks.len() && !o.tasks.is_empty() {
+        let lives: Vec<String> = o
+            .tasks
+            .iter()
+            .zip(&pr.task_lives)
+            .map(|(task, l)| {
+                format!(
+                    "{task} {:.1} / {:.1} / {:.1}",
+                    l.member_s, l.group_s, l.until_done_s
+                )
+            })
+            .collect();
+        writeln!(
+            out,
+            "group lives (s; a member, the slowest member, admission to done with every \
+             attempt): {}",
+            lives.join(", ")
+        )?;
+    }
     writeln!(
         out,
         "admission window: {} (simulated seconds per step over the job's first steps, on seeds \
