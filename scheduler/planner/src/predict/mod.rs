@@ -541,8 +541,8 @@ pub fn decode_work_at(p: &Problem, batch: f64, context: f64) -> roofline::Work {
 mod tests {
     use super::model::{
         EarlyRestart, IterationTimes, SlotLife, action_spread, closed_loop_step, drain_wait,
-        expected_max_z, iteration_time, job_average, mean_survival, prefill_queue, queue,
-        regeneration, replica_occupancy, routed, skewed_expected_max, token_time,
+        expected_max_z, iteration_time, job_average, mean_survival, prefill_queue, push_slot_lives,
+        queue, regeneration, replica_occupancy, routed, skewed_expected_max, token_time,
     };
     use super::*;
     use rollfleet_spec::WeightReads;
@@ -932,6 +932,48 @@ mod tests {
         let step = 512.0 * 100.0 / 384.0;
         let drain = drain_wait(&lives, &w, step);
         assert!((drain - (150.0 - step)).abs() < 1e-6, "{drain}");
+    }
+
+    #[test]
+    fn groups_that_start_again_are_apart_from_those_that_keep_their_first_attempt() {
+        // Attempts of 100 s, slots of 120 s: a fifth restarts and holds its slot 100 s more.
+        let mut lives = Vec::new();
+        push_slot_lives(&mut lives, 0.5, 100.0, 120.0, 10.0);
+        assert_eq!(lives.len(), 2);
+        assert!((lives[0].share - 0.4).abs() < 1e-12 && lives[0].mean_s == 100.0);
+        assert!((lives[1].share - 0.1).abs() < 1e-12);
+        assert!((lives[1].mean_s - 200.0).abs() < 1e-9, "{lives:?}");
+        assert!((lives[1].sd_s - 10.0 * 2f64.sqrt()).abs() < 1e-9);
+        // The mean over both is the slot's.
+        let mean = (lives[0].share * lives[0].mean_s + lives[1].share * lives[1].mean_s) / 0.5;
+        assert!((mean - 120.0).abs() < 1e-9, "{mean}");
+        // None restarted, or more than once on average: one life of the slot's mean.
+        for slot in [100.0, 250.0] {
+            let mut one = Vec::new();
+            push_slot_lives(&mut one, 0.5, 100.0, slot, 10.0);
+            let whole = SlotLife {
+                share: 0.5,
+                mean_s: slot,
+                sd_s: 10.0,
+            };
+            assert_eq!(one, vec![whole]);
+        }
+    }
+
+    #[test]
+    fn without_over_provisioning_the_last_step_waits_for_a_group_that_started_again() {
+        // Bound 1, no margin: every group left must be done, where a full window would have
+        // taken one step (512 x 120 / 384 = 160 s). Groups of 100-s attempts and 120-s slots:
+        // as one mean life, all are done by 120 s, no drain; apart, the end waits for a
+        // restarted group's 200 s.
+        let w = drained_workload(1.0, 0.0);
+        let step = 512.0 * 120.0 / 384.0;
+        let mean = drain_wait(&[fixed_life(1.0, 120.0)], &w, step);
+        let mut apart = Vec::new();
+        push_slot_lives(&mut apart, 1.0, 100.0, 120.0, 0.0);
+        let drain = drain_wait(&apart, &w, step);
+        assert!(mean.abs() < 1e-6, "{mean}");
+        assert!((drain - (200.0 - step)).abs() < 1e-6, "{drain}");
     }
 
     #[test]

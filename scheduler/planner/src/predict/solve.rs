@@ -4,8 +4,8 @@
 
 use super::model::{
     DecodeKind, EarlyRestart, SlotLife, action_spread, closed_loop_step, context_prefill_flops,
-    drain_wait, expected_max_z, job_average, prefill_queue, queue, regeneration, remote_prefill,
-    routed, skewed_expected_max, step_prefills, step_work, token_time,
+    drain_wait, expected_max_z, job_average, prefill_queue, push_slot_lives, queue, regeneration,
+    remote_prefill, routed, skewed_expected_max, step_prefills, step_work, token_time,
 };
 use super::{
     Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, TaskLife, Terms,
@@ -270,11 +270,13 @@ pub(super) fn predict_caps(
                     group_s: attempt - wait,
                     until_done_s: regen.slot_s - wait,
                 });
-                lives.push(SlotLife {
-                    share: task.share,
-                    mean_s: regen.slot_s,
-                    sd_s: w.group_max_sd * sd_life,
-                });
+                push_slot_lives(
+                    &mut lives,
+                    task.share,
+                    attempt,
+                    regen.slot_s,
+                    w.group_max_sd * sd_life,
+                );
                 regenerated += task.share * (regen.slot_s - attempt).max(0.0);
                 tokens_with_retries += task.share * turns * task.action * regen.attempts;
                 tail = tail.max(attempt);
