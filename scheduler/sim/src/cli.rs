@@ -601,8 +601,6 @@ pub fn run(
         _ => None,
     };
     let attribution = uses_trace(&spec).then(|| AZURE_ATTRIBUTION.to_owned());
-    // No schedule of the job's trajectories beats the fixed yardstick, so a prediction below it
-    // is wrong by at least the gap: it is raised to the yardstick, and the report says so.
     let group_lives = runs
         .iter()
         .find(|(n, _)| n == Baseline::Rollfleet.name())
@@ -614,6 +612,8 @@ pub fn run(
             )
         })
         .unwrap_or_default();
+    // No schedule of the job's trajectories beats the fixed yardstick, so a prediction below it
+    // is wrong by at least the gap: it is raised to the yardstick, and the report says so.
     let model_step_s = predicted.map(|p| p.job_step_s);
     let predicted_step_s = model_step_s.map(|t| t.max(reference.bound.step_s));
     let report = SimReport {

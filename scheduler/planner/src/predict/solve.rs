@@ -24,6 +24,28 @@ struct JobEnds {
     task_lives: Vec<TaskLife>,
 }
 
+/// What the last round of the lifetimes' fixed point gives ([`predict_caps`]).
+struct Round {
+    /// The token-weighted per-token time, and each decode kind's batch.
+    tau: TokenTimes,
+    /// A group's mean slot life over the tasks, seconds.
+    slots: f64,
+    /// The slot time a group spends on attempts thrown away, over the tasks, seconds.
+    regenerated: f64,
+    /// The slowest task's attempt, seconds.
+    tail: f64,
+    /// The longest chain of a step's trajectories, seconds.
+    chain: f64,
+    /// When the quickest task's first groups are done, seconds.
+    first_ready: f64,
+    /// Local and remote prefill seconds of a step (the capacity terms).
+    local_load: f64,
+    remote_load: f64,
+    /// Each task's slot lives, for the drain, and its lives as the prediction reports them.
+    lives: Vec<SlotLife>,
+    task_lives: Vec<TaskLife>,
+}
+
 pub(super) fn predict_caps(
     p: &Problem,
     caps: &Caps,
@@ -297,31 +319,20 @@ pub(super) fn predict_caps(
             other = not_decoding / plain_tokens_per_traj.max(1e-12);
             let plain_tokens: f64 = w.tasks.iter().map(|k| k.share * k.turns * k.action).sum();
             attempts_per_token = (tokens_with_retries / plain_tokens.max(1e-12)).max(1.0);
-            outcome = Some((
-                (tau, served.kinds.iter().map(|k| k.1).collect::<Vec<f64>>()),
+            outcome = Some(Round {
+                tau: (tau, served.kinds.iter().map(|k| k.1).collect::<Vec<f64>>()),
                 slots,
                 regenerated,
                 tail,
                 chain,
                 first_ready,
                 local_load,
-                remote.load_s,
+                remote_load: remote.load_s,
                 lives,
                 task_lives,
-            ));
+            });
         }
-        let (
-            tau,
-            slots,
-            regenerated,
-            tail,
-            chain,
-            first_ready,
-            local_load,
-            remote_load,
-            lives,
-            task_lives,
-        ) = outcome?;
+        let round = outcome?;
         // The window's groups, and the finished ones waiting for a training batch that the core
         // lets out of it, circulate between generation (each holds its slot `slots`, the fill
         // wait included) and the trainer, a single server taking `train_s / (B / n)` per
@@ -332,40 +343,40 @@ pub(super) fn predict_caps(
         let groups_per_step = w.batch / w.group_size.max(1.0);
         let latency_s = closed_loop_step(
             (window + w.waiting_outside_window()) / w.group_size.max(1.0),
-            slots,
+            round.slots,
             train_s / groups_per_step.max(1e-12),
             groups_per_step,
         );
         let terms = Terms {
             train_s,
-            prefill_s: remote_load,
-            local_prefill_s: local_load,
+            prefill_s: round.remote_load,
+            local_prefill_s: round.local_load,
             decode_s: 0.0,
             env_s,
             serverless_s,
             latency_s,
-            staleness_s: w.batch * regenerated / window.max(1.0),
-            chain_s: (chain + fill * train_s) / (w.max_staleness + 1.0),
+            staleness_s: w.batch * round.regenerated / window.max(1.0),
+            chain_s: (round.chain + fill * train_s) / (w.max_staleness + 1.0),
         };
         // A batch whose groups all start at once waits for the slowest of them and is then
         // trained: what a job of one step takes ([`job_average`]).
-        let one_batch = tail + fill * train_s;
+        let one_batch = round.tail + fill * train_s;
         // Nor can the trainer start before the first groups are done (the quickest task's),
         // and then it has every step's training still to do.
-        let first_ready = if first_ready.is_finite() {
-            first_ready
+        let first_ready = if round.first_ready.is_finite() {
+            round.first_ready
         } else {
             0.0
         };
         Some((
             terms,
-            tau,
-            slots,
+            round.tau,
+            round.slots,
             JobEnds {
                 one_batch,
                 first_ready,
-                lives,
-                task_lives,
+                lives: round.lives,
+                task_lives: round.task_lives,
             },
         ))
     };
