@@ -20,5 +20,5 @@ pub mod placement;
 pub mod plan;
 pub mod workload;
 
-pub use placement::{ChoiceError, PlacementChoice, choose, choose_widened};
+pub use placement::{ChoiceError, Chosen, PlacementChoice, choose, choose_planned};
 pub use plan::{JobPlan, PlanError, PoolRole};

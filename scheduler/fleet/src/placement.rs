@@ -7,8 +7,9 @@
 use rollfleet_catalog::Catalog;
 use rollfleet_core::{Placement, default_placement};
 use rollfleet_planner::plan::{self, PlanError};
+use rollfleet_planner::predict::predict;
 use rollfleet_planner::roofline::Efficiency;
-use rollfleet_planner::{Prediction, compare, search};
+use rollfleet_planner::{Candidate, Prediction, Problem, compare, search};
 use rollfleet_spec::JobSpec;
 
 use crate::workload::{mean, workload_means};
@@ -59,34 +60,58 @@ pub fn choose(
     spec: &JobSpec,
     catalog: &Catalog,
 ) -> Result<(Placement, Option<Prediction>), ChoiceError> {
-    choose_widened(choice, spec, catalog, 0)
+    choose_planned(choice, spec, catalog).map(|c| (c.placement, c.prediction))
 }
 
-/// [`choose`], the prediction made for the core's admission window widened by
-/// `window_widening_quarters` (`Policy::window_widening_quarters`). The placement is the one
-/// chosen for the rule's window: the widening is chosen on it.
-pub fn choose_widened(
+/// A placement chosen, and what the planner needs to predict it again for another admission
+/// window (the window is chosen on the placement, so the placement stays).
+#[derive(Debug, Clone)]
+pub struct Chosen {
+    /// The placement.
+    pub placement: Placement,
+    /// The planner's prediction of it, for the core's rule, when the planner's model made it.
+    pub prediction: Option<Prediction>,
+    planned: Option<(Problem, Candidate)>,
+}
+
+impl Chosen {
+    /// The planner's prediction of the placement with the core's admission window widened by
+    /// `quarters` quarters of a rollout batch (`Policy::window_widening_quarters`); `None` where
+    /// the planner's model did not make the placement.
+    pub fn predicted_widened(&self, quarters: u32) -> Option<Prediction> {
+        let (problem, candidate) = self.planned.as_ref()?;
+        let mut problem = problem.clone();
+        problem.workload.window_widening_quarters = quarters;
+        predict(&problem, candidate)
+    }
+}
+
+/// [`choose`], keeping what predicts the placement again ([`Chosen::predicted_widened`]).
+pub fn choose_planned(
     choice: PlacementChoice,
     spec: &JobSpec,
     catalog: &Catalog,
-    window_widening_quarters: u32,
-) -> Result<(Placement, Option<Prediction>), ChoiceError> {
+) -> Result<Chosen, ChoiceError> {
     if choice == PlacementChoice::Default {
-        return Ok((
-            default_placement(spec, catalog, &workload_means(spec))?,
-            None,
-        ));
+        return Ok(Chosen {
+            placement: default_placement(spec, catalog, &workload_means(spec))?,
+            prediction: None,
+            planned: None,
+        });
     }
-    let mut p = plan::problem(spec, catalog, &mean, &Efficiency::default())?;
+    let p = plan::problem(spec, catalog, &mean, &Efficiency::default())?;
     let found = match choice {
         PlacementChoice::Uniform => compare::uniform(&p),
         PlacementChoice::BestGpu => compare::best_gpu(&p),
         _ => search::choose(&p),
     }
     .ok_or_else(|| PlanError::Infeasible(format!("no {} placement can run it", choice.name())))?;
-    p.workload.window_widening_quarters = window_widening_quarters;
     let described = plan::describe(spec, &p, &found.candidate, found.nodes)?;
-    Ok((described.placement, Some(described.prediction)))
+    Ok(Chosen {
+        placement: described.placement,
+        prediction: Some(described.prediction),
+        planned: Some((p, found.candidate)),
+    })
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use rollfleet_spec::{Distribution, load_job_file};
 
 use crate::baseline::Baseline;
 use crate::hardware::HardwareModel;
-use crate::placement::{ChoiceError, PlacementChoice, choose, choose_widened};
+use crate::placement::{ChoiceError, PlacementChoice, choose, choose_planned};
 use crate::report::{SimReport, policy_report, render_table};
 use crate::sim::{RunError, SimOptions, simulate};
 use crate::window::{WindowChoice, choose_window, widening_label};
@@ -373,11 +373,12 @@ pub fn run(
         }
         None => None,
     };
-    let (chosen, predicted) =
-        choose(args.placement, &spec, &job.catalog).map_err(|source| SimError::Choice {
+    let planned =
+        choose_planned(args.placement, &spec, &job.catalog).map_err(|source| SimError::Choice {
             choice: args.placement.name(),
             source,
         })?;
+    let chosen = planned.placement.clone();
     // After a loss, the planner's re-plan for the smaller cluster, applied in waves (on the
     // plan's placement only: the waves start from the plan).
     let loss_migration = match &pool_loss {
@@ -449,21 +450,12 @@ pub fn run(
     } else {
         None
     };
-    let predicted = match (&rollfleet_window, predicted) {
-        (Some(window), Some(_)) if window.widening_quarters > 0 => {
-            choose_widened(
-                args.placement,
-                &spec,
-                &job.catalog,
-                window.widening_quarters,
-            )
-            .map_err(|source| SimError::Choice {
-                choice: args.placement.name(),
-                source,
-            })?
-            .1
+    // The prediction is made for the window rollfleet runs with, on the same placement.
+    let predicted = match &rollfleet_window {
+        Some(window) if window.widening_quarters > 0 => {
+            planned.predicted_widened(window.widening_quarters)
         }
-        (_, predicted) => predicted,
+        _ => planned.prediction,
     };
     if let Some(p) = &predicted {
         let _ = writeln!(
