@@ -20,7 +20,7 @@ impl WindowChooser for SimulatedWindow {
         };
         tracing::info!(
             job = plan.name(),
-            "choosing the admission window: simulating the job at {} widths on {} seeds",
+            "choosing the admission window: simulating the job at {} widths or more on {} seeds",
             WIDENINGS.len(),
             TUNING_SEEDS
         );

@@ -1,6 +1,6 @@
 //! The admission window rollfleet runs a job with: the core's rule (`Core::admission_window`),
-//! or the rule widened by a quarter or a half of a rollout batch, whichever simulates fastest
-//! for the job on its placement.
+//! or the rule widened by quarters of a rollout batch, whichever simulates fastest for the job on
+//! its placement.
 //!
 //! The rule suits a job whose groups live close to the staleness bound: a wider window there
 //! only shortens the steps the long groups must fit in, so more of them expire and generate
@@ -12,8 +12,12 @@
 //!
 //! Each width is simulated for the job's first [`TUNING_STEPS`] steps (all of them in a shorter
 //! job) on [`TUNING_SEEDS`] seeds of its own, drawn from the run's seed but not equal to it, so
-//! the choice is not fitted to the trajectories the run then samples. The lowest mean step
-//! wins; on a tie, the narrower window (it regenerates less).
+//! the choice is not fitted to the trajectories the run then samples. Of the rule and the rule
+//! widened by a quarter and by half a batch ([`WIDENINGS`]), the lowest mean step wins; on a tie,
+//! the narrower window (it regenerates less). Where half a batch wins, the window widens a
+//! quarter at a time while each quarter simulates [`WIDENING_GAIN`] faster than the last, up to
+//! [`MAX_WIDENING_QUARTERS`]: a job whose trainer still waits at half a batch (the held-out web
+//! agent at `maxStaleness: 3`) runs fastest around a whole batch over the rule.
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::rng::SplitMix64;
@@ -23,8 +27,16 @@ use serde::Serialize;
 
 use crate::sim::{RunError, SimOptions, simulate};
 
-/// The widenings tried, in quarters of a rollout batch.
+/// The widenings always tried, in quarters of a rollout batch.
 pub const WIDENINGS: [u32; 3] = [0, 1, 2];
+
+/// The widest window tried, in quarters of a rollout batch: two batches over the rule.
+pub const MAX_WIDENING_QUARTERS: u32 = 8;
+
+/// How much faster a width must simulate than the one a quarter narrower for the quarter after
+/// it to be tried too, past [`WIDENINGS`]: the trials run on few seeds, and among widths that
+/// simulate alike the lowest mean is the seeds' noise, not the width's.
+pub const WIDENING_GAIN: f64 = 0.01;
 
 /// Seeds each width is simulated on.
 pub const TUNING_SEEDS: u64 = 2;
@@ -80,12 +92,18 @@ impl WindowChoice {
     }
 }
 
-/// `rule`, `rule + 1/4 batch`, `rule + 1/2 batch`.
+/// `rule`, `rule + 1/4 batch`, `rule + 1/2 batch`, `rule + 3/4 batch`, `rule + 1 batch`, `rule +
+/// 5/4 batches`, ...
 pub fn widening_label(quarters: u32) -> String {
+    let fraction = match quarters % 4 {
+        0 => format!("{}", quarters / 4),
+        2 => format!("{}/2", quarters / 2),
+        _ => format!("{quarters}/4"),
+    };
     match quarters {
         0 => "rule".to_owned(),
-        2 => "rule + 1/2 batch".to_owned(),
-        q => format!("rule + {q}/4 batch"),
+        1..=4 => format!("rule + {fraction} batch"),
+        _ => format!("rule + {fraction} batches"),
     }
 }
 
@@ -149,16 +167,52 @@ pub fn choose_window(
     choose_among(trial, &tuning_seeds(opts.seed))
 }
 
-/// The choice among [`WIDENINGS`], given `trial(quarters, seed)`, the simulated seconds per step
-/// of a width on a seed: the lowest mean over `seeds` wins, the narrower on a tie. A width whose
+/// The width the trials so far choose: the lowest mean step among [`WIDENINGS`], the narrower
+/// on a tie; then each wider width in turn while it is faster than the chosen one by
+/// [`WIDENING_GAIN`]. `None` while no trial succeeded.
+fn chosen(probes: &[WindowProbe]) -> Option<(u32, f64)> {
+    let fixed = WIDENINGS.len().min(probes.len());
+    let steps = |probes: &[WindowProbe]| {
+        probes
+            .iter()
+            .filter_map(|p| p.step_s.map(|s| (p.widening_quarters, s)))
+            .collect::<Vec<_>>()
+    };
+    let mut best = steps(&probes[..fixed]).into_iter().fold(
+        None::<(u32, f64)>,
+        |best, (q, s)| match best {
+            Some((_, b)) if b <= s => best,
+            _ => Some((q, s)),
+        },
+    )?;
+    for (q, s) in steps(&probes[fixed..]) {
+        if q != best.0 + 1 || s > best.1 * (1.0 - WIDENING_GAIN) {
+            break;
+        }
+        best = (q, s);
+    }
+    Some(best)
+}
+
+/// The choice among [`WIDENINGS`] and, while each quarter more is faster by [`WIDENING_GAIN`],
+/// wider windows up to [`MAX_WIDENING_QUARTERS`] (`chosen`), given `trial(quarters, seed)`, the
+/// simulated seconds per step of a width on a seed, scored by its mean over `seeds`. A width whose
 /// trial fails on any seed is not chosen (its probe says why); a failed trial of the rule is the
 /// error, as the rule is what the job runs with when nothing else is.
 pub fn choose_among(
     mut trial: impl FnMut(u32, u64) -> Result<f64, RunError>,
     seeds: &[u64],
 ) -> Result<WindowChoice, RunError> {
-    let mut probes = Vec::with_capacity(WIDENINGS.len());
-    for quarters in WIDENINGS {
+    let mut probes: Vec<WindowProbe> = Vec::with_capacity(WIDENINGS.len());
+    let mut quarters = 0;
+    // Past the widths always tried, a width a quarter wider is tried while the widest tried is
+    // the one chosen.
+    let next_pays = |probes: &[WindowProbe], quarters: u32| {
+        quarters < WIDENINGS.len() as u32
+            || (quarters <= MAX_WIDENING_QUARTERS
+                && chosen(probes).is_some_and(|(q, _)| q + 1 == quarters))
+    };
+    while next_pays(&probes, quarters) {
         // A scheduler told to stop while it plans the job stops choosing too (the planner's
         // flag, [`rollfleet_planner::cancel`]): what it chose is then thrown away.
         if rollfleet_planner::cancel::requested() {
@@ -181,15 +235,9 @@ pub fn choose_among(
             step_s: failed.is_none().then(|| total / seeds.len().max(1) as f64),
             failed,
         });
+        quarters += 1;
     }
-    let best = probes
-        .iter()
-        .filter_map(|p| p.step_s.map(|s| (p.widening_quarters, s)))
-        .fold(None::<(u32, f64)>, |best, (q, s)| match best {
-            Some((_, b)) if b <= s => best,
-            _ => Some((q, s)),
-        })
-        .map_or(0, |(q, _)| q);
+    let best = chosen(&probes).map_or(0, |(q, _)| q);
     Ok(WindowChoice {
         widening_quarters: best,
         probes,

@@ -3,7 +3,9 @@
 #![allow(clippy::unwrap_used)]
 
 use rollfleet_sim::sim::RunError;
-use rollfleet_sim::window::{WIDENINGS, choose_among, choose_window, tuning_seeds};
+use rollfleet_sim::window::{
+    MAX_WIDENING_QUARTERS, WIDENINGS, choose_among, choose_window, tuning_seeds,
+};
 use rollfleet_sim::{Baseline, OutputFormat, PlacementChoice, SimArgs, SimOptions, simulate};
 
 fn example(name: &str) -> std::path::PathBuf {
@@ -75,26 +77,52 @@ fn a_job_whose_groups_live_well_inside_the_bound_runs_faster_on_the_wider_window
     let opts = SimOptions::default();
     let choice = choose_window(job.spec(), &job.catalog, &placement, &policy, &opts).unwrap();
     assert!(choice.widening_quarters > 0, "{choice:?}");
-    let step = |quarters: u32| {
-        let policy = rollfleet_core::Policy {
-            window_widening_quarters: quarters,
-            ..policy.clone()
-        };
-        let run = simulate(
-            job.spec(),
-            &job.catalog,
-            placement.clone(),
-            policy,
-            &opts,
-            &mut |_, _| {},
-        )
-        .unwrap();
-        assert!(run.violations.is_empty(), "{:?}", run.violations);
-        run.makespan_s / run.publish_times_s.len() as f64
-    };
+    let step = |quarters| mean_step(&job, &placement, &policy, &opts, quarters);
     // On the run's own seed, which the choice never saw.
     let (rule, chosen) = (step(0), step(choice.widening_quarters));
     assert!(chosen < 0.95 * rule, "{chosen} s against {rule} s");
+}
+
+#[test]
+fn a_job_whose_trainer_still_waits_at_half_a_batch_widens_further_and_runs_faster() {
+    // The held-out web agent, at `maxStaleness: 3`.
+    let (job, placement, policy) = planned("holdout-web-agent.yaml");
+    let opts = SimOptions::default();
+    let choice = choose_window(job.spec(), &job.catalog, &placement, &policy, &opts).unwrap();
+    assert!(choice.widening_quarters > 2, "{choice:?}");
+    assert_eq!(
+        tried(&choice),
+        (0..=choice.widening_quarters + 1).collect::<Vec<_>>(),
+        "one width past the chosen one is tried"
+    );
+    let step = |quarters| mean_step(&job, &placement, &policy, &opts, quarters);
+    let (half, chosen) = (step(2), step(choice.widening_quarters));
+    assert!(chosen < half, "{chosen} s against {half} s");
+}
+
+/// The mean step of the job run on `opts`'s seed at a window widened by `quarters`.
+fn mean_step(
+    job: &rollfleet_spec::ValidatedJob,
+    placement: &rollfleet_core::Placement,
+    policy: &rollfleet_core::Policy,
+    opts: &SimOptions,
+    quarters: u32,
+) -> f64 {
+    let policy = rollfleet_core::Policy {
+        window_widening_quarters: quarters,
+        ..policy.clone()
+    };
+    let run = simulate(
+        job.spec(),
+        &job.catalog,
+        placement.clone(),
+        policy,
+        opts,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(run.violations.is_empty(), "{:?}", run.violations);
+    run.makespan_s / run.publish_times_s.len() as f64
 }
 
 #[test]
@@ -149,14 +177,24 @@ fn the_report_gives_rollfleets_window_and_its_trials_and_no_window_to_the_baseli
 }
 
 /// Trials that run `steps[q]` seconds a step for widening `q` on every seed, or fail where it
-/// is `None`.
-fn trials(steps: [Option<f64>; 3]) -> impl FnMut(u32, u64) -> Result<f64, RunError> {
-    move |quarters, _seed| steps[quarters as usize].ok_or(RunError::TooLong(1.0))
+/// is `None`; a width past the list runs a second slower than the widest listed.
+fn trials(steps: &[Option<f64>]) -> impl FnMut(u32, u64) -> Result<f64, RunError> {
+    move |quarters, _seed| {
+        let step = match steps.get(quarters as usize) {
+            Some(&step) => step,
+            None => steps.last().copied().flatten().map(|s| s + 1.0),
+        };
+        step.ok_or(RunError::TooLong(1.0))
+    }
+}
+
+fn tried(choice: &rollfleet_sim::window::WindowChoice) -> Vec<u32> {
+    choice.probes.iter().map(|p| p.widening_quarters).collect()
 }
 
 #[test]
 fn a_widened_width_whose_trial_fails_is_passed_over_and_its_probe_says_why() {
-    let choice = choose_among(trials([Some(10.0), None, Some(12.0)]), &[1, 2]).unwrap();
+    let choice = choose_among(trials(&[Some(10.0), None, Some(12.0)]), &[1, 2]).unwrap();
     assert_eq!(choice.widening_quarters, 0, "{choice:?}");
     let failed = &choice.probes[1];
     assert_eq!(failed.step_s, None);
@@ -171,14 +209,14 @@ fn a_widened_width_whose_trial_fails_is_passed_over_and_its_probe_says_why() {
     );
 
     // Past the failed width, a faster one is still chosen.
-    let choice = choose_among(trials([Some(10.0), None, Some(9.0)]), &[1, 2]).unwrap();
+    let choice = choose_among(trials(&[Some(10.0), None, Some(9.0)]), &[1, 2]).unwrap();
     assert_eq!(choice.widening_quarters, 2, "{choice:?}");
 }
 
 #[test]
 fn a_failed_trial_of_the_rule_is_the_error_and_a_tie_goes_to_the_narrower_window() {
-    assert!(choose_among(trials([None, Some(9.0), Some(9.0)]), &[1]).is_err());
-    let choice = choose_among(trials([Some(11.0), Some(9.0), Some(9.0)]), &[1]).unwrap();
+    assert!(choose_among(trials(&[None, Some(9.0), Some(9.0)]), &[1]).is_err());
+    let choice = choose_among(trials(&[Some(11.0), Some(9.0), Some(9.0)]), &[1]).unwrap();
     assert_eq!(choice.widening_quarters, 1, "{choice:?}");
 }
 
@@ -203,4 +241,55 @@ fn each_width_is_tried_on_every_seed_and_scored_by_its_mean() {
     assert_eq!(tried.len(), WIDENINGS.len() * 2);
     assert_eq!(choice.widening_quarters, 0, "{choice:?}");
     assert_eq!(choice.probes[1].step_s, Some(12.5));
+}
+
+#[test]
+fn a_wider_window_is_tried_while_each_quarter_more_is_faster_by_the_gain() {
+    // Half a batch is the fastest of the widths always tried, three quarters is 10% faster
+    // still, and a whole batch only 0.5% faster than that: three quarters is chosen, and
+    // nothing past a whole batch is tried, however fast it would be.
+    let steps = [12.0, 11.0, 10.0, 9.0, 8.955, 5.0].map(Some);
+    let choice = choose_among(trials(&steps), &[1, 2]).unwrap();
+    assert_eq!(choice.widening_quarters, 3, "{choice:?}");
+    assert_eq!(tried(&choice), [0, 1, 2, 3, 4]);
+    assert!(
+        choice
+            .describe()
+            .contains("rule + 3/4 batch 9.0 s (chosen)")
+            && choice.describe().contains("rule + 1 batch 9.0 s"),
+        "{}",
+        choice.describe()
+    );
+}
+
+#[test]
+fn no_width_past_half_a_batch_is_tried_unless_half_a_batch_is_the_fastest() {
+    let choice = choose_among(trials(&[10.0, 9.0, 9.5, 1.0].map(Some)), &[1, 2]).unwrap();
+    assert_eq!(choice.widening_quarters, 1, "{choice:?}");
+    assert_eq!(tried(&choice), WIDENINGS);
+    // A failed half batch is not the fastest either.
+    let choice = choose_among(trials(&[Some(10.0), Some(9.0), None, Some(1.0)]), &[1]).unwrap();
+    assert_eq!(tried(&choice), WIDENINGS);
+}
+
+#[test]
+fn the_widening_stops_at_two_batches_over_the_rule() {
+    let steps: Vec<Option<f64>> = (0..20).map(|q| Some(100.0 - 5.0 * f64::from(q))).collect();
+    let choice = choose_among(trials(&steps), &[1]).unwrap();
+    assert_eq!(MAX_WIDENING_QUARTERS, 8);
+    assert_eq!(
+        choice.widening_quarters, MAX_WIDENING_QUARTERS,
+        "{choice:?}"
+    );
+    assert_eq!(
+        tried(&choice),
+        (0..=MAX_WIDENING_QUARTERS).collect::<Vec<_>>()
+    );
+    assert!(
+        choice
+            .describe()
+            .contains("rule + 2 batches 60.0 s (chosen)"),
+        "{}",
+        choice.describe()
+    );
 }

@@ -186,7 +186,7 @@ pub fn run(
     // scheduler does when it takes it; the prediction is then made for that window.
     writeln!(
         stderr,
-        "choosing the admission window: simulating {} widths on {} seeds...",
+        "choosing the admission window: simulating {} widths or more on {} seeds...",
         WIDENINGS.len(),
         TUNING_SEEDS
     )?;
