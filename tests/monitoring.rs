@@ -156,7 +156,7 @@ fn the_grafana_dashboard_is_well_formed_and_every_panel_queries_prometheus() {
             queries += 1;
         }
     }
-    assert_eq!(queries, 29);
+    assert_eq!(queries, 30);
     // What the practitioner watches: each task's reward and success rate.
     for reward in [
         "rollfleet_task_last_step_mean_reward{",

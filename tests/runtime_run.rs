@@ -34,6 +34,12 @@ fn rollfleet_run_trains_every_step_and_says_the_gpus_are_emulated() {
         stdout.contains("trajectories trained: 160 (0 twice)"),
         "{stdout}"
     );
+    // What the staleness bound cost: the turns generated again, and the finished groups among
+    // them that expired waiting for the trainer.
+    assert!(
+        stdout.contains(" finished groups expired waiting for the trainer); workers lost: "),
+        "{stdout}"
+    );
     for pool in ["prefill", "decode", "train", "envs", "rewards"] {
         assert!(
             stdout.lines().any(|l| l.starts_with(pool)),

@@ -338,6 +338,7 @@ fn a_group_found_past_the_bound_when_taken_starts_over_on_the_current_weights_no
     // version 2.
     let (core, out) = a_group_found_expired_when_taken(true);
     assert_eq!(core.stats().regenerated_at_consumption, 2);
+    assert_eq!(core.stats().groups_expired_waiting, 1);
     let again = runs(&out);
     for t in [2, 3] {
         let regen = stage_of(&again, t);
@@ -350,6 +351,7 @@ fn a_group_found_past_the_bound_when_taken_starts_over_on_the_current_weights_no
     // Without the rule, only the member with a turn out of the bound is rewound.
     let (core, out) = a_group_found_expired_when_taken(false);
     assert_eq!(core.stats().regenerated_at_consumption, 1);
+    assert_eq!(core.stats().groups_expired_waiting, 1);
     let again = runs(&out);
     assert_eq!(stage_of(&again, 2).attempt, 1, "{again:?}");
     assert!(!again.iter().any(|s| s.traj == TrajId(3)), "{again:?}");

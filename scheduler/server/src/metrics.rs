@@ -61,6 +61,8 @@ pub struct Metrics {
     pub regenerated_turns: IntCounter,
     /// Groups restarted on the weights just published, having started too late in a step.
     pub groups_restarted: IntCounter,
+    /// Finished groups found past the staleness bound when the trainer came to take them.
+    pub groups_expired_waiting: IntCounter,
     /// Journal writes that failed (the job went on without its journal).
     pub journal_failures: IntCounter,
     /// Journal records replayed when the scheduler resumed a job.
@@ -267,6 +269,11 @@ impl Metrics {
             "Groups restarted on the weights just published: they started so late in a step that \
              a long chain of their task would not finish before their weights expire.",
         )?;
+        let groups_expired_waiting = IntCounter::new(
+            "groups_expired_waiting_total",
+            "Finished groups found past the staleness bound when the trainer came to take them: \
+             their whole attempt is lost and they generate again.",
+        )?;
         let journal_failures = IntCounter::new(
             "journal_failures_total",
             "Journal writes that failed: the job went on without its journal, and a restart cannot \
@@ -356,6 +363,7 @@ impl Metrics {
         registry.register(Box::new(trained_by_staleness.clone()))?;
         registry.register(Box::new(regenerated_turns.clone()))?;
         registry.register(Box::new(groups_restarted.clone()))?;
+        registry.register(Box::new(groups_expired_waiting.clone()))?;
         registry.register(Box::new(journal_failures.clone()))?;
         registry.register(Box::new(journal_replayed.clone()))?;
         registry.register(Box::new(unauthenticated_calls.clone()))?;
@@ -480,6 +488,7 @@ impl Metrics {
             trained_by_staleness,
             regenerated_turns,
             groups_restarted,
+            groups_expired_waiting,
             journal_failures,
             journal_replayed,
             unauthenticated_calls,

@@ -888,7 +888,7 @@ pub fn render_table(report: &SimReport) -> String {
             )
         });
         out.push_str(&format!(
-            "  {:<20} {}{window}; bound binds on {} (capacity: {}; latency term {:.1} s at staleness {}); {} regenerated turns; invariants {}\n",
+            "  {:<20} {}{window}; bound binds on {} (capacity: {}; latency term {:.1} s at staleness {}); {} regenerated turns{}; invariants {}\n",
             p.policy,
             uses.join("; "),
             p.bound.binding,
@@ -896,6 +896,7 @@ pub fn render_table(report: &SimReport) -> String {
             p.bound.latency_s,
             p.bound.max_staleness,
             p.core.regenerated_turns,
+            expired_waiting(p),
             if p.invariant_violations.is_empty() {
                 "held".to_owned()
             } else {
@@ -908,6 +909,20 @@ pub fn render_table(report: &SimReport) -> String {
         out.push_str(&format!("\nworkload samples: {attribution}\n"));
     }
     out
+}
+
+/// `, N finished groups (P% of those trained) expired waiting for the trainer`, or nothing when
+/// none did.
+fn expired_waiting(p: &PolicyReport) -> String {
+    let expired = p.core.groups_expired_waiting;
+    if expired == 0 {
+        return String::new();
+    }
+    let trained: u64 = p.core.task_lives.iter().map(|l| l.groups).sum();
+    format!(
+        ", {expired} finished groups ({:.0}% of those trained) expired waiting for the trainer",
+        100.0 * expired as f64 / trained.max(1) as f64
+    )
 }
 
 /// The group-lives table: simulated, and the planner's model with its error where it has one.

@@ -984,3 +984,55 @@ fn a_generation_interrupted_before_its_first_token_does_not_age_its_turn() {
     );
     assert!(run.violations.is_empty(), "{:?}", run.violations);
 }
+
+#[test]
+fn the_checks_count_the_finished_groups_that_expired_waiting_for_the_trainer() {
+    // The held-out math-and-code job at `maxStaleness: 1`: rollfleet's wide window leaves
+    // finished groups waiting for the trainer past the bound; sync never has one waiting.
+    let args = SimArgs {
+        job: std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/jobs/holdout-math-code.yaml"),
+        baselines: vec![Baseline::Sync, Baseline::Rollfleet],
+        ..quickstart_args()
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let core = &report["policies"][1]["core"];
+    let expired = core["groups_expired_waiting"].as_u64().unwrap();
+    let trained: u64 = core["task_lives"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["groups"].as_u64().unwrap())
+        .sum();
+    assert!(expired > 0 && trained > 0, "{core}");
+    // Each of them generated again: every member with a turn of the expired weights, at least
+    // one of its sixteen.
+    let regenerated = core["regenerated_at_consumption"].as_u64().unwrap();
+    assert!((expired..=expired * 16).contains(&regenerated), "{core}");
+    assert_eq!(
+        report["policies"][0]["core"]["groups_expired_waiting"].as_u64(),
+        Some(0)
+    );
+
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
+    let table = String::from_utf8(out).unwrap();
+    let checks = |policy: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(&format!("  {policy} ")) && l.contains("invariants"))
+            .unwrap()
+            .to_owned()
+    };
+    let share = 100.0 * expired as f64 / trained as f64;
+    assert!(
+        checks("rollfleet").contains(&format!(
+            "{expired} finished groups ({share:.0}% of those trained) expired waiting for the \
+             trainer"
+        )),
+        "{table}"
+    );
+    assert!(!checks("sync").contains("expired"), "{table}");
+}

@@ -575,6 +575,7 @@ impl Core {
         let restart = self.cfg.policy.restart_expired_groups
             && self.cfg.policy.discipline == Discipline::Continuous;
         let keep_from = if restart { self.version } else { floor };
+        self.stats.groups_expired_waiting += stale.len() as u64;
         for (_, g) in stale {
             if restart {
                 let group = &mut self.groups[g.0 as usize];

@@ -63,6 +63,12 @@ pub struct Stats {
     pub regenerated_at_admission: u64,
     /// Trajectories regenerated at consumption.
     pub regenerated_at_consumption: u64,
+    /// Finished groups found past the staleness bound when the trainer came to take them: their
+    /// whole attempt is lost and they generate again. Many of them mean finished groups wait
+    /// for the trainer longer than the bound allows (a trainer too slow for the window, or a
+    /// bound too tight for the lives), not that generation is slow.
+    #[serde(default)]
+    pub groups_expired_waiting: u64,
     /// Finished trajectories regenerated at the publication that expired them, being all that
     /// kept their group from training.
     pub regenerated_at_publish: u64,

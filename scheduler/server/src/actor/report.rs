@@ -85,6 +85,10 @@ pub struct Report {
     /// Groups restarted on new weights, having started too late in a step (the core's count).
     #[serde(default)]
     pub groups_restarted: u64,
+    /// Finished groups found past the staleness bound when the trainer came to take them, and
+    /// generated again (the core's count).
+    #[serde(default)]
+    pub groups_expired_waiting: u64,
     /// Groups given up as infrastructure failures (a trajectory's stages failed too often in a
     /// row), with the failing trajectory and what its last failure said; never trained on.
     #[serde(default)]
@@ -506,6 +510,11 @@ impl Actor {
                 .groups_restarted
                 .saturating_sub(m.groups_restarted.get()),
         );
+        m.groups_expired_waiting.inc_by(
+            stats
+                .groups_expired_waiting
+                .saturating_sub(m.groups_expired_waiting.get()),
+        );
     }
 
     pub(super) fn publish(&mut self) {
@@ -732,6 +741,7 @@ impl Actor {
             stage_retries: stats.stage_retries,
             regenerated_turns: stats.regenerated_turns,
             groups_restarted: stats.groups_restarted,
+            groups_expired_waiting: stats.groups_expired_waiting,
             groups_abandoned: self.abandoned.clone(),
             failure: self.failure.clone(),
             profiles: self.profiles.clone(),

@@ -52,12 +52,13 @@ pub(super) fn write_summary(report: &Report, out: &mut dyn Write) -> Result<()> 
     writeln!(
         out,
         "trajectories trained: {} ({} twice); stages completed: {}; retried: {}; turns regenerated \
-         for staleness: {}; workers lost: {}",
+         for staleness: {} ({} finished groups expired waiting for the trainer); workers lost: {}",
         report.trained.len(),
         report.trained_twice.len(),
         report.stages_completed,
         report.stage_retries,
         report.regenerated_turns,
+        report.groups_expired_waiting,
         report.workers_lost.len()
     )?;
     for r in &report.replans {
