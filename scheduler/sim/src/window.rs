@@ -33,9 +33,9 @@ pub const WIDENINGS: [u32; 3] = [0, 1, 2];
 /// The widest window tried, in quarters of a rollout batch: two batches over the rule.
 pub const MAX_WIDENING_QUARTERS: u32 = 8;
 
-/// How much faster a width must simulate than the one a quarter narrower for the quarter after
-/// it to be tried too, past [`WIDENINGS`]: the trials run on few seeds, and among widths that
-/// simulate alike the lowest mean is the seeds' noise, not the width's.
+/// How much faster than the width chosen so far (a quarter narrower) a width past [`WIDENINGS`]
+/// must simulate to be chosen, and the next quarter tried: the trials run on few seeds, and
+/// among widths that simulate alike the lowest mean is the seeds' noise, not the width's.
 pub const WIDENING_GAIN: f64 = 0.01;
 
 /// Seeds each width is simulated on.
@@ -207,12 +207,12 @@ pub fn choose_among(
     let mut quarters = 0;
     // Past the widths always tried, a width a quarter wider is tried while the widest tried is
     // the one chosen.
-    let next_pays = |probes: &[WindowProbe], quarters: u32| {
+    let worth_trying = |probes: &[WindowProbe], quarters: u32| {
         quarters < WIDENINGS.len() as u32
             || (quarters <= MAX_WIDENING_QUARTERS
                 && chosen(probes).is_some_and(|(q, _)| q + 1 == quarters))
     };
-    while next_pays(&probes, quarters) {
+    while worth_trying(&probes, quarters) {
         // A scheduler told to stop while it plans the job stops choosing too (the planner's
         // flag, [`rollfleet_planner::cancel`]): what it chose is then thrown away.
         if rollfleet_planner::cancel::requested() {
