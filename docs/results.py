@@ -312,6 +312,35 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
         )
     add("")
 
+    add("## Simulated: rollfleet's first, steady and last steps")
+    add("")
+    add(
+        "The same runs (seed 0): rollfleet's first step, the shortest, mean and longest of its "
+        "steady steps (between the warm-up and the drain, a tenth of the steps each), its last "
+        "step, the average over the job's steps (what the other tables compare) and the "
+        "planner's prediction of that average. The first step ends with the first groups to "
+        "finish of a window started at once; the last waits for the job's last groups, "
+        "restarted ones included; the steady steps swing as long groups fill the window and "
+        "are then taken together."
+    )
+    add("")
+    add(
+        "| job | steps | first | steady min | steady mean | steady max | last | job average "
+        "| predicted |"
+    )
+    add("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for report in [first, *holdout]:
+        run = policy(report, "rollfleet")
+        steps = run["step_times_s"]
+        edge = max(len(steps) // 10, 1)
+        steady = steps[edge : len(steps) - edge]
+        add(
+            f"| {report['job']} | {len(steps)} | {steps[0]:.1f} | {min(steady):.1f} | "
+            f"{run['steady_step_time_s']:.1f} | {max(steady):.1f} | {steps[-1]:.1f} | "
+            f"{run['step_time_s']:.1f} | {report['predicted_step_s']:.1f} |"
+        )
+    add("")
+
     add("## Simulated: how rollfleet's groups lived, beside the planner's model")
     add("")
     add(

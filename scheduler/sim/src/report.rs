@@ -218,6 +218,9 @@ pub struct PolicyReport {
     /// Seconds per RL step in steady state: between the end of the warm-up and the start of
     /// the drain, each a tenth of the steps (at least one), when the job has five steps or more.
     pub steady_step_time_s: Option<f64>,
+    /// How long each step took, first to last: from the start (or the previous publication) to
+    /// the publication that ended it.
+    pub step_times_s: Vec<f64>,
     /// `sync`'s step time over this one's, when `sync` was run too.
     pub speedup_vs_sync: Option<f64>,
     /// Trajectories trained on per second.
@@ -472,6 +475,7 @@ pub fn policy_report(
         total_s: total,
         step_time_s: step_time,
         steady_step_time_s: steady_step_time(&run.publish_times_s),
+        step_times_s: step_times(&run.publish_times_s),
         speedup_vs_sync: None,
         trajectories_per_s: run.trajectories as f64 / total,
         trained_tokens_per_s: run.trained_tokens as f64 / total,
@@ -502,18 +506,36 @@ pub fn policy_report(
     }
 }
 
+/// Each step's duration, from the times each version was published.
+pub fn step_times(publish_times_s: &[f64]) -> Vec<f64> {
+    let mut start = 0.0;
+    publish_times_s
+        .iter()
+        .map(|&end| {
+            let step = end - start;
+            start = end;
+            step
+        })
+        .collect()
+}
+
+/// The steps of a job of `steps` that lie between the warm-up and the drain, each a tenth of
+/// the steps (at least one); none for fewer than five steps.
+fn steady_steps(steps: usize) -> Option<std::ops::Range<usize>> {
+    (steps >= 5).then(|| {
+        let edge = (steps / 10).max(1);
+        edge..steps - edge
+    })
+}
+
 /// Seconds per step between the warm-up and the drain (see
 /// [`PolicyReport::steady_step_time_s`]), from the times each version was published.
 pub fn steady_step_time(publish_times_s: &[f64]) -> Option<f64> {
-    let steps = publish_times_s.len();
-    if steps < 5 {
-        return None;
-    }
-    let edge = (steps / 10).max(1);
-    // Step `k` ends at `publish_times_s[k]`: the steady steps are `edge..steps - edge`.
-    let from = publish_times_s[edge - 1];
-    let to = publish_times_s[steps - edge - 1];
-    Some((to - from) / (steps - 2 * edge) as f64)
+    let steady = steady_steps(publish_times_s.len())?;
+    // Step `k` ends at `publish_times_s[k]`, and starts at the publication before it.
+    let from = publish_times_s[steady.start - 1];
+    let to = publish_times_s[steady.end - 1];
+    Some((to - from) / steady.len() as f64)
 }
 
 /// The indicative cost of one step of `run`: GPU pools it placed work on and every CPU pool,
@@ -904,6 +926,7 @@ pub fn render_table(report: &SimReport) -> String {
             }
         ));
     }
+    out.push_str(&render_steps(&report.policies));
     out.push_str(&render_group_lives(&report.group_lives));
     if let Some(attribution) = &report.data_attribution {
         out.push_str(&format!("\nworkload samples: {attribution}\n"));
@@ -923,6 +946,43 @@ fn expired_waiting(p: &PolicyReport) -> String {
         ", {expired} finished groups ({:.0}% of those trained) expired waiting for the trainer",
         100.0 * expired as f64 / trained.max(1) as f64
     )
+}
+
+/// Each policy's first step, the shortest, mean and longest of its steady ones, and its last:
+/// how far the job's average is from a steady step, and how evenly the steady steps run.
+fn render_steps(policies: &[PolicyReport]) -> String {
+    let rows: Vec<String> = policies
+        .iter()
+        .filter_map(|p| {
+            let steady = steady_steps(p.step_times_s.len())?;
+            let steps = &p.step_times_s[steady];
+            let shortest = steps.iter().copied().fold(f64::INFINITY, f64::min);
+            let longest = steps.iter().copied().fold(0.0_f64, f64::max);
+            Some(format!(
+                "  {:<20} {:>9.1} {:>11.1} {:>11.1} {:>11.1} {:>9.1}\n",
+                p.policy,
+                p.step_times_s.first().copied().unwrap_or(0.0),
+                shortest,
+                p.steady_step_time_s.unwrap_or(0.0),
+                longest,
+                p.step_times_s.last().copied().unwrap_or(0.0),
+            ))
+        })
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\nsteps (seconds; steady: between the warm-up and the drain, a tenth of the steps each):\n",
+    );
+    out.push_str(&format!(
+        "  {:<20} {:>9} {:>11} {:>11} {:>11} {:>9}\n",
+        "policy", "first", "steady min", "steady mean", "steady max", "last"
+    ));
+    for row in rows {
+        out.push_str(&row);
+    }
+    out
 }
 
 /// The group-lives table: simulated, and the planner's model with its error where it has one.
@@ -970,7 +1030,13 @@ fn truncate(s: &str, n: usize) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::steady_step_time;
+    use super::{steady_step_time, step_times};
+
+    #[test]
+    fn each_step_runs_from_the_publication_before_it_to_its_own() {
+        assert_eq!(step_times(&[50.0, 70.0, 80.0]), vec![50.0, 20.0, 10.0]);
+        assert!(step_times(&[]).is_empty());
+    }
 
     #[test]
     fn the_steady_state_leaves_out_a_tenth_of_the_steps_at_each_end() {

@@ -1036,3 +1036,56 @@ fn the_checks_count_the_finished_groups_that_expired_waiting_for_the_trainer() {
     );
     assert!(!checks("sync").contains("expired"), "{table}");
 }
+
+/// The report gives every step's time, first to last, adding up to the run; the table's steps
+/// section gives each policy's first step, its steady steps' shortest, mean and longest, and
+/// its last, as the JSON has them.
+#[test]
+fn the_steps_section_shows_the_first_the_steady_and_the_last_step_of_each_policy() {
+    let args = SimArgs {
+        steps: Some(6),
+        baselines: vec![Baseline::Sync, Baseline::Rollfleet],
+        ..quickstart_args()
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
+    let table = String::from_utf8(out).unwrap();
+    let section: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("steps (seconds"))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert_eq!(section.len(), 4, "{table}");
+    for policy in report["policies"].as_array().unwrap() {
+        let name = policy["policy"].as_str().unwrap();
+        let steps: Vec<f64> = policy["step_times_s"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_f64().unwrap())
+            .collect();
+        assert_eq!(steps.len(), 6, "{name}");
+        let total = policy["total_s"].as_f64().unwrap();
+        assert!((steps.iter().sum::<f64>() - total).abs() < 1e-6, "{name}");
+        // Six steps: the first and the last are warm-up and drain, the four between steady.
+        let steady = &steps[1..5];
+        let mean = steady.iter().sum::<f64>() / 4.0;
+        let steady_mean = policy["steady_step_time_s"].as_f64().unwrap();
+        assert!((mean - steady_mean).abs() < 1e-6, "{name}");
+        let shortest = steady.iter().copied().fold(f64::INFINITY, f64::min);
+        let longest = steady.iter().copied().fold(0.0, f64::max);
+        let row = section
+            .iter()
+            .find(|l| l.starts_with(&format!("  {name} ")))
+            .unwrap_or_else(|| panic!("no steps row for {name}: {table}"));
+        let cells: Vec<&str> = row.split_whitespace().skip(1).collect();
+        let expected: Vec<String> = [steps[0], shortest, mean, longest, steps[5]]
+            .iter()
+            .map(|s| format!("{s:.1}"))
+            .collect();
+        assert_eq!(cells, expected, "{row}");
+    }
+}
