@@ -341,6 +341,33 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
         )
     add("")
 
+    add("## Simulated: rollfleet's decode per GPU pool")
+    add("")
+    add(
+        "The same runs (seed 0), per GPU pool rollfleet decoded on: its replicas, the sequences "
+        "decoding at once while any did (the pool's, and its busiest replica's), and the "
+        "milliseconds a decoded token took, its batch's iteration time (the pool's, and its "
+        "slowest replica's). A replica or a pool far above the others took more than its share "
+        "of the sequences ([planner.md](planner.md#how-accurate-it-is) says why on "
+        "the held-out MoE job)."
+    )
+    add("")
+    add("| job | pool | replicas | batch | busiest replica | ms a token | slowest replica |")
+    add("|---|---|---:|---:|---:|---:|---:|")
+    for report in [first, *holdout]:
+        run = policy(report, "rollfleet")
+        for pool in run["pools"]:
+            decode = pool["decode"]
+            if decode is None:
+                continue
+            add(
+                f"| {report['job']} | {pool['name']} | {decode['replicas']} | "
+                f"{decode['batch']:.1f} | {decode['busiest_replica_batch']:.1f} | "
+                f"{decode['s_per_token'] * 1000:.2f} | "
+                f"{decode['slowest_replica_s_per_token'] * 1000:.2f} |"
+            )
+    add("")
+
     add("## Simulated: how rollfleet's groups lived, beside the planner's model")
     add("")
     add(

@@ -194,6 +194,8 @@ pub struct Engine {
     pub decode_sequence_s: f64,
     /// See [`Engine::decode_sequence_s`] (fractional: a stretch ends mid-iteration).
     pub decode_tokens_timed: f64,
+    /// Seconds with at least one sequence decoding.
+    pub decoding_s: f64,
 }
 
 impl Engine {
@@ -238,6 +240,7 @@ impl Engine {
             tokens_prefilled: 0,
             decode_sequence_s: 0.0,
             decode_tokens_timed: 0.0,
+            decoding_s: 0.0,
         }
     }
 
@@ -282,6 +285,7 @@ impl Engine {
             self.progress += dt / self.t_iter;
             let batch = self.seqs.len() as f64;
             self.decode_sequence_s += batch * dt;
+            self.decoding_s += dt;
             self.decode_tokens_timed += batch * dt / self.t_iter;
             // One sample per stretch at a constant batch: the iteration time the batch ran at.
             if dt > 0.0 {

@@ -202,6 +202,53 @@ pub struct PoolReport {
     pub utilisation: f64,
     /// Share of its GPU-seconds spent loading weights.
     pub weight_sync_share: f64,
+    /// How its serving replicas decoded (none for a pool without one that decoded).
+    pub decode: Option<PoolDecode>,
+}
+
+/// How a GPU pool's serving replicas decoded over a run: the pool as a whole, and its busiest
+/// and slowest replica. Replicas of one kind that the router fills alike decode alike; one far
+/// from the pool's mean took more than its share (a replica back from a weight update first
+/// takes the turns waiting for new weights, and keeps them while their sessions last).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PoolDecode {
+    /// Replicas that decoded.
+    pub replicas: usize,
+    /// Sequences decoding at once while any did, over the pool's replicas.
+    pub batch: f64,
+    /// The largest of its replicas' own figure.
+    pub busiest_replica_batch: f64,
+    /// Seconds a decoded token took, over the tokens (its batch's iteration time).
+    pub s_per_token: f64,
+    /// The largest of its replicas' own figure.
+    pub slowest_replica_s_per_token: f64,
+}
+
+impl PoolDecode {
+    /// The decoding of the replicas in `replicas` (`None` if none decoded).
+    pub fn of<'a>(
+        replicas: impl IntoIterator<Item = &'a crate::sim::ReplicaDecode>,
+    ) -> Option<PoolDecode> {
+        let decoded: Vec<&crate::sim::ReplicaDecode> = replicas
+            .into_iter()
+            .filter(|r| r.decoding_s > 0.0 && r.tokens > 0.0)
+            .collect();
+        if decoded.is_empty() {
+            return None;
+        }
+        let sum =
+            |f: fn(&crate::sim::ReplicaDecode) -> f64| decoded.iter().map(|r| f(r)).sum::<f64>();
+        let largest = |f: fn(&crate::sim::ReplicaDecode) -> f64| {
+            decoded.iter().map(|r| f(r)).fold(0.0_f64, f64::max)
+        };
+        Some(PoolDecode {
+            replicas: decoded.len(),
+            batch: sum(|r| r.sequence_s) / sum(|r| r.decoding_s),
+            busiest_replica_batch: largest(|r| r.sequence_s / r.decoding_s),
+            s_per_token: sum(|r| r.sequence_s) / sum(|r| r.tokens),
+            slowest_replica_s_per_token: largest(|r| r.sequence_s / r.tokens),
+        })
+    }
 }
 
 /// Everything measured for one policy.
@@ -450,6 +497,7 @@ pub fn policy_report(
             use_: describe_use(spec, &run.placement, i),
             utilisation: busy / denom,
             weight_sync_share: run.sync_seconds.get(&i).copied().unwrap_or(0.0) / denom,
+            decode: PoolDecode::of(run.replica_decode.iter().filter(|r| r.pool == i)),
         });
     }
     let mix = Mix::of(&run.work, spec.tasks.len());
@@ -927,6 +975,7 @@ pub fn render_table(report: &SimReport) -> String {
         ));
     }
     out.push_str(&render_steps(&report.policies));
+    out.push_str(&render_decode(&report.policies));
     out.push_str(&render_group_lives(&report.group_lives));
     if let Some(attribution) = &report.data_attribution {
         out.push_str(&format!("\nworkload samples: {attribution}\n"));
@@ -985,6 +1034,40 @@ fn render_steps(policies: &[PolicyReport]) -> String {
     out
 }
 
+/// Each policy's decoding per GPU pool: the batch while any sequence decoded and the time a
+/// token took, the pool's and its busiest or slowest replica's.
+fn render_decode(policies: &[PolicyReport]) -> String {
+    let mut rows = String::new();
+    for p in policies {
+        for pool in &p.pools {
+            let Some(d) = &pool.decode else { continue };
+            rows.push_str(&format!(
+                "  {:<20} {:<10} {:>8} {:>7.1} {:>8.1} {:>9.2} {:>8.2}\n",
+                p.policy,
+                truncate(&pool.name, 10),
+                d.replicas,
+                d.batch,
+                d.busiest_replica_batch,
+                d.s_per_token * 1000.0,
+                d.slowest_replica_s_per_token * 1000.0,
+            ));
+        }
+    }
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\ndecode per GPU pool (batch: sequences decoding at once while any did; ms a decoded token took, \
+         its batch's iteration time; the pool's, and its busiest or slowest replica's):\n",
+    );
+    out.push_str(&format!(
+        "  {:<20} {:<10} {:>8} {:>7} {:>8} {:>9} {:>8}\n",
+        "policy", "pool", "replicas", "batch", "busiest", "ms/token", "slowest"
+    ));
+    out.push_str(&rows);
+    out
+}
+
 /// The group-lives table: simulated, and the planner's model with its error where it has one.
 fn render_group_lives(lives: &[GroupLives]) -> String {
     if lives.is_empty() {
@@ -1030,7 +1113,39 @@ fn truncate(s: &str, n: usize) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{steady_step_time, step_times};
+    use super::{PoolDecode, steady_step_time, step_times};
+    use crate::sim::ReplicaDecode;
+
+    #[test]
+    fn a_pools_decode_is_its_replicas_together_beside_its_busiest_and_slowest() {
+        let replica = |sequence_s, tokens| ReplicaDecode {
+            pool: 0,
+            sequence_s,
+            decoding_s: 5.0,
+            tokens,
+        };
+        // Two sequences at once for 5 s making 100 tokens, and six at once making 100.
+        let d = PoolDecode::of(&[replica(10.0, 100.0), replica(30.0, 100.0)]).unwrap();
+        assert_eq!(d.replicas, 2);
+        assert!((d.batch - 4.0).abs() < 1e-12);
+        assert!((d.busiest_replica_batch - 6.0).abs() < 1e-12);
+        assert!((d.s_per_token - 0.2).abs() < 1e-12);
+        assert!((d.slowest_replica_s_per_token - 0.3).abs() < 1e-12);
+        // A replica that never decoded is not one of the pool's decoding replicas.
+        let idle = ReplicaDecode {
+            pool: 0,
+            sequence_s: 0.0,
+            decoding_s: 0.0,
+            tokens: 0.0,
+        };
+        assert_eq!(PoolDecode::of(&[idle]), None);
+        assert_eq!(
+            PoolDecode::of(&[idle, replica(10.0, 100.0)])
+                .unwrap()
+                .replicas,
+            1
+        );
+    }
 
     #[test]
     fn each_step_runs_from_the_publication_before_it_to_its_own() {

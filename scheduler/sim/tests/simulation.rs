@@ -1089,3 +1089,73 @@ fn the_steps_section_shows_the_first_the_steady_and_the_last_step_of_each_policy
         assert_eq!(cells, expected, "{row}");
     }
 }
+
+/// Each GPU pool that served reports how its replicas decoded: the pool's batch and time a
+/// token took, its busiest and slowest replica's at least as large, the run's own time a token
+/// took among the pools'; a pool that only trains, and a CPU pool, report none. The table has
+/// a row per decoding pool and policy.
+#[test]
+fn each_serving_pool_reports_its_decode_beside_its_busiest_and_slowest_replica() {
+    let args = SimArgs {
+        baselines: vec![Baseline::Sync, Baseline::Rollfleet],
+        ..quickstart_args()
+    };
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
+    let mut out = Vec::new();
+    rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
+    let table = String::from_utf8(out).unwrap();
+    let section: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("decode per GPU pool"))
+        .take_while(|l| !l.is_empty())
+        .collect();
+    let mut rows = 0;
+    for policy in report["policies"].as_array().unwrap() {
+        let name = policy["policy"].as_str().unwrap();
+        let run_s_per_token = policy["decode_s_per_token"].as_f64().unwrap();
+        let (mut fastest, mut slowest) = (f64::INFINITY, 0.0_f64);
+        for pool in policy["pools"].as_array().unwrap() {
+            let decode = &pool["decode"];
+            if pool["kind"] != "gpu" || !pool["use_"].as_str().unwrap().contains("generate") {
+                assert!(decode.is_null(), "{name}: {pool}");
+                continue;
+            }
+            let field = |k: &str| decode[k].as_f64().unwrap();
+            assert!(decode["replicas"].as_u64().unwrap() >= 1, "{pool}");
+            assert!(field("batch") >= 1.0, "{pool}");
+            assert!(
+                field("busiest_replica_batch") >= field("batch") - 1e-9,
+                "{pool}"
+            );
+            assert!(
+                field("slowest_replica_s_per_token") >= field("s_per_token") - 1e-12,
+                "{pool}"
+            );
+            fastest = fastest.min(field("s_per_token"));
+            slowest = slowest.max(field("s_per_token"));
+            let row = section
+                .iter()
+                .find(|l| {
+                    l.split_whitespace().take(2).collect::<Vec<_>>()
+                        == [name, pool["name"].as_str().unwrap()]
+                })
+                .unwrap_or_else(|| panic!("no decode row for {name}: {table}"));
+            let cells: Vec<&str> = row.split_whitespace().skip(2).collect();
+            assert_eq!(cells[0], decode["replicas"].to_string(), "{row}");
+            assert_eq!(
+                cells[3],
+                format!("{:.2}", field("s_per_token") * 1000.0),
+                "{row}"
+            );
+            rows += 1;
+        }
+        assert!(
+            (fastest - 1e-12..=slowest + 1e-12).contains(&run_s_per_token),
+            "{name}: {run_s_per_token} outside {fastest}..{slowest}"
+        );
+    }
+    assert!(rows >= 2, "{table}");
+    assert_eq!(section.len(), rows + 2, "{table}");
+}

@@ -218,6 +218,19 @@ pub enum RunError {
     JobFailed(String),
 }
 
+/// How one serving replica decoded over a run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ReplicaDecode {
+    /// The replica's pool (index into the spec's pools).
+    pub pool: u32,
+    /// Seconds sequences spent in its decode batches, summed over the sequences.
+    pub sequence_s: f64,
+    /// Seconds it had at least one sequence decoding.
+    pub decoding_s: f64,
+    /// Tokens it decoded over those seconds.
+    pub tokens: f64,
+}
+
 /// What one run measured.
 #[derive(Debug, Clone)]
 pub struct RunResult {
@@ -245,6 +258,8 @@ pub struct RunResult {
     /// tokens: a token in a batch of 20 counts its batch's iteration time); `None` if nothing
     /// decoded.
     pub decode_s_per_token: Option<f64>,
+    /// Every replica's decoding, by its pool.
+    pub replica_decode: Vec<ReplicaDecode>,
     /// Staleness histogram by the simulator's own books.
     pub staleness_histogram: Vec<u64>,
     /// Invariant breaches seen (empty when all held).
@@ -770,6 +785,17 @@ pub fn simulate(
         trained_tokens: sim.trained_tokens,
         generated_tokens,
         decode_s_per_token,
+        replica_decode: sim
+            .engines
+            .iter()
+            .zip(&sim.engine_pool)
+            .map(|(e, &pool)| ReplicaDecode {
+                pool,
+                sequence_s: e.decode_sequence_s,
+                decoding_s: e.decoding_s,
+                tokens: e.decode_tokens_timed,
+            })
+            .collect(),
         staleness_histogram: sim.staleness,
         violations: sim.violations,
         scheduler_events: sim.scheduler_events,
