@@ -332,6 +332,8 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
     for report in [first, *holdout]:
         run = policy(report, "rollfleet")
         steps = run["step_times_s"]
+        if run["steady_step_time_s"] is None:
+            continue  # fewer than five steps: no steady part
         edge = max(len(steps) // 10, 1)
         steady = steps[edge : len(steps) - edge]
         add(
