@@ -11,7 +11,7 @@ use serde::Serialize;
 use crate::bound::{LatencyRates, latency_makespan, min_makespan};
 use crate::hardware::HardwareModel;
 use crate::reference::{Bias, Mix, Reference};
-use crate::sim::{RunResult, Work, model_costs};
+use crate::sim::{ReplicaDecode, RunResult, Work, model_costs};
 
 /// The lower bound on one RL step (see [`crate::bound`]).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -226,21 +226,17 @@ pub struct PoolDecode {
 
 impl PoolDecode {
     /// The decoding of the replicas in `replicas` (`None` if none decoded).
-    pub fn of<'a>(
-        replicas: impl IntoIterator<Item = &'a crate::sim::ReplicaDecode>,
-    ) -> Option<PoolDecode> {
-        let decoded: Vec<&crate::sim::ReplicaDecode> = replicas
+    pub fn of<'a>(replicas: impl IntoIterator<Item = &'a ReplicaDecode>) -> Option<PoolDecode> {
+        let decoded: Vec<&ReplicaDecode> = replicas
             .into_iter()
             .filter(|r| r.decoding_s > 0.0 && r.tokens > 0.0)
             .collect();
         if decoded.is_empty() {
             return None;
         }
-        let sum =
-            |f: fn(&crate::sim::ReplicaDecode) -> f64| decoded.iter().map(|r| f(r)).sum::<f64>();
-        let largest = |f: fn(&crate::sim::ReplicaDecode) -> f64| {
-            decoded.iter().map(|r| f(r)).fold(0.0_f64, f64::max)
-        };
+        let sum = |f: fn(&ReplicaDecode) -> f64| decoded.iter().map(|r| f(r)).sum::<f64>();
+        let largest =
+            |f: fn(&ReplicaDecode) -> f64| decoded.iter().map(|r| f(r)).fold(0.0_f64, f64::max);
         Some(PoolDecode {
             replicas: decoded.len(),
             batch: sum(|r| r.sequence_s) / sum(|r| r.decoding_s),

@@ -1037,6 +1037,25 @@ fn the_checks_count_the_finished_groups_that_expired_waiting_for_the_trainer() {
     assert!(!checks("sync").contains("expired"), "{table}");
 }
 
+/// The JSON report and the table of one run of `args`.
+fn json_and_table(args: &SimArgs) -> (serde_json::Value, String) {
+    let mut out = Vec::new();
+    rollfleet_sim::run(args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
+    let report = serde_json::from_slice(&out).unwrap();
+    let mut out = Vec::new();
+    rollfleet_sim::run(args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
+    (report, String::from_utf8(out).unwrap())
+}
+
+/// The lines of the table's section whose title starts with `title`, up to the blank line after.
+fn table_section<'a>(table: &'a str, title: &str) -> Vec<&'a str> {
+    table
+        .lines()
+        .skip_while(|l| !l.starts_with(title))
+        .take_while(|l| !l.is_empty())
+        .collect()
+}
+
 /// The report gives every step's time, first to last, adding up to the run; the table's steps
 /// section gives each policy's first step, its steady steps' shortest, mean and longest, and
 /// its last, as the JSON has them.
@@ -1047,17 +1066,8 @@ fn the_steps_section_shows_the_first_the_steady_and_the_last_step_of_each_policy
         baselines: vec![Baseline::Sync, Baseline::Rollfleet],
         ..quickstart_args()
     };
-    let mut out = Vec::new();
-    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
-    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
-    let mut out = Vec::new();
-    rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
-    let table = String::from_utf8(out).unwrap();
-    let section: Vec<&str> = table
-        .lines()
-        .skip_while(|l| !l.starts_with("steps (seconds"))
-        .take_while(|l| !l.is_empty())
-        .collect();
+    let (report, table) = json_and_table(&args);
+    let section = table_section(&table, "steps (seconds");
     assert_eq!(section.len(), 4, "{table}");
     for policy in report["policies"].as_array().unwrap() {
         let name = policy["policy"].as_str().unwrap();
@@ -1100,17 +1110,8 @@ fn each_serving_pool_reports_its_decode_beside_its_busiest_and_slowest_replica()
         baselines: vec![Baseline::Sync, Baseline::Rollfleet],
         ..quickstart_args()
     };
-    let mut out = Vec::new();
-    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
-    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
-    let mut out = Vec::new();
-    rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
-    let table = String::from_utf8(out).unwrap();
-    let section: Vec<&str> = table
-        .lines()
-        .skip_while(|l| !l.starts_with("decode per GPU pool"))
-        .take_while(|l| !l.is_empty())
-        .collect();
+    let (report, table) = json_and_table(&args);
+    let section = table_section(&table, "decode per GPU pool");
     let mut rows = 0;
     for policy in report["policies"].as_array().unwrap() {
         let name = policy["policy"].as_str().unwrap();
