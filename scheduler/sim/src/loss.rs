@@ -17,6 +17,7 @@ use rollfleet_planner::search;
 use rollfleet_spec::{JobSpec, PoolKind};
 use serde::Serialize;
 
+use crate::report::step_times;
 use crate::sim::{LossReport, PoolLoss, RunResult};
 use crate::workload::mean;
 
@@ -189,8 +190,8 @@ pub fn versus(
     reference_bound_s: f64,
 ) -> Option<Versus> {
     let at = at_step as usize;
-    let steps = durations(publish_times_s);
-    let reference_steps = durations(reference_publish_times_s);
+    let steps = step_times(publish_times_s);
+    let reference_steps = step_times(reference_publish_times_s);
     let after = steps.get(at..)?;
     let reference_after = reference_steps.get(at..)?;
     // Both runs train the job's steps; a shorter reference cannot be compared step for step.
@@ -251,18 +252,6 @@ fn at_speed_from(after: &[f64], reference_after: &[f64]) -> Option<usize> {
         })
         .collect();
     (0..ok.len()).find(|&k| ok[k..].iter().all(|&b| b))
-}
-
-fn durations(publish: &[f64]) -> Vec<f64> {
-    let mut prev = 0.0;
-    publish
-        .iter()
-        .map(|&t| {
-            let d = t - prev;
-            prev = t;
-            d
-        })
-        .collect()
 }
 
 fn mean_of(v: &[f64]) -> f64 {
@@ -330,7 +319,7 @@ mod tests {
 
     #[test]
     fn recovery_is_the_first_step_from_which_every_later_step_keeps_up() {
-        assert_eq!(durations(&[10.0, 25.0, 31.0]), vec![10.0, 15.0, 6.0]);
+        assert_eq!(step_times(&[10.0, 25.0, 31.0]), vec![10.0, 15.0, 6.0]);
         // Steps of 10 s, the loss after step 2 (at 20 s), then 20, 12, 10.5, 10 s.
         let publish = [10.0, 20.0, 40.0, 52.0, 62.5, 72.5];
         let lost = LossReport {

@@ -208,8 +208,8 @@ pub struct PoolReport {
 
 /// How a GPU pool's serving replicas decoded over a run: the pool as a whole, and its busiest
 /// and slowest replica. Replicas of one kind that the router fills alike decode alike; one far
-/// from the pool's mean took more than its share (a replica back from a weight update first
-/// takes the turns waiting for new weights, and keeps them while their sessions last).
+/// from the pool's mean took more than its share (on the held-out MoE job, the replicas that
+/// take new weights first: `docs/planner.md`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PoolDecode {
     /// Replicas that decoded.
