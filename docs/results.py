@@ -376,10 +376,11 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
         "The same runs (seed 0), per task, means over the groups the trainer took: a member's "
         "life (from its group's first turn to its reward), the slowest member's (when the group "
         "is done), and the time from a group's admission to being done (restarted attempts "
-        "included), each simulated / as the planner's model has it (its error); and the "
-        "simulated wait for the trainer, which the model counts in its closed loop of groups "
-        "and trainer rather than per group. Where a predicted step and a simulated one part, "
-        "this says which part of a group's life the model misses."
+        "included), and from being done to the trainer taking it, each simulated / as the "
+        "planner's model has it (its error). The model's wait for the trainer is half the time "
+        "a training batch takes to fill and its closed loop's queue at the trainer, the same "
+        "for every task. Where a predicted step and a simulated one part, this says which part "
+        "of a group's life the model misses."
     )
     add("")
     add(
@@ -401,7 +402,7 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
                 f"{pair(life['member_s'], model.get('member_s'))} | "
                 f"{pair(life['group_s'], model.get('group_s'))} | "
                 f"{pair(life['until_done_s'], model.get('until_done_s'))} | "
-                f"{life['trainer_wait_s']:.1f} |"
+                f"{pair(life['trainer_wait_s'], model.get('trainer_wait_s'))} |"
             )
     add("")
 

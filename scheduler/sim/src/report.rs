@@ -1073,13 +1073,13 @@ fn render_group_lives(lives: &[GroupLives]) -> String {
     let mut out = format!(
         "\nhow rollfleet's groups lived (seconds, means over the groups trained{}):\n",
         if with_model {
-            "; simulated / the planner's model and its error; the model puts the wait for the trainer in its closed loop, not per group"
+            "; simulated / the planner's model and its error; the model's trainer wait is half a training batch's fill and its closed loop's queue at the trainer, the same for every task"
         } else {
             ""
         }
     );
     out.push_str(&format!(
-        "  {:<18} {:>7} {:>24} {:>24} {:>24} {:>13}\n",
+        "  {:<18} {:>7} {:>24} {:>24} {:>24} {:>24}\n",
         "task", "groups", "member life", "slowest member", "admitted to done", "trainer wait"
     ));
     let cell = |simulated: f64, model: Option<f64>| match model {
@@ -1091,13 +1091,13 @@ fn render_group_lives(lives: &[GroupLives]) -> String {
     };
     for l in lives {
         out.push_str(&format!(
-            "  {:<18} {:>7} {:>24} {:>24} {:>24} {:>13.1}\n",
+            "  {:<18} {:>7} {:>24} {:>24} {:>24} {:>24}\n",
             truncate(&l.task, 18),
             l.groups,
             cell(l.member_s, l.model.map(|m| m.member_s)),
             cell(l.group_s, l.model.map(|m| m.group_s)),
             cell(l.until_done_s, l.model.map(|m| m.until_done_s)),
-            l.trainer_wait_s
+            cell(l.trainer_wait_s, l.model.map(|m| m.trainer_wait_s)),
         ));
     }
     out

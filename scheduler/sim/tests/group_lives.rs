@@ -39,7 +39,12 @@ fn every_trained_group_is_booked_under_its_task_with_its_members_slowest_member_
         consumed
     );
 
+    // The model's wait for the trainer is a batch's fill and the trainer's queue, whatever the
+    // task.
+    let model_wait = f(&lives[0]["model"]["trainer_wait_s"]);
+    assert!(model_wait > 0.0, "{lives:?}");
     for life in lives {
+        assert_eq!(f(&life["model"]["trainer_wait_s"]), model_wait, "{life}");
         let (member, group) = (f(&life["member_s"]), f(&life["group_s"]));
         let (done, wait, slot) = (
             f(&life["until_done_s"]),
@@ -79,8 +84,8 @@ fn the_table_shows_each_task_simulated_beside_the_model_with_its_error() {
             .lines()
             .find(|l| l.trim_start().starts_with(task))
             .unwrap_or_else(|| panic!("{section}"));
-        // Three simulated / model pairs, each with its error.
-        assert_eq!(row.matches(" / ").count(), 3, "{row}");
-        assert_eq!(row.matches('%').count(), 3, "{row}");
+        // Four simulated / model pairs, each with its error.
+        assert_eq!(row.matches(" / ").count(), 4, "{row}");
+        assert_eq!(row.matches('%').count(), 4, "{row}");
     }
 }

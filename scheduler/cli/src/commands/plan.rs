@@ -374,15 +374,15 @@ fn render(o: &Output, out: &mut dyn Write) -> Result<()> {
             .zip(&pr.task_lives)
             .map(|(task, l)| {
                 format!(
-                    "{task} {:.1} / {:.1} / {:.1}",
-                    l.member_s, l.group_s, l.until_done_s
+                    "{task} {:.1} / {:.1} / {:.1} / {:.1}",
+                    l.member_s, l.group_s, l.until_done_s, l.trainer_wait_s
                 )
             })
             .collect();
         writeln!(
             out,
             "group lives (s; a member, the slowest member, admission to done with every \
-             attempt): {}",
+             attempt, then the wait for the trainer): {}",
             lives.join(", ")
         )?;
     }

@@ -277,6 +277,9 @@ pub struct TaskLife {
     /// restarted ones included, but not the wait for the trainer after (the closed loop of
     /// groups and trainer adds that to the step).
     pub until_done_s: f64,
+    /// From the end of that attempt to the trainer taking the group: half the time a training
+    /// batch takes to fill, and the closed loop's queue at the trainer (the same for every task).
+    pub trainer_wait_s: f64,
 }
 
 /// What the predictor says about a candidate.

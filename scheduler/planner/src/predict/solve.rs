@@ -291,6 +291,8 @@ pub(super) fn predict_caps(
                     member_s: mean_life,
                     group_s: attempt - wait,
                     until_done_s: regen.slot_s - wait,
+                    // The fill wait; the closed loop's queue at the trainer is added below.
+                    trainer_wait_s: wait,
                 });
                 push_slot_lives(
                     &mut lives,
@@ -332,7 +334,7 @@ pub(super) fn predict_caps(
                 task_lives,
             });
         }
-        let round = outcome?;
+        let mut round = outcome?;
         // The window's groups, and the finished ones waiting for a training batch that the core
         // lets out of it, circulate between generation (each holds its slot `slots`, the fill
         // wait included) and the trainer, a single server taking `train_s / (B / n)` per
@@ -341,12 +343,18 @@ pub(super) fn predict_caps(
         // above both near the knee, where the trainer sometimes waits for data and groups
         // sometimes wait for the trainer.
         let groups_per_step = w.batch / w.group_size.max(1.0);
-        let latency_s = closed_loop_step(
-            (window + w.waiting_outside_window()) / w.group_size.max(1.0),
-            round.slots,
-            train_s / groups_per_step.max(1e-12),
-            groups_per_step,
-        );
+        let customers = (window + w.waiting_outside_window()) / w.group_size.max(1.0);
+        let service_s = train_s / groups_per_step.max(1e-12);
+        let latency_s = closed_loop_step(customers, round.slots, service_s, groups_per_step);
+        // A group's cycle is its slot and its response at the trainer (`customers / throughput`
+        // by Little's law); the response less its own training is its queue there.
+        let trainer_queue = (customers.floor().max(1.0) * latency_s / groups_per_step.max(1e-12)
+            - round.slots
+            - service_s)
+            .max(0.0);
+        for life in &mut round.task_lives {
+            life.trainer_wait_s += trainer_queue;
+        }
         let terms = Terms {
             train_s,
             prefill_s: round.remote_load,
