@@ -43,7 +43,8 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
         .find(|l| l.starts_with("admission window: "))
         .unwrap_or_default();
     assert!(window.contains("(chosen)"), "{stdout}");
-    // How the model has each task's groups live: a member, the slowest one, and to done.
+    // How the model has each task's groups live: a member, the slowest one, to done, and the
+    // wait for the trainer.
     let lives = stdout
         .lines()
         .find(|l| l.starts_with("group lives "))
@@ -51,7 +52,7 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
     for task in ["swe-bench-style", "webshop", "sokoban", "math-with-tools"] {
         assert!(lives.contains(&format!("{task} ")), "{stdout}");
     }
-    assert_eq!(lives.matches(" / ").count(), 8, "{lives}");
+    assert_eq!(lives.matches(" / ").count(), 12, "{lives}");
     let json = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "-o", "json"]);
     let value: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     let probes = value["admission_window"]["probes"].as_array().unwrap();
@@ -66,6 +67,7 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
             life["group_s"].as_f64().unwrap(),
         );
         assert!(0.0 < member && member < group, "{life}");
+        assert!(life["trainer_wait_s"].as_f64().unwrap() > 0.0, "{life}");
     }
     // Every GPU is used at most once: serving replicas plus the trainer fit in 192 + 320 GPUs.
     let replicas = value["plan"]["placement"]["replicas"].as_array().unwrap();

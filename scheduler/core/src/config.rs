@@ -91,6 +91,12 @@ pub struct Policy {
     /// against the staleness bound.
     #[serde(default)]
     pub window_widening_quarters: u32,
+    /// Whether the trainer takes finished groups cheapest to train first (fewest tokens), after
+    /// those the next publication would put past the staleness bound (continuous discipline;
+    /// see `Core::training_order`). Off, it takes them oldest version first, in admission
+    /// order.
+    #[serde(default)]
+    pub cheapest_training_first: bool,
 }
 
 impl Policy {
@@ -112,6 +118,7 @@ impl Policy {
             spread_cold_turns: true,
             restart_expired_groups: true,
             window_widening_quarters: 0,
+            cheapest_training_first: true,
         }
     }
 }

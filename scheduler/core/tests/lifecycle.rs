@@ -374,3 +374,69 @@ fn an_external_trainers_publication_moves_the_version_only_after_its_steps_batch
     core.handle_input(Time(102), Input::Published { version: 1 });
     assert_eq!(core.version(), 1);
 }
+
+/// Runs trajectory `reset.traj` through a one-turn episode whose reset observes `prompt` tokens;
+/// the commands its reward caused.
+fn one_turn_episode(core: &mut Core, reset: &StageCommand, prompt: u64) -> Vec<Command> {
+    let t = reset.traj.0;
+    let generate = stage_of(
+        &runs(&finish(core, reset.stage, observed(prompt, false))),
+        t,
+    );
+    let step = stage_of(
+        &runs(&finish(
+            core,
+            generate.stage,
+            StageOutcome::Generated { tokens: 10 },
+        )),
+        t,
+    );
+    let reward = stage_of(&runs(&finish(core, step.stage, observed(5, true))), t);
+    finish(core, reward.stage, StageOutcome::Rewarded { score: 0.0 })
+}
+
+/// The trajectories of the training command among `out`, if any.
+fn taken(out: &[Command]) -> Option<(rollfleet_core::BatchId, Vec<TrajId>)> {
+    out.iter().find_map(|c| match c {
+        Command::Train {
+            batch,
+            trajectories,
+            ..
+        } => Some((*batch, trajectories.clone())),
+        _ => None,
+    })
+}
+
+#[test]
+fn the_trainer_takes_the_cheapest_finished_group_first_unless_the_next_publication_expires_it() {
+    // Groups of one, trained one at a time, four a step: trajectory 0 keeps the trainer busy
+    // while 1 (a 5,000-token prompt) and then 2 (50 tokens) finish. With cheapest-first
+    // training at a staleness bound of 2 the trainer takes 2 next; without it, 1, admitted
+    // first. At a bound of 0 the next publication would put both past the bound, so the
+    // trainer takes them in admission order whatever the policy.
+    for (cheapest, max_staleness, expected) in [(true, 2, 2), (false, 2, 1), (true, 0, 1)] {
+        let mut policy = policy(
+            Discipline::Continuous,
+            max_staleness,
+            0.0,
+            SyncMode::Rolling,
+        );
+        policy.cheapest_training_first = cheapest;
+        let mut cfg = config(vec![replica(ServeRole::Generate, 100_000)], policy, 1, 4, 2);
+        // Room for every environment at once: no step waits for a CPU.
+        cfg.cpu_pools[0].millicpus = 64_000;
+        let (mut core, resets) = started(cfg);
+        assert!(resets.len() >= 3, "{resets:?}");
+        let (first, trained) = taken(&one_turn_episode(&mut core, &resets[0], 100)).unwrap();
+        assert_eq!(trained, vec![TrajId(0)]);
+        assert_eq!(taken(&one_turn_episode(&mut core, &resets[1], 5_000)), None);
+        assert_eq!(taken(&one_turn_episode(&mut core, &resets[2], 50)), None);
+        core.handle_input(Time(5), Input::TrainFinished { batch: first });
+        let (_, next) = taken(&drain(&mut core)).unwrap();
+        assert_eq!(
+            next,
+            vec![TrajId(expected)],
+            "cheapest first: {cheapest}, staleness bound {max_staleness}"
+        );
+    }
+}

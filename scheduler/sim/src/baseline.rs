@@ -90,6 +90,7 @@ impl Baseline {
             spread_cold_turns: false,
             restart_expired_groups: false,
             window_widening_quarters: 0,
+            cheapest_training_first: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -118,6 +119,7 @@ impl Baseline {
                 spread_cold_turns: false,
                 restart_expired_groups: false,
                 window_widening_quarters: 0,
+                cheapest_training_first: false,
             },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
@@ -146,6 +148,7 @@ impl Baseline {
             spread_cold_turns: false,
             restart_expired_groups: false,
             window_widening_quarters: 0,
+            cheapest_training_first: false,
         };
         Ok(match self {
             Baseline::Sync => (

@@ -605,7 +605,7 @@ impl Core {
             return;
         }
         let chosen: Vec<GroupId> = match self.cfg.policy.discipline {
-            Discipline::Continuous => self.ready.iter().take(per_batch).map(|&(_, g)| g).collect(),
+            Discipline::Continuous => self.training_order(per_batch),
             Discipline::Batched { .. } => {
                 let step = self.version;
                 let complete = self.batch_complete.get(&step).copied().unwrap_or(0) as u64;
@@ -676,6 +676,50 @@ impl Core {
             tokens,
             causal_pairs,
         });
+    }
+
+    /// The finished groups the trainer takes next under the continuous discipline, at most
+    /// `per_batch`: oldest version first, in admission order; or, with
+    /// `Policy::cheapest_training_first`, those the next publication would put past the
+    /// staleness bound first (oldest first, in admission order), then the cheapest to train
+    /// (fewest tokens; ties by version, then admission).
+    ///
+    /// Why cheapest first: a take frees its groups' window places, and the trainer takes
+    /// nothing else until it is done, so short trainings first free more places sooner
+    /// (shortest-processing-time order minimises the mean wait). Taken oldest first, the long
+    /// groups, which are the old ones, fill the same batches: on the held-out MoE job a run of
+    /// them kept the trainer busy for a whole step while 60 finished groups waited
+    /// (`docs/simulator.md` has what it changes).
+    pub(super) fn training_order(&self, per_batch: usize) -> Vec<GroupId> {
+        if !self.cfg.policy.cheapest_training_first {
+            return self.ready.iter().take(per_batch).map(|&(_, g)| g).collect();
+        }
+        let next_floor = (self.version + 1).saturating_sub(self.cfg.policy.max_staleness);
+        let mut chosen: Vec<GroupId> = Vec::with_capacity(per_batch);
+        let mut rest: Vec<(u64, Version, GroupId)> = Vec::new();
+        for &(version, g) in &self.ready {
+            if version < next_floor {
+                if chosen.len() < per_batch {
+                    chosen.push(g);
+                }
+            } else {
+                let tokens = self.groups[g.0 as usize]
+                    .members
+                    .iter()
+                    .map(|m| self.trajs[m.0 as usize].context)
+                    .fold(0u64, u64::saturating_add);
+                rest.push((tokens, version, g));
+            }
+        }
+        let room = per_batch.saturating_sub(chosen.len());
+        if room > 0 && !rest.is_empty() {
+            let cut = room.min(rest.len());
+            rest.select_nth_unstable(cut - 1);
+            rest.truncate(cut);
+            rest.sort_unstable();
+            chosen.extend(rest.into_iter().map(|(_, _, g)| g));
+        }
+        chosen
     }
 
     /// Adds the life of a group the trainer takes now to its task's [`TaskLives`].

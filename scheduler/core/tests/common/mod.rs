@@ -27,6 +27,7 @@ pub fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncM
         spread_cold_turns: true,
         restart_expired_groups: false,
         window_widening_quarters: 0,
+        cheapest_training_first: false,
     }
 }
 
