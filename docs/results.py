@@ -370,6 +370,28 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
             )
     add("")
 
+    add("## Simulated: how busy rollfleet's trainer was")
+    add("")
+    add(
+        "The same runs (seed 0): rollfleet's training batches, the share of the run its trainer "
+        "spent training, and the seconds a batch took (shortest, mean, longest). A batch's "
+        "training follows its tokens: a batch of long groups takes well over the mean, and a "
+        "run of them keeps the trainer busy while finished groups wait, which is why rollfleet's "
+        "trainer takes the cheapest groups first once none is about to expire "
+        "([simulator.md](simulator.md#rollfleets-policy-choices-as-the-simulator-informs-them))."
+    )
+    add("")
+    add("| job | batches | trainer busy | shortest batch s | mean batch s | longest batch s |")
+    add("|---|---:|---:|---:|---:|---:|")
+    for report in [first, *holdout]:
+        trainer = policy(report, "rollfleet")["trainer"]
+        add(
+            f"| {report['job']} | {trainer['batches']} | {trainer['busy_share'] * 100:.0f}% | "
+            f"{trainer['batch_s_min']:.1f} | {trainer['batch_s_mean']:.1f} | "
+            f"{trainer['batch_s_max']:.1f} |"
+        )
+    add("")
+
     add("## Simulated: how rollfleet's groups lived, beside the planner's model")
     add("")
     add(

@@ -247,6 +247,39 @@ impl PoolDecode {
     }
 }
 
+/// How the trainer was loaded over a run: its batches, the share of the run it spent training,
+/// and how long a batch took. A batch's training follows its tokens, so a batch of long groups
+/// takes well over the mean; a run of them keeps the trainer busy while finished groups wait.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainerLoad {
+    /// Training batches.
+    pub batches: usize,
+    /// Seconds spent training over the run's seconds.
+    pub busy_share: f64,
+    /// The shortest, mean and longest seconds a batch took.
+    pub batch_s_min: f64,
+    pub batch_s_mean: f64,
+    pub batch_s_max: f64,
+}
+
+impl TrainerLoad {
+    /// The load of batches that took `batch_s` seconds each over a run of `total_s` (`None` if
+    /// nothing was trained).
+    pub fn of(batch_s: &[f64], total_s: f64) -> Option<TrainerLoad> {
+        if batch_s.is_empty() {
+            return None;
+        }
+        let busy: f64 = batch_s.iter().sum();
+        Some(TrainerLoad {
+            batches: batch_s.len(),
+            busy_share: if total_s > 0.0 { busy / total_s } else { 0.0 },
+            batch_s_min: batch_s.iter().copied().fold(f64::INFINITY, f64::min),
+            batch_s_mean: busy / batch_s.len() as f64,
+            batch_s_max: batch_s.iter().copied().fold(0.0_f64, f64::max),
+        })
+    }
+}
+
 /// Everything measured for one policy.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PolicyReport {
@@ -274,6 +307,8 @@ pub struct PolicyReport {
     pub generated_tokens_per_s: f64,
     /// Every pool's utilisation.
     pub pools: Vec<PoolReport>,
+    /// How the trainer was loaded (`None` if nothing was trained).
+    pub trainer: Option<TrainerLoad>,
     /// Environment (CPU pools) utilisation.
     pub environment_utilisation: f64,
     /// Trajectories trained on, by how many versions their oldest turn was behind.
@@ -520,6 +555,7 @@ pub fn policy_report(
         step_time_s: step_time,
         steady_step_time_s: steady_step_time(&run.publish_times_s),
         step_times_s: step_times(&run.publish_times_s),
+        trainer: TrainerLoad::of(&run.train_batch_s, total),
         speedup_vs_sync: None,
         trajectories_per_s: run.trajectories as f64 / total,
         trained_tokens_per_s: run.trained_tokens as f64 / total,
@@ -954,7 +990,7 @@ pub fn render_table(report: &SimReport) -> String {
             )
         });
         out.push_str(&format!(
-            "  {:<20} {}{window}; bound binds on {} (capacity: {}; latency term {:.1} s at staleness {}); {} regenerated turns{}; invariants {}\n",
+            "  {:<20} {}{window}; bound binds on {} (capacity: {}; latency term {:.1} s at staleness {}); {} regenerated turns{}{}; invariants {}\n",
             p.policy,
             uses.join("; "),
             p.bound.binding,
@@ -963,6 +999,7 @@ pub fn render_table(report: &SimReport) -> String {
             p.bound.max_staleness,
             p.core.regenerated_turns,
             expired_waiting(p),
+            trainer_load(p),
             if p.invariant_violations.is_empty() {
                 "held".to_owned()
             } else {
@@ -990,6 +1027,23 @@ fn expired_waiting(p: &PolicyReport) -> String {
     format!(
         ", {expired} finished groups ({:.0}% of those trained) expired waiting for the trainer",
         100.0 * expired as f64 / trained.max(1) as f64
+    )
+}
+
+/// `; trainer busy P% of the run over N batches, a batch S / M / L s (shortest / mean /
+/// longest)`, or nothing when nothing was trained.
+fn trainer_load(p: &PolicyReport) -> String {
+    let Some(t) = &p.trainer else {
+        return String::new();
+    };
+    format!(
+        "; trainer busy {:.0}% of the run over {} batches, a batch {:.1} / {:.1} / {:.1} s \
+         (shortest / mean / longest)",
+        100.0 * t.busy_share,
+        t.batches,
+        t.batch_s_min,
+        t.batch_s_mean,
+        t.batch_s_max
     )
 }
 
@@ -1109,8 +1163,20 @@ fn truncate(s: &str, n: usize) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{PoolDecode, steady_step_time, step_times};
+    use super::{PoolDecode, TrainerLoad, steady_step_time, step_times};
     use crate::sim::ReplicaDecode;
+
+    #[test]
+    fn the_trainers_load_is_its_batches_its_busy_share_and_how_long_a_batch_took() {
+        let load = TrainerLoad::of(&[1.0, 3.0, 2.0], 12.0).unwrap();
+        assert_eq!(load.batches, 3);
+        assert!((load.busy_share - 0.5).abs() < 1e-12);
+        assert_eq!(
+            (load.batch_s_min, load.batch_s_mean, load.batch_s_max),
+            (1.0, 2.0, 3.0)
+        );
+        assert_eq!(TrainerLoad::of(&[], 12.0), None);
+    }
 
     #[test]
     fn a_pools_decode_is_its_replicas_together_beside_its_busiest_and_slowest() {

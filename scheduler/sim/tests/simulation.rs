@@ -1160,3 +1160,56 @@ fn each_serving_pool_reports_its_decode_beside_its_busiest_and_slowest_replica()
     assert!(rows >= 2, "{table}");
     assert_eq!(section.len(), rows + 2, "{table}");
 }
+
+/// The trainer's load: a batch for every training command the core gave, its busy share of the
+/// run, and the shortest, mean and longest batch, as the checks line prints them.
+#[test]
+fn the_checks_give_how_busy_the_trainer_was_and_how_long_its_batches_took() {
+    let args = SimArgs {
+        baselines: vec![Baseline::Sync, Baseline::Rollfleet],
+        ..quickstart_args()
+    };
+    let (report, table) = json_and_table(&args);
+    let checks = table_section(&table, "placement and checks");
+    for policy in report["policies"].as_array().unwrap() {
+        let name = policy["policy"].as_str().unwrap();
+        let trainer = &policy["trainer"];
+        let field = |k: &str| trainer[k].as_f64().unwrap();
+        assert_eq!(
+            trainer["batches"].as_u64(),
+            policy["core"]["train_batches"].as_u64(),
+            "{name}: {trainer}"
+        );
+        assert!(
+            0.0 < field("busy_share") && field("busy_share") <= 1.0,
+            "{trainer}"
+        );
+        assert!(
+            field("batch_s_min") <= field("batch_s_mean")
+                && field("batch_s_mean") <= field("batch_s_max"),
+            "{trainer}"
+        );
+        // The mean batch times the batches is the trainer's busy time.
+        let busy = field("batch_s_mean") * field("batches");
+        let total = policy["total_s"].as_f64().unwrap();
+        assert!(
+            (busy / total - field("busy_share")).abs() < 1e-9,
+            "{trainer}"
+        );
+        let line = checks
+            .iter()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no checks line for {name}: {table}"));
+        assert!(
+            line.contains(&format!(
+                "trainer busy {:.0}% of the run over {} batches, a batch {:.1} / {:.1} / {:.1} s",
+                100.0 * field("busy_share"),
+                trainer["batches"],
+                field("batch_s_min"),
+                field("batch_s_mean"),
+                field("batch_s_max")
+            )),
+            "{line}"
+        );
+    }
+}

@@ -260,6 +260,8 @@ pub struct RunResult {
     pub decode_s_per_token: Option<f64>,
     /// Every replica's decoding, by its pool.
     pub replica_decode: Vec<ReplicaDecode>,
+    /// Seconds each training batch took, in the order they were trained.
+    pub train_batch_s: Vec<f64>,
     /// Staleness histogram by the simulator's own books.
     pub staleness_histogram: Vec<u64>,
     /// Invariant breaches seen (empty when all held).
@@ -334,6 +336,8 @@ struct Sim<'a> {
     ledger: Vec<TrajLedger>,
     version: u64,
     publish_times: Vec<f64>,
+    /// Seconds each training batch took, in the order they were trained.
+    train_batch_s: Vec<f64>,
     work: Work,
     trained_tokens: u64,
     trajectories: u64,
@@ -631,6 +635,7 @@ pub fn simulate(
         ledger: Vec::new(),
         version: 0,
         publish_times: Vec::new(),
+        train_batch_s: Vec::new(),
         work: Work::default(),
         trained_tokens: 0,
         trajectories: 0,
@@ -796,6 +801,7 @@ pub fn simulate(
                 tokens: e.decode_tokens_timed,
             })
             .collect(),
+        train_batch_s: sim.train_batch_s,
         staleness_histogram: sim.staleness,
         violations: sim.violations,
         scheduler_events: sim.scheduler_events,

@@ -74,6 +74,7 @@ impl<'a> Sim<'a> {
         let mfu = self.spec.rl.train_mfu.clamp(0.01, 1.0);
         let secs = (6.0 * self.spec.model.active() * tokens as f64 + attention_flops)
             / (self.trainer_gpus * self.train_peak * mfu);
+        self.train_batch_s.push(secs);
         let now = self.now;
         let gpus = self.trainer_gpus;
         self.training_gpus = gpus;
