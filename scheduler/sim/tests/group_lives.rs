@@ -4,11 +4,8 @@
 
 use rollfleet_sim::{Baseline, OutputFormat, SimArgs};
 
-fn example(name: &str) -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../examples/jobs")
-        .join(name)
-}
+mod common;
+use common::example;
 
 fn f(v: &serde_json::Value) -> f64 {
     v.as_f64().unwrap()

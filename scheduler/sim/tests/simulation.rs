@@ -7,6 +7,9 @@ use rollfleet_sim::report::lower_bound;
 use rollfleet_sim::sim::{RunResult, SimOptions, simulate, workload_means};
 use rollfleet_sim::{Baseline, OutputFormat, SimArgs};
 
+mod common;
+use common::{example, quickstart_args};
+
 /// A job whose every figure is a round number: a 1B-parameter model with a negligible KV cache
 /// on a made-up GPU of 1 PFLOP/s and 1 TB/s, one single-turn task with fixed lengths, 1 s
 /// environment steps, the reward computed by the environment, one trajectory per step.
@@ -153,8 +156,7 @@ fn the_latency_term_waits_for_each_chain_from_the_oldest_version_it_may_use() {
 
 /// The RollArt-like example job.
 fn rollart() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../examples/jobs/rollart-agentic.yaml")
+    example("rollart-agentic.yaml")
 }
 
 /// Rollfleet on the planner's placement of `job` cut to `steps` steps, with `opts`; also the
@@ -188,7 +190,7 @@ fn run_on_plan(
 }
 
 fn quickstart() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/jobs/quickstart.yaml")
+    example("quickstart.yaml")
 }
 
 /// rollfleet on the quick-start job as `edit_spec` changes it, with its policy as `edit_policy`
@@ -916,13 +918,6 @@ fn a_run_reports_its_decode_speed_and_the_yardstick_replayed_at_it() {
     assert!(table.contains("yardstick at it (s)"), "{table}");
 }
 
-fn quickstart_args() -> SimArgs {
-    SimArgs {
-        steps: Some(3),
-        ..SimArgs::new(quickstart())
-    }
-}
-
 /// `sync` chooses its tensor-parallel degree and the batched disaggregated baselines their
 /// placement by simulating the first steps of each candidate; each runs on the fastest, and
 /// its report lists every probe. With the job cut to the probe's length, the run is the
@@ -983,233 +978,4 @@ fn a_generation_interrupted_before_its_first_token_does_not_age_its_turn() {
         "nothing was interrupted"
     );
     assert!(run.violations.is_empty(), "{:?}", run.violations);
-}
-
-#[test]
-fn the_checks_count_the_finished_groups_that_expired_waiting_for_the_trainer() {
-    // The held-out math-and-code job at `maxStaleness: 1`: rollfleet's wide window leaves
-    // finished groups waiting for the trainer past the bound; sync never has one waiting.
-    let args = SimArgs {
-        job: std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../examples/jobs/holdout-math-code.yaml"),
-        baselines: vec![Baseline::Sync, Baseline::Rollfleet],
-        ..quickstart_args()
-    };
-    let mut out = Vec::new();
-    rollfleet_sim::run(&args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
-    let report: serde_json::Value = serde_json::from_slice(&out).unwrap();
-    let core = &report["policies"][1]["core"];
-    let expired = core["groups_expired_waiting"].as_u64().unwrap();
-    let trained: u64 = core["task_lives"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|l| l["groups"].as_u64().unwrap())
-        .sum();
-    assert!(expired > 0 && trained > 0, "{core}");
-    // Each of them generated again: every member with a turn of the expired weights, at least
-    // one of its sixteen.
-    let regenerated = core["regenerated_at_consumption"].as_u64().unwrap();
-    assert!((expired..=expired * 16).contains(&regenerated), "{core}");
-    assert_eq!(
-        report["policies"][0]["core"]["groups_expired_waiting"].as_u64(),
-        Some(0)
-    );
-
-    let mut out = Vec::new();
-    rollfleet_sim::run(&args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
-    let table = String::from_utf8(out).unwrap();
-    let checks = |policy: &str| {
-        table
-            .lines()
-            .find(|l| l.starts_with(&format!("  {policy} ")) && l.contains("invariants"))
-            .unwrap()
-            .to_owned()
-    };
-    let share = 100.0 * expired as f64 / trained as f64;
-    assert!(
-        checks("rollfleet").contains(&format!(
-            "{expired} finished groups ({share:.0}% of those trained) expired waiting for the \
-             trainer"
-        )),
-        "{table}"
-    );
-    assert!(!checks("sync").contains("expired"), "{table}");
-}
-
-/// The JSON report and the table of one run of `args`.
-fn json_and_table(args: &SimArgs) -> (serde_json::Value, String) {
-    let mut out = Vec::new();
-    rollfleet_sim::run(args, OutputFormat::Json, &mut out, &mut std::io::sink()).unwrap();
-    let report = serde_json::from_slice(&out).unwrap();
-    let mut out = Vec::new();
-    rollfleet_sim::run(args, OutputFormat::Table, &mut out, &mut std::io::sink()).unwrap();
-    (report, String::from_utf8(out).unwrap())
-}
-
-/// The lines of the table's section whose title starts with `title`, up to the blank line after.
-fn table_section<'a>(table: &'a str, title: &str) -> Vec<&'a str> {
-    table
-        .lines()
-        .skip_while(|l| !l.starts_with(title))
-        .take_while(|l| !l.is_empty())
-        .collect()
-}
-
-/// The report gives every step's time, first to last, adding up to the run; the table's steps
-/// section gives each policy's first step, its steady steps' shortest, mean and longest, and
-/// its last, as the JSON has them.
-#[test]
-fn the_steps_section_shows_the_first_the_steady_and_the_last_step_of_each_policy() {
-    let args = SimArgs {
-        steps: Some(6),
-        baselines: vec![Baseline::Sync, Baseline::Rollfleet],
-        ..quickstart_args()
-    };
-    let (report, table) = json_and_table(&args);
-    let section = table_section(&table, "steps (seconds");
-    assert_eq!(section.len(), 4, "{table}");
-    for policy in report["policies"].as_array().unwrap() {
-        let name = policy["policy"].as_str().unwrap();
-        let steps: Vec<f64> = policy["step_times_s"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s.as_f64().unwrap())
-            .collect();
-        assert_eq!(steps.len(), 6, "{name}");
-        let total = policy["total_s"].as_f64().unwrap();
-        assert!((steps.iter().sum::<f64>() - total).abs() < 1e-6, "{name}");
-        // Six steps: the first and the last are warm-up and drain, the four between steady.
-        let steady = &steps[1..5];
-        let mean = steady.iter().sum::<f64>() / 4.0;
-        let steady_mean = policy["steady_step_time_s"].as_f64().unwrap();
-        assert!((mean - steady_mean).abs() < 1e-6, "{name}");
-        let shortest = steady.iter().copied().fold(f64::INFINITY, f64::min);
-        let longest = steady.iter().copied().fold(0.0, f64::max);
-        let row = section
-            .iter()
-            .find(|l| l.starts_with(&format!("  {name} ")))
-            .unwrap_or_else(|| panic!("no steps row for {name}: {table}"));
-        let cells: Vec<&str> = row.split_whitespace().skip(1).collect();
-        let expected: Vec<String> = [steps[0], shortest, mean, longest, steps[5]]
-            .iter()
-            .map(|s| format!("{s:.1}"))
-            .collect();
-        assert_eq!(cells, expected, "{row}");
-    }
-}
-
-/// Each GPU pool that served reports how its replicas decoded: the pool's batch and time a
-/// token took, its busiest and slowest replica's at least as large, the run's own time a token
-/// took among the pools'; a pool that only trains, and a CPU pool, report none. The table has
-/// a row per decoding pool and policy.
-#[test]
-fn each_serving_pool_reports_its_decode_beside_its_busiest_and_slowest_replica() {
-    let args = SimArgs {
-        baselines: vec![Baseline::Sync, Baseline::Rollfleet],
-        ..quickstart_args()
-    };
-    let (report, table) = json_and_table(&args);
-    let section = table_section(&table, "decode per GPU pool");
-    let mut rows = 0;
-    for policy in report["policies"].as_array().unwrap() {
-        let name = policy["policy"].as_str().unwrap();
-        let run_s_per_token = policy["decode_s_per_token"].as_f64().unwrap();
-        let (mut fastest, mut slowest) = (f64::INFINITY, 0.0_f64);
-        for pool in policy["pools"].as_array().unwrap() {
-            let decode = &pool["decode"];
-            if pool["kind"] != "gpu" || !pool["use_"].as_str().unwrap().contains("generate") {
-                assert!(decode.is_null(), "{name}: {pool}");
-                continue;
-            }
-            let field = |k: &str| decode[k].as_f64().unwrap();
-            assert!(decode["replicas"].as_u64().unwrap() >= 1, "{pool}");
-            assert!(field("batch") >= 1.0, "{pool}");
-            assert!(
-                field("busiest_replica_batch") >= field("batch") - 1e-9,
-                "{pool}"
-            );
-            assert!(
-                field("slowest_replica_s_per_token") >= field("s_per_token") - 1e-12,
-                "{pool}"
-            );
-            fastest = fastest.min(field("s_per_token"));
-            slowest = slowest.max(field("s_per_token"));
-            let row = section
-                .iter()
-                .find(|l| {
-                    l.split_whitespace().take(2).collect::<Vec<_>>()
-                        == [name, pool["name"].as_str().unwrap()]
-                })
-                .unwrap_or_else(|| panic!("no decode row for {name}: {table}"));
-            let cells: Vec<&str> = row.split_whitespace().skip(2).collect();
-            assert_eq!(cells[0], decode["replicas"].to_string(), "{row}");
-            assert_eq!(
-                cells[3],
-                format!("{:.2}", field("s_per_token") * 1000.0),
-                "{row}"
-            );
-            rows += 1;
-        }
-        assert!(
-            (fastest - 1e-12..=slowest + 1e-12).contains(&run_s_per_token),
-            "{name}: {run_s_per_token} outside {fastest}..{slowest}"
-        );
-    }
-    assert!(rows >= 2, "{table}");
-    assert_eq!(section.len(), rows + 2, "{table}");
-}
-
-/// The trainer's load: a batch for every training command the core gave, its busy share of the
-/// run, and the shortest, mean and longest batch, as the checks line prints them.
-#[test]
-fn the_checks_give_how_busy_the_trainer_was_and_how_long_its_batches_took() {
-    let args = SimArgs {
-        baselines: vec![Baseline::Sync, Baseline::Rollfleet],
-        ..quickstart_args()
-    };
-    let (report, table) = json_and_table(&args);
-    let checks = table_section(&table, "placement and checks");
-    for policy in report["policies"].as_array().unwrap() {
-        let name = policy["policy"].as_str().unwrap();
-        let trainer = &policy["trainer"];
-        let field = |k: &str| trainer[k].as_f64().unwrap();
-        assert_eq!(
-            trainer["batches"].as_u64(),
-            policy["core"]["train_batches"].as_u64(),
-            "{name}: {trainer}"
-        );
-        assert!(
-            0.0 < field("busy_share") && field("busy_share") <= 1.0,
-            "{trainer}"
-        );
-        assert!(
-            field("batch_s_min") <= field("batch_s_mean")
-                && field("batch_s_mean") <= field("batch_s_max"),
-            "{trainer}"
-        );
-        // The mean batch times the batches is the trainer's busy time.
-        let busy = field("batch_s_mean") * field("batches");
-        let total = policy["total_s"].as_f64().unwrap();
-        assert!(
-            (busy / total - field("busy_share")).abs() < 1e-9,
-            "{trainer}"
-        );
-        let line = checks
-            .iter()
-            .find(|l| l.split_whitespace().next() == Some(name))
-            .unwrap_or_else(|| panic!("no checks line for {name}: {table}"));
-        assert!(
-            line.contains(&format!(
-                "trainer busy {:.0}% of the run over {} batches, a batch {:.1} / {:.1} / {:.1} s",
-                100.0 * field("busy_share"),
-                trainer["batches"],
-                field("batch_s_min"),
-                field("batch_s_mean"),
-                field("batch_s_max")
-            )),
-            "{line}"
-        );
-    }
 }
