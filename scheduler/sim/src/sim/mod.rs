@@ -770,8 +770,20 @@ pub fn simulate(
     let cold_starts = sim.serverless.values().map(|s| s.cold_starts).sum();
     let max_staleness = sim.core.config().policy.max_staleness;
     let generated_tokens = sim.engines.iter().map(|e| e.tokens_generated).sum();
-    let decode_sequence_s: f64 = sim.engines.iter().map(|e| e.decode_sequence_s).sum();
-    let decode_tokens: f64 = sim.engines.iter().map(|e| e.decode_tokens_timed).sum();
+    let replica_decode: Vec<ReplicaDecode> = sim
+        .engines
+        .iter()
+        .zip(&sim.engine_pool)
+        .map(|(e, &pool)| ReplicaDecode {
+            pool,
+            sequence_s: e.decode_sequence_s,
+            decoding_s: e.decoding_s,
+            tokens: e.decode_tokens_timed,
+        })
+        .collect();
+    // The run's time a token over every replica's, as each pool's is over its own.
+    let decode_sequence_s: f64 = replica_decode.iter().map(|r| r.sequence_s).sum();
+    let decode_tokens: f64 = replica_decode.iter().map(|r| r.tokens).sum();
     let decode_s_per_token = (decode_tokens > 0.0).then(|| decode_sequence_s / decode_tokens);
     Ok(RunResult {
         makespan_s: end.as_secs_f64(),
@@ -790,17 +802,7 @@ pub fn simulate(
         trained_tokens: sim.trained_tokens,
         generated_tokens,
         decode_s_per_token,
-        replica_decode: sim
-            .engines
-            .iter()
-            .zip(&sim.engine_pool)
-            .map(|(e, &pool)| ReplicaDecode {
-                pool,
-                sequence_s: e.decode_sequence_s,
-                decoding_s: e.decoding_s,
-                tokens: e.decode_tokens_timed,
-            })
-            .collect(),
+        replica_decode,
         train_batch_s: sim.train_batch_s,
         staleness_histogram: sim.staleness,
         violations: sim.violations,
