@@ -874,12 +874,22 @@ fn the_chosen_placement_is_never_predicted_slower_than_the_searchs_optimum() {
         let job = job(QWEN_32B, pools);
         let p = plan::problem(spec(&job), &job.catalog, &mean, &Efficiency::default()).unwrap();
         let first = search::solve(&p).unwrap();
-        let chosen = search::choose(&p).unwrap();
+        let (chosen, choice) = search::choose_with_reason(&p).unwrap();
         assert!(
             full(&p, &chosen.candidate) <= full(&p, &first.candidate),
             "{name}: {chosen:#?} against {first:#?}"
         );
-        if chosen.candidate != first.candidate {
+        if let Some((compared, replaced_s, taken_s)) = choice.replaced_by {
+            // A placement `--compare` shows, taken because the plan's own prediction ranks it
+            // ahead of the one it replaced by more than a tie: the plan is never one its
+            // comparison ranks behind another.
+            let predicted = predict::predict(&p, &chosen.candidate).unwrap().step_s;
+            assert_eq!(predicted, taken_s, "{name}: {compared}");
+            assert!(
+                taken_s < replaced_s * (1.0 - search::PREDICTION_TIE),
+                "{name}: {compared} {taken_s} s against {replaced_s} s"
+            );
+        } else if chosen.candidate != first.candidate {
             // It only ever moves to the affinity placement (with the serving replicas the
             // affinity search gives its trainer size), with more decode replicas than the
             // trainer's nodes update at once.

@@ -543,9 +543,10 @@ pub fn decode_work_at(p: &Problem, batch: f64, context: f64) -> roofline::Work {
 #[cfg(test)]
 mod tests {
     use super::model::{
-        EarlyRestart, IterationTimes, SlotLife, action_spread, closed_loop_step, drain_wait,
-        expected_max_z, iteration_time, job_average, mean_survival, prefill_queue, push_slot_lives,
-        queue, regeneration, replica_occupancy, routed, skewed_expected_max, token_time,
+        EarlyRestart, Holding, IterationTimes, SlotLife, action_spread, closed_loop_step,
+        drain_wait, expected_max_z, held_occupancy, iteration_time, job_average, mean_survival,
+        prefill_queue, push_slot_lives, queue, regeneration, replica_occupancy, routed,
+        skewed_expected_max, token_time,
     };
     use super::*;
     use rollfleet_spec::WeightReads;
@@ -637,6 +638,74 @@ mod tests {
     }
 
     #[test]
+    fn a_replica_emptied_by_each_update_decodes_at_the_mean_of_its_holdings_from_none_to_twice_its_mean()
+     {
+        // Always decoding, a replica holding h sequences makes h / t(h) tokens a second. Refilled
+        // after each update, it holds 16 evenly spaced holdings between none and twice the mean
+        // of 4 (0.25, 0.75, ..., 7.75) for equal shares of the step: its batch is their mean
+        // and its tokens a second theirs.
+        let reads = moe_reads();
+        let k = kind(1.0, 1e12);
+        let times = IterationTimes::new(&k, &reads, 1e6, 1.0);
+        let swept = held_occupancy(4.0, 1e9, 0.0, &times, Holding::RefilledEachUpdate);
+        let tokens = (0..16)
+            .map(|i| {
+                let h = 0.25 + 0.5 * i as f64;
+                h / iteration_time(&k, h, &reads, 1e6, 1.0)
+            })
+            .sum::<f64>()
+            / 16.0;
+        assert!((swept.batch - 4.0).abs() < 1e-9, "{swept:?}");
+        assert!(
+            (swept.tokens_per_s - tokens).abs() < 1e-9 * tokens,
+            "{swept:?} vs {tokens}"
+        );
+        // A token spends more of its time in the crowded holdings, where each sequence reads
+        // more experts: 2.68 ms against 2.46 at a steady 4 (each extra sequence reads about
+        // four more of the 64 experts while few are read).
+        let steady = held_occupancy(4.0, 1e9, 0.0, &times, Holding::Steady);
+        assert!(swept.tau > 1.08 * steady.tau, "{swept:?} vs {steady:?}");
+        // Flat per-token time (weights only, no KV, no experts): the sweep changes nothing.
+        let weights_only = gb();
+        let dense = IterationTimes::new(&k, &weights_only, 0.0, 1.0);
+        let (flat, fixed) = (
+            held_occupancy(4.0, 1e9, 0.0, &dense, Holding::RefilledEachUpdate),
+            held_occupancy(4.0, 1e9, 0.0, &dense, Holding::Steady),
+        );
+        assert!((flat.tau - fixed.tau).abs() < 1e-12 * fixed.tau, "{flat:?}");
+    }
+
+    #[test]
+    fn a_replica_near_full_sweeps_only_as_far_as_it_can_hold() {
+        // Room for 24: around a mean of 20 it holds from 16 to 24, never more; full, it stays full.
+        let reads = moe_reads();
+        let k = kind(1.0, 1e12);
+        let times = IterationTimes::new(&k, &reads, 1e6, 1.0);
+        let swept = held_occupancy(20.0, 24.0, 0.0, &times, Holding::RefilledEachUpdate);
+        let tokens = (0..16)
+            .map(|i| {
+                let h = 16.25 + 0.5 * i as f64;
+                h / iteration_time(&k, h, &reads, 1e6, 1.0)
+            })
+            .sum::<f64>()
+            / 16.0;
+        assert!(
+            (swept.tokens_per_s - tokens).abs() < 1e-9 * tokens,
+            "{swept:?} vs {tokens}"
+        );
+        let full = held_occupancy(30.0, 24.0, 0.0, &times, Holding::RefilledEachUpdate);
+        let at_cap = held_occupancy(24.0, 24.0, 0.0, &times, Holding::Steady);
+        assert!(
+            (full.batch - at_cap.batch).abs() < 1e-9,
+            "{full:?} vs {at_cap:?}"
+        );
+        assert!(
+            (full.tau - at_cap.tau).abs() < 1e-12 * at_cap.tau,
+            "{full:?} vs {at_cap:?}"
+        );
+    }
+
+    #[test]
     fn token_time_solves_littles_law_on_decoding_sequences() {
         // One replica, 1 TB/s, 1 GB of weights, 1 MB of KV per sequence. At tau, a batch of
         // (1e12 tau - 1e9) / 1e6 sequences; asked for 1e5 tokens/s, b = 1e5 tau:
@@ -656,6 +725,7 @@ mod tests {
             &[kind(1.0, 1e12), kind(1.0, 1e11)],
             1e5,
             0.0,
+            Holding::Steady,
             &gb(),
             1e6,
             1.0,
@@ -688,7 +758,7 @@ mod tests {
             ..kind(1.0, 2e12)
         };
         let rate = 100.0 / 0.1375e-3 + 100.0 / 0.55e-3;
-        let a = routed(&[fast, tp8], rate, 0.0, &gb(), 1e6, 1.0).unwrap();
+        let a = routed(&[fast, tp8], rate, 0.0, Holding::Steady, &gb(), 1e6, 1.0).unwrap();
         assert!((a.tau - 0.22e-3).abs() < 1e-12, "{a:?}");
         assert!((a.token_share[0] - 0.8).abs() < 1e-9, "{a:?}");
         // Always decoding, a sequence's own KV read is part of its batch's: it sees each
@@ -705,7 +775,7 @@ mod tests {
             weight: 5.0,
             ..kind(8.0, 0.25e12)
         };
-        let b = routed(&[fast, tp1], rate, 0.0, &gb(), 1e6, 1.0).unwrap();
+        let b = routed(&[fast, tp1], rate, 0.0, Holding::Steady, &gb(), 1e6, 1.0).unwrap();
         assert!(b.kinds[1].2 > 4e-3, "{b:?}");
         assert!(b.token_share[1] > 0.0, "{b:?}");
         let (_, var_b) = b.seen();

@@ -172,9 +172,9 @@ pub(super) struct Occupancy {
 /// about `experts per token` more experts per sequence at small batches, so its busy states
 /// are slow and last, and a token sees a larger batch than the mean-field fixed point `b =
 /// alive tau / (tau + other)` gives (holdout-moe-agent at `maxStaleness` 2: 0.94 ms a token
-/// against 0.77 ms at that fixed point; the simulator shows 1.33 ms, a mean batch of 4.7 and a
-/// token-weighted one of 8.8, as admissions arrive a training batch at a time, which this
-/// leaves out). A fractional `alive` takes `C(alive, b)` through its falling product.
+/// against 0.77 ms at that fixed point). It holds `alive` fixed; how a replica's holding
+/// sweeps over a step, which spreads the batch further, is [`held_occupancy`]'s. A fractional
+/// `alive` takes `C(alive, b)` through its falling product.
 pub(super) fn replica_occupancy(alive: f64, other: f64, times: &IterationTimes) -> Occupancy {
     if alive <= 0.0 {
         return Occupancy {
@@ -245,15 +245,74 @@ pub(super) struct Served {
     pub(super) tau: f64,
 }
 
+/// How the trajectories a replica holds vary over a step, around the mean the router's split
+/// gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Holding {
+    /// Always the mean: a fleet whose replicas keep their sequences (no weight updates).
+    Steady,
+    /// From none to twice the mean, evenly over a step. The rolling update drops a replica's KV
+    /// cache once a step, so the trajectories it held take their next turns elsewhere (the
+    /// least loaded replicas, which are the ones just updated, emptied the same way) and it
+    /// fills again from none until its own next update. A replica at twice its mean batches
+    /// more than twice the tokens of one at none only if its per-token time is flat: a mixture
+    /// of experts reads more experts, and every model more KV, so a token spends more of its
+    /// time in the crowded part of the sweep than the mean batch says. The simulator's
+    /// replicas hold trajectories with a spread of 0.4 to 0.9 times their mean over the
+    /// example jobs (a uniform sweep: 0.58).
+    RefilledEachUpdate,
+}
+
+/// Points of the midpoint rule over [`Holding::RefilledEachUpdate`]'s sweep.
+const SWEEP_POINTS: usize = 16;
+
+/// [`replica_occupancy`] over the holdings a replica passes through ([`Holding`]) around a mean
+/// of `alive` (at most `cap`, the most it can hold: a replica near full sweeps less, as it
+/// cannot hold more than `cap`): its mean batch and tokens a second, and a token's mean time
+/// (their ratio).
+pub(super) fn held_occupancy(
+    alive: f64,
+    cap: f64,
+    other: f64,
+    times: &IterationTimes,
+    holding: Holding,
+) -> Occupancy {
+    let alive = alive.min(cap);
+    match holding {
+        Holding::Steady => replica_occupancy(alive, other, times),
+        Holding::RefilledEachUpdate => {
+            let reach = alive.min(cap - alive).max(0.0);
+            let (mut batch, mut tokens) = (0.0, 0.0);
+            for i in 0..SWEEP_POINTS {
+                let x = (2.0 * (i as f64 + 0.5) / SWEEP_POINTS as f64) - 1.0;
+                let o = replica_occupancy(alive + reach * x, other, times);
+                batch += o.batch;
+                tokens += o.tokens_per_s;
+            }
+            let (batch, tokens) = (batch / SWEEP_POINTS as f64, tokens / SWEEP_POINTS as f64);
+            Occupancy {
+                batch,
+                tokens_per_s: tokens,
+                tau: if tokens > 0.0 {
+                    batch / tokens
+                } else {
+                    times.at(1)
+                },
+            }
+        }
+    }
+}
+
 /// The router's split of a decode load over the replicas (in proportion to [`router_weight`],
 /// every kind capped by its batch), at the load level that decodes `rate` tokens a second;
 /// `None` if even full replicas cannot. `other` is the seconds a trajectory is alive without
-/// decoding, per token it decodes; each kind makes the tokens of its [`replica_occupancy`],
-/// which grow with the trajectories it holds: a root search on the level.
+/// decoding, per token it decodes; each kind makes the tokens of its [`held_occupancy`], which
+/// grow with the trajectories it holds: a root search on the level.
 pub(super) fn routed(
     kinds: &[DecodeKind],
     rate: f64,
     other: f64,
+    holding: Holding,
     weights: &WeightReads,
     kv_per_seq: f64,
     flops_per_seq: f64,
@@ -272,8 +331,9 @@ pub(super) fn routed(
                 if k.replicas <= 0.0 || k.weight <= 0.0 || k.bandwidth <= 0.0 {
                     return (0.0, 0.0, 0.0);
                 }
-                let alive = (level * k.weight).min(k.cap.max(0.0));
-                let o = replica_occupancy(alive, other, table);
+                let cap = k.cap.max(0.0);
+                let alive = (level * k.weight).min(cap);
+                let o = held_occupancy(alive, cap, other, table, holding);
                 made += k.replicas * o.tokens_per_s;
                 (alive, o.batch, o.tau)
             })

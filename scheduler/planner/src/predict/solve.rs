@@ -3,9 +3,10 @@
 //! ([`least_fitting_step`]) for the full prediction and for the search's cheaper objective.
 
 use super::model::{
-    DecodeKind, EarlyRestart, SlotLife, action_spread, closed_loop_step, context_prefill_flops,
-    drain_wait, expected_max_z, job_average, prefill_queue, push_slot_lives, queue, regeneration,
-    remote_prefill, routed, skewed_expected_max, step_prefills, step_work, token_time,
+    DecodeKind, EarlyRestart, Holding, SlotLife, action_spread, closed_loop_step,
+    context_prefill_flops, drain_wait, expected_max_z, job_average, prefill_queue, push_slot_lives,
+    queue, regeneration, remote_prefill, routed, skewed_expected_max, step_prefills, step_work,
+    token_time,
 };
 use super::{
     Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, TaskLife, Terms,
@@ -75,6 +76,12 @@ pub(super) fn predict_caps(
     let window = w.window();
     let transfer_per_token = p.kv_bytes_per_token / p.link_bytes_per_s.max(1.0);
     let decode_replicas: f64 = kinds.iter().map(|k| k.replicas).sum();
+    // A job of one step publishes no weights while it generates, so no replica is emptied.
+    let holding = if w.steps > 1.0 {
+        Holding::RefilledEachUpdate
+    } else {
+        Holding::Steady
+    };
 
     // Seconds a trajectory is alive but not decoding, per token it decodes: at first its
     // environment steps and reward alone; each round of the fixed point below then counts its
@@ -121,6 +128,7 @@ pub(super) fn predict_caps(
                 &scaled,
                 s.decode_tokens * attempts_per_token / t,
                 other,
+                holding,
                 weights,
                 kv_per_seq,
                 flops_per_seq,
