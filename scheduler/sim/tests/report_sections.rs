@@ -1,6 +1,6 @@
 //! The simulator's report beyond the step times, as JSON and as the table prints it: the checks
-//! line (finished groups that expired waiting for the trainer, how busy the trainer was), the
-//! steps section and the decode section.
+//! line (finished groups that expired waiting for the trainer, KV caches evicted, how busy the
+//! trainer was), the steps section and the decode section.
 #![allow(clippy::unwrap_used)]
 
 use rollfleet_sim::{Baseline, SimArgs};
@@ -210,4 +210,64 @@ fn the_checks_give_how_busy_the_trainer_was_and_how_long_its_batches_took() {
             "{line}"
         );
     }
+}
+
+/// A 32B policy on one H800 replica of eight GPUs, with a window of hundreds of long-context
+/// trajectories: its KV cache holds a fraction of them, so they push one another's caches out.
+const KV_BOUND_JOB: &str = r#"
+apiVersion: rollfleet.dev/v1alpha1
+kind: RLJob
+metadata: { name: kv-bound }
+spec:
+  model: { name: Qwen3-32B, parameters: 32.8e9, layers: 64, hiddenSize: 5120, kvHeads: 8, headDim: 128 }
+  rl: { groupSize: 8, rolloutBatchSize: 256, trainBatchSize: 128, maxStaleness: 2, overProvisioning: 0.25, steps: 2 }
+  tasks:
+    - name: swe
+      environment: sokoban
+      share: 1.0
+      maxTurns: 30
+      turns: { distribution: uniform, min: 8, max: 30 }
+      promptTokens: { distribution: lognormal, median: 3000, p99: 9000, max: 12000 }
+      actionTokens: { distribution: lognormal, median: 300, p99: 2000, max: 4096 }
+      observationTokens: { distribution: lognormal, median: 600, p99: 4000, max: 8000 }
+      contextLimit: 65536
+      envStepMs: { distribution: lognormal, median: 2500, p99: 30000, max: 120000 }
+      reward: env-score
+  rewards:
+    - { name: env-score, runsOn: environment, latencyMs: 0 }
+  pools:
+    - { name: h800, gpu: H800, count: 16 }
+    - { name: cpu, cpu: c7i.16xlarge, count: 8 }
+"#;
+
+#[test]
+fn the_checks_say_how_many_kv_caches_were_evicted_when_the_decode_replicas_cannot_hold_the_window()
+{
+    let job = std::env::temp_dir().join(format!("rollfleet-kv-bound-{}.yaml", std::process::id()));
+    std::fs::write(&job, KV_BOUND_JOB).unwrap();
+    let args = SimArgs {
+        baselines: vec![Baseline::Rollfleet],
+        ..SimArgs::new(job.clone())
+    };
+    let (report, table) = json_and_table(&args);
+    std::fs::remove_file(&job).unwrap();
+    let core = &report["policies"][0]["core"];
+    let evicted = core["kv_evictions"].as_u64().unwrap();
+    let finished = core["trajectories_completed"].as_u64().unwrap();
+    assert!(evicted > finished, "{core}");
+    let checks = table_section(&table, "placement and checks:");
+    let line = checks.iter().find(|l| l.contains("rollfleet")).unwrap();
+    assert!(
+        line.contains(&format!(
+            "; {evicted} KV caches evicted ({:.1} a finished trajectory",
+            evicted as f64 / finished as f64
+        )),
+        "{line}"
+    );
+    // A fleet with room for its window evicts nothing and says nothing of it.
+    let (quick, quick_table) = json_and_table(&quickstart_args());
+    for policy in quick["policies"].as_array().unwrap() {
+        assert_eq!(policy["core"]["kv_evictions"].as_u64(), Some(0), "{policy}");
+    }
+    assert!(!quick_table.contains("KV caches evicted"), "{quick_table}");
 }

@@ -325,7 +325,7 @@ pub fn render_table(report: &SimReport) -> String {
             )
         });
         out.push_str(&format!(
-            "  {:<20} {}{window}; bound binds on {} (capacity: {}; latency term {:.1} s at staleness {}); {} regenerated turns{}{}; invariants {}\n",
+            "  {:<20} {}{window}; bound binds on {} (capacity: {}; latency term {:.1} s at staleness {}); {} regenerated turns{}{}{}; invariants {}\n",
             p.policy,
             uses.join("; "),
             p.bound.binding,
@@ -334,6 +334,7 @@ pub fn render_table(report: &SimReport) -> String {
             p.bound.max_staleness,
             p.core.regenerated_turns,
             expired_waiting(p),
+            evicted_caches(p),
             trainer_load(p),
             if p.invariant_violations.is_empty() {
                 "held".to_owned()
@@ -362,6 +363,22 @@ fn expired_waiting(p: &PolicyReport) -> String {
     format!(
         ", {expired} finished groups ({:.0}% of those trained) expired waiting for the trainer",
         100.0 * expired as f64 / trained.max(1) as f64
+    )
+}
+
+/// `; N KV caches evicted (E a finished trajectory: ...)`, or nothing when none was. Evictions
+/// are a fleet whose decode replicas cannot hold the contexts of the trajectories in flight:
+/// each evicted trajectory prefills its whole context again at its next turn, so a run that
+/// evicts more than about one cache a trajectory is bound by that recompute, not by the job.
+fn evicted_caches(p: &PolicyReport) -> String {
+    let evicted = p.core.kv_evictions;
+    if evicted == 0 {
+        return String::new();
+    }
+    format!(
+        "; {evicted} KV caches evicted ({:.1} a finished trajectory: the decode replicas cannot \
+         hold the contexts in flight, and each evicted one is prefilled whole again)",
+        evicted as f64 / p.core.trajectories_completed.max(1) as f64
     )
 }
 
