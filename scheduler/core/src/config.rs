@@ -97,6 +97,11 @@ pub struct Policy {
     /// order.
     #[serde(default)]
     pub cheapest_training_first: bool,
+    /// Whether a trajectory starts only where it leaves the replica's KV caches room for the
+    /// growth of those already there (`Core::dispatch_gen`). Off, a first turn takes any room
+    /// the router finds, evicting idle caches if it must.
+    #[serde(default)]
+    pub start_leaves_kv_room: bool,
 }
 
 impl Policy {
@@ -119,6 +124,7 @@ impl Policy {
             restart_expired_groups: true,
             window_widening_quarters: 0,
             cheapest_training_first: true,
+            start_leaves_kv_room: true,
         }
     }
 }

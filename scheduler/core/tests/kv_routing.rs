@@ -282,3 +282,56 @@ fn a_first_turn_waits_for_a_decode_replica_taking_its_prefills_weights_instead_o
         "{generate:?}"
     );
 }
+
+#[test]
+fn a_trajectory_starts_only_where_it_leaves_a_quarter_of_the_kv_cache_to_those_already_there() {
+    // 1,000 tokens of KV, first turns of 200 (a 100-token prompt and up to 100 new): three
+    // start (600), the fourth would fill 800 of it, past three quarters, so it waits, though
+    // the cache has room for it; without the rule it starts.
+    let starts = |leave_room: bool| {
+        let mut policy = policy(Discipline::Continuous, 0, 0.0, SyncMode::Rolling);
+        policy.start_leaves_kv_room = leave_room;
+        let cfg = config(vec![replica(ServeRole::Generate, 1_000)], policy, 4, 4, 1);
+        let (mut core, resets) = started(cfg);
+        let generations: Vec<Vec<StageCommand>> = resets
+            .iter()
+            .map(|r| runs(&finish(&mut core, r.stage, observed(100, false))))
+            .collect();
+        core.check_invariants().unwrap();
+        (core, generations)
+    };
+    let (_, free_for_all) = starts(false);
+    assert!(
+        free_for_all.iter().all(|g| g.len() == 1),
+        "{free_for_all:?}"
+    );
+    let (mut core, generations) = starts(true);
+    assert!(
+        generations[..3].iter().all(|g| g.len() == 1),
+        "{generations:?}"
+    );
+    assert!(generations[3].is_empty(), "{generations:?}");
+    // The first ends its only turn and its episode: its cache goes, and the fourth starts.
+    let step = runs(&finish(
+        &mut core,
+        generations[0][0].stage,
+        StageOutcome::Generated { tokens: 100 },
+    ));
+    let mut next = runs(&finish(&mut core, step[0].stage, observed(10, true)));
+    let mut rounds = 0;
+    while !next
+        .iter()
+        .any(|s| matches!(s.work, StageWork::Generate { .. }))
+    {
+        rounds += 1;
+        assert!(rounds < 4, "{next:?}");
+        let stage = next.first().unwrap().stage;
+        next = runs(&finish(
+            &mut core,
+            stage,
+            StageOutcome::Rewarded { score: 1.0 },
+        ));
+    }
+    assert_eq!(core.stats().kv_evictions, 0);
+    core.check_invariants().unwrap();
+}

@@ -91,6 +91,7 @@ impl Baseline {
             restart_expired_groups: false,
             window_widening_quarters: 0,
             cheapest_training_first: false,
+            start_leaves_kv_room: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -120,6 +121,7 @@ impl Baseline {
                 restart_expired_groups: false,
                 window_widening_quarters: 0,
                 cheapest_training_first: false,
+                start_leaves_kv_room: false,
             },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
@@ -149,6 +151,7 @@ impl Baseline {
             restart_expired_groups: false,
             window_widening_quarters: 0,
             cheapest_training_first: false,
+            start_leaves_kv_room: false,
         };
         Ok(match self {
             Baseline::Sync => (

@@ -36,6 +36,10 @@ pub(super) enum Visit {
     Progressed,
     /// It could not be placed now; keep looking past it.
     Missed,
+    /// It waits on purpose (a first turn while the KV caches have no room for starts): keep
+    /// looking past it without counting it against the scan's lookahead, or the later turns
+    /// queued behind the first turns of older groups would never be looked at.
+    Waits,
     /// Nothing behind it can be placed either; end the scan.
     Stop,
 }
@@ -103,6 +107,11 @@ pub(super) struct PartialTurn {
 }
 
 impl Traj {
+    /// Whether its next turn is its first: nothing of its own is cached anywhere yet.
+    pub(super) fn on_first_turn(&self) -> bool {
+        self.turns.is_empty() && self.partial.is_none()
+    }
+
     pub(super) fn oldest(&self) -> Option<Version> {
         (self.min_version != Version::MAX).then_some(self.min_version)
     }

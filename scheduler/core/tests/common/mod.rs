@@ -28,6 +28,7 @@ pub fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncM
         restart_expired_groups: false,
         window_widening_quarters: 0,
         cheapest_training_first: false,
+        start_leaves_kv_room: false,
     }
 }
 
