@@ -159,6 +159,22 @@ pub(super) struct Occupancy {
     pub(super) tau: f64,
 }
 
+impl Occupancy {
+    /// A mean batch and the tokens a second it makes; a token's time is their ratio, or a lone
+    /// sequence's when it makes none.
+    fn of(batch: f64, tokens_per_s: f64, times: &IterationTimes) -> Occupancy {
+        Occupancy {
+            batch,
+            tokens_per_s,
+            tau: if tokens_per_s > 0.0 {
+                batch / tokens_per_s
+            } else {
+                times.at(1)
+            },
+        }
+    }
+}
+
 /// The decode batch of one replica as the random variable it is. Each of the `alive`
 /// trajectories the router keeps on the replica alternates between decoding and everything
 /// else (`other` seconds per token it decodes), and the replica shares its iterations among
@@ -221,16 +237,7 @@ pub(super) fn replica_occupancy(alive: f64, other: f64, times: &IterationTimes) 
             break;
         }
     }
-    let (batch, tokens) = (batch / total, tokens / total);
-    Occupancy {
-        batch,
-        tokens_per_s: tokens,
-        tau: if tokens > 0.0 {
-            batch / tokens
-        } else {
-            times.at(1)
-        },
-    }
+    Occupancy::of(batch / total, tokens / total, times)
 }
 
 /// Where the router puts the decoding sequences, and what each kind of replica then runs at.
@@ -254,10 +261,10 @@ pub(super) enum Holding {
     /// From none to twice the mean, evenly over a step. The rolling update drops a replica's KV
     /// cache once a step, so the trajectories it held take their next turns elsewhere (the
     /// least loaded replicas, which are the ones just updated, emptied the same way) and it
-    /// fills again from none until its own next update. A replica at twice its mean batches
-    /// more than twice the tokens of one at none only if its per-token time is flat: a mixture
-    /// of experts reads more experts, and every model more KV, so a token spends more of its
-    /// time in the crowded part of the sweep than the mean batch says. The simulator's
+    /// fills again from none until its own next update. Were a replica's per-token time flat in
+    /// its batch, the sweep would change nothing; but a mixture of experts reads more experts
+    /// for a larger batch, and every model more KV, so a token spends more of its time in the
+    /// crowded part of the sweep, at a slower iteration than the mean batch's. The simulator's
     /// replicas hold trajectories with a spread of 0.4 to 0.9 times their mean over the
     /// example jobs (a uniform sweep: 0.58).
     RefilledEachUpdate,
@@ -289,16 +296,8 @@ pub(super) fn held_occupancy(
                 batch += o.batch;
                 tokens += o.tokens_per_s;
             }
-            let (batch, tokens) = (batch / SWEEP_POINTS as f64, tokens / SWEEP_POINTS as f64);
-            Occupancy {
-                batch,
-                tokens_per_s: tokens,
-                tau: if tokens > 0.0 {
-                    batch / tokens
-                } else {
-                    times.at(1)
-                },
-            }
+            let points = SWEEP_POINTS as f64;
+            Occupancy::of(batch / points, tokens / points, times)
         }
     }
 }
