@@ -102,6 +102,11 @@ pub struct Policy {
     /// the router finds, evicting idle caches if it must.
     #[serde(default)]
     pub start_leaves_kv_room: bool,
+    /// Whether a rolling update keeps at least half of the decoding replicas serving (one may
+    /// always update), however many the trainer's nodes could feed at once (see
+    /// `Core::rolling_sync`). Off, as many update at once as the update limit allows.
+    #[serde(default)]
+    pub updates_keep_half_decoding: bool,
 }
 
 impl Policy {
@@ -125,6 +130,7 @@ impl Policy {
             window_widening_quarters: 0,
             cheapest_training_first: true,
             start_leaves_kv_room: true,
+            updates_keep_half_decoding: true,
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Weight sync: replicas take new weights one at a time while the others keep serving, a
+//! Weight sync: replicas take new weights one at a time while the others keep serving (never
+//! more than half of the decoding ones at once under rollfleet's policy), a
 //! generation interrupted for new weights resumes from its tokens on them, and the first replica
 //! back on new weights does not take every turn waiting for them.
 #![allow(clippy::unwrap_used)]
@@ -355,4 +356,61 @@ fn a_decode_replica_back_from_a_weight_update_takes_at_most_twice_its_share_of_t
         prefilled_first_turns_decoded_by_the_decode_replica_updated_first(false),
         (6, 6)
     );
+}
+
+/// The replicas a publication's rolling update starts at once, by role.
+fn updates_started(keep_half_decoding: bool) -> (Core, Vec<ReplicaId>) {
+    let mut replicas = vec![replica(ServeRole::Prefill, 10_000); 2];
+    replicas.extend(vec![replica(ServeRole::Decode, 10_000); 4]);
+    let mut policy = policy(Discipline::Continuous, 2, 0.0, SyncMode::Rolling);
+    // A trainer that could feed every replica at once.
+    policy.max_concurrent_updates = 8;
+    policy.updates_keep_half_decoding = keep_half_decoding;
+    let (mut core, resets) = started(config(replicas, policy, 1, 1, 3));
+    let before = complete_one(&mut core, &resets[0]);
+    core.handle_input(
+        Time(5),
+        Input::TrainFinished {
+            batch: trained_batch(&before),
+        },
+    );
+    let updated = drain(&mut core)
+        .iter()
+        .filter_map(|c| match c {
+            Command::UpdateWeights { replica, .. } => Some(*replica),
+            _ => None,
+        })
+        .collect();
+    (core, updated)
+}
+
+#[test]
+fn a_rolling_update_keeps_half_of_the_decoding_replicas_serving_however_many_the_trainer_could_feed()
+ {
+    // Replicas 0 and 1 prefill, 2 to 5 decode.
+    let decoding = |ids: &[ReplicaId]| ids.iter().filter(|r| r.0 >= 2).count();
+    let (_, all_at_once) = updates_started(false);
+    assert_eq!(all_at_once.len(), 6, "{all_at_once:?}");
+    let (mut core, updated) = updates_started(true);
+    // Both prefill replicas (they hold no trajectory) and two of the four decoding ones.
+    assert_eq!(decoding(&updated), 2, "{updated:?}");
+    assert!(updated.contains(&ReplicaId(0)) && updated.contains(&ReplicaId(1)));
+    // One decoding replica back on the new weights lets the next one go.
+    let back = *updated.iter().find(|r| r.0 >= 2).unwrap();
+    core.handle_input(
+        Time(6),
+        Input::WeightsUpdated {
+            replica: back,
+            version: 1,
+        },
+    );
+    let next: Vec<ReplicaId> = drain(&mut core)
+        .iter()
+        .filter_map(|c| match c {
+            Command::UpdateWeights { replica, .. } => Some(*replica),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(next.len(), 1, "{next:?}");
+    assert!(next[0].0 >= 2 && !updated.contains(&next[0]), "{next:?}");
 }

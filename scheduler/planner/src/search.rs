@@ -339,9 +339,10 @@ pub fn solve_affinity(p: &Problem) -> Option<Found> {
 /// turns' prefills queue behind long ones, and whole-context prefills after every weight update
 /// run at the decode pool's compute); the full prediction does, so it settles between the two.
 /// It does not model the stall of a decode pool whose replicas all update their weights at once
-/// (the core updates as many at a time as the trainer has nodes), so an affinity placement with
-/// no more decode replicas than that is not taken (on the quick-start job it would be predicted
-/// 5% faster and simulates 14% slower).
+/// (the core updates a replica per trainer node at a time, never more than half of the decoding
+/// ones, so that is a pool of one decode replica), so an affinity placement with no more decode
+/// replicas than it updates at once is not taken (on the quick-start job one such placement was
+/// predicted 5% faster and simulated 14% slower).
 ///
 /// Last, the placements `rollfleet plan --compare` shows (the best uniform placement and the
 /// best on the most powerful GPUs alone, [`crate::compare`]) are predicted as the plan is
@@ -411,7 +412,8 @@ pub fn search_or_affinity(p: &Problem) -> Option<(Found, Choice)> {
         .map_or(1, |g| {
             affinity.candidate.trainer_gpus.div_ceil(g.per_node.max(1))
         });
-    if affinity.candidate.replicas(Role::Decode) <= trainer_nodes {
+    let decode_replicas = affinity.candidate.replicas(Role::Decode);
+    if decode_replicas <= predict::decoding_updated_at_once(trainer_nodes, decode_replicas) {
         return Some((first, alone));
     }
     let family = |c: &Candidate| {

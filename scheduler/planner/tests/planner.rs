@@ -742,11 +742,15 @@ fn a_window_of_many_batches_cannot_predict_a_step_shorter_than_the_longest_chain
 }
 
 #[test]
-fn turns_wait_for_a_weight_update_only_when_every_replica_updates_at_once() {
-    // Two H20 replicas of 4 GPUs and an 8-GPU trainer. The core updates as many replicas at
-    // once as the trainer has nodes: with 4 GPUs a node that is both replicas together, so a
-    // turn arriving during the update waits for it; with 8 a node, one at a time, and the
-    // turn goes to the other replica instead (its refill is paid either way).
+fn at_most_half_of_the_decoding_replicas_update_at_once_however_many_nodes_the_trainer_has() {
+    // The core updates a replica per trainer node at a time, but never more than half of the
+    // decoding ones (at least one): a trainer of many nodes does not take them all out at once.
+    assert_eq!(predict::decoding_updated_at_once(16, 8), 4);
+    assert_eq!(predict::decoding_updated_at_once(3, 40), 3);
+    assert_eq!(predict::decoding_updated_at_once(2, 2), 1);
+    assert_eq!(predict::decoding_updated_at_once(4, 1), 1);
+    // Two H20 replicas of 4 GPUs and an 8-GPU trainer of two nodes (4 GPUs a node) or one
+    // (8 a node): either way one replica updates while the other serves, so turns wait alike.
     let predict_with = |per_node: u32| {
         let job = job(
             QWEN_7B,
@@ -767,12 +771,12 @@ fn turns_wait_for_a_weight_update_only_when_every_replica_updates_at_once() {
         };
         predict::predict(&p, &c).unwrap()
     };
-    let (together, rolling) = (predict_with(4), predict_with(8));
-    assert!(
-        together.slot_lifetime_s > rolling.slot_lifetime_s,
-        "{together:?} against {rolling:?}"
+    let (two_nodes, one_node) = (predict_with(4), predict_with(8));
+    assert_eq!(
+        two_nodes.slot_lifetime_s, one_node.slot_lifetime_s,
+        "{two_nodes:?} against {one_node:?}"
     );
-    assert!(together.step_s > rolling.step_s);
+    assert_eq!(two_nodes.step_s, one_node.step_s);
 }
 
 #[test]

@@ -92,6 +92,7 @@ impl Baseline {
             window_widening_quarters: 0,
             cheapest_training_first: false,
             start_leaves_kv_room: false,
+            updates_keep_half_decoding: false,
         };
         match self {
             Baseline::Sync => batched(0, 0, SyncMode::Colocated),
@@ -122,6 +123,7 @@ impl Baseline {
                 window_widening_quarters: 0,
                 cheapest_training_first: false,
                 start_leaves_kv_room: false,
+                updates_keep_half_decoding: false,
             },
             Baseline::Rollfleet => Policy::rollfleet(spec),
         }
@@ -152,6 +154,7 @@ impl Baseline {
             window_widening_quarters: 0,
             cheapest_training_first: false,
             start_leaves_kv_room: false,
+            updates_keep_half_decoding: false,
         };
         Ok(match self {
             Baseline::Sync => (

@@ -29,6 +29,7 @@ pub fn policy(discipline: Discipline, max_staleness: u64, over: f64, sync: SyncM
         window_widening_quarters: 0,
         cheapest_training_first: false,
         start_leaves_kv_room: false,
+        updates_keep_half_decoding: false,
     }
 }
 

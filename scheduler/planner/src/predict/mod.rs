@@ -383,9 +383,16 @@ pub(crate) struct Caps {
     local_fastest: f64,
     kinds: Vec<DecodeKind>,
     trainer_flops: f64,
-    /// Nodes the trainer spans: the core updates that many replicas' weights at once (its
-    /// default `max_concurrent_updates`), each node feeding one.
+    /// Nodes the trainer spans: the core updates at most that many replicas' weights at once
+    /// (its default `max_concurrent_updates`), each node feeding one.
     trainer_nodes: f64,
+}
+
+/// How many decoding replicas rollfleet's rolling update takes out of service at once: one per
+/// trainer node, but never more than half of them (at least one), as the core's
+/// `Policy::updates_keep_half_decoding` rule has it.
+pub fn decoding_updated_at_once(trainer_nodes: u32, decode_replicas: u32) -> u32 {
+    trainer_nodes.min((decode_replicas / 2).max(1)).max(1)
 }
 
 /// KV tokens a replica of `tp` GPUs of a pool holds besides the weights (the core's rule).

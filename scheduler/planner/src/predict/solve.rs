@@ -149,15 +149,24 @@ pub(super) fn predict_caps(
             let longest_action = biased_mean + expected_max_z(per_replica) * biased_sd;
             offline_s = sync_s + longest_action * seen_tau / 2.0;
             let update_wait = offline_s * offline_s / (2.0 * t);
-            // The core updates replicas a trainer node's worth at a time, and a turn whose
-            // replica is draining goes to another one (paying the refill counted below), so a
-            // later turn waits only when every replica updates at once. A first turn under a
+            // The core updates replicas a trainer node's worth at a time, never more than half
+            // of the decoding ones, and a turn whose replica is draining goes to another one
+            // (paying the refill counted below), so a later turn waits only when every replica
+            // updates at once: a single decode replica. A first turn under a
             // staleness bound of 1 must start on the newest weights, which no replica has until
             // the first of them is updated, so it waits either way.
-            let together = decode_replicas <= caps.trainer_nodes;
+            let at_once = f64::from(super::decoding_updated_at_once(
+                caps.trainer_nodes as u32,
+                decode_replicas as u32,
+            ));
+            let together = decode_replicas <= at_once;
             let later_wait = if together { update_wait } else { 0.0 };
+            // It waits for the first of the replicas updated at once to come back, not for its
+            // own: each is caught with about a uniform share of its longest action left to
+            // run, and the least of `k` such shares is `1 / (k + 1)` of it.
+            let first_offline = sync_s + longest_action * seen_tau / (at_once + 1.0);
             let first_wait = if together || w.max_staleness <= 1.0 {
-                update_wait
+                first_offline * first_offline / (2.0 * t)
             } else {
                 0.0
             };
