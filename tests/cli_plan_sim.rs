@@ -56,7 +56,16 @@ fn plan_puts_training_on_the_compute_rich_pool_and_says_why_each_role_goes_where
     let json = rollfleet(&["plan", "examples/jobs/rollart-agentic.yaml", "-o", "json"]);
     let value: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
     let probes = value["admission_window"]["probes"].as_array().unwrap();
-    assert_eq!(probes.len(), 3, "{}", value["admission_window"]);
+    // The three widths always tried and, as the rule wins on this job, a quarter narrower.
+    let widths: Vec<i64> = probes
+        .iter()
+        .map(|p| p["widening_quarters"].as_i64().unwrap())
+        .collect();
+    assert_eq!(widths, [0, 1, 2, -1], "{}", value["admission_window"]);
+    assert_eq!(
+        value["admission_window"]["widening_quarters"].as_i64(),
+        Some(0)
+    );
     let task_lives = value["plan"]["prediction"]["task_lives"]
         .as_array()
         .unwrap();

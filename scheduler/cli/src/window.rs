@@ -12,7 +12,7 @@ use rollfleet_sim::window::{TUNING_SEEDS, WIDENINGS, choose_window, widening_lab
 pub struct SimulatedWindow;
 
 impl WindowChooser for SimulatedWindow {
-    fn widening_quarters(&self, plan: &JobPlan) -> Result<u32, String> {
+    fn widening_quarters(&self, plan: &JobPlan) -> Result<i32, String> {
         let opts = SimOptions {
             seed: plan.config.seed,
             hardware: plan.hardware,

@@ -86,11 +86,12 @@ pub struct Policy {
     #[serde(default)]
     pub restart_expired_groups: bool,
     /// Quarters of a rollout batch by which the continuous discipline's admission window is
-    /// wider than its rule, its cap widened to match (see `Core::admission_window`): chosen per
-    /// job by simulating it, as the rule alone cannot tell whether a job's lives are tight
-    /// against the staleness bound.
+    /// wider than its rule (its cap widened to match), or narrower when negative, down to one
+    /// training batch (see `Core::admission_window`): chosen per job by simulating it, as the
+    /// rule alone cannot tell whether a job's lives are tight against the staleness bound, nor
+    /// whether its pools can serve the window at all.
     #[serde(default)]
-    pub window_widening_quarters: u32,
+    pub window_widening_quarters: i32,
     /// Whether the trainer takes finished groups cheapest to train first (fewest tokens), after
     /// those the next publication would put past the staleness bound (continuous discipline;
     /// see `Core::training_order`). Off, it takes them oldest version first, in admission

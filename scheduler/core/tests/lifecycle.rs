@@ -263,7 +263,7 @@ fn a_widened_window_starts_its_quarters_of_a_batch_more_with_its_margin_past_the
     // of over-provisioning: the rule's window is 6, and the cap of one batch leaves its margin
     // 2, so 8 start. Widened, the window grows by its quarters of a batch and the cap makes room
     // for the margin and a training batch beside it, so the margin still starts.
-    let started_with = |quarters: u32| {
+    let started_with = |quarters: i32| {
         let mut cfg = config(
             vec![replica(ServeRole::Generate, 10_000)],
             policy(Discipline::Continuous, 1, 0.25, SyncMode::Rolling),
@@ -439,4 +439,22 @@ fn the_trainer_takes_the_cheapest_finished_group_first_unless_the_next_publicati
             "cheapest first: {cheapest}, staleness bound {max_staleness}"
         );
     }
+}
+
+#[test]
+fn a_narrowed_window_stops_at_one_training_batch_and_the_jobs_last_starts_add_no_more_than_it() {
+    // Batches of 1024, training batches of 256, groups of 8, a bound of 2, a margin of a quarter:
+    // a rule of one batch.
+    let terms = |quarters| Core::admission_window(1024, 256, 8, 2, 0.25, true, quarters);
+    assert_eq!(terms(0).window, 1024);
+    // A batch more than the window and margin, within the cap of two batches.
+    assert_eq!(Core::last_starts(terms(0)), 2048);
+    assert_eq!(terms(-1).window, 768);
+    assert_eq!(terms(-3).window, 256);
+    assert_eq!(terms(-8).window, 256, "never below one training batch");
+    // The margin and the cap stay the rule's.
+    assert_eq!((terms(-3).extra, terms(-3).cap), (256, 2048));
+    // Narrowed, the job's last starts add the window's worth, not a whole batch.
+    assert_eq!(Core::last_starts(terms(-3)), 256 + 256 + 256);
+    assert_eq!(Core::last_starts(terms(-1)), 768 + 256 + 768);
 }

@@ -81,8 +81,9 @@ impl JobPlan {
     }
 
     /// The plan with the core's admission window widened by `quarters` quarters of a rollout
-    /// batch (`Policy::window_widening_quarters`), as a simulation of the job chose.
-    pub fn with_window_widening(mut self, quarters: u32) -> JobPlan {
+    /// batch (narrowed when negative: `Policy::window_widening_quarters`), as a simulation of
+    /// the job chose.
+    pub fn with_window_widening(mut self, quarters: i32) -> JobPlan {
         self.config.policy.window_widening_quarters = quarters;
         self
     }

@@ -82,7 +82,7 @@ pub struct Workload {
     pub group_max_sd: f64,
     /// Quarters of a rollout batch the core's admission window is widened by
     /// (`Policy::window_widening_quarters`): none unless a simulation of the job chose it.
-    pub window_widening_quarters: u32,
+    pub window_widening_quarters: i32,
 }
 
 impl Workload {
@@ -226,7 +226,7 @@ impl Workload {
     /// [`rollfleet_core::Core::last_starts`]: trajectories started and not yet trained once the
     /// job's last ones start.
     pub fn last_starts(&self) -> f64 {
-        rollfleet_core::Core::last_starts(self.batch as u64, self.core_terms()) as f64
+        rollfleet_core::Core::last_starts(self.core_terms()) as f64
     }
 
     /// Mean tokens trained on per trajectory.

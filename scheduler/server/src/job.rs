@@ -44,9 +44,9 @@ pub enum SubmitError {
 /// simulator. It must be a pure function of the plan (its seed included): a scheduler resumed
 /// from its journal plans the job again and must decide alike.
 pub trait WindowChooser: Send + Sync + std::fmt::Debug {
-    /// The widening, in quarters of a rollout batch; an error says why none could be chosen
-    /// (the job then runs the core's rule).
-    fn widening_quarters(&self, plan: &JobPlan) -> Result<u32, String>;
+    /// The widening, in quarters of a rollout batch (negative: a narrowing); an error says why
+    /// none could be chosen (the job then runs the core's rule).
+    fn widening_quarters(&self, plan: &JobPlan) -> Result<i32, String>;
 }
 
 /// The slot a scheduler's job goes in, and how a job is planned for it.
@@ -261,10 +261,10 @@ mod tests {
 
     /// A chooser that answers the same whatever the plan.
     #[derive(Debug)]
-    struct Fixed(Result<u32, String>);
+    struct Fixed(Result<i32, String>);
 
     impl WindowChooser for Fixed {
-        fn widening_quarters(&self, _plan: &JobPlan) -> Result<u32, String> {
+        fn widening_quarters(&self, _plan: &JobPlan) -> Result<i32, String> {
             self.0.clone()
         }
     }

@@ -452,7 +452,7 @@ pub fn run(
     };
     // The prediction is made for the window rollfleet runs with, on the same placement.
     let predicted = match &rollfleet_window {
-        Some(window) if window.widening_quarters > 0 => {
+        Some(window) if window.widening_quarters != 0 => {
             planned.predicted_widened(window.widening_quarters)
         }
         _ => planned.prediction,

@@ -4,7 +4,7 @@
 
 use rollfleet_sim::sim::RunError;
 use rollfleet_sim::window::{
-    MAX_WIDENING_QUARTERS, WIDENINGS, choose_among, choose_window, tuning_seeds,
+    MAX_WIDENING_QUARTERS, WIDENINGS, choose_among, choose_window, narrowest_quarters, tuning_seeds,
 };
 use rollfleet_sim::{Baseline, OutputFormat, PlacementChoice, SimArgs, SimOptions, simulate};
 
@@ -39,8 +39,13 @@ fn the_window_chosen_is_the_width_that_simulated_fastest_on_seeds_other_than_the
         ..SimOptions::default()
     };
     let choice = choose_window(job.spec(), &job.catalog, &placement, &policy, &opts).unwrap();
-    let widths: Vec<u32> = choice.probes.iter().map(|p| p.widening_quarters).collect();
-    assert_eq!(widths, WIDENINGS);
+    let widths: Vec<i32> = choice.probes.iter().map(|p| p.widening_quarters).collect();
+    // The widths always tried, and a quarter narrower where the rule was the fastest of them.
+    assert_eq!(widths[..WIDENINGS.len()], WIDENINGS);
+    assert!(
+        widths[WIDENINGS.len()..].iter().all(|&q| q == -1),
+        "{widths:?}"
+    );
     let steps: Vec<f64> = choice.probes.iter().map(|p| p.step_s.unwrap()).collect();
     let fastest = steps.iter().copied().fold(f64::INFINITY, f64::min);
     let chosen = choice
@@ -106,7 +111,7 @@ fn mean_step(
     placement: &rollfleet_core::Placement,
     policy: &rollfleet_core::Policy,
     opts: &SimOptions,
-    quarters: u32,
+    quarters: i32,
 ) -> f64 {
     let policy = rollfleet_core::Policy {
         window_widening_quarters: quarters,
@@ -166,8 +171,19 @@ fn the_report_gives_rollfleets_window_and_its_trials_and_no_window_to_the_baseli
             .clone()
     };
     let window = &by_name("rollfleet")["admission_window"];
-    assert_eq!(window["probes"].as_array().unwrap().len(), WIDENINGS.len());
-    assert!(window["widening_quarters"].as_u64().is_some(), "{window}");
+    // The widths always tried come first; a narrower or a wider one may follow.
+    let widths: Vec<i64> = window["probes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["widening_quarters"].as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        widths[..WIDENINGS.len()],
+        WIDENINGS.map(i64::from),
+        "{window}"
+    );
+    assert!(window["widening_quarters"].as_i64().is_some(), "{window}");
     assert!(by_name("one-step-off")["admission_window"].is_null());
     let progress = String::from_utf8(err).unwrap();
     assert!(
@@ -178,7 +194,7 @@ fn the_report_gives_rollfleets_window_and_its_trials_and_no_window_to_the_baseli
 
 /// Trials that run `steps[q]` seconds a step for widening `q` on every seed, or fail where it
 /// is `None`; a width past the list runs a second slower than the widest listed.
-fn trials(steps: &[Option<f64>]) -> impl FnMut(u32, u64) -> Result<f64, RunError> {
+fn trials(steps: &[Option<f64>]) -> impl FnMut(i32, u64) -> Result<f64, RunError> {
     move |quarters, _seed| {
         let step = match steps.get(quarters as usize) {
             Some(&step) => step,
@@ -188,13 +204,13 @@ fn trials(steps: &[Option<f64>]) -> impl FnMut(u32, u64) -> Result<f64, RunError
     }
 }
 
-fn tried(choice: &rollfleet_sim::window::WindowChoice) -> Vec<u32> {
+fn tried(choice: &rollfleet_sim::window::WindowChoice) -> Vec<i32> {
     choice.probes.iter().map(|p| p.widening_quarters).collect()
 }
 
 #[test]
 fn a_widened_width_whose_trial_fails_is_passed_over_and_its_probe_says_why() {
-    let choice = choose_among(trials(&[Some(10.0), None, Some(12.0)]), &[1, 2]).unwrap();
+    let choice = choose_among(trials(&[Some(10.0), None, Some(12.0)]), &[1, 2], 0).unwrap();
     assert_eq!(choice.widening_quarters, 0, "{choice:?}");
     let failed = &choice.probes[1];
     assert_eq!(failed.step_s, None);
@@ -209,14 +225,14 @@ fn a_widened_width_whose_trial_fails_is_passed_over_and_its_probe_says_why() {
     );
 
     // Past the failed width, a faster one is still chosen.
-    let choice = choose_among(trials(&[Some(10.0), None, Some(9.0)]), &[1, 2]).unwrap();
+    let choice = choose_among(trials(&[Some(10.0), None, Some(9.0)]), &[1, 2], 0).unwrap();
     assert_eq!(choice.widening_quarters, 2, "{choice:?}");
 }
 
 #[test]
 fn a_failed_trial_of_the_rule_is_the_error_and_a_tie_goes_to_the_narrower_window() {
-    assert!(choose_among(trials(&[None, Some(9.0), Some(9.0)]), &[1]).is_err());
-    let choice = choose_among(trials(&[Some(11.0), Some(9.0), Some(9.0)]), &[1]).unwrap();
+    assert!(choose_among(trials(&[None, Some(9.0), Some(9.0)]), &[1], 0).is_err());
+    let choice = choose_among(trials(&[Some(11.0), Some(9.0), Some(9.0)]), &[1], 0).unwrap();
     assert_eq!(choice.widening_quarters, 1, "{choice:?}");
 }
 
@@ -236,6 +252,7 @@ fn each_width_is_tried_on_every_seed_and_scored_by_its_mean() {
             })
         },
         &[1, 2],
+        0,
     )
     .unwrap();
     assert_eq!(tried.len(), WIDENINGS.len() * 2);
@@ -249,7 +266,7 @@ fn a_wider_window_is_tried_while_each_quarter_more_is_faster_by_the_gain() {
     // still, and a whole batch only 0.5% faster than that: three quarters is chosen, and
     // nothing past a whole batch is tried, however fast it would be.
     let steps = [12.0, 11.0, 10.0, 9.0, 8.955, 5.0].map(Some);
-    let choice = choose_among(trials(&steps), &[1, 2]).unwrap();
+    let choice = choose_among(trials(&steps), &[1, 2], 0).unwrap();
     assert_eq!(choice.widening_quarters, 3, "{choice:?}");
     assert_eq!(tried(&choice), [0, 1, 2, 3, 4]);
     assert!(
@@ -264,18 +281,18 @@ fn a_wider_window_is_tried_while_each_quarter_more_is_faster_by_the_gain() {
 
 #[test]
 fn no_width_past_half_a_batch_is_tried_unless_half_a_batch_is_the_fastest() {
-    let choice = choose_among(trials(&[10.0, 9.0, 9.5, 1.0].map(Some)), &[1, 2]).unwrap();
+    let choice = choose_among(trials(&[10.0, 9.0, 9.5, 1.0].map(Some)), &[1, 2], 0).unwrap();
     assert_eq!(choice.widening_quarters, 1, "{choice:?}");
     assert_eq!(tried(&choice), WIDENINGS);
     // A failed half batch is not the fastest either.
-    let choice = choose_among(trials(&[Some(10.0), Some(9.0), None, Some(1.0)]), &[1]).unwrap();
+    let choice = choose_among(trials(&[Some(10.0), Some(9.0), None, Some(1.0)]), &[1], 0).unwrap();
     assert_eq!(tried(&choice), WIDENINGS);
 }
 
 #[test]
 fn the_widening_stops_at_two_batches_over_the_rule() {
     let steps: Vec<Option<f64>> = (0..20).map(|q| Some(100.0 - 5.0 * f64::from(q))).collect();
-    let choice = choose_among(trials(&steps), &[1]).unwrap();
+    let choice = choose_among(trials(&steps), &[1], 0).unwrap();
     assert_eq!(MAX_WIDENING_QUARTERS, 8);
     assert_eq!(
         choice.widening_quarters, MAX_WIDENING_QUARTERS,
@@ -292,4 +309,61 @@ fn the_widening_stops_at_two_batches_over_the_rule() {
         "{}",
         choice.describe()
     );
+}
+
+#[test]
+fn where_the_rule_wins_a_narrower_window_is_tried_while_each_quarter_less_is_faster_by_the_gain() {
+    // Wider windows are slower; a quarter narrower is 10% faster, half a batch 11% faster
+    // still, three quarters only 1.25% faster than that (less than the narrowing's gain): half a
+    // batch narrower is chosen.
+    let step = |quarters: i32| match quarters {
+        0 => 10.0,
+        1 => 11.0,
+        2 => 12.0,
+        -1 => 9.0,
+        -2 => 8.0,
+        -3 => 7.9,
+        _ => 1.0,
+    };
+    let choice = choose_among(|q, _| Ok(step(q)), &[1, 2], -4).unwrap();
+    assert_eq!(choice.widening_quarters, -2, "{choice:?}");
+    assert_eq!(tried(&choice), [0, 1, 2, -1, -2, -3]);
+    assert!(
+        choice
+            .describe()
+            .contains("rule - 1/2 batch 8.0 s (chosen)"),
+        "{}",
+        choice.describe()
+    );
+    // Never past the narrowest window the job allows, however fast it would be.
+    let choice = choose_among(|q, _| Ok(10.0 + f64::from(q)), &[1], -2).unwrap();
+    assert_eq!(choice.widening_quarters, -2, "{choice:?}");
+    assert_eq!(tried(&choice), [0, 1, 2, -1, -2]);
+    // Where the rule's window is already one training batch, nothing narrower is tried.
+    let choice = choose_among(|q, _| Ok(10.0 + f64::from(q)), &[1], 0).unwrap();
+    assert_eq!(tried(&choice), WIDENINGS);
+}
+
+#[test]
+fn a_window_narrows_no_further_than_one_training_batch() {
+    // The RollArt-like job: batches of 1024 at `maxStaleness: 2`, a rule of one batch and
+    // training batches of 256, so three quarters narrower is one training batch.
+    let (job, _, policy) = planned("rollart-agentic.yaml");
+    assert_eq!(narrowest_quarters(job.spec(), &policy), -3);
+    // The quick-start's rule is one training batch already.
+    let (quick, _, quick_policy) = planned("quickstart.yaml");
+    let terms = |q| {
+        rollfleet_core::Core::admission_window(
+            quick.spec().rl.rollout_batch_size as u64,
+            quick.spec().rl.train_batch_size as u64,
+            quick.spec().rl.group_size as u64,
+            quick_policy.max_staleness,
+            quick_policy.over_provisioning,
+            quick_policy.cap_over_provisioning,
+            q,
+        )
+    };
+    let narrowest = narrowest_quarters(quick.spec(), &quick_policy);
+    assert_eq!(terms(narrowest - 1).window, terms(narrowest).window);
+    assert!(narrowest == 0 || terms(narrowest).window < terms(0).window);
 }

@@ -197,7 +197,7 @@ pub fn run(
         &SimOptions::default(),
     )?;
     problem.workload.window_widening_quarters = window.widening_quarters;
-    let planned = if window.widening_quarters > 0 {
+    let planned = if window.widening_quarters != 0 {
         describe(&problem)?
     } else {
         planned

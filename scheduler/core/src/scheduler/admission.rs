@@ -20,6 +20,10 @@ pub struct AdmissionTerms {
     pub extra: u64,
     /// The most trajectories ever started and not yet trained.
     pub cap: u64,
+    /// How many more the job's last starts may add to the window and margin (see
+    /// [`Core::last_starts`]): a rollout batch, or, where the window is narrowed below its rule,
+    /// no more than the window itself.
+    pub tail: u64,
 }
 
 impl Core {
@@ -193,7 +197,7 @@ impl Core {
 
     /// [`Core::admission_terms`] on plain numbers (`b` trajectories a rollout batch, `n` a
     /// group, staleness bound `s`, the window widened by `widening_quarters` quarters of a
-    /// batch), for whoever models the core (the planner).
+    /// batch, or narrowed when negative), for whoever models the core (the planner).
     pub fn admission_window(
         b: u64,
         train_batch: u64,
@@ -201,7 +205,7 @@ impl Core {
         s: u64,
         over_provisioning: f64,
         cap_over_provisioning: bool,
-        widening_quarters: u32,
+        widening_quarters: i32,
     ) -> AdmissionTerms {
         let extra = (over_provisioning * b as f64).ceil().max(0.0) as u64;
         // Little's law: with N trajectories generating, a step takes about B / (N / L) for a
@@ -220,7 +224,14 @@ impl Core {
         // expires more groups; where they are not, the trainer waits for a window the rule keeps
         // too narrow. Which one a job is depends on its lives' spread, which the rule cannot see:
         // the widening is chosen per job by simulating it (the simulator's `window` module).
-        let window = rule + b * u64::from(widening_quarters) / 4;
+        // Where the pools cannot serve the rule's window (fewer GPUs than the job's batch asks
+        // for), every trajectory in it lives longer, is refilled after more weight updates and
+        // expires more often, for no more throughput: the window is narrowed there, never below
+        // one training batch (or group), which would starve the trainer.
+        let quarter_batches = i64::from(widening_quarters) * b as i64 / 4;
+        let window = ((rule as i64 + quarter_batches).max(0) as u64)
+            .max(train_batch)
+            .max(n);
         // The same law caps what is started and not trained at `maxStaleness` batches: with
         // more, the mean trajectory waits past the bound, so most expire and regenerate, and the
         // ones trained are the short ones (measured at `overProvisioning` 4 on the RollArt-like
@@ -238,14 +249,28 @@ impl Core {
         } else {
             extra
         };
-        AdmissionTerms { window, extra, cap }
+        // A window narrowed below its rule is what the pools serve at once; a whole batch more
+        // started at the job's end only queues behind it (the RollArt-like workload on a third
+        // of its GPUs: its last two steps took 475 and 748 s against 300 s steady).
+        let tail = if widening_quarters < 0 {
+            b.min(window)
+        } else {
+            b
+        };
+        AdmissionTerms {
+            window,
+            extra,
+            cap,
+            tail,
+        }
     }
 
     /// How many trajectories may be started and not yet trained once the job's last ones start
-    /// (see [`Core::admit_groups`]): one rollout batch `b` more than the window and its
-    /// over-provisioning, within the cap; for whoever models the core (the planner).
-    pub fn last_starts(b: u64, terms: AdmissionTerms) -> u64 {
-        terms.cap.min(terms.window + terms.extra + b)
+    /// (see [`Core::admit_groups`]): the window and its over-provisioning and the terms' `tail`
+    /// (one rollout batch, unless the window is narrowed), within the cap; for whoever models
+    /// the core (the planner).
+    pub fn last_starts(terms: AdmissionTerms) -> u64 {
+        terms.cap.min(terms.window + terms.extra + terms.tail)
     }
 
     pub(super) fn admit_groups(&mut self) {
@@ -258,7 +283,9 @@ impl Core {
                 // over-provisioning, in the spirit of AReaL's `(version + maxStaleness + 1) *
                 // batch`. Nothing new starts once the last batch went to the trainer; groups
                 // still running then are dropped untrained.
-                let AdmissionTerms { window, extra, cap } = self.admission_terms;
+                let AdmissionTerms {
+                    window, extra, cap, ..
+                } = self.admission_terms;
                 if self.stats.trajectories_consumed >= self.cfg.steps * b {
                     return;
                 }
@@ -297,7 +324,7 @@ impl Core {
                 // regenerated more and was slower on the MoE job).
                 if self.cfg.policy.sample_within_job_budget {
                     let job_budget = self.cfg.steps * b + extra;
-                    let last_starts = Self::last_starts(b, self.admission_terms);
+                    let last_starts = Self::last_starts(self.admission_terms);
                     if job_budget <= self.stats.trajectories_consumed + last_starts {
                         budget = job_budget;
                     }
