@@ -19,10 +19,10 @@
 //! [`MAX_WIDENING_QUARTERS`]: a job whose trainer still waits at half a batch (the held-out web
 //! agent at `maxStaleness: 3`) runs fastest around a whole batch over the rule. Where the rule
 //! wins, the window narrows a quarter at a time while each quarter simulates [`NARROWING_GAIN`]
-//! faster, down to one training batch
-//! (`Core::admission_window`'s floor): a job whose pools cannot serve the rule's window (the
-//! RollArt-like workload on a third of its GPUs) gains nothing from trajectories waiting in it
-//! but more refills after every weight update and more expiries.
+//! faster, down to one training batch (`Core::admission_window`'s floor): a job whose pools
+//! cannot serve the rule's window (the RollArt-like workload on a third of its GPUs) gains
+//! nothing from trajectories waiting in it but more refills after every weight update and more
+//! expiries.
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::rng::SplitMix64;
