@@ -5,7 +5,7 @@
 use crate::protocol::{BatchId, Command, ReplicaId, StageId, SyncMode, Version};
 
 use super::Core;
-use super::books::{Replica, StageKind};
+use super::books::StageKind;
 use crate::placement::ServeRole;
 
 impl Core {
@@ -27,12 +27,16 @@ impl Core {
             if self.updating + draining >= limit || self.pending_update.is_empty() {
                 break;
             }
-            let keep_half = self.cfg.policy.updates_keep_half_decoding;
+            // Counted once per pick, not per candidate: the pending set can hold every replica.
+            let decoding_may_leave =
+                !self.cfg.policy.updates_keep_half_decoding || self.fewer_than_half_decoding_out();
             let pick = self
                 .pending_update
                 .iter()
                 .copied()
-                .filter(|id| !keep_half || self.decoding_may_update(*id))
+                .filter(|id| {
+                    decoding_may_leave || self.replicas[id.0 as usize].role == ServeRole::Prefill
+                })
                 .min_by_key(|id| {
                     let r = &self.replicas[id.0 as usize];
                     (r.version, r.in_flight, r.held.len(), *id)
@@ -61,28 +65,18 @@ impl Core {
         }
     }
 
-    /// Whether `id` may leave service for an update now under
-    /// `Policy::updates_keep_half_decoding`: a prefill replica always may (it holds no
-    /// trajectory, and the turns it would prefill go to the others); a decoding one only while
-    /// fewer than half of the decoding replicas (at least one) are out. Why: the core updates as
-    /// many replicas at once as the trainer has nodes, and a trainer of as many nodes as there
-    /// are decode replicas took them all out together, so every trajectory's next turn waited for
-    /// the whole sync. So the planner charged that stall to any trainer of that many nodes: on
-    /// the held-out math and code job (eight decode replicas) it predicted every trainer of eight
-    /// nodes or more 7% slower and kept 56 of the 128 L40Ss, busy 80% of the run, with a fifth of
-    /// the finished groups expiring while they waited for it. With the rule the plan trains on all
-    /// 128 (36% busy): 45.0 -> 42.7 s a step, seeds 0-7; every other example job's figures
-    /// unchanged, when the rule was chosen. On the old placement the rule alone changed nothing
-    /// beyond the seeds' spread. Capping the prefill replicas as well slowed the RollArt-like job
-    /// 4% (its seven came back three at a time).
-    fn decoding_may_update(&self, id: ReplicaId) -> bool {
-        let decodes = |r: &Replica| r.role != ServeRole::Prefill;
-        if !decodes(&self.replicas[id.0 as usize]) {
-            return true;
-        }
+    /// Whether a decoding replica may leave service for an update now under
+    /// `Policy::updates_keep_half_decoding`: only while fewer than half of the decoding replicas
+    /// (at least one) are out. A prefill replica always may: it holds no trajectory, and the
+    /// turns it would prefill go to the others. Why: the core updates as many replicas at once as
+    /// the trainer has nodes, and a trainer of as many nodes as there are decode replicas took
+    /// them all out together, so every trajectory's next turn waited for the whole sync and the
+    /// planner had to keep trainers small to avoid it. Capping the prefill replicas as well
+    /// slowed the RollArt-like job (its prefill replicas came back a few at a time).
+    fn fewer_than_half_decoding_out(&self) -> bool {
         let (mut serving, mut out) = (0u32, 0u32);
-        for r in self.replicas.iter().filter(|r| decodes(r)) {
-            if !r.healthy || r.retired {
+        for r in &self.replicas {
+            if r.role == ServeRole::Prefill || !r.healthy || r.retired {
                 continue;
             }
             serving += 1;
