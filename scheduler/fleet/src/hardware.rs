@@ -60,6 +60,10 @@ impl Hasher for IdHasher {
 /// Tokens one prefill batch takes at most.
 pub const PREFILL_BATCH_TOKENS: u64 = 16_384;
 
+/// The most of a replica's compute its decoding sequences take from a prefill running beside
+/// them: a prefill always progresses.
+pub const DECODE_COMPUTE_SHARE_MAX: f64 = 0.9;
+
 /// Achieved fractions of peak, and other constants of the simulated hardware.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct HardwareModel {
@@ -142,6 +146,21 @@ pub struct Measured {
     pub seconds: f64,
 }
 
+/// The prefill batch a replica is running.
+#[derive(Debug, Clone)]
+struct PrefillBatch {
+    /// When it ends at the rate it runs at now.
+    end: Time,
+    jobs: Vec<PrefillJob>,
+    work: RooflineWork,
+    /// Share of its work left at the engine's `last`.
+    left: f64,
+    /// Seconds the whole batch takes at the rate it runs at now.
+    secs: f64,
+    /// Whether no sequence decoded beside it so far.
+    alone: bool,
+}
+
 /// One inference replica.
 #[derive(Debug, Clone)]
 pub struct Engine {
@@ -155,7 +174,6 @@ pub struct Engine {
     pub peak_bandwidth: f64,
     /// Durations measured since the owner last drained them (profile samples).
     pub measured: Vec<Measured>,
-    batch_work: Option<Measured>,
     iter_work: RooflineWork,
     costs: ModelCosts,
     /// KV tokens it can hold.
@@ -169,7 +187,7 @@ pub struct Engine {
     /// Incremented whenever scheduled wake-ups become void.
     pub epoch: u64,
     queue: VecDeque<PrefillJob>,
-    batch: Option<(Time, Vec<PrefillJob>)>,
+    batch: Option<PrefillBatch>,
     /// An empty batch vector kept for its allocation.
     spare_jobs: Vec<PrefillJob>,
     /// Running sequences by join order (keys only grow: a slab, not a tree).
@@ -215,7 +233,6 @@ impl Engine {
             peak_flops: gpus as f64 * peak_flops,
             peak_bandwidth: gpus as f64 * bandwidth,
             measured: Vec::new(),
-            batch_work: None,
             iter_work: RooflineWork {
                 flops: 0.0,
                 bytes: 0.0,
@@ -269,7 +286,6 @@ impl Engine {
         self.kv_used = 0;
         self.queue.clear();
         self.batch = None;
-        self.batch_work = None;
         self.seqs = IdSlab::new();
         self.finish.clear();
         self.progress = 0.0;
@@ -280,6 +296,12 @@ impl Engine {
     }
 
     fn advance(&mut self, now: Time) {
+        if let Some(b) = &mut self.batch
+            && b.secs > 0.0
+        {
+            let dt = now.since(self.last).as_secs_f64();
+            b.left = (b.left - dt / b.secs).max(0.0);
+        }
         if !self.seqs.is_empty() && self.t_iter > 0.0 {
             let dt = now.since(self.last).as_secs_f64();
             self.progress += dt / self.t_iter;
@@ -303,13 +325,37 @@ impl Engine {
         let n = self.seqs.len() as f64;
         if n == 0.0 {
             self.t_iter = 0.0;
-            return;
+        } else {
+            let ctx = self.sum_ctx_base + n * self.progress;
+            let flops =
+                n * self.costs.flops_per_token + self.costs.attention_flops_per_context * ctx;
+            let bytes = self.costs.weight_reads.bytes(n) + self.costs.kv_bytes_per_token * ctx;
+            self.t_iter = (flops / self.flops).max(bytes / self.bandwidth).max(1e-9);
+            self.iter_work = RooflineWork { flops, bytes };
         }
-        let ctx = self.sum_ctx_base + n * self.progress;
-        let flops = n * self.costs.flops_per_token + self.costs.attention_flops_per_context * ctx;
-        let bytes = self.costs.weight_reads.bytes(n) + self.costs.kv_bytes_per_token * ctx;
-        self.t_iter = (flops / self.flops).max(bytes / self.bandwidth).max(1e-9);
-        self.iter_work = RooflineWork { flops, bytes };
+        self.retime_prefill();
+    }
+
+    /// Seconds a prefill of `work` takes with the compute the decoding sequences leave now.
+    fn prefill_secs(&self, work: RooflineWork) -> f64 {
+        let compute = self.flops * (1.0 - self.decode_compute_share());
+        (work.flops / compute).max(work.bytes / self.bandwidth)
+    }
+
+    /// The prefill batch under way goes on at the compute the decode batch leaves it from now
+    /// on: its end moves whenever a sequence joins or leaves (the caller advanced it first).
+    fn retime_prefill(&mut self) {
+        let Some(work) = self.batch.as_ref().map(|b| b.work) else {
+            return;
+        };
+        let secs = self.prefill_secs(work);
+        let alone = self.seqs.is_empty();
+        let last = self.last;
+        if let Some(b) = &mut self.batch {
+            b.secs = secs;
+            b.alone &= alone;
+            b.end = last.plus(rollfleet_core::Span::from_secs_f64(b.left * secs));
+        }
     }
 
     /// Share of compute decode uses right now.
@@ -320,7 +366,7 @@ impl Engine {
         let n = self.seqs.len() as f64;
         let ctx = self.sum_ctx_base + n * self.progress;
         let flops = n * self.costs.flops_per_token + self.costs.attention_flops_per_context * ctx;
-        (flops / self.flops / self.t_iter).min(0.9)
+        (flops / self.flops / self.t_iter).min(DECODE_COMPUTE_SHARE_MAX)
     }
 
     /// Queues a prefill (then, for a generation, its decode).
@@ -383,23 +429,21 @@ impl Engine {
                 );
             bytes += self.costs.kv_bytes_per_token * (job.cached as f64 + t);
         }
-        let decode_share = self.decode_compute_share();
-        let compute = self.flops * (1.0 - decode_share);
-        let secs = (flops / compute).max(bytes / self.bandwidth);
-        self.batch = Some((now.plus(rollfleet_core::Span::from_secs_f64(secs)), jobs));
-        // A prefill that shares the GPU with running decodes also pays for them: its duration
-        // is not a sample of the prefill rate (it would read as a slower GPU), so only one that
-        // ran alone is reported.
-        self.batch_work = (decode_share == 0.0).then_some(Measured {
-            kind: WorkKind::Prefill,
-            work: RooflineWork { flops, bytes },
-            seconds: secs,
+        let work = RooflineWork { flops, bytes };
+        let secs = self.prefill_secs(work);
+        self.batch = Some(PrefillBatch {
+            end: now.plus(rollfleet_core::Span::from_secs_f64(secs)),
+            jobs,
+            work,
+            left: 1.0,
+            secs,
+            alone: self.seqs.is_empty(),
         });
     }
 
     /// When it next finishes something.
     pub fn next_wake(&self) -> Option<Time> {
-        let batch = self.batch.as_ref().map(|(t, _)| *t);
+        let batch = self.batch.as_ref().map(|b| b.end);
         let decode = self.finish.peek().map(|&Reverse((bits, _))| {
             let remaining = (f64::from_bits(bits) - self.progress).max(0.0);
             self.last
@@ -421,12 +465,25 @@ impl Engine {
     /// Advances to `now` and appends what finished to `done` (the simulator keeps one buffer).
     pub fn wake_into(&mut self, now: Time, done: &mut Vec<EngineDone>) {
         self.advance(now);
-        if let Some((end, _)) = &self.batch
-            && *end <= now
-            && let Some((_, mut jobs)) = self.batch.take()
+        if let Some(b) = &self.batch
+            && b.end <= now
+            && let Some(PrefillBatch {
+                mut jobs,
+                work,
+                secs,
+                alone,
+                ..
+            }) = self.batch.take()
         {
-            if let Some(m) = self.batch_work.take() {
-                self.measured.push(m);
+            // A prefill that shared the GPU with running decodes also paid for them: its
+            // duration is not a sample of the prefill rate (it would read as a slower GPU), so
+            // only one that ran alone throughout (at one rate, exactly `secs`) is reported.
+            if alone {
+                self.measured.push(Measured {
+                    kind: WorkKind::Prefill,
+                    work,
+                    seconds: secs,
+                });
             }
             for job in jobs.drain(..) {
                 self.tokens_prefilled += job.tokens;
@@ -465,7 +522,7 @@ impl Engine {
 
     /// From `now` on, achieves only `share` of the rates it had (a throttled or badly-driven
     /// GPU); its peaks stay, so what it measures shows the drop. A prefill batch already under
-    /// way keeps its end.
+    /// way goes on at the new rate.
     pub fn slow_down(&mut self, now: Time, share: f64) {
         self.advance(now);
         self.flops *= share;
@@ -487,8 +544,8 @@ impl Engine {
                 (s.tokens as f64 - left).floor().clamp(0.0, s.tokens as f64) as u64
             });
         self.queue.retain(|j| j.stage != stage);
-        if let Some((_, jobs)) = &mut self.batch {
-            jobs.retain(|j| j.stage != stage);
+        if let Some(b) = &mut self.batch {
+            b.jobs.retain(|j| j.stage != stage);
         }
         let keys: Vec<u64> = self
             .seqs
@@ -710,6 +767,64 @@ mod tests {
         let wake = e.next_wake().unwrap();
         assert!((wake.as_secs_f64() - 0.02).abs() < 1e-6, "{wake:?}");
         assert_eq!(e.wake(wake), vec![EngineDone::Prefilled(StageId(1))]);
+    }
+
+    fn prefill_of(tokens: u64) -> PrefillJob {
+        PrefillJob {
+            stage: StageId(10_000),
+            traj: TrajId(1),
+            cached: 0,
+            tokens,
+            decode: None,
+        }
+    }
+
+    /// 500 sequences decoding for 5 tokens: 2 ms iterations (the weight read), of which their
+    /// 500 x 2 GFLOP take 1 ms of a 1 PFLOP/s GPU, half its compute, for 10 ms.
+    fn half_busy_decoding(e: &mut Engine, at: Time) {
+        for s in 0..500 {
+            e.add_decode(at, StageId(s), 10, 5);
+        }
+    }
+
+    #[test]
+    fn a_prefill_speeds_up_as_soon_as_the_decoding_beside_it_ends() {
+        // 10,000 tokens: 20 ms alone. Half speed for the 10 ms of decoding does a quarter of
+        // it; the other three quarters take 15 ms alone: done at 25 ms, not at 40.
+        let mut e = Engine::new(1, 1e15, 1e12, &hw(), costs(), 1_000_000);
+        half_busy_decoding(&mut e, Time::ZERO);
+        e.add_prefill(Time::ZERO, prefill_of(10_000));
+        let decoded = e.next_wake().unwrap();
+        assert!((decoded.as_secs_f64() - 0.010).abs() < 1e-6, "{decoded:?}");
+        assert_eq!(e.wake(decoded).len(), 500);
+        let prefilled = e.next_wake().unwrap();
+        assert!(
+            (prefilled.as_secs_f64() - 0.025).abs() < 1e-6,
+            "{prefilled:?}"
+        );
+        assert_eq!(
+            e.wake(prefilled),
+            vec![EngineDone::Prefilled(StageId(10_000))]
+        );
+        // It shared the GPU for a while, so its duration is no sample of the prefill rate.
+        assert!(e.measured.iter().all(|m| m.kind == WorkKind::Decode));
+    }
+
+    #[test]
+    fn a_prefill_slows_down_when_decoding_sequences_join_it() {
+        // A quarter of it alone in 5 ms, a quarter at half speed while 500 sequences decode
+        // from 5 ms to 15 ms, the last half alone again in 10 ms: done at 25 ms, not at 20.
+        let mut e = Engine::new(1, 1e15, 1e12, &hw(), costs(), 1_000_000);
+        e.add_prefill(Time::ZERO, prefill_of(10_000));
+        half_busy_decoding(&mut e, Time::from_secs_f64(0.005));
+        let decoded = e.next_wake().unwrap();
+        assert!((decoded.as_secs_f64() - 0.015).abs() < 1e-6, "{decoded:?}");
+        e.wake(decoded);
+        let prefilled = e.next_wake().unwrap();
+        assert!(
+            (prefilled.as_secs_f64() - 0.025).abs() < 1e-6,
+            "{prefilled:?}"
+        );
     }
 
     #[test]

@@ -725,10 +725,11 @@ fn the_plan_is_never_a_placement_its_own_comparison_ranks_behind_another() {
 fn a_window_of_many_batches_cannot_predict_a_step_shorter_than_the_longest_chain_allows() {
     // At `maxStaleness` 8 with four batches over-provisioned, six batches are started and not
     // yet trained: Little's law through that window alone would put the step far below what
-    // the job's longest chains take, which need `maxStaleness + 1` steps at least.
+    // the job's longest chains take, which need `maxStaleness + 1` steps at least. (H800s
+    // enough that training, prefill and decode all fit in less than the chain.)
     let job = job(
         QWEN_7B,
-        "    - { name: h800, gpu: H800, count: 64 }\n    - { name: h20, gpu: H20, count: 128 }",
+        "    - { name: h800, gpu: H800, count: 128 }\n    - { name: h20, gpu: H20, count: 128 }",
     );
     let mut wide = spec(&job).clone();
     wide.rl.max_staleness = 8;

@@ -660,6 +660,17 @@ fn max_of_normals_grid(grids: &mut Grids, n: f64) -> &[(f64, f64)] {
     &grids[at].1
 }
 
+/// The most of a replica's compute its decoding takes from its prefills: the emulated engine's
+/// cap (`rollfleet_fleet::hardware::DECODE_COMPUTE_SHARE_MAX`; a prefill always progresses).
+pub(super) const DECODE_COMPUTE_SHARE_MAX: f64 = 0.9;
+
+/// The FLOP/s a replica of `flops` has for prefill while its decoding sequences use
+/// `decode_flops_per_s` of it: the engine runs both at once, decode first.
+pub(super) fn compute_left_by_decoding(flops: f64, decode_flops_per_s: f64) -> f64 {
+    let share = (decode_flops_per_s / flops.max(1e-30)).clamp(0.0, DECODE_COMPUTE_SHARE_MAX);
+    flops * (1.0 - share)
+}
+
 /// FLOPs of prefilling a whole context of `c` tokens from nothing.
 pub(super) fn context_prefill_flops(p: &Problem, c: f64) -> f64 {
     p.prefill_flops(c, 0.0)

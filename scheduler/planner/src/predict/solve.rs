@@ -4,9 +4,9 @@
 
 use super::model::{
     DecodeKind, EarlyRestart, Holding, SlotLife, action_spread, closed_loop_step,
-    context_prefill_flops, drain_wait, expected_max_z, job_average, prefill_queue, push_slot_lives,
-    queue, regeneration, remote_prefill, routed, skewed_expected_max, step_prefills, step_work,
-    token_time,
+    compute_left_by_decoding, context_prefill_flops, drain_wait, expected_max_z, job_average,
+    prefill_queue, push_slot_lives, queue, regeneration, remote_prefill, routed,
+    skewed_expected_max, step_prefills, step_work, token_time,
 };
 use super::{
     Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, TaskLife, Terms,
@@ -172,19 +172,34 @@ pub(super) fn predict_caps(
             };
             // A sequence's own prefills run where it decodes: each kind of replica gets the
             // share of the trajectories' turns it serves, its share of the tokens (by compute
-            // while none decodes).
+            // while none decodes). It prefills with the compute its decoding leaves (the engine
+            // runs both at once, decode first): the tokens it decodes a second take their FLOPs
+            // of its FLOP/s, on average over the step.
             let sequences: f64 = served.token_share.iter().sum();
-            let local_capacity: f64 = scaled.iter().map(|k| k.replicas * k.flops).sum();
+            let prefill_left: Vec<f64> = scaled
+                .iter()
+                .zip(&served.kinds)
+                .map(|(k, &(_, batch, tau))| {
+                    let tokens_per_s = if tau > 0.0 { batch / tau } else { 0.0 };
+                    compute_left_by_decoding(k.flops, tokens_per_s * flops_per_seq)
+                })
+                .collect();
+            let local_capacity: f64 = scaled
+                .iter()
+                .zip(&prefill_left)
+                .map(|(k, f)| k.replicas * f)
+                .sum();
             let at_tau: Vec<(f64, f64, f64)> = scaled
                 .iter()
                 .zip(&served.token_share)
-                .map(|(k, q)| {
+                .zip(&prefill_left)
+                .map(|((k, q), &f)| {
                     let share = if sequences > 0.0 {
                         q / sequences
                     } else {
-                        k.replicas * k.flops / local_capacity.max(1e-30)
+                        k.replicas * f / local_capacity.max(1e-30)
                     };
-                    (k.replicas, k.flops, share)
+                    (k.replicas, f, share)
                 })
                 .collect();
             let (local_jobs, remote_jobs) = step_prefills(p, disaggregated, &alive_s, t);
@@ -601,6 +616,13 @@ pub(super) fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
         // cache and prefills its whole context again (a refill), where a turn without a cache
         // goes: by Little's law `B / T x life` are alive. Refills load the prefill queues, which
         // lengthen lives, which make more refills: two rounds, from none.
+        // The decode replicas prefill with the compute their decoding leaves.
+        let decode_flops: f64 = scaled.iter().map(|k| k.replicas * k.flops).sum();
+        let left = compute_left_by_decoding(decode_flops, s.decode_tokens / t * flops_per_seq)
+            / decode_flops.max(1e-30);
+        let local_flops = local_flops * left;
+        let local_fastest = local_fastest * left;
+        let local_prefill_s = local_work / local_flops.max(1e-30);
         let refill_flops = context_prefill_flops(p, s.decode_context);
         let refills_remote = remote_prefill(p, disaggregated, s.decode_context);
         let own_refill = refill_flops

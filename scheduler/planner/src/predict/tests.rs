@@ -2,10 +2,10 @@
 //! prediction on small problems.
 
 use super::model::{
-    EarlyRestart, Holding, IterationTimes, SlotLife, action_spread, closed_loop_step, drain_wait,
-    expected_max_z, held_occupancy, iteration_time, job_average, mean_survival, prefill_queue,
-    push_slot_lives, queue, regeneration, replica_occupancy, routed, skewed_expected_max,
-    token_time,
+    EarlyRestart, Holding, IterationTimes, SlotLife, action_spread, closed_loop_step,
+    compute_left_by_decoding, drain_wait, expected_max_z, held_occupancy, iteration_time,
+    job_average, mean_survival, prefill_queue, push_slot_lives, queue, regeneration,
+    replica_occupancy, routed, skewed_expected_max, token_time,
 };
 use super::*;
 use rollfleet_spec::WeightReads;
@@ -649,4 +649,13 @@ fn the_action_spread_pools_the_tasks_by_their_turns() {
     let (mean, sd) = action_spread(&w);
     assert!((mean - 175.0).abs() < 1e-9);
     assert!((sd - 1950.0_f64.sqrt()).abs() < 1e-9);
+}
+
+#[test]
+fn a_replica_prefills_with_the_compute_its_decoding_leaves_and_never_with_less_than_a_tenth() {
+    // 1,000 tokens a second of 100 GFLOP each take a tenth of 1 PFLOP/s.
+    assert!((compute_left_by_decoding(1e15, 1e14) - 9e14).abs() < 1.0);
+    assert_eq!(compute_left_by_decoding(1e15, 0.0), 1e15);
+    // Decoding asking for more than the replica has still leaves a prefill a tenth.
+    assert!((compute_left_by_decoding(1e15, 5e15) - 1e14).abs() < 1.0);
 }
