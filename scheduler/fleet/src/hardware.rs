@@ -157,7 +157,8 @@ struct PrefillBatch {
     left: f64,
     /// Seconds the whole batch takes at the rate it runs at now.
     secs: f64,
-    /// Whether no sequence decoded beside it so far.
+    /// Whether it has run alone at one rate so far (no sequence decoding beside it, no
+    /// slowdown): its duration is then a sample of the replica's prefill rate.
     alone: bool,
 }
 
@@ -522,9 +523,12 @@ impl Engine {
 
     /// From `now` on, achieves only `share` of the rates it had (a throttled or badly-driven
     /// GPU); its peaks stay, so what it measures shows the drop. A prefill batch already under
-    /// way goes on at the new rate.
+    /// way goes on at the new rate (and, having run at two, is no sample of either).
     pub fn slow_down(&mut self, now: Time, share: f64) {
         self.advance(now);
+        if let Some(b) = &mut self.batch {
+            b.alone = false;
+        }
         self.flops *= share;
         self.bandwidth *= share;
         self.recompute();
