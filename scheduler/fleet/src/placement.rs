@@ -76,8 +76,9 @@ pub struct Chosen {
 
 impl Chosen {
     /// The planner's prediction of the placement with the core's admission window widened by
-    /// `quarters` quarters of a rollout batch (narrowed when negative: `Policy::window_widening_quarters`); `None` where
-    /// the planner's model did not make the placement.
+    /// `quarters` quarters of a rollout batch (narrowed when negative:
+    /// `Policy::window_widening_quarters`); `None` where the planner's model did not make the
+    /// placement.
     pub fn predicted_widened(&self, quarters: i32) -> Option<Prediction> {
         let (problem, candidate) = self.planned.as_ref()?;
         let mut problem = problem.clone();

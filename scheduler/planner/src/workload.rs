@@ -80,8 +80,9 @@ pub struct Workload {
     /// Standard deviation of the largest of `groupSize` standard normal draws: how much the
     /// slowest member's lag varies from one group (or one attempt) to the next.
     pub group_max_sd: f64,
-    /// Quarters of a rollout batch the core's admission window is widened by
-    /// (`Policy::window_widening_quarters`): none unless a simulation of the job chose it.
+    /// Quarters of a rollout batch the core's admission window is widened by, or narrowed by
+    /// when negative (`Policy::window_widening_quarters`): none unless a simulation of the job
+    /// chose it.
     pub window_widening_quarters: i32,
 }
 

@@ -45,7 +45,7 @@ pub const WIDENING_GAIN: f64 = 0.01;
 
 /// How much faster than the width chosen so far (a quarter wider) a window narrower than the
 /// rule must simulate to be chosen, and the next quarter tried. Narrowing pays where the pools
-/// cannot serve the rule's window, and there each quarter simulated 14-20% faster (the
+/// cannot serve the rule's window, and there each quarter simulated 6-10% faster (the
 /// RollArt-like workload on a third of its GPUs); on a job they can serve, a quarter less was
 /// a few per cent faster on the trials' seeds and slower on the run's (the quick-start).
 pub const NARROWING_GAIN: f64 = 0.05;
@@ -243,11 +243,12 @@ fn chosen(probes: &[WindowProbe]) -> Option<(i32, f64)> {
 }
 
 /// The choice among [`WIDENINGS`] and, while each quarter further is faster by
-/// [`WIDENING_GAIN`] ([`NARROWING_GAIN`] narrower), wider windows up to [`MAX_WIDENING_QUARTERS`] or narrower ones down to
-/// `narrowest` (`chosen`), given `trial(quarters, seed)`, the simulated seconds per step of a
-/// width on a seed, scored by its mean over `seeds`. A width whose trial fails on any seed is not
-/// chosen (its probe says why); a failed trial of the rule is the error, as the rule is what the
-/// job runs with when nothing else is.
+/// [`WIDENING_GAIN`] ([`NARROWING_GAIN`] narrower), wider windows up to
+/// [`MAX_WIDENING_QUARTERS`] or narrower ones down to `narrowest` (`chosen`), given
+/// `trial(quarters, seed)`, the simulated seconds per step of a width on a seed, scored by its
+/// mean over `seeds`. A width whose trial fails on any seed is not chosen (its probe says why); a
+/// failed trial of the rule is the error, as the rule is what the job runs with when nothing else
+/// is.
 pub fn choose_among(
     mut trial: impl FnMut(i32, u64) -> Result<f64, RunError>,
     seeds: &[u64],

@@ -590,6 +590,8 @@ pub(super) fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
     } else {
         0.0
     };
+    // With all the decode replicas' compute: a floor for the search; each step time's own
+    // decoding takes its share of it below.
     let local_prefill_s = local_work / local_flops.max(1e-30);
     let (env_s, serverless_s) = cpu_terms(p, &s);
     let kv_per_seq = p.kv_bytes_per_token * s.decode_context;
@@ -612,17 +614,17 @@ pub(super) fn objective_caps(p: &Problem, caps: &Caps) -> Option<f64> {
             kv_per_seq,
             flops_per_seq,
         )?;
-        // Every trajectory alive when its replica takes new weights (once a step) loses its KV
-        // cache and prefills its whole context again (a refill), where a turn without a cache
-        // goes: by Little's law `B / T x life` are alive. Refills load the prefill queues, which
-        // lengthen lives, which make more refills: two rounds, from none.
-        // The decode replicas prefill with the compute their decoding leaves.
+        // The decode replicas prefill with the compute their decoding leaves at this step time.
         let decode_flops: f64 = scaled.iter().map(|k| k.replicas * k.flops).sum();
         let left = compute_left_by_decoding(decode_flops, s.decode_tokens / t * flops_per_seq)
             / decode_flops.max(1e-30);
         let local_flops = local_flops * left;
         let local_fastest = local_fastest * left;
         let local_prefill_s = local_work / local_flops.max(1e-30);
+        // Every trajectory alive when its replica takes new weights (once a step) loses its KV
+        // cache and prefills its whole context again (a refill), where a turn without a cache
+        // goes: by Little's law `B / T x life` are alive. Refills load the prefill queues, which
+        // lengthen lives, which make more refills: two rounds, from none.
         let refill_flops = context_prefill_flops(p, s.decode_context);
         let refills_remote = remote_prefill(p, disaggregated, s.decode_context);
         let own_refill = refill_flops
