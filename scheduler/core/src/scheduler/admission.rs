@@ -497,6 +497,13 @@ impl Core {
         {
             return;
         }
+        // A group whose oldest turn is `v - 1` may be trained up to the batch on weights
+        // `v - 1 + s`; when that is the job's last batch or later, no batch it could miss is
+        // left, and the last publication waits for it anyway: restarted, it would only start its
+        // life over.
+        if v.saturating_add(s) >= self.cfg.steps {
+            return;
+        }
         // The mean step so far (publication `v` at `now`, version 0 at time zero).
         let step = self.now.0 / v;
         let open: Vec<GroupId> = self.open_groups.iter().copied().collect();
