@@ -452,6 +452,60 @@ fn sim_refuses_a_malformed_pool_loss_naming_the_flag_and_the_problem() {
     }
 }
 
+#[test]
+fn sim_runs_a_job_on_an_inventory_and_checks_it_as_plan_does() {
+    // The quick-start's pools with four H20s instead of two: the decode pool the run reports
+    // is the inventory's.
+    let inventory = scratch(
+        "quickstart-inventory.yaml",
+        "pools:\n  - { name: prefill, gpu: H800, count: 1 }\n  \
+         - { name: decode, gpu: H20, count: 4 }\n  \
+         - { name: train, gpu: H800, count: 1, roles: [train] }\n  \
+         - { name: envs, cpu: c7i.8xlarge, count: 1 }\n  \
+         - { name: rewards, serverless: aws-lambda, concurrency: 16 }\n",
+    );
+    let run = |inventory: &Path| {
+        rollfleet(&[
+            "sim",
+            "examples/jobs/quickstart.yaml",
+            "--inventory",
+            inventory.to_str().unwrap(),
+            "--baseline",
+            "rollfleet",
+            "--steps",
+            "2",
+            "-o",
+            "json",
+        ])
+    };
+    let out = run(&inventory);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pools = &report["policies"][0]["pools"];
+    let decode = pools
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "decode")
+        .unwrap();
+    assert_eq!(decode["use_"], "generate 1x4", "{pools}");
+
+    // Its problems are named by their path in the inventory, the job's with it in the job.
+    let broken = scratch(
+        "broken-inventory.yaml",
+        "pools:\n  - { name: decode, gpu: H20, count: 4 }\n  \
+         - { name: decode, gpu: H800, count: 1 }\n",
+    );
+    let out = run(&broken);
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("pools[1].name: duplicate pool name \"decode\"")
+            && stderr.contains("broken-inventory.yaml"),
+        "{stderr}"
+    );
+}
+
 /// Whether this machine has an NVIDIA driver (then a probe may add real figures).
 fn rollfleet_gpus_present() -> bool {
     Path::new("/proc/driver/nvidia").exists()

@@ -73,7 +73,8 @@ enum Command {
     #[command(after_help = "Examples:\n  \
         rollfleet sim examples/jobs/rollart-agentic.yaml\n  \
         rollfleet sim examples/jobs/quickstart.yaml --baseline rollfleet --baseline sync --seed 7\n  \
-        rollfleet sim examples/jobs/rollart-agentic.yaml --timeline timeline.svg -o json > report.json\n\n\
+        rollfleet sim examples/jobs/rollart-agentic.yaml --timeline timeline.svg -o json > report.json\n  \
+        rollfleet sim JOB.yaml --inventory cluster.yaml --baseline rollfleet\n\n\
         All hardware figures in the output are modelled (a roofline of published peaks), not measured.")]
     Sim(rollfleet_sim::cli::SimArgs),
     /// Plan a job: which work goes on which hardware, how many replicas of what size, the

@@ -3,8 +3,8 @@
 
 use rollfleet_catalog::Catalog;
 use rollfleet_core::{Placement, ReplicaConfig, ServeRole, TrainerConfig};
-use rollfleet_spec::{Distribution, JobSpec, PoolKind, PoolSpec, Role as SpecRole};
-use serde::{Deserialize, Serialize};
+use rollfleet_spec::{Distribution, JobSpec, PoolKind, Role as SpecRole};
+use serde::Serialize;
 
 use crate::predict::{self, Candidate, GpuPool, Group, Prediction, Problem, Role, ServerlessPool};
 use crate::profile::ProfileStore;
@@ -22,12 +22,7 @@ pub use rollfleet_spec::USABLE_MEMORY_FRACTION;
 pub const TRAIN_BYTES_PER_PARAMETER: f64 = 16.0;
 
 /// A cluster inventory: pools in the job spec's own format, replacing the job's pools.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct Inventory {
-    /// The pools.
-    pub pools: Vec<PoolSpec>,
-}
+pub use rollfleet_spec::Inventory;
 
 /// Why no plan was made.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -42,6 +42,10 @@ pub struct SimArgs {
     /// Write a per-pool utilisation timeline (SVG) here.
     #[arg(long, value_name = "PATH")]
     pub timeline: Option<PathBuf>,
+    /// A cluster inventory (`pools: [...]`, as in a job spec) to run the job on instead of its
+    /// own pools.
+    #[arg(long, value_name = "PATH")]
+    pub inventory: Option<PathBuf>,
     /// Override the number of RL steps of the job.
     #[arg(long, value_name = "N")]
     pub steps: Option<u64>,
@@ -103,6 +107,7 @@ impl SimArgs {
             baselines: Vec::new(),
             seed: 0,
             timeline: None,
+            inventory: None,
             steps: None,
             max_staleness: None,
             failure_mtbf: None,
@@ -295,6 +300,10 @@ pub fn run(
     stderr: &mut dyn Write,
 ) -> Result<(), SimError> {
     let job = load_job_file(&args.job)?;
+    let job = match &args.inventory {
+        Some(path) => job.with_inventory_file(path)?,
+        None => job,
+    };
     let mut spec = job.spec().clone();
     if let Some(steps) = args.steps {
         if steps == 0 || steps > 1_000_000 {

@@ -189,6 +189,37 @@ impl ValidatedJob {
             warnings: outcome.warnings,
         })
     }
+
+    /// The same job on the pools of an inventory file ([`Inventory`], read as a job file is:
+    /// bounded, UTF-8, unknown fields refused), validated as [`ValidatedJob::with_pools`] does.
+    pub fn with_inventory_file(&self, path: &Path) -> Result<ValidatedJob, SpecError> {
+        let origin = path.display().to_string();
+        let bytes = read_limited(path)?;
+        let text = std::str::from_utf8(&bytes).map_err(|e| SpecError::NotUtf8 {
+            origin: origin.clone(),
+            offset: e.valid_up_to(),
+        })?;
+        let inventory: Inventory = parse_yaml(text, &origin)?;
+        if inventory.pools.is_empty() {
+            return Err(SpecError::Invalid {
+                origin,
+                problems: vec![Problem {
+                    path: "pools".into(),
+                    message: "the inventory has no pools".into(),
+                }],
+            });
+        }
+        self.with_pools(inventory.pools, &origin)
+    }
+}
+
+/// A cluster inventory: pools in the job spec's own format, to plan or simulate a job on
+/// instead of its own pools (rewards still refer to pools by name).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Inventory {
+    /// The pools.
+    pub pools: Vec<PoolSpec>,
 }
 
 /// The problems of a job's `spec.kubernetes` block, each with its field path

@@ -5,10 +5,10 @@
 //! format; it replaces the job's pools (rewards still refer to pools by name).
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Result;
-use rollfleet_planner::plan::{self, Inventory, Plan};
+use rollfleet_planner::plan::{self, Plan};
 use rollfleet_planner::roofline::Efficiency;
 use rollfleet_planner::{compare, search};
 use rollfleet_sim::SimOptions;
@@ -106,20 +106,6 @@ struct Replaced {
     plan_s: f64,
 }
 
-fn read_inventory(path: &Path) -> Result<Inventory> {
-    let origin = path.display().to_string();
-    let bytes = rollfleet_spec::read_limited(path)?;
-    let text = std::str::from_utf8(&bytes).map_err(|e| rollfleet_spec::SpecError::NotUtf8 {
-        origin: origin.clone(),
-        offset: e.valid_up_to(),
-    })?;
-    let inventory: Inventory = rollfleet_spec::parse_yaml(text, &origin)?;
-    if inventory.pools.is_empty() {
-        anyhow::bail!("{}: pools: the inventory has no pools", path.display());
-    }
-    Ok(inventory)
-}
-
 /// Runs the command; returns the exit code.
 pub fn run(
     args: &PlanArgs,
@@ -137,9 +123,7 @@ pub fn run(
     // The inventory's pools are checked as the job's own are (names, products, counts, and
     // what the job's rewards and tasks need of them).
     let job = match &args.inventory {
-        Some(path) => match read_inventory(path)
-            .and_then(|inventory| Ok(job.with_pools(inventory.pools, &path.display().to_string())?))
-        {
+        Some(path) => match job.with_inventory_file(path) {
             Ok(job) => job,
             Err(e) => {
                 // Each error names its cause itself; the alternate form would print the I/O one twice.
