@@ -269,10 +269,10 @@ fn uncapped(policy: rollfleet_core::Policy) -> rollfleet_core::Policy {
 
 /// Bound 1, groups of two, one replica. Group 1 (trajectories 2 and 3) runs across two
 /// publications: trajectory 2's only turn comes from version 0, trajectory 3's from version 1;
-/// group 2 finishes first and publishes version 2. Group 1 is then found past the bound when the
-/// trainer takes it. Returns the core then, with `restart` as its policy's
-/// `restart_expired_groups`, and the commands of that moment.
-fn a_group_found_expired_when_taken(restart: bool) -> (Core, Vec<Command>) {
+/// group 2 finishes first and publishes version 2, which puts trajectory 2's turn out of the
+/// bound while both are in their environment steps. Then both finish. Returns the core then,
+/// with `restart` as its policy's `restart_expired_groups`, and the commands of both finishes.
+fn a_group_expired_while_running(restart: bool) -> (Core, Vec<Command>) {
     let cfg = config(
         vec![replica(ServeRole::Generate, 10_000)],
         rollfleet_core::Policy {
@@ -330,29 +330,29 @@ fn a_group_found_expired_when_taken(restart: bool) -> (Core, Vec<Command>) {
         Input::WeightsUpdated { replica, version },
     );
     drain(&mut core);
-    // Group 1 finishes and is taken: found past the bound.
+    // Group 1 finishes.
     let mut out = Vec::new();
     for (t, step) in [(2, step2), (3, step3)] {
         let reward = stage_of(&finish_at(&mut core, 9.0, step.stage, observed(5, true)), t);
-        out = finish_when(
+        out.extend(finish_when(
             &mut core,
             Time::from_secs_f64(10.0),
             reward.stage,
             StageOutcome::Rewarded { score: 0.0 },
-        );
+        ));
     }
     (core, out)
 }
 
 #[test]
-fn a_group_found_past_the_bound_when_taken_starts_over_on_the_current_weights_not_on_the_oldest_allowed()
- {
+fn a_group_past_the_bound_starts_over_on_the_current_weights_at_the_publication_not_when_taken() {
     // Rewound to the bound's floor (version 1), the group would keep trajectory 3's version-1
     // turn and have only the current step to finish in; restarted, both members start over on
-    // version 2.
-    let (core, out) = a_group_found_expired_when_taken(true);
-    assert_eq!(core.stats().regenerated_at_consumption, 2);
-    assert_eq!(core.stats().groups_expired_waiting, 1);
+    // version 2, each as it finishes, and the trainer never finds the group past the bound.
+    let (core, out) = a_group_expired_while_running(true);
+    assert_eq!(core.stats().groups_restarted, 1);
+    assert_eq!(core.stats().groups_expired_waiting, 0);
+    assert_eq!(core.stats().regenerated_at_consumption, 0);
     let again = runs(&out);
     for t in [2, 3] {
         let regen = stage_of(&again, t);
@@ -362,8 +362,9 @@ fn a_group_found_past_the_bound_when_taken_starts_over_on_the_current_weights_no
             "{again:?}"
         );
     }
-    // Without the rule, only the member with a turn out of the bound is rewound.
-    let (core, out) = a_group_found_expired_when_taken(false);
+    // Without the rule, the group is found past the bound when the trainer takes it, and only
+    // the member with a turn out of the bound is rewound.
+    let (core, out) = a_group_expired_while_running(false);
     assert_eq!(core.stats().regenerated_at_consumption, 1);
     assert_eq!(core.stats().groups_expired_waiting, 1);
     let again = runs(&out);

@@ -446,6 +446,56 @@ impl Core {
         }
     }
 
+    /// At a publication: a group that has a turn the new floor expires can no longer be
+    /// trained as it is, and is restarted now on the weights just published, as it would be
+    /// when taken (`Policy::restart_expired_groups`). Left open until its last member finished,
+    /// that member's own rewind ran a whole new life alone before the group was found out and
+    /// started over anyway.
+    pub(super) fn restart_expired_open_groups(&mut self) {
+        if !self.cfg.policy.restart_expired_groups
+            || self.cfg.policy.discipline != Discipline::Continuous
+        {
+            return;
+        }
+        let floor = self.floor();
+        let open: Vec<GroupId> = self.open_groups.iter().copied().collect();
+        for g in open {
+            let expired = self.groups[g.0 as usize]
+                .members
+                .iter()
+                .any(|m| self.trajs[m.0 as usize].min_version < floor);
+            if !expired {
+                continue;
+            }
+            self.restart_group(g);
+        }
+    }
+
+    /// Starts group `g` over on the current weights: its members waiting for work or finished
+    /// at once, the running ones at their next generation or when they finish (its
+    /// `restart_floor`), and its turns then wait for those weights.
+    fn restart_group(&mut self, g: GroupId) {
+        let v = self.version;
+        let group = &mut self.groups[g.0 as usize];
+        group.restart_floor = group.restart_floor.max(v);
+        group.first_turn = None;
+        self.stats.groups_restarted += 1;
+        let members = group.members.clone();
+        for t in members {
+            let traj = &self.trajs[t.0 as usize];
+            if !matches!(
+                traj.phase,
+                Phase::QueuedGen | Phase::QueuedDecode | Phase::Complete
+            ) {
+                continue;
+            }
+            if let Some(k) = traj.first_older_than(v) {
+                self.regenerate(t, k);
+                self.repump = true;
+            }
+        }
+    }
+
     /// At a publication: a prefilled context waiting for its decode that the new floor expires
     /// can no longer be decoded inside the bound, so its cache is released now and the turn goes
     /// back to be prefilled on current weights. Left held until the decode queue reaches it, it
@@ -529,24 +579,7 @@ impl Core {
             if longest > (s + 1) as f64 * step as f64 {
                 continue;
             }
-            let group = &mut self.groups[g.0 as usize];
-            group.restart_floor = v;
-            group.first_turn = None;
-            self.stats.groups_restarted += 1;
-            let members = group.members.clone();
-            for t in members {
-                let traj = &self.trajs[t.0 as usize];
-                if !matches!(
-                    traj.phase,
-                    Phase::QueuedGen | Phase::QueuedDecode | Phase::Complete
-                ) {
-                    continue;
-                }
-                if let Some(k) = traj.first_older_than(v) {
-                    self.regenerate(t, k);
-                    self.repump = true;
-                }
-            }
+            self.restart_group(g);
         }
     }
 }

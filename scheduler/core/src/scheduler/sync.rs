@@ -185,6 +185,7 @@ impl Core {
                 self.touch(ReplicaId(i as u64));
             }
             self.regenerate_lone_expired();
+            self.restart_expired_open_groups();
             self.restart_late_groups();
             self.release_expired_held_kv();
             if self.cfg.policy.weight_sync == SyncMode::Rolling {

@@ -807,14 +807,46 @@ pub(super) fn mean_survival(a: f64, b: f64) -> f64 {
     ((survival_antiderivative(b) - survival_antiderivative(a)) / (b - a)).clamp(0.0, 1.0)
 }
 
+/// `(Phi(z) - z^2 Q(z) + z phi(z)) / 2`, an antiderivative of `phi(z) - z Q(z)`, the standard
+/// normal's mean excess over `z` ([`mean_excess`]).
+fn excess_antiderivative(z: f64) -> f64 {
+    (normal_cdf(z) - z * z * (1.0 - normal_cdf(z)) + z * normal_pdf(z)) / 2.0
+}
+
+/// The mean of `E[(X - d)+]` for `X ~ Normal(mean, sd)` over `d` uniform on `[low, high]`: how
+/// far past a deadline drawn there an attempt runs, on average (nothing where it makes it).
+pub(super) fn mean_excess(mean: f64, sd: f64, low: f64, high: f64) -> f64 {
+    if sd <= 0.0 {
+        if high - low < 1e-12 {
+            return (mean - low).max(0.0);
+        }
+        let past = |d: f64| (mean - d).max(0.0);
+        // The integral of a ramp: a triangle, or a trapezoid when the mean is past both ends.
+        let over = if mean <= low {
+            0.0
+        } else if mean >= high {
+            (past(low) + past(high)) / 2.0 * (high - low)
+        } else {
+            past(low) * past(low) / 2.0
+        };
+        return over / (high - low);
+    }
+    let (za, zb) = ((low - mean) / sd, (high - mean) / sd);
+    if zb - za < 1e-9 {
+        return sd * normal_pdf(za) - (low - mean) * (1.0 - normal_cdf(za));
+    }
+    (sd * sd * (excess_antiderivative(zb) - excess_antiderivative(za)) / (high - low)).max(0.0)
+}
+
 /// The cost of the staleness bound to a task's groups. An attempt (first turn to being taken by
 /// the trainer) lasts `mean + lasting x Zg + fresh x Za`: `Zg` is the group's own lag (the turn
 /// counts of its members, the same on every attempt), `Za` is drawn afresh on each attempt
 /// (environment steps, actions), both standard normal. A group started a share `phi` into a
 /// version's step (uniform) must be taken by the trainer before `maxStaleness + 1` more versions
 /// are published, `(S + 1 - phi) T` after it started; an attempt that misses is thrown away
-/// whole (every member's first turn is then too old) and the group starts again, at a share of
-/// a step as random as the first.
+/// whole (every member's first turn is then too old) at the publication that expires it
+/// (`Core::restart_expired_open_groups`), having held its slot until that deadline, not for its
+/// whole length, and the group starts again, at a share of a step as random as the first.
 ///
 /// `restart`, the long chain of the task by which the core restarts a group early
 /// (`Core::restart_late_groups`), when it has one: a group whose deadline is shorter than it,
@@ -824,9 +856,10 @@ pub(super) fn mean_survival(a: f64, b: f64) -> f64 {
 /// published once its running members reach their next generation, the restart's delay later (the
 /// slot held meanwhile), with the whole bound less that delay ahead. With `q1` the mean miss of
 /// an attempt over the deadlines of the groups left running and `q0` its miss with the whole
-/// bound, a group holds its slot, by renewal over its attempts, `E = (mean + p (p T / 2 + delay))
-/// / (1 - (1 - p) q1 - p q0)`; without the rule (`p = 0`) that is Wald's identity, its expected
-/// attempts `1 / (1 - q1)` times its mean attempt. A group that almost never makes it holds its
+/// bound, and `o1`, `o0` how far past those deadlines an attempt runs on average
+/// ([`mean_excess`]), a group holds its slot, by renewal over its attempts, `E = (mean - (1 - p)
+/// o1 - p o0 + p (p T / 2 + delay)) / (1 - (1 - p) q1 - p q0)`; without the rule (`p = 0`) that
+/// is the renewal reward of attempts cut at their deadlines. A group that almost never makes it holds its
 /// slot until the job ends, on average half of the job (`hold_limit_s`). The attempts a group
 /// makes are its slot over its mean attempt: a restarted one generated as much as the time it
 /// held. The core's regeneration of a lone expired finished member at a publication is left out
@@ -870,7 +903,12 @@ pub(super) fn regeneration(
             )
         };
         let made = 1.0 - (1.0 - restarted) * miss_running - restarted * miss_whole;
-        let expected = attempt + restarted * (restarted * t / 2.0 + restart_delay);
+        // An attempt that misses is restarted at the publication that expires it
+        // (`Core::restart_expired_open_groups`), not when its slowest member is done: it holds
+        // its slot until its deadline, not for its whole length.
+        let overrun = (1.0 - restarted) * mean_excess(attempt, fresh, lowest, latest)
+            + restarted * mean_excess(attempt, fresh, whole, whole);
+        let expected = attempt - overrun + restarted * (restarted * t / 2.0 + restart_delay);
         let held = if made > 0.0 {
             expected / made
         } else {

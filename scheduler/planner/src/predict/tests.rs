@@ -305,12 +305,13 @@ fn a_group_whose_attempt_fits_the_earliest_deadline_is_never_regenerated() {
 }
 
 #[test]
-fn a_fixed_attempt_misses_the_share_of_deadlines_it_outlives_and_retries_by_wald() {
-    // A 250 s attempt outlives deadlines in [200, 250): half of them. Expected attempts
-    // 1 / (1 - 0.5) = 2, each holding the slot 250 s: 500 s.
+fn a_fixed_attempt_misses_the_share_of_deadlines_it_outlives_and_holds_its_slot_until_each_one() {
+    // A 250 s attempt outlives deadlines in [200, 250): half of them, restarted at the
+    // deadline, 225 s in on average. An attempt holds the slot 0.5 x 250 + 0.5 x 225 = 237.5 s,
+    // and 1 / (1 - 0.5) = 2 are made: 475 s, 1.9 attempts' worth of generation.
     let r = regeneration(250.0, 0.0, 0.0, 2.0, 100.0, 1e9, None);
-    assert!((r.attempts - 2.0).abs() < 1e-12, "{r:?}");
-    assert!((r.slot_s - 500.0).abs() < 1e-9, "{r:?}");
+    assert!((r.slot_s - 475.0).abs() < 1e-9, "{r:?}");
+    assert!((r.attempts - 1.9).abs() < 1e-12, "{r:?}");
 }
 
 #[test]
@@ -324,10 +325,12 @@ fn a_group_that_never_makes_its_deadline_holds_its_slot_until_the_limit() {
 #[test]
 fn a_fresh_spread_misses_by_the_mean_normal_survival_over_the_deadlines() {
     // Attempt Normal(250, 50) against deadlines uniform on [200, 300]: the mean of Q(x) for
-    // x in [-1, 1] is 1/2 by symmetry, so 2 attempts of 250 s on average.
+    // x in [-1, 1] is 1/2 by symmetry, so 2 attempts on average. Each is cut at its deadline:
+    // it runs past one by 50^2 / 100 x [(Phi - z^2 Q + z phi) / 2] from -1 to 1 = 23.1165 s on
+    // average, so it holds the slot 226.8835 s: 453.767 s in all.
     let r = regeneration(250.0, 0.0, 50.0, 2.0, 100.0, 1e9, None);
-    assert!((r.attempts - 2.0).abs() < 1e-6, "{r:?}");
-    assert!((r.slot_s - 500.0).abs() < 1e-4, "{r:?}");
+    assert!((r.slot_s - 453.767).abs() < 1e-3, "{r:?}");
+    assert!((r.attempts - 453.767 / 250.0).abs() < 1e-5, "{r:?}");
 }
 
 fn early(chain: f64, delay: f64) -> Option<EarlyRestart> {
@@ -345,9 +348,10 @@ fn a_group_the_core_restarts_early_holds_its_slot_for_the_share_of_a_step_it_liv
     assert!((r.slot_s - 232.5).abs() < 1e-9, "{r:?}");
     assert!((r.attempts - 232.5 / 220.0).abs() < 1e-12, "{r:?}");
     // Without the rule the same attempt misses the deadlines in [200, 220): a fifth of
-    // them, each a whole attempt lost: 220 / 0.8 = 275 s.
+    // them, each cut at its deadline, 20^2 / 2 / 100 = 2 s short of a whole attempt on
+    // average: (220 - 2) / 0.8 = 272.5 s.
     let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, None);
-    assert!((r.slot_s - 275.0).abs() < 1e-9, "{r:?}");
+    assert!((r.slot_s - 272.5).abs() < 1e-9, "{r:?}");
     // A chain longer than the whole bound restarts nothing (the core lets such a group run).
     let beyond = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, early(350.0, 0.0));
     assert_eq!(beyond, r);
@@ -355,11 +359,12 @@ fn a_group_the_core_restarts_early_holds_its_slot_for_the_share_of_a_step_it_liv
     // 290 s, which the attempt still makes: 220 + 0.5 x (25 + 10) = 237.5 s.
     let r = regeneration(220.0, 0.0, 0.0, 2.0, 100.0, 1e9, early(250.0, 10.0));
     assert!((r.slot_s - 237.5).abs() < 1e-9, "{r:?}");
-    // An attempt longer than what is left after the delay misses it every time: 295 s
-    // against 290 s. The others' deadlines in [250, 300] miss 0.9 of the time, so
-    // (295 + 17.5) / (1 - 0.5 x 0.9 - 0.5 x 1) = 6,250 s.
+    // An attempt longer than what is left after the delay misses it every time, 5 s past:
+    // 295 s against 290 s. The others' deadlines, uniform on [250, 300], miss 0.9 of the
+    // time, by 45^2 / 2 / 50 = 20.25 s on average, so (295 - 0.5 x 20.25 - 0.5 x 5 + 17.5) /
+    // (1 - 0.5 x 0.9 - 0.5 x 1) = 5,997.5 s.
     let r = regeneration(295.0, 0.0, 0.0, 2.0, 100.0, 1e9, early(250.0, 10.0));
-    assert!((r.slot_s - 6250.0).abs() < 1e-6, "{r:?}");
+    assert!((r.slot_s - 5997.5).abs() < 1e-6, "{r:?}");
 }
 
 #[test]
