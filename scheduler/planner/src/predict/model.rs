@@ -859,11 +859,11 @@ pub(super) fn mean_excess(mean: f64, sd: f64, low: f64, high: f64) -> f64 {
 /// bound, and `o1`, `o0` how far past those deadlines an attempt runs on average
 /// ([`mean_excess`]), a group holds its slot, by renewal over its attempts, `E = (mean - (1 - p)
 /// o1 - p o0 + p (p T / 2 + delay)) / (1 - (1 - p) q1 - p q0)`; without the rule (`p = 0`) that
-/// is the renewal reward of attempts cut at their deadlines. A group that almost never makes it holds its
-/// slot until the job ends, on average half of the job (`hold_limit_s`). The attempts a group
-/// makes are its slot over its mean attempt: a restarted one generated as much as the time it
-/// held. The core's regeneration of a lone expired finished member at a publication is left out
-/// on purpose (the module doc says why).
+/// is the renewal reward of attempts cut at their deadlines. A group that almost never makes it
+/// holds its slot until the job ends, on average half of the job (`hold_limit_s`). The attempts
+/// a group makes are its slot over its mean attempt: a restarted one generated as much as the
+/// time it held. The core's regeneration of a lone expired finished member at a publication is
+/// left out on purpose (the module doc says why).
 pub(super) fn regeneration(
     mean: f64,
     lasting: f64,
