@@ -69,6 +69,15 @@ def window_label(quarters: int) -> str:
     return f"rule {'+' if quarters > 0 else '-'} {' '.join(parts)} batch"
 
 
+def predicted_cell(report: dict[str, Any], run: dict[str, Any]) -> str:
+    """The planner's predicted step of a report's placement and its error against `run`'s
+    simulated step, or `-` where the planner did not make the placement."""
+    predicted = report.get("predicted_step_s")
+    if not isinstance(predicted, (int, float)):
+        return "-"
+    return f"{predicted:.1f} ({(predicted / run['step_time_s'] - 1) * 100:+.1f}%)"
+
+
 def sim(rollfleet: str, job: str, *args: str) -> dict[str, Any]:
     """The JSON report of `rollfleet sim JOB ARGS -o json`."""
     out = subprocess.run(
@@ -208,13 +217,9 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
             "0",
         )
         run = policy(report, "rollfleet")
-        predicted = report.get("predicted_step_s")
-        shown = "-"
-        if isinstance(predicted, (int, float)):
-            shown = f"{predicted:.1f} ({(predicted / run['step_time_s'] - 1) * 100:+.1f}%)"
         add(
             f"| {placement} | {run['step_time_s']:.1f} | {run['trajectories_per_s']:.2f} | "
-            f"{shown} |"
+            f"{predicted_cell(report, run)} |"
         )
     add("")
 
@@ -247,14 +252,10 @@ def simulated_section(rollfleet: str) -> tuple[str, str]:
             "0",
         )
         run = policy(report, "rollfleet")
-        predicted = report.get("predicted_step_s")
-        shown = "-"
-        if isinstance(predicted, (int, float)):
-            shown = f"{predicted:.1f} ({(predicted / run['step_time_s'] - 1) * 100:+.1f}%)"
         quarters = run["admission_window"]["widening_quarters"]
         add(
             f"| {placement} | {run['step_time_s']:.1f} | {run['reference_efficiency']:.2f} | "
-            f"{window_label(quarters)} | {shown} |"
+            f"{window_label(quarters)} | {predicted_cell(report, run)} |"
         )
     add("")
 

@@ -60,9 +60,7 @@ impl Hasher for IdHasher {
 /// Tokens one prefill batch takes at most.
 pub const PREFILL_BATCH_TOKENS: u64 = 16_384;
 
-/// The most of a replica's compute its decoding sequences take from a prefill running beside
-/// them: a prefill always progresses.
-pub const DECODE_COMPUTE_SHARE_MAX: f64 = 0.9;
+pub use rollfleet_planner::predict::DECODE_COMPUTE_SHARE_MAX;
 
 /// Achieved fractions of peak, and other constants of the simulated hardware.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]

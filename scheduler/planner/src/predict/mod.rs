@@ -76,6 +76,8 @@ use crate::workload::Workload;
 mod model;
 mod solve;
 
+pub use model::DECODE_COMPUTE_SHARE_MAX;
+
 #[cfg(test)]
 use model::Occupancy;
 use model::{DecodeKind, StepWork, router_weight, step_work};

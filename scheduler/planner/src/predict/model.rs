@@ -660,9 +660,10 @@ fn max_of_normals_grid(grids: &mut Grids, n: f64) -> &[(f64, f64)] {
     &grids[at].1
 }
 
-/// The most of a replica's compute its decoding takes from its prefills: the emulated engine's
-/// cap (`rollfleet_fleet::hardware::DECODE_COMPUTE_SHARE_MAX`; a prefill always progresses).
-pub(super) const DECODE_COMPUTE_SHARE_MAX: f64 = 0.9;
+/// The most of a replica's compute its decoding sequences take from a prefill running beside
+/// them: a prefill always progresses. The emulated engine (`rollfleet_fleet::hardware`) runs
+/// with this cap, and the model prices its prefills by it.
+pub const DECODE_COMPUTE_SHARE_MAX: f64 = 0.9;
 
 /// The FLOP/s a replica of `flops` has for prefill while its decoding sequences use
 /// `decode_flops_per_s` of it: the engine runs both at once, decode first.
