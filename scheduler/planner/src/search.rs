@@ -393,7 +393,7 @@ pub fn choose_with_reason(p: &Problem) -> Option<(Found, Choice)> {
 }
 
 /// The search's optimum or the affinity placement, whichever the full prediction (refills as a
-/// Poisson stream) says is faster, each with its degrees checked by the full prediction: what
+/// Poisson stream) says is faster by more than [`PREDICTION_TIE`] (the optimum within it), each with its degrees checked by the full prediction: what
 /// [`choose_with_reason`] starts from before it weighs the compared placements.
 pub fn search_or_affinity(p: &Problem) -> Option<(Found, Choice)> {
     let first = refine_degrees(p, solve(p)?);
@@ -423,12 +423,15 @@ pub fn search_or_affinity(p: &Problem) -> Option<(Found, Choice)> {
     Some(
         match (family(&first.candidate), family(&affinity.candidate)) {
             (Some(a), Some(b)) => {
+                // Within a tie the first-order objective decides, as in [`within_tie`], and the
+                // search's optimum is its best.
+                let take_affinity = b < a * (1.0 - PREDICTION_TIE);
                 let choice = Choice {
-                    affinity: b < a,
+                    affinity: take_affinity,
                     compared: Some((a, b)),
                     replaced_by: None,
                 };
-                let found = if b < a { affinity } else { first };
+                let found = if take_affinity { affinity } else { first };
                 (Found { nodes, ..found }, choice)
             }
             _ => (Found { nodes, ..first }, alone),

@@ -43,6 +43,8 @@ pub struct TaskLoad {
     pub observation: f64,
     /// Mean context (tokens already in the KV cache) while a token is decoded.
     pub decode_context: f64,
+    /// The most tokens a trajectory's context may hold (`contextLimit`).
+    pub context_limit: f64,
     /// Mean environment step, seconds.
     pub env_step_s: f64,
     /// vCPUs per environment instance.
@@ -154,6 +156,7 @@ impl Workload {
                     action,
                     observation,
                     decode_context,
+                    context_limit: limit,
                     env_step_s: mean(&task.env_step_ms).max(0.0) / 1000.0,
                     env_cpus: task.env_cpus.max(0.001),
                     reward_s,

@@ -35,7 +35,9 @@
 //!   trajectory alive then prefills its whole context again (a refill). A turn arriving during
 //!   the drain goes to another replica, unless every replica updates at once (no more decode
 //!   replicas than trainer nodes) or it is a first turn that must start on the newest weights
-//!   (`maxStaleness: 1`): then it waits. Prefills queue (M/G/1) where they run;
+//!   (`maxStaleness: 1`): then it waits. Prefills queue (M/G/1) where they run, the refills
+//!   weighed by the square of their cost; the refills also arrive in a burst, whose backlog the
+//!   refills and the first turns wait for ([`model::refill_backlog`]);
 //! - the staleness bound: a group must be taken by the trainer within `maxStaleness + 1`
 //!   versions of its start, less the share of a step it started into; an attempt that misses is
 //!   thrown away and the group starts again (regeneration). A group of a multi-turn task whose

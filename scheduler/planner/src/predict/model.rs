@@ -4,7 +4,7 @@
 
 use std::cell::RefCell;
 
-use crate::workload::{Workload, normal_cdf, normal_pdf, normal_quantile};
+use crate::workload::{TaskLoad, Workload, normal_cdf, normal_pdf, normal_quantile};
 
 use rollfleet_spec::WeightReads;
 
@@ -688,18 +688,14 @@ pub(super) struct PrefillQueue {
     pub(super) wait_s: f64,
 }
 
-/// How long prefills wait on a set of replicas, given a step's prefills (`jobs`: how many, FLOPs
-/// each) and, per kind of replica, `(replicas, FLOP/s each, share of the prefills it gets)`.
-/// Prefills are served one batch at a time, so a kind's wait is M/G/1's: `rho / (1 - rho) x
-/// E[S^2] / (2 E[S])`, `S` the time one prefill takes there; long prefills dominate it.
-pub(super) fn prefill_queue(
-    kinds: &[(f64, f64, f64)],
-    jobs: &[(f64, f64)],
-    t: f64,
-) -> PrefillQueue {
+/// How long prefills wait on a set of replicas, given a step's prefills (`jobs`) and, per kind of
+/// replica, `(replicas, FLOP/s each, share of the prefills it gets)`. Prefills are served one
+/// batch at a time, so a kind's wait is M/G/1's: `rho / (1 - rho) x E[S^2] / (2 E[S])`, `S` the
+/// time one prefill takes there; long prefills dominate it.
+pub(super) fn prefill_queue(kinds: &[(f64, f64, f64)], jobs: &[Prefills], t: f64) -> PrefillQueue {
     // Folded from +0.0: an empty `sum` of floats is -0.0, which tables print as "-0.0".
-    let flops = jobs.iter().fold(0.0, |acc, &(n, f)| acc + n * f);
-    let flops_sq = jobs.iter().fold(0.0, |acc, &(n, f)| acc + n * f * f);
+    let flops = jobs.iter().fold(0.0, |acc, j| acc + j.count * j.flops);
+    let flops_sq = jobs.iter().fold(0.0, |acc, j| acc + j.count * j.flops_sq);
     let capacity: f64 = kinds.iter().map(|&(r, f, _)| r * f).sum();
     let (mut s_per_flop, mut wait_s) = (0.0, 0.0);
     for &(replicas, replica_flops, share) in kinds.iter().filter(|k| k.0 > 0.0 && k.1 > 0.0) {
@@ -722,8 +718,25 @@ pub(super) fn prefill_queue(
     }
 }
 
-/// A step's prefills of one kind: how many, and the FLOPs of each.
-pub(super) type Prefills = Vec<(f64, f64)>;
+/// A step's prefills of one kind: how many, their mean FLOPs and the mean of their squares (what
+/// a queue's wait depends on).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Prefills {
+    pub(super) count: f64,
+    pub(super) flops: f64,
+    pub(super) flops_sq: f64,
+}
+
+impl Prefills {
+    /// `count` prefills of `flops` each.
+    pub(super) fn alike(count: f64, flops: f64) -> Prefills {
+        Prefills {
+            count,
+            flops,
+            flops_sq: flops * flops,
+        }
+    }
+}
 
 /// Whether a prefill of `tokens` (context plus new) without a KV cache runs on a prefill
 /// replica: when there are any and it is long enough to be worth a KV transfer.
@@ -731,37 +744,102 @@ pub(super) fn remote_prefill(p: &Problem, disaggregated: bool, tokens: f64) -> b
     disaggregated && tokens >= p.pd_min_prefill_tokens
 }
 
-/// The prefills of a step, by where they run: `(local, remote)`, each a list of `(how many, FLOPs
-/// each)`.
+/// The whole-context prefills a weight update causes a trajectory of `task`: per trajectory
+/// that lives through an update, how many (the share of its updates that fall before its last
+/// turn: the one after it needs none) and their FLOPs' mean and mean square, `prefill_flops`
+/// giving the FLOPs of prefilling a whole context of so many tokens.
+///
+/// The update falls in a uniformly random turn of its life; if the trajectory goes on, its next
+/// turn prefills the whole context so far, `prompt + j (action + observation)` after `j` turns,
+/// which costs a causal attention quadratic in it: the long contexts late in a long trajectory
+/// dominate the square, so the mean context alone says little about how long others wait
+/// behind them. The turns are taken as uniform over their mean plus or minus `sqrt(3)` standard
+/// deviations, rounded (exact for the uniform turns jobs give in practice).
+pub(super) fn refill_moments(task: &TaskLoad, prefill_flops: impl Fn(f64) -> f64) -> Prefills {
+    let spread = (3.0 * task.turns_var).sqrt();
+    let (lo, hi) = (
+        (task.turns - spread).max(1.0),
+        (task.turns + spread).min(task.max_turns.max(1.0)),
+    );
+    // P(turns > j) for turns drawn uniform on [lo, hi] and rounded, as the simulator draws them
+    // (a point mass when they are fixed).
+    let goes_on = |j: f64| {
+        if hi - lo < 1e-9 {
+            if j + 0.5 < lo { 1.0 } else { 0.0 }
+        } else {
+            ((hi - j - 0.5) / (hi - lo)).clamp(0.0, 1.0)
+        }
+    };
+    let per_turn = task.action + task.observation;
+    let (mut weight, mut flops, mut flops_sq) = (0.0, 0.0, 0.0);
+    let last = task.max_turns.max(1.0) as u32;
+    for j in 1..last {
+        let w = goes_on(f64::from(j));
+        if w <= 0.0 {
+            break;
+        }
+        let context = (task.prompt + f64::from(j) * per_turn).min(task.context_limit);
+        let f = prefill_flops(context);
+        weight += w;
+        flops += w * f;
+        flops_sq += w * f * f;
+    }
+    if weight <= 0.0 {
+        return Prefills::alike(0.0, 0.0);
+    }
+    Prefills {
+        count: (weight / task.turns.max(1.0)).min(1.0),
+        flops: flops / weight,
+        flops_sq: flops_sq / weight,
+    }
+}
+
+/// What a burst of refills costs the prefills meeting it: `(a refill's wait, any other prefill's
+/// wait)`, seconds. `work_s` seconds of prefill arrive evenly over `spread_s` seconds once a step
+/// of `t`, served first come first served: the backlog grows to `work_s - spread_s` if the work
+/// outruns its arrival and is gone by `work_s`. A refill arrives within the burst and meets half
+/// of that backlog; a prefill arriving at any moment of the step meets it averaged over the step,
+/// `(work_s - spread_s) work_s / (2 t)`.
+pub(super) fn refill_backlog(work_s: f64, spread_s: f64, t: f64) -> (f64, f64) {
+    let excess = (work_s - spread_s).max(0.0);
+    (excess / 2.0, excess * work_s / (2.0 * t.max(1e-12)))
+}
+
+/// The prefills of a step, by where they run: `(local, remote)`.
 ///
 /// Each later turn's observation is prefilled where its KV cache is (locally, on top of the
 /// cached context). Each first turn's prompt is prefilled on the prefill replicas when there are
 /// any, locally otherwise. And every trajectory alive when its replica takes new weights (once
-/// a step) loses its KV cache, so its next turn prefills its whole context again, routed as a
-/// turn without a cache is: to the prefill replicas when there are any. `alive_s[k]` is how long
-/// a trajectory of task `k` is alive, so by Little's law `B / T x share x alive` are.
+/// a step) loses its KV cache, so its next turn prefills its whole context again
+/// ([`refill_moments`]), routed as a turn without a cache is: to the prefill replicas when there
+/// are any. `alive_s[k]` is how long a trajectory of task `k` is alive, so by Little's law
+/// `B / T x share x alive` are.
 pub(super) fn step_prefills(
     p: &Problem,
     disaggregated: bool,
     alive_s: &[f64],
     t: f64,
-) -> (Prefills, Prefills) {
+) -> (Vec<Prefills>, Vec<Prefills>) {
     let w = &p.workload;
     let (mut local, mut remote) = (Vec::new(), Vec::new());
     for (task, alive) in w.tasks.iter().zip(alive_s) {
         let n = w.batch * task.share;
         let obs = task.observation;
-        local.push((
+        local.push(Prefills::alike(
             n * (task.turns - 1.0).max(0.0),
             p.flops_per_token * obs + p.attention_flops * obs * task.decode_context,
         ));
-        let first = (n, context_prefill_flops(p, task.prompt));
+        let first = Prefills::alike(n, context_prefill_flops(p, task.prompt));
         if remote_prefill(p, disaggregated, task.prompt) {
             remote.push(first);
         } else {
             local.push(first);
         }
-        let refill = (n / t * alive, context_prefill_flops(p, task.decode_context));
+        let moments = refill_moments(task, |c| context_prefill_flops(p, c));
+        let refill = Prefills {
+            count: n / t * alive * moments.count,
+            ..moments
+        };
         if remote_prefill(p, disaggregated, task.decode_context) {
             remote.push(refill);
         } else {

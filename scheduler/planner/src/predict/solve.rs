@@ -5,8 +5,8 @@
 use super::model::{
     DecodeKind, EarlyRestart, Holding, SlotLife, action_spread, closed_loop_step,
     compute_left_by_decoding, context_prefill_flops, drain_wait, expected_max_z, job_average,
-    prefill_queue, push_slot_lives, queue, regeneration, remote_prefill, routed,
-    skewed_expected_max, step_prefills, step_work, token_time,
+    prefill_queue, push_slot_lives, queue, refill_backlog, refill_moments, regeneration,
+    remote_prefill, routed, skewed_expected_max, step_prefills, step_work, token_time,
 };
 use super::{
     Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, TaskLife, Terms,
@@ -206,27 +206,46 @@ pub(super) fn predict_caps(
             let local = prefill_queue(&at_tau, &local_jobs, t);
             let remote = prefill_queue(&prefill_kinds, &remote_jobs, t);
             let (local_load, local_wait) = (local.load_s, local.wait_s);
-            // Refills do not arrive as M/G/1's Poisson stream: they come in a burst as the
-            // rolling update reaches every replica within seconds of a publish, so a refill also
-            // queues behind about half of the step's refills on the replicas it goes to (the
-            // search's objective counts the same burst). Without it the prediction ranked a
-            // smaller prefill pool well at `maxStaleness` 3 and above, where the window holds
-            // two batches, and was 11-21% low there when the rule was chosen.
-            let (mut burst_remote, mut burst_local) = (0.0, 0.0);
+            // Refills do not arrive as M/G/1's Poisson stream but in a burst
+            // ([`refill_backlog`]). The sequences a replica held when it took new weights were
+            // caught part-way through a turn, and come back as their turns end: over about
+            // `E[X^2] / E[X]` of a turn `X` (the turns caught are length-biased, and the rest of
+            // one is uniform on it), to the replica or to the least loaded, or to the prefill
+            // replicas, which take every decode replica's refills as its update comes. A refill
+            // waits for half the backlog, a first turn (routed as a refill is, without a cache)
+            // for the backlog averaged over the step; a prefill on top of its cached context
+            // goes where its sequence is, mostly not behind a burst, and waits as in M/G/1. Without the burst the prediction ranked a smaller prefill pool well at
+            // `maxStaleness` 3 and above, where the window holds two batches, and was 11-21% low
+            // there when the rule was chosen.
+            let (mut refill_remote, mut refill_local) = (0.0, 0.0);
+            let (mut spread_remote, mut spread_local) = (0.0, 0.0);
             for (task, alive) in w.tasks.iter().zip(&alive_s) {
-                let refills = w.batch * task.share / t * alive;
-                let work = refills * context_prefill_flops(p, task.decode_context);
+                let refill = refill_moments(task, |c| context_prefill_flops(p, c));
+                let work = w.batch * task.share / t * alive * refill.count * refill.flops;
+                let turn = task.env_step_s + task.action * seen_tau + local_wait;
+                let turn_var = task.env_step_var + seen_tau * seen_tau * task.action_var;
+                let caught = (turn_var + turn * turn) / turn.max(1e-12);
                 if remote_prefill(p, disaggregated, task.decode_context) {
-                    burst_remote += work;
+                    refill_remote += work;
+                    spread_remote += work * caught;
                 } else {
-                    burst_local += work;
+                    refill_local += work;
+                    spread_local += work * caught;
                 }
             }
-            let burst_remote = burst_remote / prefill_flops.max(1e-30) / 2.0;
-            let burst_local = burst_local / local_capacity.max(1e-30) / 2.0;
+            let burst_remote = refill_backlog(
+                refill_remote / prefill_flops.max(1e-30),
+                spread_remote / refill_remote.max(1e-30),
+                t,
+            );
+            let burst_local = refill_backlog(
+                refill_local / local_capacity.max(1e-30),
+                spread_local / refill_local.max(1e-30),
+                t,
+            );
             let (burst_remote, burst_local) = match arrivals {
                 RefillArrivals::Burst => (burst_remote, burst_local),
-                RefillArrivals::Poisson => (0.0, 0.0),
+                RefillArrivals::Poisson => ((0.0, 0.0), (0.0, 0.0)),
             };
             let mut slots = 0.0;
             let mut regenerated = 0.0;
@@ -244,23 +263,24 @@ pub(super) fn predict_caps(
                     + if remote_prefill(p, disaggregated, first_tokens) {
                         first * remote.s_per_flop
                             + remote.wait_s
+                            + burst_remote.1
                             + first_tokens * transfer_per_token
                     } else {
-                        first * local.s_per_flop + local_wait
+                        first * local.s_per_flop + local_wait + burst_local.1
                     };
                 let obs = task.observation;
                 let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
                 let later_s = later * local.s_per_flop + local_wait + later_wait;
                 // Once a step its replica takes new weights and drops its KV cache: its next
                 // turn prefills the whole context again, and queues for it.
-                let whole = context_prefill_flops(p, task.decode_context);
+                let whole = refill_moments(task, |c| context_prefill_flops(p, c)).flops;
                 let refill_s = if remote_prefill(p, disaggregated, task.decode_context) {
                     whole * remote.s_per_flop
                         + remote.wait_s
-                        + burst_remote
+                        + burst_remote.0
                         + task.decode_context * transfer_per_token
                 } else {
-                    whole * local.s_per_flop + local_wait + burst_local
+                    whole * local.s_per_flop + local_wait + burst_local.0
                 };
                 // A group is trained when its slowest member is done: the largest of its members'
                 // lifetimes, from their mean, spread and skew (turns vary, and so does every

@@ -2,10 +2,10 @@
 //! prediction on small problems.
 
 use super::model::{
-    EarlyRestart, Holding, IterationTimes, SlotLife, action_spread, closed_loop_step,
+    EarlyRestart, Holding, IterationTimes, Prefills, SlotLife, action_spread, closed_loop_step,
     compute_left_by_decoding, drain_wait, expected_max_z, held_occupancy, iteration_time,
-    job_average, mean_survival, prefill_queue, push_slot_lives, queue, regeneration,
-    replica_occupancy, routed, skewed_expected_max, token_time,
+    job_average, mean_survival, prefill_queue, push_slot_lives, queue, refill_backlog,
+    refill_moments, regeneration, replica_occupancy, routed, skewed_expected_max, token_time,
 };
 use super::*;
 use rollfleet_spec::WeightReads;
@@ -607,7 +607,11 @@ fn a_prefill_waits_as_in_an_mg1_queue_by_hand() {
     // One replica of 1 PFLOP/s; per 100 s step, 10 prefills of 1 PFLOP and 10 of 3 PFLOP.
     // Load 40 s, rho 0.4; E[S^2] / (2 E[S]) = (10 + 90) / (2 x 40) = 1.25 s;
     // wait = 0.4 / 0.6 x 1.25 = 0.8333 s.
-    let q = prefill_queue(&[(1.0, 1e15, 1.0)], &[(10.0, 1e15), (10.0, 3e15)], 100.0);
+    let q = prefill_queue(
+        &[(1.0, 1e15, 1.0)],
+        &[Prefills::alike(10.0, 1e15), Prefills::alike(10.0, 3e15)],
+        100.0,
+    );
     assert!((q.load_s - 40.0).abs() < 1e-9, "{q:?}");
     assert!((q.wait_s - 0.4 / 0.6 * 1.25).abs() < 1e-9, "{q:?}");
     assert!((q.s_per_flop - 1e-15).abs() < 1e-27, "{q:?}");
@@ -618,25 +622,15 @@ fn the_action_spread_pools_the_tasks_by_their_turns() {
     // Task a: 1 turn of 100 +- 0 tokens; task b: 3 turns of 200 +- 10. Weights 1 and 3:
     // mean 175; second moment (1 x 10,000 + 3 x 40,100) / 4 = 32,575; sd sqrt(1,950).
     let task = |turns: f64, action: f64, action_var: f64| crate::workload::TaskLoad {
-        name: String::new(),
         share: 0.5,
         turns,
         group_turns: turns,
-        turns_var: 0.0,
         max_turns: turns,
-        env_step_var: 0.0,
         action_var,
-        env_step_k3: 0.0,
-        action_k3: 0.0,
         prompt: 0.0,
         action,
         observation: 0.0,
-        decode_context: 0.0,
-        env_step_s: 0.0,
-        env_cpus: 1.0,
-        reward_s: 0.0,
-        serverless_pool: None,
-        local_reward: false,
+        ..refilled_task(1.0, false)
     };
     let w = Workload {
         tasks: vec![task(1.0, 100.0, 0.0), task(3.0, 200.0, 100.0)],
@@ -663,4 +657,85 @@ fn a_replica_prefills_with_the_compute_its_decoding_leaves_and_never_with_less_t
     assert_eq!(compute_left_by_decoding(1e15, 0.0), 1e15);
     // Decoding asking for more than the replica has still leaves a prefill a tenth.
     assert!((compute_left_by_decoding(1e15, 5e15) - 1e14).abs() < 1.0);
+}
+
+/// A task of `turns` turns (uniform on `[turns - 1, turns + 1]` when `varies`), a 100-token
+/// prompt and 100 tokens a turn (60 of action, 40 of observation).
+fn refilled_task(turns: f64, varies: bool) -> crate::workload::TaskLoad {
+    crate::workload::TaskLoad {
+        name: String::new(),
+        share: 1.0,
+        turns,
+        group_turns: turns,
+        // A uniform on an interval of 2 has variance 4 / 12.
+        turns_var: if varies { 1.0 / 3.0 } else { 0.0 },
+        max_turns: if varies { turns + 1.0 } else { turns },
+        env_step_var: 0.0,
+        action_var: 0.0,
+        env_step_k3: 0.0,
+        action_k3: 0.0,
+        prompt: 100.0,
+        action: 60.0,
+        observation: 40.0,
+        decode_context: 0.0,
+        context_limit: 1e6,
+        env_step_s: 0.0,
+        env_cpus: 1.0,
+        reward_s: 0.0,
+        serverless_pool: None,
+        local_reward: false,
+    }
+}
+
+#[test]
+fn a_refill_prefills_the_whole_context_of_a_turn_the_trajectory_goes_on_after() {
+    // Three turns: an update in the first or second refills 200 or 300 tokens; one in the
+    // third needs none. One FLOP a token: mean 250, mean square (40,000 + 90,000) / 2.
+    let r = refill_moments(&refilled_task(3.0, false), |c| c);
+    assert!((r.count - 2.0 / 3.0).abs() < 1e-12, "{r:?}");
+    assert!((r.flops - 250.0).abs() < 1e-9, "{r:?}");
+    assert!((r.flops_sq - 65_000.0).abs() < 1e-6, "{r:?}");
+    // Quadratic attention weighs the long contexts: the mean square exceeds the mean's square.
+    let quadratic = refill_moments(&refilled_task(3.0, false), |c| c * c);
+    assert!(quadratic.flops_sq > quadratic.flops * quadratic.flops * 1.05);
+    // The context limit caps what there is to refill.
+    let capped = refill_moments(
+        &crate::workload::TaskLoad {
+            context_limit: 250.0,
+            ..refilled_task(3.0, false)
+        },
+        |c| c,
+    );
+    assert!((capped.flops - 225.0).abs() < 1e-9, "{capped:?}");
+}
+
+#[test]
+fn a_single_turn_task_has_nothing_to_refill() {
+    let r = refill_moments(&refilled_task(1.0, false), |c| c);
+    assert_eq!(r.count, 0.0);
+}
+
+#[test]
+fn turns_that_vary_refill_after_each_turn_as_often_as_a_trajectory_goes_on_past_it() {
+    // Turns uniform on [2, 4], rounded: 2, 3 or 4 turns with chances 1/4, 1/2, 1/4. A
+    // trajectory goes on past turn 1 always, past turn 2 with 3/4, past turn 3 with 1/4: 2 of
+    // its 3 turns on average. Contexts 200, 300, 400: mean (200 + 225 + 100) / 2.
+    let r = refill_moments(&refilled_task(3.0, true), |c| c);
+    assert!((r.count - 2.0 / 3.0).abs() < 1e-12, "{r:?}");
+    assert!((r.flops - 262.5).abs() < 1e-9, "{r:?}");
+}
+
+#[test]
+fn a_burst_of_refills_faster_than_it_arrives_leaves_no_backlog() {
+    assert_eq!(refill_backlog(10.0, 20.0, 100.0), (0.0, 0.0));
+}
+
+#[test]
+fn a_burst_of_refills_outrunning_its_arrival_keeps_others_waiting_for_the_share_of_the_step_it_lasts()
+ {
+    // 30 s of refills over 10 s: the backlog peaks at 20 s; a refill meets 10 s of it, any
+    // other prefill 20 x 30 / 200 = 3 s averaged over a 100 s step.
+    let (refill, other) = refill_backlog(30.0, 10.0, 100.0);
+    assert!((refill - 10.0).abs() < 1e-12);
+    assert!((other - 3.0).abs() < 1e-12);
 }
