@@ -669,7 +669,7 @@ fn a_wave_that_shrinks_the_trainer_makes_the_batches_after_it_train_on_fewer_gpu
         })
     };
     let (gpus, kept) = run_with(None);
-    assert_eq!(gpus, 136, "the RollArt-like plan trains on 136 H800s");
+    assert_eq!(gpus, 128, "the RollArt-like plan trains on 128 H800s");
     let (_, shrunk) = run_with(Some(gpus / 2));
     for run in [&kept, &shrunk] {
         assert!(run.violations.is_empty(), "{:?}", run.violations);
