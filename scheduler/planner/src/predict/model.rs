@@ -794,15 +794,26 @@ pub(super) fn refill_moments(task: &TaskLoad, prefill_flops: impl Fn(f64) -> f64
     }
 }
 
-/// What a burst of refills costs the prefills meeting it: `(a refill's wait, any other prefill's
-/// wait)`, seconds. `work_s` seconds of prefill arrive evenly over `spread_s` seconds once a step
-/// of `t`, served first come first served: the backlog grows to `work_s - spread_s` if the work
-/// outruns its arrival and is gone by `work_s`. A refill arrives within the burst and meets half
-/// of that backlog; a prefill arriving at any moment of the step meets it averaged over the step,
+/// What a burst of refills costs the prefills meeting it, seconds of wait ([`refill_backlog`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(super) struct Backlog {
+    /// A refill's: it arrives within the burst.
+    pub(super) refill_s: f64,
+    /// Any other prefill's, arriving at any moment of the step.
+    pub(super) other_s: f64,
+}
+
+/// `work_s` seconds of prefill arrive evenly over `spread_s` seconds once a step of `t`, served
+/// first come first served: the backlog grows to `work_s - spread_s` if the work outruns its
+/// arrival and is gone by `work_s`. A refill arrives within the burst and meets half of that
+/// backlog; a prefill arriving at any moment of the step meets it averaged over the step,
 /// `(work_s - spread_s) work_s / (2 t)`.
-pub(super) fn refill_backlog(work_s: f64, spread_s: f64, t: f64) -> (f64, f64) {
+pub(super) fn refill_backlog(work_s: f64, spread_s: f64, t: f64) -> Backlog {
     let excess = (work_s - spread_s).max(0.0);
-    (excess / 2.0, excess * work_s / (2.0 * t.max(1e-12)))
+    Backlog {
+        refill_s: excess / 2.0,
+        other_s: excess * work_s / (2.0 * t.max(1e-12)),
+    }
 }
 
 /// The prefills of a step, by where they run: `(local, remote)`.
@@ -811,18 +822,19 @@ pub(super) fn refill_backlog(work_s: f64, spread_s: f64, t: f64) -> (f64, f64) {
 /// cached context). Each first turn's prompt is prefilled on the prefill replicas when there are
 /// any, locally otherwise. And every trajectory alive when its replica takes new weights (once
 /// a step) loses its KV cache, so its next turn prefills its whole context again
-/// ([`refill_moments`]), routed as a turn without a cache is: to the prefill replicas when there
-/// are any. `alive_s[k]` is how long a trajectory of task `k` is alive, so by Little's law
-/// `B / T x share x alive` are.
+/// (`refills[k]`, task `k`'s [`refill_moments`]), routed as a turn without a cache is: to the
+/// prefill replicas when there are any. `alive_s[k]` is how long a trajectory of task `k` is
+/// alive, so by Little's law `B / T x share x alive` are.
 pub(super) fn step_prefills(
     p: &Problem,
     disaggregated: bool,
+    refills: &[Prefills],
     alive_s: &[f64],
     t: f64,
 ) -> (Vec<Prefills>, Vec<Prefills>) {
     let w = &p.workload;
     let (mut local, mut remote) = (Vec::new(), Vec::new());
-    for (task, alive) in w.tasks.iter().zip(alive_s) {
+    for ((task, alive), moments) in w.tasks.iter().zip(alive_s).zip(refills) {
         let n = w.batch * task.share;
         let obs = task.observation;
         local.push(Prefills::alike(
@@ -835,10 +847,9 @@ pub(super) fn step_prefills(
         } else {
             local.push(first);
         }
-        let moments = refill_moments(task, |c| context_prefill_flops(p, c));
         let refill = Prefills {
             count: n / t * alive * moments.count,
-            ..moments
+            ..*moments
         };
         if remote_prefill(p, disaggregated, task.decode_context) {
             remote.push(refill);

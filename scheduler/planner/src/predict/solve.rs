@@ -3,10 +3,11 @@
 //! ([`least_fitting_step`]) for the full prediction and for the search's cheaper objective.
 
 use super::model::{
-    DecodeKind, EarlyRestart, Holding, SlotLife, action_spread, closed_loop_step,
-    compute_left_by_decoding, context_prefill_flops, drain_wait, expected_max_z, job_average,
-    prefill_queue, push_slot_lives, queue, refill_backlog, refill_moments, regeneration,
-    remote_prefill, routed, skewed_expected_max, step_prefills, step_work, token_time,
+    Backlog, DecodeKind, EarlyRestart, Holding, Prefills, SlotLife, action_spread,
+    closed_loop_step, compute_left_by_decoding, context_prefill_flops, drain_wait, expected_max_z,
+    job_average, prefill_queue, push_slot_lives, queue, refill_backlog, refill_moments,
+    regeneration, remote_prefill, routed, skewed_expected_max, step_prefills, step_work,
+    token_time,
 };
 use super::{
     Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, TaskLife, Terms,
@@ -95,6 +96,13 @@ pub(super) fn predict_caps(
         / plain_tokens_per_traj.max(1e-12);
     // Everything that depends on the step time T (through the throughput asked for).
     let (action_mean, action_sd) = action_spread(w);
+    // Each task's refills after a weight update (how many a trajectory makes, their FLOPs' mean
+    // and mean square) depend on its shapes alone.
+    let refills: Vec<Prefills> = w
+        .tasks
+        .iter()
+        .map(|task| refill_moments(task, |c| context_prefill_flops(p, c)))
+        .collect();
     let evaluate = |t: f64| -> Option<(Terms, TokenTimes, f64, JobEnds)> {
         let prefill_kinds = [(
             prefill_flops / prefill_fastest.max(1e-30),
@@ -202,7 +210,7 @@ pub(super) fn predict_caps(
                     (k.replicas, f, share)
                 })
                 .collect();
-            let (local_jobs, remote_jobs) = step_prefills(p, disaggregated, &alive_s, t);
+            let (local_jobs, remote_jobs) = step_prefills(p, disaggregated, &refills, &alive_s, t);
             let local = prefill_queue(&at_tau, &local_jobs, t);
             let remote = prefill_queue(&prefill_kinds, &remote_jobs, t);
             let (local_load, local_wait) = (local.load_s, local.wait_s);
@@ -214,13 +222,13 @@ pub(super) fn predict_caps(
             // replicas, which take every decode replica's refills as its update comes. A refill
             // waits for half the backlog, a first turn (routed as a refill is, without a cache)
             // for the backlog averaged over the step; a prefill on top of its cached context
-            // goes where its sequence is, mostly not behind a burst, and waits as in M/G/1. Without the burst the prediction ranked a smaller prefill pool well at
+            // goes where its sequence is, mostly not behind a burst, and waits as in M/G/1.
+            // Without the burst the prediction ranked a smaller prefill pool well at
             // `maxStaleness` 3 and above, where the window holds two batches, and was 11-21% low
             // there when the rule was chosen.
             let (mut refill_remote, mut refill_local) = (0.0, 0.0);
             let (mut spread_remote, mut spread_local) = (0.0, 0.0);
-            for (task, alive) in w.tasks.iter().zip(&alive_s) {
-                let refill = refill_moments(task, |c| context_prefill_flops(p, c));
+            for ((task, alive), refill) in w.tasks.iter().zip(&alive_s).zip(&refills) {
                 let work = w.batch * task.share / t * alive * refill.count * refill.flops;
                 let turn = task.env_step_s + task.action * seen_tau + local_wait;
                 let turn_var = task.env_step_var + seen_tau * seen_tau * task.action_var;
@@ -245,7 +253,7 @@ pub(super) fn predict_caps(
             );
             let (burst_remote, burst_local) = match arrivals {
                 RefillArrivals::Burst => (burst_remote, burst_local),
-                RefillArrivals::Poisson => ((0.0, 0.0), (0.0, 0.0)),
+                RefillArrivals::Poisson => (Backlog::default(), Backlog::default()),
             };
             let mut slots = 0.0;
             let mut regenerated = 0.0;
@@ -256,31 +264,31 @@ pub(super) fn predict_caps(
             let mut not_decoding = 0.0;
             let mut lives = Vec::with_capacity(w.tasks.len());
             let mut task_lives = Vec::with_capacity(w.tasks.len());
-            for (task, alive) in w.tasks.iter().zip(alive_s.iter_mut()) {
+            for ((task, alive), refill) in w.tasks.iter().zip(alive_s.iter_mut()).zip(&refills) {
                 let first_tokens = task.prompt;
                 let first = p.prefill_flops(first_tokens, 0.0);
                 let first_s = first_wait
                     + if remote_prefill(p, disaggregated, first_tokens) {
                         first * remote.s_per_flop
                             + remote.wait_s
-                            + burst_remote.1
+                            + burst_remote.other_s
                             + first_tokens * transfer_per_token
                     } else {
-                        first * local.s_per_flop + local_wait + burst_local.1
+                        first * local.s_per_flop + local_wait + burst_local.other_s
                     };
                 let obs = task.observation;
                 let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
                 let later_s = later * local.s_per_flop + local_wait + later_wait;
                 // Once a step its replica takes new weights and drops its KV cache: its next
                 // turn prefills the whole context again, and queues for it.
-                let whole = refill_moments(task, |c| context_prefill_flops(p, c)).flops;
+                let whole = refill.flops;
                 let refill_s = if remote_prefill(p, disaggregated, task.decode_context) {
                     whole * remote.s_per_flop
                         + remote.wait_s
-                        + burst_remote.0
+                        + burst_remote.refill_s
                         + task.decode_context * transfer_per_token
                 } else {
-                    whole * local.s_per_flop + local_wait + burst_local.0
+                    whole * local.s_per_flop + local_wait + burst_local.refill_s
                 };
                 // A group is trained when its slowest member is done: the largest of its members'
                 // lifetimes, from their mean, spread and skew (turns vary, and so does every

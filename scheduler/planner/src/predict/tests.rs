@@ -2,10 +2,11 @@
 //! prediction on small problems.
 
 use super::model::{
-    EarlyRestart, Holding, IterationTimes, Prefills, SlotLife, action_spread, closed_loop_step,
-    compute_left_by_decoding, drain_wait, expected_max_z, held_occupancy, iteration_time,
-    job_average, mean_survival, prefill_queue, push_slot_lives, queue, refill_backlog,
-    refill_moments, regeneration, replica_occupancy, routed, skewed_expected_max, token_time,
+    Backlog, EarlyRestart, Holding, IterationTimes, Prefills, SlotLife, action_spread,
+    closed_loop_step, compute_left_by_decoding, drain_wait, expected_max_z, held_occupancy,
+    iteration_time, job_average, mean_survival, prefill_queue, push_slot_lives, queue,
+    refill_backlog, refill_moments, regeneration, replica_occupancy, routed, skewed_expected_max,
+    token_time,
 };
 use super::*;
 use rollfleet_spec::WeightReads;
@@ -727,7 +728,7 @@ fn turns_that_vary_refill_after_each_turn_as_often_as_a_trajectory_goes_on_past_
 
 #[test]
 fn a_burst_of_refills_faster_than_it_arrives_leaves_no_backlog() {
-    assert_eq!(refill_backlog(10.0, 20.0, 100.0), (0.0, 0.0));
+    assert_eq!(refill_backlog(10.0, 20.0, 100.0), Backlog::default());
 }
 
 #[test]
@@ -735,7 +736,7 @@ fn a_burst_of_refills_outrunning_its_arrival_keeps_others_waiting_for_the_share_
  {
     // 30 s of refills over 10 s: the backlog peaks at 20 s; a refill meets 10 s of it, any
     // other prefill 20 x 30 / 200 = 3 s averaged over a 100 s step.
-    let (refill, other) = refill_backlog(30.0, 10.0, 100.0);
-    assert!((refill - 10.0).abs() < 1e-12);
-    assert!((other - 3.0).abs() < 1e-12);
+    let backlog = refill_backlog(30.0, 10.0, 100.0);
+    assert!((backlog.refill_s - 10.0).abs() < 1e-12);
+    assert!((backlog.other_s - 3.0).abs() < 1e-12);
 }
