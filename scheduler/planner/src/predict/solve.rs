@@ -278,7 +278,15 @@ pub(super) fn predict_caps(
                     };
                 let obs = task.observation;
                 let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
-                let later_s = later * local.s_per_flop + local_wait + later_wait;
+                // A sequence refilled on its replica within the burst meets the rest of it at
+                // its later turns there ([`Backlog::cached_s`]).
+                let within_burst = if remote_prefill(p, disaggregated, task.decode_context) {
+                    0.0
+                } else {
+                    let turn = task.env_step_s + task.action * seen_tau + local_wait;
+                    refill.count * burst_local.cached_s(turn)
+                };
+                let later_s = later * local.s_per_flop + local_wait + later_wait + within_burst;
                 // Once a step its replica takes new weights and drops its KV cache: its next
                 // turn prefills the whole context again, and queues for it.
                 let whole = refill.flops;

@@ -740,3 +740,17 @@ fn a_burst_of_refills_outrunning_its_arrival_keeps_others_waiting_for_the_share_
     assert!((backlog.refill_s - 10.0).abs() < 1e-12);
     assert!((backlog.other_s - 3.0).abs() < 1e-12);
 }
+
+#[test]
+fn a_sequence_refilled_within_a_burst_meets_the_rest_of_it_at_its_later_turns() {
+    // 30 s of refills over 10 s in a 100 s step: `other_s` is 3 s. A sequence that comes back
+    // every 10 s is refilled at a uniform moment of the 30 s the burst lasts, and meets it at
+    // (30 - 10)^2 / (2 x 30 x 10) = 2/3 of a later turn on average, of the 10 it takes a step,
+    // each waiting 10 s: 2/3 s a turn.
+    let backlog = refill_backlog(30.0, 10.0, 100.0);
+    assert!((backlog.cached_s(10.0) - 2.0 / 3.0).abs() < 1e-12);
+    // One that comes back only after the burst is served meets none of it, nor does any
+    // sequence when the refills never outrun their arrival.
+    assert_eq!(backlog.cached_s(30.0), 0.0);
+    assert_eq!(refill_backlog(10.0, 20.0, 100.0).cached_s(1.0), 0.0);
+}
