@@ -806,39 +806,118 @@ pub(super) struct Backlog {
 }
 
 impl Backlog {
-    /// A prefill on a cached context, on average over a step, of a sequence that was refilled
-    /// within the burst and comes back every `turn_s` seconds. The burst's refills are served
-    /// one after another over `busy_s`; a sequence refilled at a moment `x` of it comes back
-    /// for its later turns, on top of its cache and on the same replica, while the rest of the
-    /// burst still waits there, each meeting about what a refill meets. Over `x` uniform, that
-    /// is `(busy_s - turn_s)^2 / (2 busy_s turn_s)` of the `t / turn_s` turns it takes in the
-    /// step, so `refill_s ((busy_s - turn_s)+ / busy_s)^2 busy_s / 2t = other_s / 2` scaled by
-    /// that square. Inside the emulated engine, 7-10% of the cached prefills of the example
-    /// jobs meet a refill ahead of them, and wait about what a refill does; the others hardly
-    /// wait at all.
-    pub(super) fn cached_s(&self, turn_s: f64) -> f64 {
-        if self.busy_s <= 0.0 {
+    /// A later turn's wait for the burst, on average over a step of `t`, of a sequence that
+    /// comes back every `turn_s` seconds and lives `life_s`, when the update it lives through
+    /// refills it. The burst's refills are served one after another over `busy_s`; a sequence
+    /// refilled at a moment `x` of it comes back for its later turns, on top of its cache and
+    /// on the same replica, while the rest of the burst still waits there, each meeting about
+    /// what a refill meets, for as long as it lives: over `e = min(busy_s, life_s)`, with `x`
+    /// uniform, `(e - turn_s)^2 / (2 e turn_s)` turns. A sequence that lives through the step
+    /// takes `t / turn_s` turns in it, and one that lives less is refilled in that share of the
+    /// steps, so either way `refill_s (e - turn_s)+^2 / (2 e t)` a turn. Inside the emulated
+    /// engine, 7-10% of the cached prefills of the example jobs meet a refill ahead of them and
+    /// wait about what a refill does; the others hardly wait at all.
+    pub(super) fn cached_s(&self, turn_s: f64, life_s: f64, t: f64) -> f64 {
+        let within = self.busy_s.min(life_s);
+        if within <= turn_s || t <= 0.0 {
             return 0.0;
         }
-        let within = ((self.busy_s - turn_s) / self.busy_s).max(0.0);
-        self.other_s / 2.0 * within * within
+        self.refill_s * (within - turn_s).powi(2) / (2.0 * within * t)
     }
 }
 
-/// `work_s` seconds of prefill arrive evenly over `spread_s` seconds once a step of `t`, served
-/// first come first served: the backlog grows to `work_s - spread_s` if the work outruns its
-/// arrival and is gone by `work_s`. A refill arrives within the burst and meets half of that
-/// backlog; a prefill arriving at any moment of the step meets it averaged over the step,
-/// `(work_s - spread_s) work_s / (2 t)`.
-pub(super) fn refill_backlog(work_s: f64, spread_s: f64, t: f64) -> Backlog {
-    let excess = (work_s - spread_s).max(0.0);
-    if excess <= 0.0 {
+/// The turn that the sequences of one task were caught in when their replica took new weights:
+/// its share of the burst's refill work, and the turn's mean and variance, seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct CaughtTurn {
+    pub(super) share: f64,
+    pub(super) mean_s: f64,
+    pub(super) var_s: f64,
+}
+
+impl CaughtTurn {
+    /// The share of the sequences caught in this turn that are back by `s` seconds after the
+    /// update, and how many a second come back then (per sequence). A sequence caught at a
+    /// uniform moment of a renewal process of turns `X` comes back after the rest of its turn,
+    /// whose law is the equilibrium one, `P(R <= s) = E[min(X, s)] / E[X]` with density
+    /// `P(X > s) / E[X]` (a turn caught is length-biased, and the rest of one is uniform on
+    /// it). Turns are taken as log-normal with the turn's mean and variance (fixed when it
+    /// has none).
+    fn back_by(&self, s: f64) -> (f64, f64) {
+        let m = self.mean_s.max(1e-12);
+        if s <= 0.0 {
+            return (0.0, 1.0 / m);
+        }
+        if self.var_s <= 1e-12 * m * m {
+            return if s < m { (s / m, 1.0 / m) } else { (1.0, 0.0) };
+        }
+        let sigma_sq = (1.0 + self.var_s / (m * m)).ln();
+        let sigma = sigma_sq.sqrt();
+        let mu = m.ln() - sigma_sq / 2.0;
+        let z = (s.ln() - mu) / sigma;
+        let longer = 1.0 - normal_cdf(z);
+        let up_to_s = s * longer + m * normal_cdf(z - sigma);
+        ((up_to_s / m).min(1.0), longer / m)
+    }
+}
+
+/// `work_s` seconds of prefill (the refills of a step's weight updates, in seconds of the
+/// replicas' compute) come back as the sequences' turns end ([`CaughtTurn::back_by`]), over
+/// the turns they were caught in, and are served first come first served. A fluid queue: the
+/// work back by `s`, `A(s)`, is concave (fewer are back each second), so a backlog `A(s) - s`
+/// builds while more than a second of work arrives a second and lasts until it is served, at
+/// `busy_s`. A refill meets the backlog of its moment, `int (A - s) dA / work_s`; any other
+/// prefill, arriving at any moment of the step `t`, `int (A - s) ds / t`. Turns of one fixed
+/// length `D` give `(work_s - D) / 2` and `(work_s - D) work_s / (2 t)`; turns that vary bring
+/// most sequences back early, and a burst that the mean rest of a turn would have spread
+/// without a backlog can still leave one.
+pub(super) fn refill_backlog(work_s: f64, turns: &[CaughtTurn], t: f64) -> Backlog {
+    const POINTS: usize = 64;
+    let total: f64 = turns.iter().map(|c| c.share).sum();
+    if work_s <= 0.0 || total <= 0.0 {
         return Backlog::default();
     }
+    let arrived = |s: f64| -> (f64, f64) {
+        turns.iter().fold((0.0, 0.0), |(a, rate), c| {
+            let (back, per_s) = c.back_by(s);
+            let weight = work_s * c.share / total;
+            (a + weight * back, rate + weight * per_s)
+        })
+    };
+    if arrived(0.0).1 <= 1.0 {
+        return Backlog::default();
+    }
+    // `A(s) - s` is concave and positive just after 0: its end is the one root past 0, within
+    // `work_s` (no more than all of it ever arrives).
+    let (mut lo, mut hi) = (0.0, work_s);
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if arrived(mid).0 > mid {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let busy_s = 0.5 * (lo + hi);
+    if busy_s <= 0.0 {
+        return Backlog::default();
+    }
+    // Midpoint sums, the refills' against the work arrived within each interval (its rate
+    // jumps where a fixed turn ends).
+    let h = busy_s / POINTS as f64;
+    let (mut met_by_refills, mut backlog_s, mut before) = (0.0, 0.0, 0.0);
+    for i in 0..POINTS {
+        let s = (i as f64 + 0.5) * h;
+        let backlog = (arrived(s).0 - s).max(0.0);
+        let by_end = arrived((i + 1) as f64 * h).0;
+        met_by_refills += backlog * (by_end - before);
+        backlog_s += backlog * h;
+        before = by_end;
+    }
     Backlog {
-        refill_s: excess / 2.0,
-        other_s: excess * work_s / (2.0 * t.max(1e-12)),
-        busy_s: work_s,
+        refill_s: met_by_refills / work_s,
+        other_s: backlog_s / t.max(1e-12),
+        busy_s,
     }
 }
 

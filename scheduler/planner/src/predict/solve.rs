@@ -3,7 +3,7 @@
 //! ([`least_fitting_step`]) for the full prediction and for the search's cheaper objective.
 
 use super::model::{
-    Backlog, DecodeKind, EarlyRestart, Holding, Prefills, SlotLife, action_spread,
+    Backlog, CaughtTurn, DecodeKind, EarlyRestart, Holding, Prefills, SlotLife, action_spread,
     closed_loop_step, compute_left_by_decoding, context_prefill_flops, drain_wait, expected_max_z,
     job_average, prefill_queue, push_slot_lives, queue, refill_backlog, refill_moments,
     regeneration, remote_prefill, routed, skewed_expected_max, step_prefills, step_work,
@@ -103,6 +103,7 @@ pub(super) fn predict_caps(
         .iter()
         .map(|task| refill_moments(task, |c| context_prefill_flops(p, c)))
         .collect();
+    let no_refills = vec![0.0; w.tasks.len()];
     let evaluate = |t: f64| -> Option<(Terms, TokenTimes, f64, JobEnds)> {
         let prefill_kinds = [(
             prefill_flops / prefill_fastest.max(1e-30),
@@ -212,45 +213,48 @@ pub(super) fn predict_caps(
                 .collect();
             let (local_jobs, remote_jobs) = step_prefills(p, disaggregated, &refills, &alive_s, t);
             let local = prefill_queue(&at_tau, &local_jobs, t);
+            // Outside the refills' bursts, a prefill on a cached context waits behind the other
+            // cached prefills and the first turns alone.
+            let (local_unrefilled, _) = step_prefills(p, disaggregated, &refills, &no_refills, t);
+            let local_between_bursts = prefill_queue(&at_tau, &local_unrefilled, t).wait_s;
             let remote = prefill_queue(&prefill_kinds, &remote_jobs, t);
             let (local_load, local_wait) = (local.load_s, local.wait_s);
             // Refills do not arrive as M/G/1's Poisson stream but in a burst
             // ([`refill_backlog`]). The sequences a replica held when it took new weights were
-            // caught part-way through a turn, and come back as their turns end: over about
-            // `E[X^2] / E[X]` of a turn `X` (the turns caught are length-biased, and the rest of
-            // one is uniform on it), to the replica or to the least loaded, or to the prefill
-            // replicas, which take every decode replica's refills as its update comes. A refill
-            // waits for half the backlog, a first turn (routed as a refill is, without a cache)
-            // for the backlog averaged over the step; a prefill on top of its cached context
-            // goes where its sequence is, mostly not behind a burst, and waits as in M/G/1.
-            // Without the burst the prediction ranked a smaller prefill pool well at
-            // `maxStaleness` 3 and above, where the window holds two batches, and was 11-21% low
-            // there when the rule was chosen.
+            // caught part-way through a turn, and come back as the rest of it ends (the turns
+            // caught are length-biased, and the rest of one is uniform on it), to the replica or
+            // to the least loaded, or to the prefill replicas, which take every decode replica's
+            // refills as its update comes. A refill meets the backlog of its moment, a first
+            // turn (routed as a refill is, without a cache) the backlog averaged over the step,
+            // and a prefill on top of its cached context waits behind the other prefills
+            // between bursts, or behind the rest of the burst it was refilled in
+            // ([`Backlog::cached_s`]). Without the burst the prediction ranked a smaller prefill
+            // pool well at `maxStaleness` 3 and above, where the window holds two batches, and
+            // was 11-21% low there when the rule was chosen.
             let (mut refill_remote, mut refill_local) = (0.0, 0.0);
-            let (mut spread_remote, mut spread_local) = (0.0, 0.0);
+            let (mut caught_remote, mut caught_local) = (Vec::new(), Vec::new());
             for ((task, alive), refill) in w.tasks.iter().zip(&alive_s).zip(&refills) {
                 let work = w.batch * task.share / t * alive * refill.count * refill.flops;
-                let turn = task.env_step_s + task.action * seen_tau + local_wait;
-                let turn_var = task.env_step_var + seen_tau * seen_tau * task.action_var;
-                let caught = (turn_var + turn * turn) / turn.max(1e-12);
+                if work <= 0.0 {
+                    continue;
+                }
+                let caught = CaughtTurn {
+                    share: work,
+                    mean_s: task.env_step_s + task.action * seen_tau + local_wait,
+                    var_s: task.env_step_var + seen_tau * seen_tau * task.action_var,
+                };
                 if remote_prefill(p, disaggregated, task.decode_context) {
                     refill_remote += work;
-                    spread_remote += work * caught;
+                    caught_remote.push(caught);
                 } else {
                     refill_local += work;
-                    spread_local += work * caught;
+                    caught_local.push(caught);
                 }
             }
-            let burst_remote = refill_backlog(
-                refill_remote / prefill_flops.max(1e-30),
-                spread_remote / refill_remote.max(1e-30),
-                t,
-            );
-            let burst_local = refill_backlog(
-                refill_local / local_capacity.max(1e-30),
-                spread_local / refill_local.max(1e-30),
-                t,
-            );
+            let burst_remote =
+                refill_backlog(refill_remote / prefill_flops.max(1e-30), &caught_remote, t);
+            let burst_local =
+                refill_backlog(refill_local / local_capacity.max(1e-30), &caught_local, t);
             let (burst_remote, burst_local) = match arrivals {
                 RefillArrivals::Burst => (burst_remote, burst_local),
                 RefillArrivals::Poisson => (Backlog::default(), Backlog::default()),
@@ -284,9 +288,10 @@ pub(super) fn predict_caps(
                     0.0
                 } else {
                     let turn = task.env_step_s + task.action * seen_tau + local_wait;
-                    refill.count * burst_local.cached_s(turn)
+                    refill.count * burst_local.cached_s(turn, *alive, t)
                 };
-                let later_s = later * local.s_per_flop + local_wait + later_wait + within_burst;
+                let later_s =
+                    later * local.s_per_flop + local_between_bursts + later_wait + within_burst;
                 // Once a step its replica takes new weights and drops its KV cache: its next
                 // turn prefills the whole context again, and queues for it.
                 let whole = refill.flops;

@@ -2,7 +2,7 @@
 //! prediction on small problems.
 
 use super::model::{
-    Backlog, EarlyRestart, Holding, IterationTimes, Prefills, SlotLife, action_spread,
+    Backlog, CaughtTurn, EarlyRestart, Holding, IterationTimes, Prefills, SlotLife, action_spread,
     closed_loop_step, compute_left_by_decoding, drain_wait, expected_max_z, held_occupancy,
     iteration_time, job_average, mean_survival, prefill_queue, push_slot_lives, queue,
     refill_backlog, refill_moments, regeneration, replica_occupancy, routed, skewed_expected_max,
@@ -726,31 +726,77 @@ fn turns_that_vary_refill_after_each_turn_as_often_as_a_trajectory_goes_on_past_
     assert!((r.flops - 262.5).abs() < 1e-9, "{r:?}");
 }
 
+/// Sequences all caught in turns of `length_s` seconds.
+fn fixed_turns(length_s: f64) -> [CaughtTurn; 1] {
+    [CaughtTurn {
+        share: 1.0,
+        mean_s: length_s,
+        var_s: 0.0,
+    }]
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-3 * b.abs().max(1.0)
+}
+
 #[test]
 fn a_burst_of_refills_faster_than_it_arrives_leaves_no_backlog() {
-    assert_eq!(refill_backlog(10.0, 20.0, 100.0), Backlog::default());
+    // Turns of 20 s bring 10 s of refills back over 20 s: half a second of work a second.
+    assert_eq!(
+        refill_backlog(10.0, &fixed_turns(20.0), 100.0),
+        Backlog::default()
+    );
 }
 
 #[test]
 fn a_burst_of_refills_outrunning_its_arrival_keeps_others_waiting_for_the_share_of_the_step_it_lasts()
  {
-    // 30 s of refills over 10 s: the backlog peaks at 20 s; a refill meets 10 s of it, any
-    // other prefill 20 x 30 / 200 = 3 s averaged over a 100 s step.
-    let backlog = refill_backlog(30.0, 10.0, 100.0);
-    assert!((backlog.refill_s - 10.0).abs() < 1e-12);
-    assert!((backlog.other_s - 3.0).abs() < 1e-12);
+    // 30 s of refills back over 10 s (turns of 10 s, caught uniformly within them): the
+    // backlog peaks at 20 s and is served by 30 s; a refill meets 10 s of it, any other
+    // prefill 20 x 30 / 200 = 3 s averaged over a 100 s step.
+    let backlog = refill_backlog(30.0, &fixed_turns(10.0), 100.0);
+    assert!(close(backlog.refill_s, 10.0), "{backlog:?}");
+    assert!(close(backlog.other_s, 3.0), "{backlog:?}");
+    assert!(close(backlog.busy_s, 30.0), "{backlog:?}");
 }
 
 #[test]
-fn a_sequence_refilled_within_a_burst_meets_the_rest_of_it_at_its_later_turns() {
-    // 30 s of refills over 10 s in a 100 s step: `other_s` is 3 s. A sequence that comes back
-    // every 10 s is refilled at a uniform moment of the 30 s the burst lasts, and meets it at
-    // (30 - 10)^2 / (2 x 30 x 10) = 2/3 of a later turn on average, of the 10 it takes a step,
-    // each waiting 10 s: 2/3 s a turn.
-    let backlog = refill_backlog(30.0, 10.0, 100.0);
-    assert!((backlog.cached_s(10.0) - 2.0 / 3.0).abs() < 1e-12);
+fn turns_that_vary_bring_most_sequences_back_early_and_leave_a_backlog_their_mean_rest_would_not() {
+    // 20 s of refills. Turns of a fixed 20 s bring them back at one second of work a second:
+    // no backlog. Turns of 10 s on average with a standard deviation of 10 s have the same
+    // mean rest, 10 s (`E[X^2] / 2 E[X]`), but the rest of a turn is most likely short: two
+    // seconds of work a second come back at first, and a backlog builds.
+    assert_eq!(
+        refill_backlog(20.0, &fixed_turns(20.0), 100.0),
+        Backlog::default()
+    );
+    let varied = [CaughtTurn {
+        share: 1.0,
+        mean_s: 10.0,
+        var_s: 100.0,
+    }];
+    let backlog = refill_backlog(20.0, &varied, 100.0);
+    assert!(backlog.refill_s > 1.0, "{backlog:?}");
+    assert!(backlog.busy_s > 0.0 && backlog.busy_s < 20.0, "{backlog:?}");
+}
+
+#[test]
+fn a_sequence_refilled_within_a_burst_meets_the_rest_of_it_at_its_later_turns_while_it_lives() {
+    // 30 s of refills over 10 s in a 100 s step: a refill waits 10 s. A sequence that comes
+    // back every 10 s and lives through the step is refilled at a uniform moment of the 30 s
+    // the burst lasts, and meets it at (30 - 10)^2 / (2 x 30 x 10) = 2/3 of a later turn on
+    // average, of the 10 it takes a step, each waiting 10 s: 2/3 s a turn.
+    let backlog = refill_backlog(30.0, &fixed_turns(10.0), 100.0);
+    assert!(close(backlog.cached_s(10.0, 1000.0, 100.0), 2.0 / 3.0));
+    // One living 20 s meets it for 20 s at most: (20 - 10)^2 / (2 x 20 x 10) = 1/4 of a turn
+    // when refilled, which it is at one step in five: 1/20 of a turn of the 2 it lives, each
+    // waiting 10 s: 1/4 s a turn.
+    assert!(close(backlog.cached_s(10.0, 20.0, 100.0), 0.25));
     // One that comes back only after the burst is served meets none of it, nor does any
     // sequence when the refills never outrun their arrival.
-    assert_eq!(backlog.cached_s(30.0), 0.0);
-    assert_eq!(refill_backlog(10.0, 20.0, 100.0).cached_s(1.0), 0.0);
+    assert_eq!(backlog.cached_s(30.0, 1000.0, 100.0), 0.0);
+    assert_eq!(
+        refill_backlog(10.0, &fixed_turns(20.0), 100.0).cached_s(1.0, 1000.0, 100.0),
+        0.0
+    );
 }
