@@ -521,10 +521,9 @@ const TRAINER_SCAN_NODES: usize = 16;
 
 /// The affinity placement with the trainer size the full prediction prefers. Every trainer size
 /// on the trainer's pool within [`TRAINER_SCAN_NODES`] nodes of the first-order optimum's gets
-/// the serving replicas the affinity search gives it; of the sizes whose full prediction is
-/// within [`PREDICTION_TIE`] of the best, the one the first-order objective ranks first is taken
-/// (the full prediction rules out what is clearly slower, the objective breaks the ties it
-/// cannot).
+/// the serving replicas the affinity search gives it; the middle of the band of sizes around
+/// the fastest whose full predictions are within [`PREDICTION_TIE`] of it is taken
+/// ([`middle_of_tie`]).
 ///
 /// The first-order objective alone trades the trainer against the prefill replicas by their
 /// capacity terms, and under a loose staleness bound (a window of two batches) it gave training
@@ -538,7 +537,7 @@ fn refine_trainer(p: &Problem, start: Found) -> Found {
     }
     let pool = start.candidate.trainer_pool;
     let mut nodes = start.nodes;
-    let mut options: Vec<(Found, f64, f64)> = Vec::new();
+    let mut options: Vec<(Found, f64)> = Vec::new();
     let sizes = trainer_sizes(p, pool);
     let at = sizes
         .iter()
@@ -560,15 +559,79 @@ fn refine_trainer(p: &Problem, start: Found) -> Found {
             found
         };
         if let Some(step) = full(&found.candidate) {
-            let first_order = found.step_s;
-            options.push((found, step, first_order));
+            options.push((found, step));
         }
     }
-    match within_tie(options) {
-        Some((mut found, _)) => {
+    match middle_of_tie(options) {
+        Some(mut found) => {
             found.nodes = nodes;
             found
         }
         None => start,
+    }
+}
+
+/// Of `options` in order of size, each with its full prediction, the middle one of the band
+/// around the fastest whose predictions stay within [`PREDICTION_TIE`] of it (of two middle
+/// ones, the one predicted faster). The full prediction is flat across such a band and does not
+/// rank within it, and the first-order objective falls steadily across it one way or the other,
+/// so it would take an edge of the band, wherever the tie's width puts it: on the RollArt-like
+/// job at `maxStaleness: 1` it took 88 H800s of a band from 88 to 152, which simulated at 161 s
+/// a step (seeds 0-1), where the band's middle, 120, simulates at 144-145 s and 128 at 133-143
+/// s; at `maxStaleness: 2` it took the upper edge, 128 of 104 to 128, simulated at 110.2 s,
+/// and 112 and 120 at 110-113 and 109.3 s. A size outside the band that comes back within the
+/// tie is another regime (on the math and code job, every L40S training and no prefill pool
+/// beside the band of 80 to 104 with one), not a wider band.
+fn middle_of_tie<T>(mut options: Vec<(T, f64)>) -> Option<T> {
+    let best = options
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1.1.total_cmp(&b.1.1))
+        .map(|(i, _)| i)?;
+    let limit = options[best].1 * (1.0 + PREDICTION_TIE);
+    let within = |i: usize| options[i].1 <= limit;
+    let mut first = best;
+    while first > 0 && within(first - 1) {
+        first -= 1;
+    }
+    let mut last = best;
+    while last + 1 < options.len() && within(last + 1) {
+        last += 1;
+    }
+    let (lower, upper) = ((first + last) / 2, (first + last).div_ceil(2));
+    let middle = if options[lower].1 <= options[upper].1 {
+        lower
+    } else {
+        upper
+    };
+    Some(options.swap_remove(middle).0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::middle_of_tie;
+
+    #[test]
+    fn the_trainer_scan_keeps_the_middle_of_the_band_its_prediction_cannot_rank_within() {
+        // Within 2% of the fastest (100 s): 16 to 40 GPUs, a band broken at 48; 56 comes back
+        // within it, but past the break. Its middle two are 24 and 32: the faster, 32.
+        let options = vec![
+            (8, 130.0),
+            (16, 101.0),
+            (24, 100.5),
+            (32, 100.0),
+            (40, 101.5),
+            (48, 103.0),
+            (56, 101.0),
+        ];
+        assert_eq!(middle_of_tie(options), Some(32));
+        // An odd band's middle is taken even where an edge is predicted faster.
+        assert_eq!(
+            middle_of_tie(vec![(8, 100.0), (16, 101.0), (24, 101.9), (32, 110.0)]),
+            Some(16)
+        );
+        // A fastest size alone in its band is taken; nothing is nothing.
+        assert_eq!(middle_of_tie(vec![(8, 90.0), (16, 100.0)]), Some(8));
+        assert_eq!(middle_of_tie(Vec::<(u32, f64)>::new()), None);
     }
 }

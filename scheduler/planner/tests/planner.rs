@@ -729,7 +729,7 @@ fn a_window_of_many_batches_cannot_predict_a_step_shorter_than_the_longest_chain
     // enough that training, prefill and decode all fit in less than the chain.)
     let job = job(
         QWEN_7B,
-        "    - { name: h800, gpu: H800, count: 128 }\n    - { name: h20, gpu: H20, count: 128 }",
+        "    - { name: h800, gpu: H800, count: 192 }\n    - { name: h20, gpu: H20, count: 128 }",
     );
     let mut wide = spec(&job).clone();
     wide.rl.max_staleness = 8;

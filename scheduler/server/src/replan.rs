@@ -378,14 +378,14 @@ mod tests {
      {
         // The RollArt-like job down to 32 H20s: the planner trains on 104 of the 192 H800s and
         // generates on 11 replicas of 8 of them (training pays its attention FLOPs, so the
-        // trainer is larger than when it did not). The trainer, running on 128, shrinks at the
+        // trainer is larger than when it did not). The trainer, running on 112, shrinks at the
         // end of a wave and the replicas start on
         // the GPUs it freed in the waves after; at no point do the replicas started and the
         // trainer's size of that moment ask for more than the pool's 192.
         let yaml = include_str!("../../../examples/jobs/rollart-agentic.yaml");
         let plan = JobPlan::from_yaml(yaml, "test", 0).unwrap();
         let trainer = plan.placement.trainer.clone();
-        assert_eq!(trainer.gpus, 128, "the plan the job starts with");
+        assert_eq!(trainer.gpus, 112, "the plan the job starts with");
         let h20 = plan.pool_index("h20").unwrap();
         let lost: Vec<ReplicaConfig> = plan
             .placement

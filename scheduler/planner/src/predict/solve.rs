@@ -214,9 +214,15 @@ pub(super) fn predict_caps(
             let (local_jobs, remote_jobs) = step_prefills(p, disaggregated, &refills, &alive_s, t);
             let local = prefill_queue(&at_tau, &local_jobs, t);
             // Outside the refills' bursts, a prefill on a cached context waits behind the other
-            // cached prefills and the first turns alone.
-            let (local_unrefilled, _) = step_prefills(p, disaggregated, &refills, &no_refills, t);
-            let local_between_bursts = prefill_queue(&at_tau, &local_unrefilled, t).wait_s;
+            // cached prefills and the first turns alone; with the refills taken as a Poisson
+            // stream, behind them too.
+            let cached_wait = match arrivals {
+                RefillArrivals::Burst => {
+                    let (unrefilled, _) = step_prefills(p, disaggregated, &refills, &no_refills, t);
+                    prefill_queue(&at_tau, &unrefilled, t).wait_s
+                }
+                RefillArrivals::Poisson => local.wait_s,
+            };
             let remote = prefill_queue(&prefill_kinds, &remote_jobs, t);
             let (local_load, local_wait) = (local.load_s, local.wait_s);
             // Refills do not arrive as M/G/1's Poisson stream but in a burst
@@ -290,8 +296,7 @@ pub(super) fn predict_caps(
                     let turn = task.env_step_s + task.action * seen_tau + local_wait;
                     refill.count * burst_local.cached_s(turn, *alive, t)
                 };
-                let later_s =
-                    later * local.s_per_flop + local_between_bursts + later_wait + within_burst;
+                let later_s = later * local.s_per_flop + cached_wait + later_wait + within_burst;
                 // Once a step its replica takes new weights and drops its KV cache: its next
                 // turn prefills the whole context again, and queues for it.
                 let whole = refill.flops;
