@@ -38,9 +38,9 @@
 //!   (`maxStaleness: 1`): then it waits. Prefills queue (M/G/1) where they run, the refills
 //!   weighed by the square of their cost; the refills also arrive in a burst, as the rest of
 //!   the turns their sequences were caught in ends, whose backlog the refills and the first
-//!   turns wait for ([`model::refill_backlog`]); a prefill on a cached context waits behind the
+//!   turns wait for ([`prefill::refill_backlog`]); a prefill on a cached context waits behind the
 //!   other prefills between bursts, or behind the rest of the burst its sequence was refilled
-//!   in ([`model::Backlog::cached_s`]);
+//!   in ([`prefill::Backlog::cached_s`]);
 //! - the staleness bound: a group must be taken by the trainer within `maxStaleness + 1`
 //!   versions of its start, less the share of a step it started into; an attempt that misses is
 //!   thrown away and the group starts again (regeneration). A group of a multi-turn task whose
@@ -79,6 +79,7 @@ use crate::roofline::{self, GpuRates};
 use crate::workload::Workload;
 
 mod model;
+mod prefill;
 mod solve;
 
 pub use model::DECODE_COMPUTE_SHARE_MAX;

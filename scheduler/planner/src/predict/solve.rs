@@ -3,11 +3,13 @@
 //! ([`least_fitting_step`]) for the full prediction and for the search's cheaper objective.
 
 use super::model::{
-    Backlog, CaughtTurn, DecodeKind, EarlyRestart, Holding, Prefills, SlotLife, action_spread,
-    closed_loop_step, compute_left_by_decoding, context_prefill_flops, drain_wait, expected_max_z,
-    job_average, prefill_queue, push_slot_lives, queue, refill_backlog, refill_moments,
-    regeneration, remote_prefill, routed, skewed_expected_max, step_prefills, step_work,
-    token_time,
+    DecodeKind, EarlyRestart, Holding, SlotLife, action_spread, closed_loop_step, drain_wait,
+    expected_max_z, job_average, push_slot_lives, queue, regeneration, routed, skewed_expected_max,
+    step_work, token_time,
+};
+use super::prefill::{
+    Backlog, CaughtTurn, Prefills, compute_left_by_decoding, context_prefill_flops, prefill_queue,
+    refill_backlog, refill_moments, remote_prefill, step_prefills,
 };
 use super::{
     Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, TaskLife, Terms,

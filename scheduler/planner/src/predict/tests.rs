@@ -2,11 +2,13 @@
 //! prediction on small problems.
 
 use super::model::{
-    Backlog, CaughtTurn, EarlyRestart, Holding, IterationTimes, Prefills, SlotLife, action_spread,
-    closed_loop_step, compute_left_by_decoding, drain_wait, expected_max_z, held_occupancy,
-    iteration_time, job_average, mean_survival, prefill_queue, push_slot_lives, queue,
-    refill_backlog, refill_moments, regeneration, replica_occupancy, routed, skewed_expected_max,
-    token_time,
+    EarlyRestart, Holding, IterationTimes, SlotLife, action_spread, closed_loop_step, drain_wait,
+    expected_max_z, held_occupancy, iteration_time, job_average, mean_survival, push_slot_lives,
+    queue, regeneration, replica_occupancy, routed, skewed_expected_max, token_time,
+};
+use super::prefill::{
+    Backlog, CaughtTurn, Prefills, compute_left_by_decoding, prefill_queue, refill_backlog,
+    refill_moments,
 };
 use super::*;
 use rollfleet_spec::WeightReads;
