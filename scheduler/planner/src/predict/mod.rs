@@ -52,7 +52,8 @@
 //! (bisection). The job's average ([`model::job_average`]) is that step over every step of a job of
 //! several plus the wait of its last step for the groups the job started last
 //! ([`model::drain_wait`]), the slowest groups of its one batch for a job of one step, and at
-//! least the trainer's work after the first groups are done.
+//! least the time the trainer needs when it can train a group only once the group is done
+//! ([`model::trainer_done`]).
 //!
 //! The staleness term does not model the core's regeneration of a lone expired finished member
 //! at a publication (`Core::regenerate_lone_expired`): in the simulator a miss regenerates

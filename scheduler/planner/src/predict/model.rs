@@ -5,7 +5,7 @@
 
 use std::cell::RefCell;
 
-use crate::workload::{Workload, normal_cdf, normal_pdf, normal_quantile};
+use crate::workload::{TaskLoad, Workload, normal_cdf, normal_pdf, normal_quantile};
 
 use rollfleet_spec::WeightReads;
 
@@ -47,17 +47,23 @@ pub(super) fn step_work(p: &Problem) -> StepWork {
         }
     }
     s.decode_context = weighted_context / s.decode_tokens.max(1e-12);
-    s.train_flops = p.train_flops_per_token * w.batch * w.train_tokens();
-    // Causal attention over each trajectory's whole length L, forward and backward: three
-    // times `L (L + 1) / 2` tokens of context, whose mean needs `E[L^2] = mean^2 + variance`
-    // (actions vary per turn, and the turns in number).
-    for t in &w.tasks {
-        let len = t.prompt + t.turns * t.action + (t.turns - 1.0).max(0.0) * t.observation;
-        let var = t.turns * t.action_var + t.turns_var * (t.action + t.observation).powi(2);
-        let mean_sum = (len * len + var + len) / 2.0;
-        s.train_flops += w.batch * t.share * 3.0 * p.attention_flops * mean_sum;
-    }
+    s.train_flops = w
+        .tasks
+        .iter()
+        .map(|t| w.batch * t.share * trajectory_train_flops(p, t))
+        .sum();
     s
+}
+
+/// The FLOPs of training on one trajectory of `task`: its tokens, and causal attention over its
+/// whole length `L`, forward and backward: three times `L (L + 1) / 2` tokens of context, whose
+/// mean needs `E[L^2] = mean^2 + variance` (actions vary per turn, and the turns in number).
+pub(super) fn trajectory_train_flops(p: &Problem, task: &TaskLoad) -> f64 {
+    let len =
+        task.prompt + task.turns * task.action + (task.turns - 1.0).max(0.0) * task.observation;
+    let var =
+        task.turns * task.action_var + task.turns_var * (task.action + task.observation).powi(2);
+    p.train_flops_per_token * len + 3.0 * p.attention_flops * (len * len + var + len) / 2.0
 }
 
 /// One kind of decode-capable replica, as the water-filling sees it.
@@ -826,16 +832,15 @@ pub(super) fn regeneration(
 /// steady one, which it is not: the whole window starts at once, so the first step ends with
 /// the first groups to finish of a fresh window. Near one batch of window it simulates shorter
 /// than a steady step (RollArt-like job: 72-79 s against 106-111 s), at two batches or more
-/// (`maxStaleness` 4 and 8) about twice as long; not modelled. The trainer,
-/// idle until the first groups are done (`first_ready`), must still train every step after. A
-/// job of one step is all start: its batch is started at once, so it waits for `one_batch`, the
-/// slowest groups of the batch.
+/// (`maxStaleness` 4 and 8) about twice as long; not modelled. Nor can the job end before its
+/// trainer has trained every step, which it cannot start on groups not yet done
+/// (`trainer_done_s`, [`trainer_done`]). A job of one step is all start: its batch is started at
+/// once, so it waits for `one_batch`, the slowest groups of the batch.
 pub(super) fn job_average(
     t: f64,
     steps: f64,
     one_batch: f64,
-    first_ready: f64,
-    train_s: f64,
+    trainer_done_s: f64,
     drain_s: f64,
 ) -> f64 {
     let steps = steps.max(1.0);
@@ -844,7 +849,83 @@ pub(super) fn job_average(
     } else {
         one_batch.max(t)
     };
-    ((steps - 1.0) * t + last).max(first_ready + steps * train_s) / steps
+    ((steps - 1.0) * t + last).max(trainer_done_s) / steps
+}
+
+/// The groups of one entry of [`SlotLife`]s and what training one of them takes, for
+/// [`trainer_done`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Release {
+    pub(super) life: SlotLife,
+    /// Seconds the trainer takes over one of these groups.
+    pub(super) group_train_s: f64,
+}
+
+/// Cells of [`trainer_done`]'s grid.
+const RELEASE_CELLS: usize = 512;
+
+/// The earliest the trainer can have trained `total_train_s` when it can take a group only once
+/// the group is done. The window's `groups` start at once, and each slot, as its group is taken,
+/// starts another, of a task drawn by share: the groups done by `x` are the renewal function of
+/// the slot lives (their mixture) on a grid over `horizon_s`, and the training they bring by `x`
+/// is `W(x)`. Whatever is done after `x` is trained after it, so the trainer is done no sooner
+/// than `x + total - W(x)` for every `x`. Slot lives are taken free of any queue at the trainer,
+/// which only holds groups back. It binds where the trainer is busy nearly all of a steady step
+/// and the long groups of a fresh window are done long after the short ones, which bring too
+/// little training to keep it busy meanwhile (the held-out MoE job on sixteen H800s and 128
+/// H20s, simulated at seed 0: its trainer idled 82 s of the first 105). The slots renew without
+/// end here: the job's last starts, and the trainer's wait for the last groups they leave, are
+/// the drain's ([`drain_wait`]), as they are on the latency side.
+pub(super) fn trainer_done(
+    releases: &[Release],
+    groups: f64,
+    total_train_s: f64,
+    horizon_s: f64,
+) -> f64 {
+    if releases.is_empty() || groups <= 0.0 || total_train_s <= 0.0 || horizon_s <= 0.0 {
+        return total_train_s.max(0.0);
+    }
+    let h = horizon_s / RELEASE_CELLS as f64;
+    let below = |l: &SlotLife, x: f64| -> f64 {
+        if l.sd_s > 1e-12 {
+            normal_cdf((x - l.mean_s) / l.sd_s)
+        } else if x >= l.mean_s {
+            1.0
+        } else {
+            0.0
+        }
+    };
+    // A slot's cycle lands in cell `j` (centred on `j h`) with probability `cycle[j]`, and
+    // brings `work[j]` of training there; what would end in no time is put in the first cell.
+    let mut cycle = vec![0.0; RELEASE_CELLS + 1];
+    let mut work = vec![0.0; RELEASE_CELLS + 1];
+    for r in releases {
+        let mut previous = 0.0;
+        for j in 1..=RELEASE_CELLS {
+            let upto = below(&r.life, (j as f64 + 0.5) * h);
+            let mass = r.life.share * (upto - previous);
+            previous = upto;
+            cycle[j] += mass;
+            work[j] += mass * r.group_train_s;
+        }
+    }
+    // `starts[i]`: a slot's groups started in cell `i`, its first at 0.
+    let mut starts = vec![0.0; RELEASE_CELLS + 1];
+    starts[0] = 1.0;
+    for i in 1..=RELEASE_CELLS {
+        starts[i] = (1..=i).map(|j| cycle[j] * starts[i - j]).sum();
+    }
+    let mut released = 0.0;
+    let mut done = total_train_s;
+    for i in 1..=RELEASE_CELLS {
+        released += groups * (1..=i).map(|j| work[j] * starts[i - j]).sum::<f64>();
+        let x = i as f64 * h;
+        done = done.max(x + (total_train_s - released).max(0.0));
+        if released >= total_train_s {
+            break;
+        }
+    }
+    done
 }
 
 /// How long the groups of one task hold an admission slot (start to being taken by the

@@ -3,9 +3,9 @@
 //! ([`least_fitting_step`]) for the full prediction and for the search's cheaper objective.
 
 use super::model::{
-    DecodeKind, EarlyRestart, Holding, SlotLife, action_spread, closed_loop_step, drain_wait,
-    expected_max_z, job_average, push_slot_lives, queue, regeneration, routed, skewed_expected_max,
-    step_work, token_time,
+    DecodeKind, EarlyRestart, Holding, Release, SlotLife, action_spread, closed_loop_step,
+    drain_wait, expected_max_z, job_average, push_slot_lives, queue, regeneration, routed,
+    skewed_expected_max, step_work, token_time, trainer_done, trajectory_train_flops,
 };
 use super::prefill::{
     Backlog, CaughtTurn, Prefills, compute_left_by_decoding, context_prefill_flops, prefill_queue,
@@ -22,8 +22,9 @@ struct JobEnds {
     one_batch: f64,
     /// When the first groups are done and the trainer can start.
     first_ready: f64,
-    /// How long each task's groups hold their slots, for the last step's drain.
-    lives: Vec<SlotLife>,
+    /// How long each task's groups hold their slots and what training one takes, for the
+    /// trainer's start and the last step's drain.
+    releases: Vec<Release>,
     /// How each task's groups live, as the prediction reports it.
     task_lives: Vec<TaskLife>,
 }
@@ -45,8 +46,9 @@ struct Round {
     /// Local and remote prefill seconds of a step (the capacity terms).
     local_load: f64,
     remote_load: f64,
-    /// Each task's slot lives, for the drain, and its lives as the prediction reports them.
-    lives: Vec<SlotLife>,
+    /// Each task's slot lives with what training one of its groups takes, for the trainer's
+    /// start and the drain, and its lives as the prediction reports them.
+    releases: Vec<Release>,
     task_lives: Vec<TaskLife>,
 }
 
@@ -106,6 +108,22 @@ pub(super) fn predict_caps(
         .map(|task| refill_moments(task, |c| context_prefill_flops(p, c)))
         .collect();
     let no_refills = vec![0.0; w.tasks.len()];
+    // What training one group of each task takes: its share of a step's training.
+    let trajectory_flops: Vec<f64> = w
+        .tasks
+        .iter()
+        .map(|task| trajectory_train_flops(p, task))
+        .collect();
+    let mean_flops: f64 = w
+        .tasks
+        .iter()
+        .zip(&trajectory_flops)
+        .map(|(task, f)| task.share * f)
+        .sum();
+    let group_train_s: Vec<f64> = trajectory_flops
+        .iter()
+        .map(|f| train_s * w.group_size / w.batch.max(1e-12) * f / mean_flops.max(1e-30))
+        .collect();
     let evaluate = |t: f64| -> Option<(Terms, TokenTimes, f64, JobEnds)> {
         let prefill_kinds = [(
             prefill_flops / prefill_fastest.max(1e-30),
@@ -276,7 +294,14 @@ pub(super) fn predict_caps(
             let mut not_decoding = 0.0;
             let mut lives = Vec::with_capacity(w.tasks.len());
             let mut task_lives = Vec::with_capacity(w.tasks.len());
-            for ((task, alive), refill) in w.tasks.iter().zip(alive_s.iter_mut()).zip(&refills) {
+            let mut releases = Vec::with_capacity(2 * w.tasks.len());
+            for (((task, alive), refill), &group_train_s) in w
+                .tasks
+                .iter()
+                .zip(alive_s.iter_mut())
+                .zip(&refills)
+                .zip(&group_train_s)
+            {
                 let first_tokens = task.prompt;
                 let first = p.prefill_flops(first_tokens, 0.0);
                 let first_s = first_wait
@@ -374,6 +399,7 @@ pub(super) fn predict_caps(
                     // The fill wait; the closed loop's queue at the trainer is added below.
                     trainer_wait_s: wait,
                 });
+                let pushed = lives.len();
                 push_slot_lives(
                     &mut lives,
                     task.share,
@@ -381,6 +407,10 @@ pub(super) fn predict_caps(
                     regen.slot_s,
                     w.group_max_sd * sd_life,
                 );
+                releases.extend(lives[pushed..].iter().map(|&life| Release {
+                    life,
+                    group_train_s,
+                }));
                 regenerated += task.share * (regen.slot_s - attempt).max(0.0);
                 tokens_with_retries += task.share * turns * task.action * regen.attempts;
                 tail = tail.max(attempt);
@@ -410,7 +440,7 @@ pub(super) fn predict_caps(
                 first_ready,
                 local_load,
                 remote_load: remote.load_s,
-                lives,
+                releases,
                 task_lives,
             });
         }
@@ -463,7 +493,7 @@ pub(super) fn predict_caps(
             JobEnds {
                 one_batch,
                 first_ready,
-                lives: round.lives,
+                releases: round.releases,
                 task_lives: round.task_lives,
             },
         ))
@@ -485,15 +515,24 @@ pub(super) fn predict_caps(
     let t = least_fitting_step(fixed, fits)?;
     let (mut terms, (tau, batches), slot, ends) = evaluate(t)?;
 
-    let drain_s = drain_wait(&ends.lives, w, t);
-    let job_step_s = job_average(
-        t,
-        w.steps,
-        ends.one_batch,
-        ends.first_ready,
-        train_s,
-        drain_s,
-    );
+    let lives: Vec<SlotLife> = ends.releases.iter().map(|r| r.life).collect();
+    let drain_s = drain_wait(&lives, w, t);
+    // The trainer idles until the first groups are done, and the first window's long groups
+    // can leave it idle long after ([`trainer_done`]). The slots cycling are the closed loop's
+    // customers: the window and the finished groups the core lets out of it.
+    let started_at_once = (window + w.waiting_outside_window()) / w.group_size.max(1.0);
+    let longest_life = lives
+        .iter()
+        .map(|l| l.mean_s + 4.0 * l.sd_s)
+        .fold(0.0_f64, f64::max);
+    let trainer_done_s = trainer_done(
+        &ends.releases,
+        started_at_once,
+        w.steps * train_s,
+        2.0 * w.steps * t + longest_life,
+    )
+    .max(ends.first_ready + w.steps * train_s);
+    let job_step_s = job_average(t, w.steps, ends.one_batch, trainer_done_s, drain_s);
     // The decode capacity term: the step time below which no per-token time serves the tokens.
     let mut dlo = 0.0;
     let mut dhi = t;

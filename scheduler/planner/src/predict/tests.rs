@@ -2,9 +2,10 @@
 //! prediction on small problems.
 
 use super::model::{
-    EarlyRestart, Holding, IterationTimes, SlotLife, action_spread, closed_loop_step, drain_wait,
-    expected_max_z, held_occupancy, iteration_time, job_average, mean_survival, push_slot_lives,
-    queue, regeneration, replica_occupancy, routed, skewed_expected_max, token_time,
+    EarlyRestart, Holding, IterationTimes, Release, SlotLife, action_spread, closed_loop_step,
+    drain_wait, expected_max_z, held_occupancy, iteration_time, job_average, mean_survival,
+    push_slot_lives, queue, regeneration, replica_occupancy, routed, skewed_expected_max,
+    token_time, trainer_done,
 };
 use super::prefill::{
     Backlog, CaughtTurn, Prefills, compute_left_by_decoding, prefill_queue, refill_backlog,
@@ -375,16 +376,16 @@ fn a_job_of_several_steps_averages_its_steady_steps_and_the_drain_of_its_last() 
     // 20 steps of 110 s, the last 40 s longer: (19 x 110 + 150) / 20 = 112 s. The slowest
     // groups of a batch started at once (260 s) do not set it. The trainer's floor, 20 + 20
     // x 70 = 1,420 s, is under 20 x 110 = 2,200 s.
-    assert_eq!(job_average(110.0, 20.0, 260.0, 20.0, 70.0, 40.0), 112.0);
-    assert_eq!(job_average(110.0, 20.0, 260.0, 20.0, 70.0, 0.0), 110.0);
+    assert_eq!(job_average(110.0, 20.0, 260.0, 1420.0, 40.0), 112.0);
+    assert_eq!(job_average(110.0, 20.0, 260.0, 1420.0, 0.0), 110.0);
 }
 
 #[test]
 fn a_job_of_one_step_waits_for_the_slowest_groups_of_its_batch() {
     // Its one batch is started at once: 260 s, not the steady 110 s (nor a drain).
-    assert_eq!(job_average(110.0, 1.0, 260.0, 20.0, 70.0, 40.0), 260.0);
+    assert_eq!(job_average(110.0, 1.0, 260.0, 90.0, 40.0), 260.0);
     // A batch quicker than the steady step still takes a steady step.
-    assert_eq!(job_average(110.0, 1.0, 90.0, 20.0, 70.0, 0.0), 110.0);
+    assert_eq!(job_average(110.0, 1.0, 90.0, 90.0, 0.0), 110.0);
 }
 
 /// Ten steps of 512 trajectories in groups of 8, training batches of 128, at a staleness
@@ -543,8 +544,44 @@ fn a_trainer_idle_until_the_first_groups_are_done_can_set_the_jobs_average() {
     // 5 steps of 0.9 s, training 0.8 s a step: with the first groups done at 0.5 s the
     // trainer's 5 x 0.8 s after them end at 4.5 s, 0.9 s a step; done at 0.6 s, they end at
     // 4.6 s, 0.92 s a step, above the steady 0.9 s.
-    assert!((job_average(0.9, 5.0, 1.2, 0.5, 0.8, 0.0) - 0.9).abs() < 1e-12);
-    assert!((job_average(0.9, 5.0, 1.2, 0.6, 0.8, 0.0) - 0.92).abs() < 1e-12);
+    assert!((job_average(0.9, 5.0, 1.2, 0.5 + 5.0 * 0.8, 0.0) - 0.9).abs() < 1e-12);
+    assert!((job_average(0.9, 5.0, 1.2, 0.6 + 5.0 * 0.8, 0.0) - 0.92).abs() < 1e-12);
+}
+
+fn released_by(share: f64, mean_s: f64, group_train_s: f64) -> Release {
+    Release {
+        life: SlotLife {
+            share,
+            mean_s,
+            sd_s: 0.0,
+        },
+        group_train_s,
+    }
+}
+
+#[test]
+fn a_trainer_waits_for_the_long_groups_of_a_fresh_window_when_the_short_ones_bring_too_little() {
+    // 100 slots; half the groups live 10 s and train in 0.1 s, half live 100 s and train in
+    // 1.9 s; 200 s to train; a grid of 1 s (512 s over 512 cells). Until 99 s only chains of
+    // short groups are done: a slot's k-th is short with probability 0.5^k, so 100 x 0.1 x (1 -
+    // 0.5^9) = 9.98046875 s of training have come, and 99 + 200 - 9.98046875 = 289.01953125 s is
+    // the earliest the trainer is done. At 100 s half the slots bring 1.9 s each (95 s), and
+    // after that the training comes faster than the trainer takes it: no later moment binds.
+    let releases = [released_by(0.5, 10.0, 0.1), released_by(0.5, 100.0, 1.9)];
+    let done = trainer_done(&releases, 100.0, 200.0, 512.0);
+    assert!((done - 289.01953125).abs() < 1e-9, "{done}");
+    // Its steady share of the step does not show it: 100 slots bring 100 x 1.0 / 55 = 1.8 s
+    // of training a second, nearly twice what the trainer takes.
+}
+
+#[test]
+fn a_trainer_fed_by_groups_of_one_life_waits_only_for_the_first_of_them() {
+    // Every group lives 10 s and trains in 1 s, 100 slots, 500 s to train: nothing comes
+    // before the cell of 10 s, so the trainer is done no sooner than 9 + 500 s, and 100 s more
+    // comes every 10 s after, which it takes in 100 s.
+    let releases = [released_by(1.0, 10.0, 1.0)];
+    let done = trainer_done(&releases, 100.0, 500.0, 512.0);
+    assert!((done - 509.0).abs() < 1e-9, "{done}");
 }
 
 #[test]
