@@ -8,8 +8,8 @@ use super::model::{
     skewed_expected_max, step_work, token_time, trainer_done, trajectory_train_flops,
 };
 use super::prefill::{
-    Backlog, CaughtTurn, Prefills, compute_left_by_decoding, context_prefill_flops, prefill_queue,
-    refill_backlog, refill_moments, remote_prefill, step_prefills,
+    Backlogs, CaughtTurn, Prefills, compute_left_by_decoding, context_prefill_flops, prefill_queue,
+    refill_backlogs, refill_moments, remote_prefill, step_prefills,
 };
 use super::{
     Binding, Candidate, Caps, Prediction, Problem, RefillArrivals, Role, TaskLife, Terms,
@@ -245,8 +245,8 @@ pub(super) fn predict_caps(
             };
             let remote = prefill_queue(&prefill_kinds, &remote_jobs, t);
             let (local_load, local_wait) = (local.load_s, local.wait_s);
-            // Refills do not arrive as M/G/1's Poisson stream but in a burst
-            // ([`refill_backlog`]). The sequences a replica held when it took new weights were
+            // Refills do not arrive as M/G/1's Poisson stream but in a burst, one on each kind
+            // of replica ([`refill_backlogs`]). The sequences a replica held when it took new weights were
             // caught part-way through a turn, and come back as the rest of it ends (the turns
             // caught are length-biased, and the rest of one is uniform on it), to the replica or
             // to the least loaded, or to the prefill replicas, which take every decode replica's
@@ -254,7 +254,7 @@ pub(super) fn predict_caps(
             // turn (routed as a refill is, without a cache) the backlog averaged over the step,
             // and a prefill on top of its cached context waits behind the other prefills
             // between bursts, or behind the rest of the burst it was refilled in
-            // ([`Backlog::cached_s`]). Without the burst the prediction ranked a smaller prefill
+            // ([`Backlogs::cached_s`]). Without the burst the prediction ranked a smaller prefill
             // pool well at `maxStaleness` 3 and above, where the window holds two batches, and
             // was 11-21% low there when the rule was chosen.
             let (mut refill_remote, mut refill_local) = (0.0, 0.0);
@@ -277,13 +277,12 @@ pub(super) fn predict_caps(
                     caught_local.push(caught);
                 }
             }
-            let burst_remote =
-                refill_backlog(refill_remote / prefill_flops.max(1e-30), &caught_remote, t);
-            let burst_local =
-                refill_backlog(refill_local / local_capacity.max(1e-30), &caught_local, t);
             let (burst_remote, burst_local) = match arrivals {
-                RefillArrivals::Burst => (burst_remote, burst_local),
-                RefillArrivals::Poisson => (Backlog::default(), Backlog::default()),
+                RefillArrivals::Burst => (
+                    refill_backlogs(refill_remote, &prefill_kinds, &caught_remote, t),
+                    refill_backlogs(refill_local, &at_tau, &caught_local, t),
+                ),
+                RefillArrivals::Poisson => (Backlogs::default(), Backlogs::default()),
             };
             let mut slots = 0.0;
             let mut regenerated = 0.0;
@@ -308,10 +307,10 @@ pub(super) fn predict_caps(
                     + if remote_prefill(p, disaggregated, first_tokens) {
                         first * remote.s_per_flop
                             + remote.wait_s
-                            + burst_remote.other_s
+                            + burst_remote.other_s()
                             + first_tokens * transfer_per_token
                     } else {
-                        first * local.s_per_flop + local_wait + burst_local.other_s
+                        first * local.s_per_flop + local_wait + burst_local.other_s()
                     };
                 let obs = task.observation;
                 let later = p.flops_per_token * obs + p.attention_flops * obs * task.decode_context;
@@ -330,10 +329,10 @@ pub(super) fn predict_caps(
                 let refill_s = if remote_prefill(p, disaggregated, task.decode_context) {
                     whole * remote.s_per_flop
                         + remote.wait_s
-                        + burst_remote.refill_s
+                        + burst_remote.refill_s()
                         + task.decode_context * transfer_per_token
                 } else {
-                    whole * local.s_per_flop + local_wait + burst_local.refill_s
+                    whole * local.s_per_flop + local_wait + burst_local.refill_s()
                 };
                 // A group is trained when its slowest member is done: the largest of its members'
                 // lifetimes, from their mean, spread and skew (turns vary, and so does every

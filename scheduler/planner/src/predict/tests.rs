@@ -9,7 +9,7 @@ use super::model::{
 };
 use super::prefill::{
     Backlog, CaughtTurn, Prefills, compute_left_by_decoding, prefill_queue, refill_backlog,
-    refill_moments,
+    refill_backlogs, refill_moments,
 };
 use super::*;
 use rollfleet_spec::WeightReads;
@@ -797,6 +797,21 @@ fn a_burst_of_refills_outrunning_its_arrival_keeps_others_waiting_for_the_share_
     assert!(close(backlog.refill_s, 10.0), "{backlog:?}");
     assert!(close(backlog.other_s, 3.0), "{backlog:?}");
     assert!(close(backlog.busy_s, 30.0), "{backlog:?}");
+}
+
+#[test]
+fn a_slow_kind_of_replica_takes_its_share_of_the_refills_and_serves_them_longer() {
+    // 60 FLOPs of refills, half to a replica of 3 FLOP/s and half to one of 1 FLOP/s, back over
+    // turns of 10 s. The fast one serves its 10 s as they come: no backlog. The slow one gets
+    // 30 s over 10 s: a refill meets 10 s there, any other prefill 3 s (as above). Over both:
+    // 5 s and 1.5 s. Pooling their compute (15 s over 10 s, the backlog growing half a second
+    // a second) would have said 2.5 s.
+    let kinds = [(1.0, 3.0, 0.5), (1.0, 1.0, 0.5)];
+    let backlogs = refill_backlogs(60.0, &kinds, &fixed_turns(10.0), 100.0);
+    assert!(close(backlogs.refill_s(), 5.0), "{backlogs:?}");
+    assert!(close(backlogs.other_s(), 1.5), "{backlogs:?}");
+    let pooled = refill_backlog(15.0, &fixed_turns(10.0), 100.0);
+    assert!(close(pooled.refill_s, 2.5), "{pooled:?}");
 }
 
 #[test]
