@@ -265,6 +265,11 @@ class Proxy:
         if not to_client_only:
             self._stalled.set()
 
+    def resume(self) -> None:
+        """Lets the bytes held by ``stall`` through, and every later one."""
+        self._stalled.clear()
+        self._stalled_to_client.clear()
+
     def cut(self) -> None:
         """Closes every connection through the proxy, dropping what it held."""
         with self._lock:

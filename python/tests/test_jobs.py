@@ -18,6 +18,7 @@ from support import (
     EXTERNAL_JOB_NAME,
     POOLS,
     Cluster,
+    Proxy,
     make_certificates,
     openssl,
 )
@@ -50,6 +51,25 @@ def test_a_job_submitted_to_an_idle_scheduler_runs_to_success_and_its_watch_ends
         (again,) = list(jobs.watch("quickstart", timeout=DEADLINE))
         assert again.phase == JobPhase.SUCCEEDED
     assert cluster.stop_scheduler() == 0
+
+
+def test_a_scheduler_slow_to_answer_a_new_connection_is_still_reached(
+    clusters: Callable[..., Cluster],
+) -> None:
+    # Its half of the HTTP/2 handshake comes a second late, as from a loaded machine or a
+    # scheduler far away: the client waits for it within the call's timeout.
+    cluster = clusters(job=None, pools=())
+    proxy = Proxy(cluster.address)
+    try:
+        proxy.stall(to_client_only=True)
+        late = threading.Timer(1.0, proxy.resume)
+        late.start()
+        with JobClient(f"http://{proxy.address}") as jobs:
+            with pytest.raises(rollfleet.JobNotFound, match="no job was submitted"):
+                jobs.status("quickstart")
+        late.join()
+    finally:
+        proxy.close()
 
 
 def test_an_invalid_job_is_refused_with_its_problems_and_a_valid_one_is_taken_after(

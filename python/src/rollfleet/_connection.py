@@ -44,9 +44,11 @@ _CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     # A scheduler restarted on its journal comes back within seconds: retry the TCP connection
-    # at that pace rather than grpc's default of up to two minutes.
+    # at that pace rather than grpc's default of up to two minutes. Not
+    # `grpc.min_reconnect_backoff_ms`: gRPC core takes it as the least time a connection
+    # attempt is given (20 s by default), and at 200 ms a scheduler that answers the handshake
+    # later (a loaded machine, a distant one, TLS) was never reached.
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
     # Notice a peer that vanished without closing (a lost machine) on the long-lived feed.
     ("grpc.keepalive_time_ms", 30_000),

@@ -246,13 +246,13 @@ pub(super) fn predict_caps(
             let remote = prefill_queue(&prefill_kinds, &remote_jobs, t);
             let (local_load, local_wait) = (local.load_s, local.wait_s);
             // Refills do not arrive as M/G/1's Poisson stream but in a burst, one on each kind
-            // of replica ([`refill_backlogs`]). The sequences a replica held when it took new weights were
-            // caught part-way through a turn, and come back as the rest of it ends (the turns
-            // caught are length-biased, and the rest of one is uniform on it), to the replica or
-            // to the least loaded, or to the prefill replicas, which take every decode replica's
-            // refills as its update comes. A refill meets the backlog of its moment, a first
-            // turn (routed as a refill is, without a cache) the backlog averaged over the step,
-            // and a prefill on top of its cached context waits behind the other prefills
+            // of replica ([`refill_backlogs`]). The sequences a replica held when it took new
+            // weights were caught part-way through a turn, and come back as the rest of it ends
+            // (the turns caught are length-biased, and the rest of one is uniform on it), to the
+            // replica or to the least loaded, or to the prefill replicas, which take every decode
+            // replica's refills as its update comes. A refill meets the backlog of its moment, a
+            // first turn (routed as a refill is, without a cache) the backlog averaged over the
+            // step, and a prefill on top of its cached context waits behind the other prefills
             // between bursts, or behind the rest of the burst it was refilled in
             // ([`Backlogs::cached_s`]). Without the burst the prediction ranked a smaller prefill
             // pool well at `maxStaleness` 3 and above, where the window holds two batches, and
