@@ -291,7 +291,6 @@ pub(super) fn predict_caps(
             let mut chain: f64 = 0.0;
             let mut first_ready = f64::INFINITY;
             let mut not_decoding = 0.0;
-            let mut lives = Vec::with_capacity(w.tasks.len());
             let mut task_lives = Vec::with_capacity(w.tasks.len());
             let mut releases = Vec::with_capacity(2 * w.tasks.len());
             for (((task, alive), refill), &group_train_s) in w
@@ -398,15 +397,15 @@ pub(super) fn predict_caps(
                     // The fill wait; the closed loop's queue at the trainer is added below.
                     trainer_wait_s: wait,
                 });
-                let pushed = lives.len();
+                let mut slot_lives = Vec::with_capacity(2);
                 push_slot_lives(
-                    &mut lives,
+                    &mut slot_lives,
                     task.share,
                     attempt,
                     regen.slot_s,
                     w.group_max_sd * sd_life,
                 );
-                releases.extend(lives[pushed..].iter().map(|&life| Release {
+                releases.extend(slot_lives.into_iter().map(|life| Release {
                     life,
                     group_train_s,
                 }));
